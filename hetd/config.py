@@ -1,0 +1,175 @@
+"""Configuration: typed sections with defaults, loaded from TOML and the environment.
+
+Every key has a default, so ``hetd serve`` runs with no file. An unknown section or key, or a value
+of the wrong type, raises :class:`ConfigError` naming it and listing the valid keys. Tokens come from
+the file or from ``HETD_WORKER_TOKEN`` / ``HETD_ADMIN_TOKEN`` — never from the command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A bad configuration file, section, key or value."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Where the daemon listens and what it accepts."""
+
+    host: str = "127.0.0.1"
+    port: int = 7070
+    admin_host: str = "127.0.0.1"
+    admin_port: int = 7071  # 0 disables the admin API
+    max_frame_bytes: int = 64 * 1024 * 1024  # websocket max_msg_size, set on both ends
+    heartbeat_s: float = 2.0  # workers send a heartbeat this often
+    heartbeat_timeout_s: float = 10.0  # a silent worker is dropped after this long
+    outbox_frames: int = 16  # control frames queued per session before it is closed as stuck
+    worker_token: str = ""  # empty: no worker token required
+    admin_token: str = ""  # empty: admin API refuses every call but /healthz
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What is trained and how the daemon applies updates."""
+
+    model: str = "mlp"  # registered name or pkg.module:attr
+    model_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    dataset: str = "mnist5k"  # registered name or pkg.module:attr
+    dataset_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    optimizer: str = "sgd"  # sgd | momentum | adam
+    lr: float = 0.1  # the daemon's optimizer learning rate
+    worker_lr: float = 0.05  # the worker's local lr for local-step (delta) plans
+    global_batch: int = 128  # samples per round across workers (BSP: B/N each)
+    batch_size: int = 32  # initial per-worker batch
+    codec: str = "none"  # preferred codec for pushes and params
+    shards: int = 0  # data shards; 0 = one per worker slot, at least 4
+    eval_interval_s: float = 1.0  # the daemon evaluates the global model this often
+    target_accuracy: float = 0.0  # > 0: log when reached
+    max_staleness_drop: int = 1000  # pushes staler than this are dropped
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """The policy to start with."""
+
+    name: str = "ssp"
+    params: Mapping[str, Any] = field(default_factory=lambda: {"staleness": 3})
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Checkpoints."""
+
+    dir: str = ""  # empty: no checkpoints
+    interval_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole daemon configuration."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+
+
+_SECTIONS: dict[str, type[Any]] = {
+    "server": ServerConfig,
+    "train": TrainConfig,
+    "policy": PolicyConfig,
+    "store": StoreConfig,
+}
+
+
+def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
+    where = f"[{section}] {key}"
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, float):
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(default, str):
+        ok = isinstance(value, str)
+    elif isinstance(default, Mapping):
+        ok = isinstance(value, Mapping)
+    else:
+        ok = True
+    if not ok:
+        raise ConfigError(
+            f"{where} must be {type(default).__name__}, got {value!r} ({type(value).__name__})"
+        )
+    return value
+
+
+def _section(name: str, raw: Any) -> Any:
+    cls = _SECTIONS[name]
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"[{name}] must be a table")
+    base = cls()
+    valid = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - valid)
+    if unknown:
+        raise ConfigError(
+            f"[{name}] unknown keys {unknown}; valid keys: {', '.join(sorted(valid))}"
+        )
+    values = {k: _coerce(name, k, v, getattr(base, k)) for k, v in raw.items()}
+    return dataclasses.replace(base, **values)
+
+
+def from_mapping(raw: Mapping[str, Any]) -> Config:
+    """Build a :class:`Config` from parsed TOML; unknown sections or keys raise."""
+    unknown = sorted(set(raw) - set(_SECTIONS))
+    if unknown:
+        raise ConfigError(f"unknown sections {unknown}; valid sections: {', '.join(_SECTIONS)}")
+    parts = {name: _section(name, raw[name]) for name in _SECTIONS if name in raw}
+    return with_env(Config(**parts))
+
+
+def load(path: str | Path | None) -> Config:
+    """Read a TOML file (``None``: defaults only), then apply the environment."""
+    if path is None:
+        return with_env(Config())
+    try:
+        with open(path, "rb") as fh:
+            raw = tomllib.load(fh)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config {path} is not valid TOML: {exc}") from None
+    return from_mapping(raw)
+
+
+def with_env(cfg: Config) -> Config:
+    """Tokens from ``HETD_WORKER_TOKEN`` / ``HETD_ADMIN_TOKEN`` override the file."""
+    server = cfg.server
+    wt = os.environ.get("HETD_WORKER_TOKEN")
+    at = os.environ.get("HETD_ADMIN_TOKEN")
+    if wt is not None:
+        server = dataclasses.replace(server, worker_token=wt)
+    if at is not None:
+        server = dataclasses.replace(server, admin_token=at)
+    return _checked(dataclasses.replace(cfg, server=server))
+
+
+def _checked(cfg: Config) -> Config:
+    if cfg.server.worker_token and cfg.server.worker_token == cfg.server.admin_token:
+        raise ConfigError("the worker token and the admin token must differ")
+    return cfg
+
+
+def replace(cfg: Config, section: str, **values: Any) -> Config:
+    """A copy of ``cfg`` with some keys of one section changed (checked like the file)."""
+    merged = {**dataclasses.asdict(getattr(cfg, section)), **values}
+    return _checked(dataclasses.replace(cfg, **{section: _section(section, merged)}))

@@ -1,0 +1,557 @@
+"""The single writer: one asyncio task owns all training state and reads one queue of commands.
+
+Sessions put commands on the queue (join, push, pull, heartbeat, leave); the admin API sends others
+(swap policy, status, checkpoint). For each event the engine updates its facts, asks the policy for
+decisions, applies them to the store, and hands frames to per-session :class:`Peer` outboxes, which
+never block it. Time comes from an injected :class:`Clock`; the engine does not import aiohttp, so
+the simulator drives the same code under a virtual clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import numpy as np
+
+from hetd import codecs, wire
+from hetd.store import Aggregator, Snapshot, Store
+from policies.base import (
+    PLAN_FIELDS,
+    Apply,
+    Buffer,
+    ClusterView,
+    Decision,
+    Drop,
+    Eval,
+    Event,
+    Flush,
+    Hold,
+    Join,
+    Leave,
+    Plan,
+    Policy,
+    Pull,
+    Push,
+    Release,
+    Scale,
+    SetPlan,
+    SetStage,
+    Tick,
+    WorkerFacts,
+    make_policy,
+)
+
+log = logging.getLogger("hetd.engine")
+
+EWMA = 0.5  # smoothing of per-worker timing facts (ALGORITHMS.md §0)
+
+
+class Clock(Protocol):
+    """Where the engine reads the time (seconds)."""
+
+    def now(self) -> float: ...
+
+
+class MonotonicClock:
+    """Wall time for the real daemon."""
+
+    def now(self) -> float:
+        return time.monotonic()
+
+
+class Peer(Protocol):
+    """A session's outbox as the engine sees it: ``send`` never blocks."""
+
+    def send(self, frame: bytes, *, params: bool = False) -> None: ...
+
+    def close(self, reason: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """What the engine needs to know besides the store and the policy."""
+
+    global_batch: int = 128
+    batch_size: int = 32  # initial per-worker batch
+    codec: str = "none"  # preferred codec
+    heartbeat_s: float = 2.0
+    heartbeat_timeout_s: float = 10.0
+    tick_s: float = 0.25
+    eval_interval_s: float = 1.0
+    max_staleness: int = 1000
+    shards: int = 0  # 0: max(4, workers seen)
+    welcome: Mapping[str, Any] = field(default_factory=dict)  # model/dataset/train for the welcome
+
+
+@dataclass
+class WorkerStats:
+    """Counters per worker, for status and metrics (engine-owned, mutable)."""
+
+    pushes: int = 0
+    applied: int = 0
+    buffered: int = 0
+    dropped: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    staleness: list[int] = field(default_factory=list)
+    last_seen: float = 0.0
+    device: Mapping[str, Any] = field(default_factory=dict)
+    slot: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PushIn:
+    """A decoded, validated push from a session."""
+
+    worker: int
+    id: int
+    base: int
+    kind: str
+    tensors: Mapping[str, np.ndarray]
+    samples: int
+    steps: int
+    compute_s: float
+    loss: float | None
+    free_mem: int | None
+    nbytes: int
+
+
+class Engine:
+    """Owns facts, policy state, the store and the aggregation buffer."""
+
+    def __init__(
+        self,
+        store: Store,
+        policy: Policy,
+        config: EngineConfig,
+        clock: Clock | None = None,
+        evaluator: Callable[[Snapshot], tuple[float, float]] | None = None,
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.clock: Clock = clock or MonotonicClock()
+        self.evaluator = evaluator
+        self.policy = policy
+        self.facts: dict[int, WorkerFacts] = {}
+        self.stats: dict[int, WorkerStats] = {}
+        self.plans: dict[int, Plan] = {}
+        self.peers: dict[int, Peer] = {}
+        self.departed: dict[int, WorkerFacts] = {}
+        self.departures: deque[tuple[float, int, str]] = deque(maxlen=64)  # (t, worker, reason)
+        self.buffer = Aggregator()
+        self.stage = "main"
+        self.started_at = self.clock.now()
+        self.updates_applied = 0
+        self.max_release_gap = 0  # the largest clock lead any worker was released with
+        self.evals: list[tuple[float, float, float]] = []  # (t since start, loss, accuracy)
+        self._next_id = 1
+        self._frames: dict[tuple[int, str], bytes] = {}
+        self._queue: asyncio.Queue[Callable[[], Any]] = asyncio.Queue()
+        self._last_eval = -math.inf
+        self._eval_task: asyncio.Task[None] | None = None
+        self.policy_state: Any = policy.init(self.view())
+
+    # --- the view --------------------------------------------------------------------------------
+
+    def view(self) -> ClusterView:
+        """The facts as the policy sees them (active replicas only)."""
+        return ClusterView(
+            now=self.clock.now(),
+            version=self.store.version,
+            workers=self.facts,
+            global_batch=self.config.global_batch,
+            buffered=self.buffer.count,
+            stage=self.stage,
+        )
+
+    # --- the single writer -----------------------------------------------------------------------
+
+    def submit(self, command: Callable[[], Any]) -> None:
+        """Queue a command (a closure over engine methods) for the engine task."""
+        self._queue.put_nowait(command)
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the engine task and return its result (or raise its error)."""
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+        def run() -> None:
+            try:
+                result = fn()
+            except Exception as exc:
+                if not fut.done():
+                    fut.set_exception(exc)
+            else:
+                if not fut.done():
+                    fut.set_result(result)
+
+        self.submit(run)
+        return await fut
+
+    async def run(self) -> None:
+        """Process commands until cancelled; a timer task feeds ticks."""
+        ticker = asyncio.create_task(self._ticker())
+        try:
+            while True:
+                command = await self._queue.get()
+                try:
+                    command()
+                except Exception:  # a bug in one command must not stop training
+                    log.exception("engine command failed")
+        finally:
+            ticker.cancel()
+            if self._eval_task is not None:
+                self._eval_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ticker
+
+    async def _ticker(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.tick_s)
+            self.submit(self.tick)
+
+    # --- commands (run on the engine task only) -----------------------------------------------------
+
+    def join(self, hello: wire.Message, peer: Peer) -> int:
+        """Admit a worker: facts, plan, welcome; the policy decides when it may start."""
+        now = self.clock.now()
+        resume = hello.get("resume") or {}
+        old_id = resume.get("worker_id")
+        if isinstance(old_id, int) and old_id in self.departed and old_id not in self.facts:
+            wid = old_id
+            self.departed.pop(wid)
+        else:
+            wid = self._next_id
+            self._next_id += 1
+        offered = [c for c in hello["codecs"] if isinstance(c, str)]
+        codec = codecs.negotiate(offered, self.config.codec)
+        start_clock = self.view().min_clock() if self.facts else 0
+        used = {s.slot for w, s in self.stats.items() if w in self.facts}
+        slot = next(i for i in range(len(used) + 1) if i not in used)
+        device = hello["device"]
+        free_mem = device.get("free_memory") if isinstance(device.get("free_memory"), int) else None
+        self.facts[wid] = WorkerFacts(
+            worker=wid,
+            name=hello["name"],
+            clock=start_clock,
+            version=self.store.version,
+            waiting=True,
+            joined_at=now,
+            batch_size=self.config.batch_size,
+            free_mem=free_mem,
+            codec=codec,
+            waiting_since=now,
+        )
+        self.stats[wid] = WorkerStats(last_seen=now, device=dict(device), slot=slot)
+        self.plans[wid] = Plan(batch_size=self.config.batch_size, codec=codec, stage=self.stage)
+        self.peers[wid] = peer
+        shards = self.config.shards or max(4, len(self.facts))
+        peer.send(
+            wire.encode(
+                "welcome",
+                hello.id,
+                worker_id=wid,
+                plan=self.plans[wid].to_wire(),
+                heartbeat_s=self.config.heartbeat_s,
+                shard={"index": slot % shards, "count": shards},
+                **self.config.welcome,
+            )
+        )
+        log.info("worker %d (%s) joined on slot %d, codec %s", wid, hello["name"], slot, codec)
+        self._dispatch(Join(now, wid))
+        return wid
+
+    def leave(self, wid: int, reason: str) -> None:
+        """A worker left; it leaves every barrier at once."""
+        facts = self.facts.pop(wid, None)
+        if facts is None:
+            return
+        self.departed[wid] = facts
+        peer = self.peers.pop(wid, None)
+        if peer is not None:
+            peer.close(reason)
+        self.departures.append((self.clock.now() - self.started_at, wid, reason))
+        log.info("worker %d left: %s", wid, reason)
+        self._dispatch(Leave(self.clock.now(), wid, reason))
+
+    def heartbeat(self, wid: int) -> None:
+        """A sign of life."""
+        if wid in self.stats:
+            self.stats[wid].last_seen = self.clock.now()
+
+    def pull(self, wid: int) -> None:
+        """A worker asks for parameters; the gate decides when it gets them."""
+        facts = self.facts.get(wid)
+        if facts is None:
+            return
+        now = self.clock.now()
+        self.stats[wid].last_seen = now
+        if not facts.waiting:
+            self.facts[wid] = dataclasses.replace(facts, waiting=True, waiting_since=now)
+        self._dispatch(Pull(now, wid))
+
+    def push(self, p: PushIn) -> None:
+        """One validated update: facts, policy, store, ack."""
+        facts = self.facts.get(p.worker)
+        if facts is None:
+            return
+        now = self.clock.now()
+        st = self.stats[p.worker]
+        st.last_seen = now
+        st.pushes += 1
+        st.bytes_in += p.nbytes
+        staleness = max(0, self.store.version - p.base)
+        st.staleness.append(staleness)
+        if len(st.staleness) > 4096:
+            del st.staleness[:2048]
+
+        def ewma(old: float | None, new: float) -> float:
+            return new if old is None else EWMA * new + (1 - EWMA) * old
+
+        self.facts[p.worker] = dataclasses.replace(
+            facts,
+            clock=facts.clock + 1,
+            waiting=True,
+            waiting_since=now,
+            prev_push_at=facts.last_push_at,
+            last_push_at=now,
+            compute_s=ewma(facts.compute_s, p.compute_s),
+            sample_s=ewma(facts.sample_s, p.compute_s / max(1, p.samples))
+            if p.samples
+            else facts.sample_s,
+            push_bytes=ewma(facts.push_bytes, float(p.nbytes)),
+            samples=facts.samples + p.samples,
+            free_mem=p.free_mem if p.free_mem is not None else facts.free_mem,
+        )
+        kind: Literal["grad", "delta"] = "grad" if p.kind == "grad" else "delta"
+        event = Push(now, p.worker, p.base, kind, p.samples, p.steps, p.compute_s, p.loss)
+        if p.base > self.store.version or staleness > self.config.max_staleness:
+            why = "base version from the future" if p.base > self.store.version else "too stale"
+            self._ack(p, "dropped", why)
+            st.dropped += 1
+            self._dispatch(Tick(now))  # the clock moved: gates may open
+            return
+        self._dispatch(event, p)
+
+    def swap_policy(self, name: str, params: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Replace the policy between two events; on any error the old one stays."""
+        new = make_policy(name, params)
+        state = new.init(self.view())
+        if self.buffer.count:  # never lose buffered updates: apply them before the change
+            self._flush(Flush(normalize=True))
+        old = self.policy.name
+        self.policy, self.policy_state = new, state
+        log.info("policy swapped: %s -> %s %s", old, new.name, dict(new.params))
+        self._dispatch(Tick(self.clock.now()))
+        return new.describe()
+
+    def tick(self) -> None:
+        """Time passes: heartbeats, evaluation, and a chance for gates to open."""
+        now = self.clock.now()
+        for wid, st in list(self.stats.items()):
+            if wid in self.facts and now - st.last_seen > self.config.heartbeat_timeout_s:
+                self.leave(wid, "heartbeat timeout")
+        if (
+            self.evaluator is not None
+            and self._eval_task is None
+            and now - self._last_eval >= self.config.eval_interval_s
+        ):
+            self._last_eval = now
+            self._eval_task = asyncio.get_running_loop().create_task(
+                self._evaluate(self.store.snapshot())
+            )
+        self._dispatch(Tick(now))
+
+    async def _evaluate(self, snap: Snapshot) -> None:
+        assert self.evaluator is not None  # checked by the caller; not network input
+        try:
+            loss, acc = await asyncio.to_thread(self.evaluator, snap)
+        finally:
+            self._eval_task = None
+        self.submit(lambda: self.record_eval(loss, acc))
+
+    def record_eval(self, loss: float, accuracy: float) -> None:
+        """Store an evaluation and tell the policy."""
+        now = self.clock.now()
+        self.evals.append((now - self.started_at, loss, accuracy))
+        self._dispatch(Eval(now, loss, accuracy))
+
+    # --- decisions -------------------------------------------------------------------------------
+
+    def _dispatch(self, event: Event, push: PushIn | None = None) -> None:
+        try:
+            decisions, state = self.policy.update(event, self.policy_state, self.view())
+        except Exception:
+            log.exception(
+                "policy %s failed on %s; applying asynchronously", self.policy.name, event
+            )
+            decisions, state = (), self.policy_state
+            if push is not None:
+                decisions = (Apply(1.0 / max(1, len(self.facts))),)
+        self.policy_state = state
+        self._execute(decisions, push)
+
+    def _execute(self, decisions: Any, push: PushIn | None) -> None:
+        factor = 1.0
+        for d in decisions:
+            if isinstance(d, Scale):
+                factor *= d.factor
+        decided = False
+        for d in decisions:
+            if isinstance(d, Apply | Buffer | Drop):
+                if push is None or decided:
+                    continue
+                decided = True
+                self._decide_push(d, push, factor)
+            elif isinstance(d, Flush):
+                self._flush(d)
+            elif isinstance(d, Release):
+                self._release(d.worker)
+            elif isinstance(d, SetPlan):
+                self._set_plan(d.worker, d.fields)
+            elif isinstance(d, SetStage):
+                self._set_stage(d.stage)
+            elif isinstance(d, Hold | Scale):
+                pass
+        if push is not None and not decided:
+            # A policy that says nothing about a push must not lose it.
+            log.warning("policy %s made no decision on a push; applying it", self.policy.name)
+            self._decide_push(Apply(1.0 / max(1, len(self.facts))), push, factor)
+
+    def _decide_push(self, d: Decision, p: PushIn, factor: float) -> None:
+        st = self.stats[p.worker]
+        if isinstance(d, Apply):
+            self.store.apply(p.kind, p.tensors, d.weight * factor)
+            self.updates_applied += 1
+            st.applied += 1
+            self._ack(p, "applied")
+        elif isinstance(d, Buffer):
+            self.buffer.add(p.kind, p.tensors, d.weight * factor)
+            st.buffered += 1
+            self._ack(p, "buffered")
+        elif isinstance(d, Drop):
+            st.dropped += 1
+            self._ack(p, "dropped", d.reason)
+
+    def _flush(self, d: Flush) -> None:
+        if not self.buffer.count:
+            return
+        for kind, tensors in self.buffer.take(d.normalize):
+            self.store.apply(kind, tensors, d.scale)
+        self.updates_applied += 1
+
+    def _release(self, wid: int) -> None:
+        facts = self.facts.get(wid)
+        peer = self.peers.get(wid)
+        if facts is None or peer is None or not facts.waiting:
+            return
+        now = self.clock.now()
+        gap = facts.clock - min(f.clock for f in self.facts.values())
+        self.max_release_gap = max(self.max_release_gap, gap)
+        idle = now - facts.waiting_since if facts.waiting_since is not None else 0.0
+        self.facts[wid] = dataclasses.replace(
+            facts,
+            waiting=False,
+            waiting_since=None,
+            version=self.store.version,
+            idle_s=facts.idle_s + idle,
+        )
+        frame = self._params_frame(facts.codec)
+        self.stats[wid].bytes_out += len(frame)
+        peer.send(frame, params=True)
+
+    def _params_frame(self, codec_name: str) -> bytes:
+        """The current version as a ``params`` frame, encoded once per (version, codec)."""
+        key = (self.store.version, codec_name)
+        frame = self._frames.get(key)
+        if frame is None:
+            snap = self.store.snapshot()
+            tensors = codecs.encode_tree(snap.tensors, codecs.get_codec(codec_name))
+            frame = wire.encode("params", 0, version=snap.version, full=True, tensors=tensors)
+            self._frames = {k: v for k, v in self._frames.items() if k[0] == snap.version}
+            self._frames[key] = frame
+        return frame
+
+    def _set_plan(self, wid: int, fields: Mapping[str, Any]) -> None:
+        plan = self.plans.get(wid)
+        if plan is None:
+            return
+        known = {k: v for k, v in fields.items() if k in PLAN_FIELDS}
+        extra = {k: v for k, v in fields.items() if k not in PLAN_FIELDS}
+        new = dataclasses.replace(plan, **known, extra={**plan.extra, **extra})
+        if new == plan:
+            return
+        self.plans[wid] = new
+        self.facts[wid] = dataclasses.replace(self.facts[wid], batch_size=new.batch_size)
+        self.peers[wid].send(wire.encode("plan", 0, plan=new.to_wire()))
+
+    def _set_stage(self, stage: str) -> None:
+        if stage == self.stage:
+            return
+        log.info("stage %s -> %s", self.stage, stage)
+        self.stage = stage
+        for wid in list(self.plans):
+            self._set_plan(wid, {"stage": stage})
+
+    def _ack(self, p: PushIn, status: str, reason: str | None = None) -> None:
+        peer = self.peers.get(p.worker)
+        if peer is not None:
+            peer.send(
+                wire.encode("ack", p.id, version=self.store.version, status=status, reason=reason)
+            )
+
+    # --- read-only summaries (call through ``call`` from other tasks) ----------------------------
+
+    def status(self) -> dict[str, Any]:
+        """The daemon at a glance."""
+        last = self.evals[-1] if self.evals else None
+        return {
+            "version": self.store.version,
+            "stage": self.stage,
+            "policy": self.policy.describe(),
+            "uptime_s": self.clock.now() - self.started_at,
+            "workers": len(self.facts),
+            "updates_applied": self.updates_applied,
+            "max_release_gap": self.max_release_gap,
+            "accuracy": None if last is None else last[2],
+            "loss": None if last is None else last[1],
+        }
+
+    def workers(self) -> list[dict[str, Any]]:
+        """One row per active worker."""
+        now = self.clock.now()
+        rows = []
+        for wid, f in sorted(self.facts.items()):
+            st = self.stats[wid]
+            alive = max(1e-9, now - f.joined_at)
+            rows.append(
+                {
+                    "worker": wid,
+                    "name": f.name,
+                    "device": dict(st.device),
+                    "clock": f.clock,
+                    "samples": f.samples,
+                    "samples_per_s": f.samples / alive,
+                    "compute_s": f.compute_s,
+                    "batch_size": f.batch_size,
+                    "codec": f.codec,
+                    "pushes": st.pushes,
+                    "applied": st.applied,
+                    "dropped": st.dropped,
+                    "staleness_mean": float(np.mean(st.staleness)) if st.staleness else 0.0,
+                    "idle_fraction": min(1.0, f.idle_s / alive),
+                    "bytes_in": st.bytes_in,
+                    "bytes_out": st.bytes_out,
+                    "last_seen_s": now - st.last_seen,
+                    "plan": self.plans[wid].to_wire(),
+                }
+            )
+        return rows

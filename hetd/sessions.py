@@ -1,0 +1,187 @@
+"""One session per worker websocket: authenticate, decode frames into engine commands, and keep a
+bounded outbox so that a slow worker never stalls the engine or the others.
+
+Everything a worker sends is checked here before it reaches the engine: the frame (wire.decode),
+the tensors' paths, shapes and codecs (codecs.decode_tree) and their finiteness. A bad frame gets an
+``error`` reply and is forgotten; nothing of it is applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from collections import deque
+from functools import partial
+
+import numpy as np
+from aiohttp import WSCloseCode, WSMsgType, web
+
+from hetd import codecs, wire
+from hetd.engine import Engine, PushIn
+
+log = logging.getLogger("hetd.sessions")
+
+OFF_LOOP_BYTES = 256 * 1024  # frames larger than this are decoded in a worker thread
+
+
+def authorized(request: web.Request, token: str) -> bool:
+    """``Authorization: Bearer <token>`` matches (an empty configured token admits everyone)."""
+    if not token:
+        return True
+    got = request.headers.get("Authorization", "")
+    return hmac.compare_digest(got.encode(), f"Bearer {token}".encode())
+
+
+class Outbox:
+    """Frames waiting for one worker. Only the newest ``params`` frame is kept (older versions are
+    useless once a newer one exists); too many control frames mean the worker is stuck."""
+
+    def __init__(self, ws: web.WebSocketResponse, limit: int) -> None:
+        self._ws = ws
+        self._limit = limit
+        self._frames: deque[tuple[bytes, bool]] = deque()
+        self._wake = asyncio.Event()
+        self.closing: str | None = None
+
+    def send(self, frame: bytes, *, params: bool = False) -> None:
+        """Queue a frame; never blocks."""
+        if self.closing is not None:
+            return
+        if params:
+            self._frames = deque(f for f in self._frames if not f[1])
+        self._frames.append((frame, params))
+        if len(self._frames) > self._limit:
+            self.close("outbox overflow: the worker does not read its replies")
+        self._wake.set()
+
+    def close(self, reason: str) -> None:
+        """Close the socket after what is queued (from any task)."""
+        if self.closing is None:
+            self.closing = reason
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Send queued frames in order until closed."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._frames:
+                frame, _ = self._frames.popleft()
+                await self._ws.send_bytes(frame)
+            if self.closing is not None:
+                await self._ws.close(
+                    code=WSCloseCode.GOING_AWAY, message=self.closing.encode()[:120]
+                )
+                return
+
+
+def decode_push(engine: Engine, wid: int, msg: wire.Message, nbytes: int) -> PushIn:
+    """Validate a push's tensors against the model; raises ProtocolError saying what is wrong."""
+    try:
+        tensors = codecs.decode_tree(msg["tensors"], engine.store.shapes)
+    except codecs.CodecError as exc:
+        raise wire.ProtocolError("bad_tensor", str(exc)) from None
+    for path, t in tensors.items():
+        if not np.isfinite(t).all():
+            raise wire.ProtocolError("not_finite", f"tensor {path!r} holds NaN or Inf; not applied")
+    return PushIn(
+        worker=wid,
+        id=msg.id,
+        base=msg["base"],
+        kind=msg["kind"],
+        tensors=tensors,
+        samples=msg["samples"],
+        steps=msg["steps"],
+        compute_s=float(msg["compute_s"]),
+        loss=None if msg.get("loss") is None else float(msg["loss"]),
+        free_mem=msg.get("free_mem"),
+        nbytes=nbytes,
+    )
+
+
+def _decode(engine: Engine, wid: int | None, data: bytes, cap: int) -> wire.Message | PushIn:
+    """A frame as a message, or as a validated push once the worker is known."""
+    msg = wire.decode(data, cap)
+    if msg.type == "push" and wid is not None:
+        return decode_push(engine, wid, msg, len(data))
+    return msg
+
+
+async def handle(
+    request: web.Request, engine: Engine, token: str, cap: int, limit: int
+) -> web.StreamResponse:
+    """The websocket endpoint ``/v1/ws``."""
+    if not authorized(request, token):
+        return web.Response(
+            status=401, text="missing or wrong worker token (Authorization: Bearer)"
+        )
+    ws = web.WebSocketResponse(max_msg_size=cap, compress=False)
+    await ws.prepare(request)
+    outbox = Outbox(ws, limit)
+    writer = asyncio.create_task(outbox.run())
+    wid: int | None = None
+    reason = "connection closed"
+    try:
+        async for frame in ws:
+            if frame.type == WSMsgType.ERROR:
+                exc = ws.exception()
+                too_big = getattr(exc, "code", None) == WSCloseCode.MESSAGE_TOO_BIG
+                reason = (
+                    f"frame over the {cap}-byte cap (1009)" if too_big else f"socket error: {exc}"
+                )
+                break
+            if frame.type != WSMsgType.BINARY:
+                outbox.send(wire.error_frame("malformed", "send binary msgpack frames only"))
+                continue
+            data: bytes = frame.data
+            try:
+                if len(data) > OFF_LOOP_BYTES:
+                    item = await asyncio.to_thread(_decode, engine, wid, data, cap)
+                else:
+                    item = _decode(engine, wid, data, cap)
+            except wire.ProtocolError as exc:
+                log.info("worker %s: %s: %s", wid, exc.code, exc.message)
+                outbox.send(wire.error_frame(exc.code, exc.message))
+                continue
+            if isinstance(item, PushIn):
+                engine.submit(partial(engine.push, item))
+                continue
+            msg = item
+            if wid is None:
+                if msg.type != "hello":
+                    outbox.send(wire.error_frame("no_hello", "send hello first", msg.id))
+                    continue
+                try:
+                    wid = await engine.call(partial(engine.join, msg, outbox))
+                except codecs.CodecError as exc:
+                    outbox.send(wire.error_frame("no_codec", str(exc), msg.id))
+                    reason = "no usable codec"
+                    break
+                continue
+            if msg.type == "heartbeat":
+                engine.submit(partial(engine.heartbeat, wid))
+            elif msg.type == "pull":
+                engine.submit(partial(engine.pull, wid))
+            elif msg.type == "bye":
+                reason = msg.get("reason") or "bye"
+                break
+            elif msg.type in ("hello", "profile_result"):
+                if msg.type == "hello":
+                    outbox.send(wire.error_frame("malformed", "hello was already received", msg.id))
+            else:
+                outbox.send(
+                    wire.error_frame(
+                        "unexpected", f"{msg.type} is a daemon-to-worker message", msg.id
+                    )
+                )
+    finally:
+        if wid is not None:
+            engine.submit(partial(engine.leave, wid, reason))
+        outbox.close(reason)
+        with contextlib.suppress(asyncio.TimeoutError, Exception):
+            await asyncio.wait_for(writer, 2.0)
+        writer.cancel()
+        await ws.close()
+    return ws

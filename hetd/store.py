@@ -1,0 +1,151 @@
+"""The training state: global parameters, optax state, version; how an update is applied.
+
+Parameters are a flat ``path -> array`` map (the wire and the store address tensors by path, so a
+worker can later hold and push only a slice). A gradient step is one jitted function that donates
+its buffers: ``updates, s = tx.update(g, s, w); w = w + scale * updates`` — the weight scales the
+step *after* the transform (ALGORITHMS.md §0, so Adam does not normalise λ away). A delta from local
+steps is applied as ``w + scale * D``. Only the engine calls the mutating methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+Tensors = Mapping[str, np.ndarray]
+
+
+def make_optimizer(name: str, lr: float) -> optax.GradientTransformation:
+    """The daemon's optimizer by name: ``sgd``, ``momentum`` (0.9) or ``adam``."""
+    if name == "sgd":
+        return optax.sgd(lr)
+    if name == "momentum":
+        return optax.sgd(lr, momentum=0.9)
+    if name == "adam":
+        return optax.adam(lr)
+    raise ValueError(f"unknown optimizer {name!r}; known: adam, momentum, sgd")
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """One published parameter version: immutable host copies, shared by every reader."""
+
+    version: int
+    tensors: Mapping[str, np.ndarray]
+
+
+class Store:
+    """Global params + optimizer state + version. Not thread-safe: one writer (the engine)."""
+
+    def __init__(
+        self, params: Mapping[str, Any], tx: optax.GradientTransformation, version: int = 0
+    ) -> None:
+        self._params: dict[str, jax.Array] = {
+            k: jnp.asarray(v, jnp.float32) for k, v in params.items()
+        }
+        self._tx = tx
+        self._opt_state: Any = tx.init(self._params)
+        self.version = version
+        self.shapes: dict[str, tuple[int, ...]] = {
+            k: tuple(v.shape) for k, v in self._params.items()
+        }
+        self._snapshot: Snapshot | None = None
+
+        def grad_step(
+            params: dict[str, jax.Array], state: Any, grads: dict[str, jax.Array], scale: jax.Array
+        ) -> tuple[dict[str, jax.Array], Any]:
+            updates, state = tx.update(grads, state, params)
+            new = {k: params[k] + scale * updates[k] for k in params}
+            return new, state
+
+        def delta_step(
+            params: dict[str, jax.Array], delta: dict[str, jax.Array], scale: jax.Array
+        ) -> dict[str, jax.Array]:
+            return {k: params[k] + scale * delta[k] for k in params}
+
+        self._grad_step = jax.jit(grad_step, donate_argnums=(0, 1))
+        self._delta_step = jax.jit(delta_step, donate_argnums=(0,))
+
+    @property
+    def n_params(self) -> int:
+        """Number of scalar parameters."""
+        return sum(int(np.prod(s)) for s in self.shapes.values())
+
+    def apply(self, kind: str, tensors: Tensors, scale: float) -> int:
+        """Apply one update (``grad`` through the optimizer, ``delta`` added) and bump the version."""
+        if kind == "grad":
+            grads = {k: jnp.asarray(tensors[k]) for k in self._params}
+            self._params, self._opt_state = self._grad_step(
+                self._params, self._opt_state, grads, jnp.float32(scale)
+            )
+        elif kind == "delta":
+            delta = {k: jnp.asarray(tensors[k]) for k in self._params}
+            self._params = self._delta_step(self._params, delta, jnp.float32(scale))
+        else:
+            raise ValueError(f"unknown update kind {kind!r}")
+        self.version += 1
+        self._snapshot = None
+        return self.version
+
+    def snapshot(self) -> Snapshot:
+        """The current version as host arrays, copied once per version (buffers are donated)."""
+        if self._snapshot is None or self._snapshot.version != self.version:
+            host = {k: np.array(v, dtype=np.float32, copy=True) for k, v in self._params.items()}
+            for arr in host.values():
+                arr.flags.writeable = False
+            self._snapshot = Snapshot(self.version, host)
+        return self._snapshot
+
+    def state(self) -> tuple[dict[str, np.ndarray], Any, int]:
+        """Params (host copies), optimizer state (host pytree) and version, for checkpoints."""
+        return dict(self.snapshot().tensors), jax.device_get(self._opt_state), self.version
+
+    def restore(self, params: Tensors, opt_state: Any, version: int) -> None:
+        """Replace the whole state (from a checkpoint); shapes must match the model."""
+        shapes = {k: tuple(np.shape(v)) for k, v in params.items()}
+        if shapes != self.shapes:
+            raise ValueError("checkpoint parameters do not match the model's paths and shapes")
+        self._params = {k: jnp.asarray(v, jnp.float32) for k, v in params.items()}
+        self._opt_state = jax.tree.map(jnp.asarray, opt_state)
+        self.version = version
+        self._snapshot = None
+
+
+class Aggregator:
+    """The round buffer of synchronous policies: Σ weight·update per kind, and Σ weight."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, dict[str, np.ndarray]] = {}
+        self._weights: dict[str, float] = {}
+        self.count = 0  # pushes buffered
+
+    def add(self, kind: str, tensors: Tensors, weight: float) -> None:
+        """Accumulate one update with its weight."""
+        acc = self._sums.get(kind)
+        if acc is None:
+            self._sums[kind] = {
+                k: np.multiply(v, weight, dtype=np.float32) for k, v in tensors.items()
+            }
+        else:
+            for k, v in tensors.items():
+                acc[k] += np.float32(weight) * v
+        self._weights[kind] = self._weights.get(kind, 0.0) + weight
+        self.count += 1
+
+    def take(self, normalize: bool) -> list[tuple[str, dict[str, np.ndarray]]]:
+        """Empty the buffer: per kind, the sum (divided by Σ weight when ``normalize``)."""
+        out = []
+        for kind, acc in self._sums.items():
+            total = self._weights[kind]
+            if normalize and total > 0:
+                for v in acc.values():
+                    v /= np.float32(total)
+            out.append((kind, acc))
+        self._sums, self._weights, self.count = {}, {}, 0
+        return out

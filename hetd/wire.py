@@ -1,0 +1,193 @@
+"""Wire protocol v1: the messages between daemon and workers, and their msgpack framing.
+
+Every frame is one msgpack map ``{"v": 1, "type": ..., "id": request id, ...fields}`` sent as a
+binary websocket message. Decoding is strict: the envelope, the message type and each field's type
+are checked against :data:`SCHEMA`; anything else raises :class:`ProtocolError` with a code and a
+message saying what was wrong. No pickle, no extension types, no ``assert`` on input.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgpack
+
+PROTOCOL_VERSION: Final = 1
+DEFAULT_MAX_FRAME: Final = 64 * 1024 * 1024  # bytes; aiohttp's max_msg_size is set from this
+
+
+class ProtocolError(ValueError):
+    """A frame that breaks protocol v1. ``code`` is a short machine-readable reason."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+_NUM = (int, float)
+_OPT_NUM = (int, float, type(None))
+_OPT_INT = (int, type(None))
+_OPT_STR = (str, type(None))
+_OPT_MAP = (dict, type(None))
+
+# type -> field -> (accepted python types, required). Fields not listed are rejected.
+SCHEMA: Final[dict[str, dict[str, tuple[tuple[type, ...], bool]]]] = {
+    # worker -> daemon
+    "hello": {
+        "token": (_OPT_STR, False),
+        "name": ((str,), True),
+        "device": ((dict,), True),
+        "codecs": ((list,), True),
+        "resume": (_OPT_MAP, False),
+    },
+    "pull": {"have": (_OPT_INT, False)},
+    "push": {
+        "base": ((int,), True),
+        "kind": ((str,), True),
+        "tensors": ((dict,), True),
+        "samples": ((int,), True),
+        "steps": ((int,), True),
+        "compute_s": (_NUM, True),
+        "loss": (_OPT_NUM, False),
+        "free_mem": (_OPT_INT, False),
+        "pull_s": (_OPT_NUM, False),
+        "sent_at": (_OPT_NUM, False),
+    },
+    "profile_result": {"result": ((dict,), True)},
+    "heartbeat": {},
+    "bye": {"reason": (_OPT_STR, False)},
+    # daemon -> worker
+    "welcome": {
+        "worker_id": ((int,), True),
+        "model": ((dict,), True),
+        "dataset": ((dict,), True),
+        "shard": ((dict,), True),
+        "plan": ((dict,), True),
+        "heartbeat_s": (_NUM, True),
+        "train": ((dict,), True),
+    },
+    "params": {
+        "version": ((int,), True),
+        "full": ((bool,), True),
+        "base": (_OPT_INT, False),
+        "tensors": ((dict,), True),
+        "plan": (_OPT_MAP, False),
+    },
+    "ack": {
+        "version": ((int,), True),
+        "status": ((str,), True),
+        "reason": (_OPT_STR, False),
+        "plan": (_OPT_MAP, False),
+    },
+    "plan": {"plan": ((dict,), True)},
+    "profile": {"spec": ((dict,), True)},
+    "error": {"code": ((str,), True), "message": ((str,), True)},
+}
+
+ACK_STATUSES: Final = ("applied", "buffered", "dropped")
+PUSH_KINDS: Final = ("grad", "delta")
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One decoded, validated message: its type, request id and fields."""
+
+    type: str
+    id: int
+    body: dict[str, Any]
+
+    def __getitem__(self, key: str) -> Any:
+        return self.body[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.body.get(key, default)
+
+
+def encode(type_: str, id_: int = 0, **fields: Any) -> bytes:
+    """Pack one message. Tensor ``data`` may be a ``memoryview`` (packed without a copy)."""
+    if type_ not in SCHEMA:
+        raise ProtocolError("unknown_type", f"cannot encode unknown message type {type_!r}")
+    msg: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": type_, "id": id_}
+    msg.update(fields)
+    packed: bytes = msgpack.packb(msg, use_bin_type=True)
+    return packed
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"extension type {code} is not allowed")
+
+
+def decode(frame: bytes | bytearray | memoryview, max_size: int = DEFAULT_MAX_FRAME) -> Message:
+    """Unpack and validate one frame; raises :class:`ProtocolError` saying what was wrong."""
+    if len(frame) > max_size:
+        raise ProtocolError("too_large", f"frame of {len(frame)} bytes exceeds the {max_size} cap")
+    try:
+        raw = msgpack.unpackb(
+            frame,
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=max_size,
+            max_str_len=1 << 20,
+            max_array_len=1 << 20,
+            max_map_len=1 << 20,
+            max_ext_len=0,
+            ext_hook=_reject_ext,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError("malformed", f"frame is not valid msgpack: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ProtocolError("malformed", f"frame must be a map, got {type(raw).__name__}")
+    return validate(raw)
+
+
+def validate(raw: Mapping[str, Any]) -> Message:
+    """Check the envelope and fields of an unpacked message."""
+    version = raw.get("v")
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            "bad_version", f"protocol version {version!r} is not supported (this daemon speaks 1)"
+        )
+    type_ = raw.get("type")
+    if not isinstance(type_, str) or type_ not in SCHEMA:
+        raise ProtocolError(
+            "unknown_type", f"unknown message type {type_!r}; known: {', '.join(sorted(SCHEMA))}"
+        )
+    id_ = raw.get("id")
+    if not isinstance(id_, int) or isinstance(id_, bool):
+        raise ProtocolError("malformed", f"{type_}: request id must be an int, got {id_!r}")
+    schema = SCHEMA[type_]
+    body = {k: v for k, v in raw.items() if k not in ("v", "type", "id")}
+    unknown = sorted(map(repr, set(body) - set(schema)))
+    if unknown:
+        raise ProtocolError("malformed", f"{type_}: unknown fields {unknown}")
+    for field, (types, required) in schema.items():
+        if field not in body:
+            if required:
+                raise ProtocolError("malformed", f"{type_}: missing field {field!r}")
+            continue
+        value = body[field]
+        # bool is an int subclass: only accept it where bool is listed.
+        if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+            names = "/".join(t.__name__ for t in types)
+            raise ProtocolError(
+                "malformed", f"{type_}: field {field!r} must be {names}, got {type(value).__name__}"
+            )
+    if type_ == "push":
+        if body["kind"] not in PUSH_KINDS:
+            raise ProtocolError("malformed", f"push: kind must be one of {PUSH_KINDS}")
+        if body["samples"] < 0 or body["steps"] < 1 or not 0 <= body["compute_s"] < math.inf:
+            raise ProtocolError("malformed", "push: samples >= 0, steps >= 1, 0 <= compute_s < inf")
+        for name in ("loss", "pull_s", "sent_at"):
+            value = body.get(name)
+            if value is not None and not math.isfinite(value):
+                raise ProtocolError("malformed", f"push: {name} must be finite, got {value!r}")
+    return Message(type_, id_, body)
+
+
+def error_frame(code: str, message: str, id_: int = 0) -> bytes:
+    """An ``error`` message."""
+    return encode("error", id_, code=code, message=message)

@@ -1,0 +1,155 @@
+"""Bad frames from a worker get an error and change nothing; the daemon carries on."""
+
+from __future__ import annotations
+
+import contextlib
+
+import aiohttp
+import msgpack
+import numpy as np
+import pytest
+
+from hetd import codecs, wire
+from tests.integration.conftest import WORKER_TOKEN
+
+AUTH = {"Authorization": f"Bearer {WORKER_TOKEN}"}
+
+
+async def recv(ws: aiohttp.ClientWebSocketResponse, type_: str) -> wire.Message:
+    """The next message of ``type_`` (skipping acks, plans and params in between)."""
+    while True:
+        frame = await ws.receive(timeout=20)
+        assert frame.type == aiohttp.WSMsgType.BINARY, frame
+        msg = wire.decode(frame.data)
+        if msg.type == type_:
+            return msg
+
+
+def hello() -> bytes:
+    return wire.encode("hello", 1, name="raw", device={"platform": "cpu"}, codecs=["none"])
+
+
+def push(params: dict[str, np.ndarray], base: int, **overrides: object) -> bytes:
+    tensors = codecs.encode_tree(params, codecs.get_codec("none"))
+    fields = dict(base=base, kind="grad", tensors=tensors, samples=8, steps=1, compute_s=0.01)
+    fields.update(overrides)
+    return wire.encode("push", 7, **fields)
+
+
+async def test_each_bad_frame_gets_its_error_and_nothing_is_applied(cluster) -> None:  # type: ignore[no-untyped-def]
+    c = await cluster("asp", server={"max_frame_bytes": 4 * 1024 * 1024})
+    async with aiohttp.ClientSession() as http:
+        ws = await http.ws_connect(c.url + "/v1/ws", headers=AUTH, max_msg_size=0)
+        await ws.send_bytes(hello())
+        await recv(ws, "welcome")
+        params_msg = await recv(ws, "params")
+        params = codecs.decode_tree(params_msg["tensors"])
+        zeros = {k: np.zeros_like(v) for k, v in params.items()}
+        version = c.engine.store.version
+        first = next(iter(zeros))
+
+        nan = dict(zeros)
+        nan[first] = np.full_like(zeros[first], np.nan)
+        wrong_shape = dict(zeros)
+        wrong_shape[first] = np.zeros((3, 3), np.float32)
+        missing = dict(zeros)
+        del missing[first]
+        short = codecs.encode_tree(zeros, codecs.get_codec("none"))
+        short[first] = dict(short[first], data=b"\0" * 8)
+        cases = [
+            (b"\xc1 not msgpack", "malformed"),
+            (msgpack.packb([1, 2, 3]), "malformed"),
+            (msgpack.packb({"v": 2, "type": "push", "id": 1}), "bad_version"),
+            (msgpack.packb({"v": 1, "type": "teleport", "id": 1}), "unknown_type"),
+            (push(zeros, version, kind="hessian"), "malformed"),
+            (push(zeros, version, samples="many"), "malformed"),
+            (push(nan, version), "not_finite"),
+            (push(wrong_shape, version), "bad_tensor"),
+            (push(missing, version), "bad_tensor"),
+            (
+                wire.encode(
+                    "push",
+                    9,
+                    base=version,
+                    kind="grad",
+                    tensors=short,
+                    samples=8,
+                    steps=1,
+                    compute_s=0.01,
+                ),
+                "bad_tensor",
+            ),
+            (
+                wire.encode(
+                    "welcome",
+                    3,
+                    worker_id=1,
+                    model={},
+                    dataset={},
+                    shard={},
+                    plan={},
+                    heartbeat_s=1.0,
+                    train={},
+                ),
+                "unexpected",
+            ),
+        ]
+        for frame, code in cases:
+            await ws.send_bytes(frame)
+            err = await recv(ws, "error")
+            assert err["code"] == code, (code, err.body)
+            assert err["message"]
+            if code in ("not_finite", "bad_tensor"):
+                assert repr(first) in err["message"] or "missing" in err["message"]
+        await ws.send_str("text frame")
+        assert (await recv(ws, "error"))["code"] == "malformed"
+        assert c.engine.store.version == version, "a bad frame changed the model"
+
+        # The same session still works: a good push is applied.
+        await ws.send_bytes(push(zeros, version))
+        ack = await recv(ws, "ack")
+        assert ack["status"] == "applied"
+        assert c.engine.store.version == version + 1
+
+        # An oversize frame closes the socket with 1009 and applies nothing.
+        # The daemon may close while the frame is still being written.
+        with contextlib.suppress(ConnectionError):
+            await ws.send_bytes(b"\0" * (5 * 1024 * 1024))
+        closing = await ws.receive(timeout=20)
+        while closing.type == aiohttp.WSMsgType.BINARY:  # replies queued before the close
+            closing = await ws.receive(timeout=20)
+        assert closing.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
+        # 1009 when the close frame arrives before the reset of the half-sent frame, else 1006.
+        assert ws.close_code in (1009, 1006)
+        await c.wait_for(lambda: bool(c.engine.departures), 10, "the session to end")
+        assert "cap (1009)" in c.engine.departures[-1][2]
+        assert c.engine.store.version == version + 1
+
+        # The daemon is still up: a new session joins and gets parameters.
+        ws2 = await http.ws_connect(c.url + "/v1/ws", headers=AUTH)
+        await ws2.send_bytes(hello())
+        assert (await recv(ws2, "welcome"))["worker_id"] >= 1
+        assert (await recv(ws2, "params"))["version"] == version + 1
+        await ws2.close()
+
+
+async def test_push_before_hello_is_refused(cluster) -> None:  # type: ignore[no-untyped-def]
+    c = await cluster("asp")
+    async with aiohttp.ClientSession() as http:
+        ws = await http.ws_connect(c.url + "/v1/ws", headers=AUTH)
+        await ws.send_bytes(push({}, 0))
+        err = await recv(ws, "error")
+        assert err["code"] == "no_hello"
+        assert c.engine.store.version == 0
+        assert not c.engine.facts
+
+
+@pytest.mark.parametrize("offered", [["int9"], []])
+async def test_no_usable_codec(cluster, offered: list[str]) -> None:  # type: ignore[no-untyped-def]
+    c = await cluster("asp")
+    async with aiohttp.ClientSession() as http:
+        ws = await http.ws_connect(c.url + "/v1/ws", headers=AUTH)
+        await ws.send_bytes(wire.encode("hello", 1, name="x", device={}, codecs=offered))
+        err = await recv(ws, "error")
+        assert err["code"] == "no_codec"
+        assert "none" in err["message"]

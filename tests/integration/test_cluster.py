@@ -1,0 +1,99 @@
+"""Real daemon on loopback, real worker processes of different emulated speeds."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import aiohttp
+import pytest
+
+from tests.integration.conftest import WORKER_TOKEN
+
+pytestmark = pytest.mark.slow
+
+
+def clocks(engine) -> list[int]:  # type: ignore[no-untyped-def]
+    return [f.clock for f in engine.facts.values()]
+
+
+async def test_ssp_bounds_the_clock_gap_and_learns_digits(cluster) -> None:  # type: ignore[no-untyped-def]
+    c = await cluster("ssp", {"staleness": 3})
+    for slowdown in (1, 2, 4):
+        await c.spawn(slowdown)
+    await c.wait_for(lambda: len(c.engine.facts) == 3, 60, "3 workers to join")
+    gaps: list[int] = []
+
+    def progressed() -> bool:
+        cl = clocks(c.engine)
+        if cl:
+            gaps.append(max(cl) - min(cl))
+        acc = c.engine.evals[-1][2] if c.engine.evals else 0.0
+        return min(cl, default=0) >= 40 and acc > 0.9
+
+    await c.wait_for(progressed, 90, "40 rounds and accuracy > 0.9")
+    # The gate: nobody was ever released more than s clocks ahead of the slowest, so the clocks
+    # (which count one push more than a release) never drift more than s + 1 apart.
+    assert c.engine.max_release_gap <= 3
+    assert max(gaps) <= 4
+    assert c.engine.max_release_gap >= 1, "the fast worker never ran ahead: the test proves nothing"
+    assert c.engine.evals[-1][2] > 0.9
+
+
+async def test_bsp_moves_in_lockstep(cluster) -> None:  # type: ignore[no-untyped-def]
+    c = await cluster("bsp")
+    for slowdown in (1, 2, 4):
+        await c.spawn(slowdown)
+    await c.wait_for(lambda: len(c.engine.facts) == 3, 60, "3 workers to join")
+    spread: list[int] = []
+
+    def rounds() -> bool:
+        cl = clocks(c.engine)
+        spread.append(max(cl) - min(cl))
+        return min(cl) >= 20
+
+    await c.wait_for(rounds, 60, "20 BSP rounds")
+    assert max(spread) <= 1
+    assert c.engine.max_release_gap == 0
+    # One version per round: every push of a round is aggregated into one update.
+    assert c.engine.store.version <= min(clocks(c.engine)) + 1
+
+
+async def test_asp_lets_the_fast_worker_run(cluster) -> None:  # type: ignore[no-untyped-def]
+    c = await cluster("asp")
+    for slowdown in (1, 2, 4):
+        await c.spawn(slowdown)
+    await c.wait_for(lambda: len(c.engine.facts) == 3, 60, "3 workers to join")
+    await c.wait_for(lambda: min(clocks(c.engine)) >= 15, 60, "15 pushes from the slowest")
+    by_name = {f.name: f.clock for f in c.engine.facts.values()}
+    fast = next(v for k, v in by_name.items() if k.endswith("x1"))
+    slow = next(v for k, v in by_name.items() if k.endswith("x4"))
+    assert fast >= 2 * slow, by_name
+
+
+async def test_killed_worker_does_not_stall_bsp(cluster) -> None:  # type: ignore[no-untyped-def]
+    c = await cluster("bsp")
+    procs = [await c.spawn(1), await c.spawn(1), await c.spawn(2)]
+    await c.wait_for(lambda: len(c.engine.facts) == 3, 60, "3 workers to join")
+    await c.wait_for(lambda: min(clocks(c.engine)) >= 5, 60, "5 BSP rounds")
+    procs[2].send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    version = c.engine.store.version
+    timeout = c.daemon.cfg.server.heartbeat_timeout_s
+    await c.wait_for(lambda: c.engine.store.version >= version + 5, timeout + 10, "progress")
+    assert time.monotonic() - killed_at <= timeout + 2
+    assert len(c.engine.facts) == 2
+
+
+async def test_wrong_token_is_refused(cluster) -> None:  # type: ignore[no-untyped-def]
+    c = await cluster("asp")
+    async with aiohttp.ClientSession() as http:
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": WORKER_TOKEN}):
+            with pytest.raises(aiohttp.WSServerHandshakeError) as err:
+                await http.ws_connect(c.url + "/v1/ws", headers=headers)
+            assert err.value.status == 401
+    proc = await c.spawn(1, 0.02, token="wrong")
+    assert await proc.wait() == 2
+    assert proc.stderr is not None
+    assert b"401" in await proc.stderr.read()
+    assert not c.engine.facts

@@ -1,0 +1,158 @@
+"""Configuration: defaults, a TOML file, errors that name the bad key, tokens from the environment."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hetd import config
+from hetd.config import Config, ConfigError
+
+
+@pytest.fixture(autouse=True)
+def no_token_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A developer's shell may export tokens; start every test without them."""
+    monkeypatch.delenv("HETD_WORKER_TOKEN", raising=False)
+    monkeypatch.delenv("HETD_ADMIN_TOKEN", raising=False)
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "hetd.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_load_without_a_file() -> None:
+    cfg = config.load(None)
+    assert cfg == Config()
+    assert (cfg.server.port, cfg.train.optimizer, cfg.policy.name) == (7070, "sgd", "ssp")
+    assert cfg.policy.params == {"staleness": 3}
+    assert cfg.server.worker_token == "" and cfg.server.admin_token == ""
+
+
+def test_a_valid_file_loads(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """
+[server]
+host = "0.0.0.0"
+port = 9000
+heartbeat_s = 1  # an int is fine where a float is expected
+worker_token = "w-token"
+admin_token = "a-token"
+
+[train]
+optimizer = "adam"
+lr = 0.001
+model_kwargs = { hidden = 64 }
+
+[policy]
+name = "bsp"
+params = {}
+
+[store]
+dir = "/var/lib/hetd"
+""",
+    )
+    cfg = config.load(path)
+    assert (cfg.server.host, cfg.server.port) == ("0.0.0.0", 9000)
+    assert cfg.server.heartbeat_s == 1.0 and isinstance(cfg.server.heartbeat_s, float)
+    assert (cfg.server.worker_token, cfg.server.admin_token) == ("w-token", "a-token")
+    assert (cfg.train.optimizer, cfg.train.lr, cfg.train.model_kwargs) == (
+        "adam",
+        0.001,
+        {"hidden": 64},
+    )
+    assert cfg.train.batch_size == 32  # untouched keys keep their defaults
+    assert (cfg.policy.name, cfg.policy.params) == ("bsp", {})
+    assert cfg.store.dir == "/var/lib/hetd" and cfg.store.interval_s == 60.0
+
+
+def test_unknown_section_is_named_with_the_valid_ones(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="workers") as info:
+        config.load(write(tmp_path, "[workers]\ncount = 3\n"))
+    for section in ("server", "train", "policy", "store"):
+        assert section in str(info.value)
+
+
+def test_unknown_key_is_named_with_the_valid_ones(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="prot") as info:
+        config.load(write(tmp_path, "[server]\nprot = 9000\n"))
+    message = str(info.value)
+    assert "[server]" in message and "port" in message and "admin_token" in message
+
+
+@pytest.mark.parametrize(
+    ("toml", "where"),
+    [
+        ('[server]\nport = "9000"\n', "port"),
+        ("[server]\nport = 9000.0\n", "port"),
+        ("[server]\nport = true\n", "port"),
+        ("[server]\nhost = 127\n", "host"),
+        ('[train]\nlr = "fast"\n', "lr"),
+        ("[train]\nlr = false\n", "lr"),
+        ("[train]\nmodel_kwargs = 3\n", "model_kwargs"),
+        ("[policy]\nparams = [1, 2]\n", "params"),
+        ("[store]\ndir = 1979-05-27\n", "dir"),
+        ('server = "loopback"\n', "server"),
+    ],
+)
+def test_wrong_types_are_rejected(tmp_path: Path, toml: str, where: str) -> None:
+    with pytest.raises(ConfigError, match=where):
+        config.load(write(tmp_path, toml))
+
+
+def test_replace_checks_like_the_file() -> None:
+    cfg = config.replace(Config(), "server", port=0)
+    assert cfg.server.port == 0
+    with pytest.raises(ConfigError, match="port"):
+        config.replace(cfg, "server", port="0")
+    with pytest.raises(ConfigError, match="colour"):
+        config.replace(cfg, "train", colour="red")
+
+
+def test_env_tokens_override_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write(tmp_path, '[server]\nworker_token = "file-w"\nadmin_token = "file-a"\n')
+    monkeypatch.setenv("HETD_WORKER_TOKEN", "env-w")
+    cfg = config.load(path)
+    assert (cfg.server.worker_token, cfg.server.admin_token) == ("env-w", "file-a")
+    monkeypatch.setenv("HETD_ADMIN_TOKEN", "env-a")
+    cfg = config.load(path)
+    assert (cfg.server.worker_token, cfg.server.admin_token) == ("env-w", "env-a")
+    assert config.load(None).server.admin_token == "env-a"
+
+
+def test_equal_worker_and_admin_tokens_are_rejected(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ConfigError, match="differ"):
+        config.load(write(tmp_path, '[server]\nworker_token = "same"\nadmin_token = "same"\n'))
+    monkeypatch.setenv("HETD_WORKER_TOKEN", "same")
+    monkeypatch.setenv("HETD_ADMIN_TOKEN", "same")
+    with pytest.raises(ConfigError, match="differ"):
+        config.load(None)
+
+
+def test_invalid_toml_gives_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="TOML"):
+        config.load(write(tmp_path, "[server\nport = \n"))
+
+
+def test_missing_file_gives_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        config.load(tmp_path / "absent.toml")
+
+
+def test_non_utf8_file_gives_config_error(tmp_path: Path) -> None:
+    """BUG (config.load): tomllib raises UnicodeDecodeError, which is not caught."""
+    path = tmp_path / "latin1.toml"
+    path.write_bytes('[server]\nhost = "caf\xe9"\n'.encode("latin-1"))
+    with pytest.raises(ConfigError):
+        config.load(path)
+
+
+def test_replace_rejects_equal_tokens() -> None:
+    """BUG (config.replace): the token check lives only in with_env, so replace() skips it."""
+    with pytest.raises(ConfigError, match="differ"):
+        config.replace(Config(), "server", worker_token="same", admin_token="same")

@@ -1,0 +1,188 @@
+"""The worker's connection: hello/welcome, then params -> compute -> push, heartbeats beside it;
+reconnects with backoff when the daemon goes away and resumes as the same worker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import jax
+
+from hetd import codecs, wire
+from workers.emulate import Emulation
+from workers.loop import Trainer, device_info, host_free_memory
+
+log = logging.getLogger("hetd.worker")
+
+
+class FatalError(RuntimeError):
+    """Retrying will not help (wrong token, refused codec): the worker exits."""
+
+
+@dataclass
+class WorkerOptions:
+    """Everything ``hetd-worker`` takes."""
+
+    url: str
+    token: str = ""
+    name: str = "worker"
+    device: jax.Device | None = None
+    emulation: Emulation = field(default_factory=Emulation)
+    max_frame_bytes: int = wire.DEFAULT_MAX_FRAME
+    max_steps: int = 0  # 0: run until stopped
+    max_retries: int = -1  # -1: retry forever
+    backoff_s: float = 0.5
+    backoff_max_s: float = 10.0
+
+
+@dataclass
+class WorkerState:
+    """What survives a reconnect."""
+
+    worker_id: int | None = None
+    steps: int = 0
+    trainer: Trainer | None = None
+    trainer_key: str = ""
+    plan: dict[str, Any] = field(default_factory=dict)
+    codec: str = "none"
+
+
+async def run_worker(opts: WorkerOptions) -> int:
+    """Connect, train, reconnect; returns the number of pushes made."""
+    state = WorkerState()
+    failures = 0
+    async with aiohttp.ClientSession() as http:
+        while opts.max_steps == 0 or state.steps < opts.max_steps:
+            try:
+                await _session(http, opts, state)
+                failures = 0
+            except FatalError:
+                raise
+            except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
+                failures += 1
+                if 0 <= opts.max_retries < failures:
+                    raise FatalError(
+                        f"daemon unreachable after {failures - 1} retries: {exc}"
+                    ) from exc
+                delay = min(opts.backoff_max_s, opts.backoff_s * 2 ** min(failures - 1, 10))
+                delay *= 0.5 + random.random() / 2
+                log.warning("connection lost (%s); retrying in %.1fs", exc, delay)
+                await asyncio.sleep(delay)
+    return state.steps
+
+
+async def _session(http: aiohttp.ClientSession, opts: WorkerOptions, state: WorkerState) -> None:
+    headers = {"Authorization": f"Bearer {opts.token}"} if opts.token else {}
+    try:
+        ws = await http.ws_connect(
+            opts.url.rstrip("/") + "/v1/ws",
+            headers=headers,
+            max_msg_size=opts.max_frame_bytes,
+            compress=0,
+            autoping=True,
+        )
+    except aiohttp.WSServerHandshakeError as exc:
+        if exc.status == 401:
+            raise FatalError("the daemon refused our token (401): set HETD_WORKER_TOKEN") from None
+        raise
+    device = opts.device or jax.devices()[0]
+    async with ws:
+        resume = {"worker_id": state.worker_id} if state.worker_id is not None else None
+        await ws.send_bytes(
+            wire.encode(
+                "hello",
+                1,
+                name=opts.name,
+                device=device_info(device),
+                codecs=codecs.names(),
+                resume=resume,
+            )
+        )
+        beat: asyncio.Task[None] | None = None
+        try:
+            async for frame in ws:
+                if frame.type != aiohttp.WSMsgType.BINARY:
+                    break
+                msg = wire.decode(frame.data, opts.max_frame_bytes)
+                if msg.type == "welcome":
+                    if beat is None:  # first: building the trainer can take seconds
+                        beat = asyncio.create_task(_heartbeats(ws, float(msg["heartbeat_s"])))
+                    await asyncio.to_thread(_welcome, msg, state, device)
+                elif msg.type == "plan":
+                    state.plan.update(msg["plan"])
+                elif msg.type == "ack":
+                    if msg["status"] == "dropped":
+                        log.info("push dropped: %s", msg.get("reason"))
+                elif msg.type == "error":
+                    log.warning("daemon error %s: %s", msg["code"], msg["message"])
+                    if msg["code"] == "no_codec":
+                        raise FatalError(msg["message"])
+                elif msg.type == "params":
+                    await _step(ws, msg, opts, state)
+                    if opts.max_steps and state.steps >= opts.max_steps:
+                        await ws.send_bytes(wire.encode("bye", 0, reason="max steps reached"))
+                        return
+        finally:
+            if beat is not None:
+                beat.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await beat
+    reason = ws.close_code
+    raise ConnectionError(f"daemon closed the connection (code {reason})")
+
+
+def _welcome(msg: wire.Message, state: WorkerState, device: jax.Device) -> None:
+    state.worker_id = msg["worker_id"]
+    state.plan = dict(msg["plan"])
+    key = repr((msg["model"], msg["dataset"], msg["shard"], msg["train"]))
+    if state.trainer is None or state.trainer_key != key:
+        state.trainer = Trainer(msg.body, device)
+        state.trainer_key = key
+    log.info("joined as worker %d, plan %s", state.worker_id, state.plan)
+
+
+async def _step(
+    ws: aiohttp.ClientWebSocketResponse, msg: wire.Message, opts: WorkerOptions, state: WorkerState
+) -> None:
+    if state.trainer is None:
+        raise ConnectionError("params before welcome")
+    params = await asyncio.to_thread(codecs.decode_tree, msg["tensors"])
+    t0 = time.perf_counter()
+    update = await asyncio.to_thread(state.trainer.step, params, dict(state.plan))
+    compute_s = time.perf_counter() - t0
+    emulated = opts.emulation.step_seconds(compute_s)
+    if emulated > compute_s:
+        await asyncio.sleep(emulated - compute_s)
+    codec = codecs.get_codec(str(state.plan.get("codec", "none")))
+    frame = wire.encode(
+        "push",
+        state.steps + 1,
+        base=msg["version"],
+        kind=update.kind,
+        tensors=codecs.encode_tree(update.tensors, codec),
+        samples=update.samples,
+        steps=update.steps,
+        compute_s=emulated,
+        loss=update.loss,
+        free_mem=host_free_memory(),
+        sent_at=time.time(),
+    )
+    delay = opts.emulation.transfer_seconds(len(frame))
+    if delay:
+        await asyncio.sleep(delay)
+    await ws.send_bytes(frame)
+    state.steps += 1
+
+
+async def _heartbeats(ws: aiohttp.ClientWebSocketResponse, every_s: float) -> None:
+    frame = wire.encode("heartbeat", 0)
+    while not ws.closed:
+        await asyncio.sleep(every_s)
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await ws.send_bytes(frame)
