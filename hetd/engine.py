@@ -89,6 +89,7 @@ class EngineConfig:
     eval_interval_s: float = 1.0
     max_staleness: int = 1000
     shards: int = 0  # 0: max(4, workers seen)
+    eval_inline: bool = False  # evaluate inside tick() (the simulator: virtual time, no threads)
     welcome: Mapping[str, Any] = field(default_factory=dict)  # model/dataset/train for the welcome
 
 
@@ -365,9 +366,13 @@ class Engine:
             and now - self._last_eval >= self.config.eval_interval_s
         ):
             self._last_eval = now
-            self._eval_task = asyncio.get_running_loop().create_task(
-                self._evaluate(self.store.snapshot())
-            )
+            if self.config.eval_inline:
+                loss, acc = self.evaluator(self.store.snapshot())
+                self.record_eval(loss, acc)
+            else:
+                self._eval_task = asyncio.get_running_loop().create_task(
+                    self._evaluate(self.store.snapshot())
+                )
         self._dispatch(Tick(now))
 
     async def _evaluate(self, snap: Snapshot) -> None:
