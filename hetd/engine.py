@@ -103,6 +103,7 @@ class WorkerStats:
     dropped: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
+    worker_idle_s: float = 0.0  # s the worker reported waiting for parameters
     staleness: list[int] = field(default_factory=list)
     last_seen: float = 0.0
     device: Mapping[str, Any] = field(default_factory=dict)
@@ -124,6 +125,8 @@ class PushIn:
     loss: float | None
     free_mem: int | None
     nbytes: int
+    transfer_s: float | None = None  # s from the worker's send to our receipt, when known
+    idle_s: float | None = None  # s the worker waited for parameters before this step
 
 
 class Engine:
@@ -148,7 +151,7 @@ class Engine:
         self.peers: dict[int, Peer] = {}
         self.departed: dict[int, WorkerFacts] = {}
         self.departures: deque[tuple[float, int, str]] = deque(maxlen=64)  # (t, worker, reason)
-        self.buffer = Aggregator()
+        self.buffers: dict[int, Aggregator] = {}  # group (e.g. round) -> buffered updates
         self.stage = "main"
         self.started_at = self.clock.now()
         self.updates_applied = 0
@@ -170,7 +173,7 @@ class Engine:
             version=self.store.version,
             workers=self.facts,
             global_batch=self.config.global_batch,
-            buffered=self.buffer.count,
+            buffered=self.buffered(),
             stage=self.stage,
         )
 
@@ -309,6 +312,7 @@ class Engine:
         st.last_seen = now
         st.pushes += 1
         st.bytes_in += p.nbytes
+        st.worker_idle_s += p.idle_s or 0.0
         staleness = max(0, self.store.version - p.base)
         st.staleness.append(staleness)
         if len(st.staleness) > 4096:
@@ -329,6 +333,9 @@ class Engine:
             if p.samples
             else facts.sample_s,
             push_bytes=ewma(facts.push_bytes, float(p.nbytes)),
+            link_bps=ewma(facts.link_bps, p.nbytes / p.transfer_s)
+            if p.transfer_s and p.transfer_s > 0
+            else facts.link_bps,
             samples=facts.samples + p.samples,
             free_mem=p.free_mem if p.free_mem is not None else facts.free_mem,
         )
@@ -346,7 +353,7 @@ class Engine:
         """Replace the policy between two events; on any error the old one stays."""
         new = make_policy(name, params)
         state = new.init(self.view())
-        if self.buffer.count:  # never lose buffered updates: apply them before the change
+        if self.buffered():  # never lose buffered updates: apply them before the change
             self._flush(Flush(normalize=True))
         old = self.policy.name
         self.policy, self.policy_state = new, state
@@ -409,6 +416,12 @@ class Engine:
         for d in decisions:
             if isinstance(d, Scale):
                 factor *= d.factor
+        # Plans first, so a worker released by this event computes under its new plan.
+        for d in decisions:
+            if isinstance(d, SetStage):
+                self._set_stage(d.stage)
+            elif isinstance(d, SetPlan):
+                self._set_plan(d.worker, d.fields)
         decided = False
         for d in decisions:
             if isinstance(d, Apply | Buffer | Drop):
@@ -420,11 +433,7 @@ class Engine:
                 self._flush(d)
             elif isinstance(d, Release):
                 self._release(d.worker)
-            elif isinstance(d, SetPlan):
-                self._set_plan(d.worker, d.fields)
-            elif isinstance(d, SetStage):
-                self._set_stage(d.stage)
-            elif isinstance(d, Hold | Scale):
+            elif isinstance(d, Hold | Scale | SetPlan | SetStage):
                 pass
         if push is not None and not decided:
             # A policy that says nothing about a push must not lose it.
@@ -439,19 +448,26 @@ class Engine:
             st.applied += 1
             self._ack(p, "applied")
         elif isinstance(d, Buffer):
-            self.buffer.add(p.kind, p.tensors, d.weight * factor)
+            self.buffers.setdefault(d.group, Aggregator()).add(p.kind, p.tensors, d.weight * factor)
             st.buffered += 1
             self._ack(p, "buffered")
         elif isinstance(d, Drop):
             st.dropped += 1
             self._ack(p, "dropped", d.reason)
 
+    def buffered(self) -> int:
+        """Pushes waiting in aggregation buffers."""
+        return sum(b.count for b in self.buffers.values())
+
     def _flush(self, d: Flush) -> None:
-        if not self.buffer.count:
-            return
-        for kind, tensors in self.buffer.take(d.normalize):
-            self.store.apply(kind, tensors, d.scale)
-        self.updates_applied += 1
+        groups = sorted(g for g in self.buffers if d.upto is None or g <= d.upto)
+        for g in groups:
+            agg = self.buffers.pop(g, None)
+            if agg is None or not agg.count:
+                continue
+            for kind, tensors in agg.take(d.normalize):
+                self.store.apply(kind, tensors, d.scale)
+            self.updates_applied += 1
 
     def _release(self, wid: int) -> None:
         facts = self.facts.get(wid)
@@ -553,6 +569,8 @@ class Engine:
                     "dropped": st.dropped,
                     "staleness_mean": float(np.mean(st.staleness)) if st.staleness else 0.0,
                     "idle_fraction": min(1.0, f.idle_s / alive),
+                    "worker_idle_s": st.worker_idle_s,
+                    "link_bps": f.link_bps,
                     "bytes_in": st.bytes_in,
                     "bytes_out": st.bytes_out,
                     "last_seen_s": now - st.last_seen,

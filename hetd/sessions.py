@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import time
 from collections import deque
 from functools import partial
 
@@ -98,7 +99,18 @@ def decode_push(engine: Engine, wid: int, msg: wire.Message, nbytes: int) -> Pus
         loss=None if msg.get("loss") is None else float(msg["loss"]),
         free_mem=msg.get("free_mem"),
         nbytes=nbytes,
+        transfer_s=_transfer_s(msg.get("sent_at")),
+        idle_s=None if msg.get("idle_s") is None else float(msg["idle_s"]),
     )
+
+
+def _transfer_s(sent_at: float | None) -> float | None:
+    """Send-to-receipt seconds from the worker's wall-clock stamp; None when the clocks disagree
+    too much to trust it (workers on other hosts without synchronised clocks)."""
+    if sent_at is None:
+        return None
+    dt = time.time() - sent_at
+    return dt if 0.0 < dt < 60.0 else None
 
 
 def _decode(engine: Engine, wid: int | None, data: bytes, cap: int) -> wire.Message | PushIn:

@@ -56,6 +56,7 @@ SCHEMA: Final[dict[str, dict[str, tuple[tuple[type, ...], bool]]]] = {
         "free_mem": (_OPT_INT, False),
         "pull_s": (_OPT_NUM, False),
         "sent_at": (_OPT_NUM, False),
+        "idle_s": (_OPT_NUM, False),
     },
     "profile_result": {"result": ((dict,), True)},
     "heartbeat": {},
@@ -181,7 +182,7 @@ def validate(raw: Mapping[str, Any]) -> Message:
             raise ProtocolError("malformed", f"push: kind must be one of {PUSH_KINDS}")
         if body["samples"] < 0 or body["steps"] < 1 or not 0 <= body["compute_s"] < math.inf:
             raise ProtocolError("malformed", "push: samples >= 0, steps >= 1, 0 <= compute_s < inf")
-        for name in ("loss", "pull_s", "sent_at"):
+        for name in ("loss", "pull_s", "sent_at", "idle_s"):
             value = body.get(name)
             if value is not None and not math.isfinite(value):
                 raise ProtocolError("malformed", f"push: {name} must be finite, got {value!r}")

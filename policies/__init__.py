@@ -3,6 +3,8 @@
 Importing this package registers the built-in policies; :func:`make_policy` builds one by name.
 """
 
+from policies import shares as shares
+from policies import staleness as staleness
 from policies import sync as sync
 from policies.base import (
     ClusterView,
@@ -24,5 +26,7 @@ __all__ = [
     "compose",
     "make_policy",
     "policy_names",
+    "shares",
+    "staleness",
     "sync",
 ]

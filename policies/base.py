@@ -146,18 +146,21 @@ class Apply:
 
 @dataclass(frozen=True, slots=True)
 class Buffer:
-    """Keep the current push for the next flush with weight ``weight``."""
+    """Keep the current push for a later flush of ``group`` (e.g. its round) with ``weight``."""
 
     weight: float
+    group: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class Flush:
-    """Aggregate the buffer (Σ weight·update, divided by Σ weight when ``normalize``) and apply it
-    once, scaled by ``scale``: one new version."""
+    """Aggregate each buffered group up to ``upto`` (Σ weight·update, divided by Σ weight when
+    ``normalize``) and apply it once, scaled by ``scale``: one new version per group, in group
+    order. ``upto=None`` flushes every group."""
 
     normalize: bool = True
     scale: float = 1.0
+    upto: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

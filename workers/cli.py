@@ -52,7 +52,8 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         metavar="SECONDS",
-        help="pad each step to at least this long before the slow-down applies",
+        help="pad each step of 32 samples (scaled by the batch) to at least this long "
+        "before the slow-down applies",
     )
     p.add_argument(
         "--emulate-bandwidth", default=None, metavar="RATE", help="cap the link, e.g. 20MB/s"
@@ -63,6 +64,13 @@ def parser() -> argparse.ArgumentParser:
         default=0.0,
         metavar="P",
         help="chance per step of a x5 slow episode (mean 10 steps)",
+    )
+    p.add_argument(
+        "--emulate-memory",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="report this much free memory instead of the real figure",
     )
     p.add_argument("--seed", type=int, default=0, help="seed for the emulated stragglers")
     p.add_argument("-v", "--verbose", action="store_true", help="log every connection event")
@@ -101,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         emulation = Emulation(
             slowdown=args.emulate_slowdown,
             base_step_s=args.emulate_base_step,
+            memory=args.emulate_memory,
             bandwidth=parse_rate(args.emulate_bandwidth) if args.emulate_bandwidth else None,
             stragglers=args.emulate_stragglers,
             seed=args.seed,

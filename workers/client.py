@@ -50,7 +50,7 @@ class WorkerState:
     trainer: Trainer | None = None
     trainer_key: str = ""
     plan: dict[str, Any] = field(default_factory=dict)
-    codec: str = "none"
+    heartbeat_s: float = 2.0
 
 
 async def run_worker(opts: WorkerOptions) -> int:
@@ -77,6 +77,35 @@ async def run_worker(opts: WorkerOptions) -> int:
     return state.steps
 
 
+class Inbox:
+    """What the reader task hands the compute loop: the newest parameters and how many pushes are
+    still unanswered. A worker computes when it has parameters and at most ``depth`` pushes in
+    flight (0, or 1 when its plan says ``pipeline``: the next step overlaps the last push)."""
+
+    def __init__(self) -> None:
+        self.params: wire.Message | None = None
+        self.in_flight = 0
+        self.changed = asyncio.Event()
+        self.welcomed = asyncio.Event()
+        self.closed: BaseException | None = None
+
+    def deliver(self, msg: wire.Message) -> None:
+        """A ``params`` message arrived."""
+        self.params = msg
+        self.in_flight = max(0, self.in_flight - 1)
+        self.changed.set()
+
+    async def take(self, depth: int) -> wire.Message:
+        """Wait until a step may start; the parameters to start it from."""
+        while True:
+            if self.closed is not None:
+                raise ConnectionError(f"daemon connection ended: {self.closed}")
+            if self.params is not None and self.in_flight <= depth:
+                return self.params
+            self.changed.clear()
+            await self.changed.wait()
+
+
 async def _session(http: aiohttp.ClientSession, opts: WorkerOptions, state: WorkerState) -> None:
     headers = {"Authorization": f"Bearer {opts.token}"} if opts.token else {}
     try:
@@ -92,54 +121,80 @@ async def _session(http: aiohttp.ClientSession, opts: WorkerOptions, state: Work
             raise FatalError("the daemon refused our token (401): set HETD_WORKER_TOKEN") from None
         raise
     device = opts.device or jax.devices()[0]
+    info = device_info(device)
+    if opts.emulation.memory is not None:
+        info["free_memory"] = opts.emulation.memory
+    inbox = Inbox()
     async with ws:
         resume = {"worker_id": state.worker_id} if state.worker_id is not None else None
         await ws.send_bytes(
             wire.encode(
-                "hello",
-                1,
-                name=opts.name,
-                device=device_info(device),
-                codecs=codecs.names(),
-                resume=resume,
+                "hello", 1, name=opts.name, device=info, codecs=codecs.names(), resume=resume
             )
         )
+        reader = asyncio.create_task(_read(ws, opts, state, inbox, device))
         beat: asyncio.Task[None] | None = None
         try:
-            async for frame in ws:
-                if frame.type != aiohttp.WSMsgType.BINARY:
-                    break
-                msg = wire.decode(frame.data, opts.max_frame_bytes)
-                if msg.type == "welcome":
-                    if beat is None:  # first: building the trainer can take seconds
-                        beat = asyncio.create_task(_heartbeats(ws, float(msg["heartbeat_s"])))
-                    await asyncio.to_thread(_welcome, msg, state, device)
-                elif msg.type == "plan":
-                    state.plan.update(msg["plan"])
-                elif msg.type == "ack":
-                    if msg["status"] == "dropped":
-                        log.info("push dropped: %s", msg.get("reason"))
-                elif msg.type == "error":
-                    log.warning("daemon error %s: %s", msg["code"], msg["message"])
-                    if msg["code"] == "no_codec":
-                        raise FatalError(msg["message"])
-                elif msg.type == "params":
-                    await _step(ws, msg, opts, state)
-                    if opts.max_steps and state.steps >= opts.max_steps:
-                        await ws.send_bytes(wire.encode("bye", 0, reason="max steps reached"))
-                        return
+            waiter = asyncio.create_task(inbox.welcomed.wait())
+            await asyncio.wait({reader, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if reader.done():
+                reader.result()  # raises what ended it
+                raise ConnectionError("daemon closed the connection before welcome")
+            beat = asyncio.create_task(_heartbeats(ws, state.heartbeat_s))
+            while not opts.max_steps or state.steps < opts.max_steps:
+                t0 = time.perf_counter()
+                depth = 1 if state.plan.get("pipeline") else 0
+                msg = await inbox.take(depth)
+                await _step(ws, msg, opts, state, idle_s=time.perf_counter() - t0)
+                inbox.in_flight += 1
+            await ws.send_bytes(wire.encode("bye", 0, reason="max steps reached"))
         finally:
-            if beat is not None:
-                beat.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await beat
-    reason = ws.close_code
-    raise ConnectionError(f"daemon closed the connection (code {reason})")
+            for task in (beat, reader):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
+
+
+async def _read(
+    ws: aiohttp.ClientWebSocketResponse,
+    opts: WorkerOptions,
+    state: WorkerState,
+    inbox: Inbox,
+    device: jax.Device,
+) -> None:
+    """Read every frame the daemon sends; hand parameters to the compute loop."""
+    try:
+        async for frame in ws:
+            if frame.type != aiohttp.WSMsgType.BINARY:
+                break
+            msg = wire.decode(frame.data, opts.max_frame_bytes)
+            if msg.type == "welcome":
+                await asyncio.to_thread(_welcome, msg, state, device)
+                inbox.welcomed.set()
+            elif msg.type == "plan":
+                state.plan.update(msg["plan"])
+            elif msg.type == "params":
+                inbox.deliver(msg)
+            elif msg.type == "ack":
+                if msg["status"] == "dropped":
+                    log.info("push dropped: %s", msg.get("reason"))
+            elif msg.type == "error":
+                log.warning("daemon error %s: %s", msg["code"], msg["message"])
+                if msg["code"] == "no_codec":
+                    raise FatalError(msg["message"])
+        raise ConnectionError(f"daemon closed the connection (code {ws.close_code})")
+    except BaseException as exc:
+        inbox.closed = exc
+        inbox.changed.set()
+        raise
 
 
 def _welcome(msg: wire.Message, state: WorkerState, device: jax.Device) -> None:
     state.worker_id = msg["worker_id"]
     state.plan = dict(msg["plan"])
+    state.heartbeat_s = float(msg["heartbeat_s"])
     key = repr((msg["model"], msg["dataset"], msg["shard"], msg["train"]))
     if state.trainer is None or state.trainer_key != key:
         state.trainer = Trainer(msg.body, device)
@@ -148,7 +203,11 @@ def _welcome(msg: wire.Message, state: WorkerState, device: jax.Device) -> None:
 
 
 async def _step(
-    ws: aiohttp.ClientWebSocketResponse, msg: wire.Message, opts: WorkerOptions, state: WorkerState
+    ws: aiohttp.ClientWebSocketResponse,
+    msg: wire.Message,
+    opts: WorkerOptions,
+    state: WorkerState,
+    idle_s: float,
 ) -> None:
     if state.trainer is None:
         raise ConnectionError("params before welcome")
@@ -156,10 +215,11 @@ async def _step(
     t0 = time.perf_counter()
     update = await asyncio.to_thread(state.trainer.step, params, dict(state.plan))
     compute_s = time.perf_counter() - t0
-    emulated = opts.emulation.step_seconds(compute_s)
+    emulated = opts.emulation.step_seconds(compute_s, update.samples)
     if emulated > compute_s:
         await asyncio.sleep(emulated - compute_s)
     codec = codecs.get_codec(str(state.plan.get("codec", "none")))
+    free = opts.emulation.memory if opts.emulation.memory is not None else host_free_memory()
     frame = wire.encode(
         "push",
         state.steps + 1,
@@ -170,8 +230,9 @@ async def _step(
         steps=update.steps,
         compute_s=emulated,
         loss=update.loss,
-        free_mem=host_free_memory(),
+        free_mem=free,
         sent_at=time.time(),
+        idle_s=idle_s,
     )
     delay = opts.emulation.transfer_seconds(len(frame))
     if delay:

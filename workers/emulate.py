@@ -42,7 +42,9 @@ class Emulation:
     """
 
     slowdown: float = 1.0
-    base_step_s: float = 0.0  # s; a step takes at least this long before the slow-down
+    base_step_s: float = 0.0  # s per step of base_batch samples, before the slow-down
+    base_batch: int = 32
+    memory: int | None = None  # bytes of free memory to report instead of the real figure
     bandwidth: float | None = None
     stragglers: float = 0.0
     straggle_factor: float = 5.0
@@ -60,15 +62,17 @@ class Emulation:
             raise ValueError(f"stragglers must be a probability, got {self.stragglers}")
         self._rng = np.random.default_rng(self.seed)
 
-    def step_seconds(self, compute_s: float) -> float:
-        """The emulated duration of a step that really took ``compute_s``."""
+    def step_seconds(self, compute_s: float, samples: int | None = None) -> float:
+        """The emulated duration of a step over ``samples`` that really took ``compute_s``: at
+        least ``base_step_s × samples/base_batch``, times the slow-down and any straggle."""
         factor = self.slowdown
         if self._left == 0 and self.stragglers > 0 and self._rng.random() < self.stragglers:
             self._left = int(self._rng.geometric(1.0 / self.straggle_mean))
         if self._left > 0:
             self._left -= 1
             factor *= self.straggle_factor
-        return max(compute_s, self.base_step_s) * factor
+        base = self.base_step_s * (samples if samples is not None else self.base_batch)
+        return max(compute_s, base / self.base_batch) * factor
 
     def transfer_seconds(self, nbytes: int) -> float:
         """Extra seconds to move ``nbytes`` over the capped link (0 without a cap)."""

@@ -1,0 +1,344 @@
+"""Heterogeneity-aware batch shares: LB-BSP (ALGORITHMS.md §7) and H-PS (§8).
+
+Both keep a synchronous aggregate and a fixed global batch ``B`` but size each worker's batch so that
+all finish a round together, from per-worker timing models ``T_i(b) = a_i + c_i·b`` fitted to the
+pushes (EWMA moments, least squares). H-PS adds a memory cap per worker, a one-round lead for
+pipelined workers and a per-worker codec chosen from the measured link speed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+
+from policies.base import (
+    Buffer,
+    ClusterView,
+    Decision,
+    Event,
+    Flush,
+    Join,
+    Leave,
+    Policy,
+    Push,
+    Release,
+    SetPlan,
+    Tick,
+    register,
+)
+
+ALPHA = 0.3  # EWMA weight of a new timing observation
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """EWMA moments of (batch b, seconds t) for one worker."""
+
+    n: int = 0
+    b: float = 0.0
+    t: float = 0.0
+    bb: float = 0.0
+    bt: float = 0.0
+
+    def add(self, b: float, t: float) -> Timing:
+        """Fold in one observation."""
+        if self.n == 0:
+            return Timing(1, b, t, b * b, b * t)
+        a = ALPHA
+        return Timing(
+            self.n + 1,
+            (1 - a) * self.b + a * b,
+            (1 - a) * self.t + a * t,
+            (1 - a) * self.bb + a * b * b,
+            (1 - a) * self.bt + a * b * t,
+        )
+
+    def fit(self) -> tuple[float, float] | None:
+        """``(a, c)`` with ``T(b) = a + c·b``; proportional (a = 0) until batches have varied."""
+        if self.n == 0 or self.b <= 0:
+            return None
+        var = self.bb - self.b * self.b
+        if var > 1e-6 * self.b * self.b:
+            c = (self.bt - self.b * self.t) / var
+            a = self.t - c * self.b
+            if c > 0 and a >= 0:
+                return a, c
+        return 0.0, max(self.t, 1e-9) / self.b
+
+
+def equal_finish(
+    total: int, a: Sequence[float], c: Sequence[float], lo: Sequence[int], hi: Sequence[int]
+) -> list[int]:
+    """Integer batches ``b_i`` with ``Σ b_i = total`` and ``lo_i ≤ b_i ≤ hi_i`` that equalise the
+    predicted finish times ``a_i + c_i·b_i``: ``τ = (B + Σ a_i/c_i) / Σ 1/c_i``, ``b_i = (τ-a_i)/c_i``;
+    violators are clipped to their bounds and the rest re-solved; largest remainders round.
+    ``total`` is first clamped into ``[Σ lo, Σ hi]``."""
+    n = len(c)
+    if n == 0:
+        return []
+    if any(ci <= 0 for ci in c) or any(lo[i] > hi[i] for i in range(n)):
+        raise ValueError("equal_finish needs c_i > 0 and lo_i <= hi_i")
+    total = max(sum(lo), min(sum(hi), total))
+    fixed: dict[int, float] = {}
+    x = [0.0] * n
+    for _ in range(n + 1):
+        free = [i for i in range(n) if i not in fixed]
+        if not free:
+            break
+        rest = total - sum(fixed.values())
+        tau = (rest + sum(a[i] / c[i] for i in free)) / sum(1 / c[i] for i in free)
+        violated = False
+        for i in free:
+            x[i] = (tau - a[i]) / c[i]
+        for i in free:
+            if x[i] < lo[i]:
+                fixed[i], violated = float(lo[i]), True
+            elif x[i] > hi[i]:
+                fixed[i], violated = float(hi[i]), True
+        if not violated:
+            break
+    for i, v in fixed.items():
+        x[i] = v
+    base = [min(hi[i], max(lo[i], math.floor(x[i]))) for i in range(n)]
+    short = total - sum(base)
+    order = sorted(range(n), key=lambda i: (-(x[i] - math.floor(x[i])), i))
+    while short > 0:
+        moved = False
+        for i in order:
+            if short and base[i] < hi[i]:
+                base[i] += 1
+                short -= 1
+                moved = True
+        if not moved:
+            break
+    while short < 0:
+        moved = False
+        for i in reversed(order):
+            if short and base[i] > lo[i]:
+                base[i] -= 1
+                short += 1
+                moved = True
+        if not moved:
+            break
+    return base
+
+
+# Codec per bit width for flexible quantization (H-PS §8.3; 1 bit is sign + scale).
+BITS_CODECS: Mapping[int, str] = MappingProxyType(
+    {32: "none", 16: "bf16", 8: "int8", 4: "int4", 1: "sign"}
+)
+
+
+def choose_bits(
+    budget_s: float, latency_s: float, fp32_bytes: float, link_bps: float, options: Sequence[int]
+) -> int:
+    """The largest bit width whose push fits ``budget_s``: ``lat + (q/32)·bytes/bw ≤ budget``; the
+    smallest option when none fits."""
+    for q in sorted(options, reverse=True):
+        if latency_s + (q / 32) * fp32_bytes / link_bps <= budget_s:
+            return q
+    return min(options)
+
+
+@dataclass(frozen=True, slots=True)
+class SharesState:
+    """Timing models, current batches (samples), codec bits and the last re-plan's imbalance."""
+
+    timing: Mapping[int, Timing]
+    batches: Mapping[int, int]
+    bits: Mapping[int, int]
+    imbalance: float = 1.0  # predicted max T / min T at the last plan
+
+
+@dataclass(frozen=True, slots=True)
+class SharesConfig:
+    """Parameters of the batch-share planner."""
+
+    global_batch: int | None  # None: the view's global batch
+    b_min: int
+    eps: float  # hysteresis: re-plan only when predicted imbalance exceeds 1 + eps
+    lead: int  # rounds a worker may run ahead (0: BSP, 1: H-PS pipelining)
+    mem_per_sample: float | None  # bytes per sample for the memory cap (None: no cap)
+    rho: float  # fraction of free memory a batch may use
+    quantize: bool
+    bits_options: tuple[int, ...]
+    comm_min_s: float
+    latency_s: float
+
+
+def _caps(cfg: SharesConfig, view: ClusterView, workers: Sequence[int], total: int) -> list[int]:
+    caps = []
+    for w in workers:
+        cap = total
+        mem = view.workers[w].free_mem
+        if cfg.mem_per_sample and mem is not None:
+            cap = min(cap, max(cfg.b_min, math.floor(cfg.rho * mem / cfg.mem_per_sample)))
+        caps.append(cap)
+    return caps
+
+
+def _plan(
+    cfg: SharesConfig, state: SharesState, view: ClusterView, force: bool
+) -> tuple[list[Decision], SharesState]:
+    workers = sorted(view.workers)
+    if not workers:
+        return [], state
+    total = cfg.global_batch or view.global_batch
+    fits = [state.timing.get(w, Timing()).fit() for w in workers]
+    known = [f for f in fits if f is not None]
+    c_mean = sum(f[1] for f in known) / len(known) if known else 1.0
+    a = [f[0] if f else 0.0 for f in fits]
+    c = [f[1] if f else c_mean for f in fits]
+    current = [state.batches.get(w, max(1, total // len(workers))) for w in workers]
+    times = [a[i] + c[i] * current[i] for i in range(len(workers))]
+    imbalance = max(times) / max(1e-12, min(times))
+    caps = _caps(cfg, view, workers, total)
+    over_cap = any(current[i] > caps[i] for i in range(len(workers)))
+    if not force and not over_cap and imbalance <= 1 + cfg.eps:
+        return [], state
+    lo = [min(cfg.b_min, caps[i]) for i in range(len(workers))]
+    sizes = equal_finish(total, a, c, lo, caps)
+    out: list[Decision] = []
+    batches = dict(state.batches)
+    bits = dict(state.bits)
+    tau = max(a[i] + c[i] * sizes[i] for i in range(len(workers)))
+    for i, w in enumerate(workers):
+        fields: dict[str, object] = {}
+        if state.batches.get(w) != sizes[i]:
+            fields["batch_size"] = sizes[i]
+        batches[w] = sizes[i]
+        f = view.workers[w]
+        if cfg.quantize and f.link_bps and f.push_bytes:
+            fp32 = f.push_bytes * 32 / bits.get(w, 32)
+            budget = max(tau - (a[i] + c[i] * sizes[i]), cfg.comm_min_s)
+            q = choose_bits(budget, cfg.latency_s, fp32, f.link_bps, cfg.bits_options)
+            if bits.get(w, 32) != q:
+                fields.update(codec=BITS_CODECS[q], bits=q)
+            bits[w] = q
+        if cfg.lead:
+            fields["pipeline"] = True
+        if fields:
+            out.append(SetPlan(w, fields))
+    new_times = [a[i] + c[i] * sizes[i] for i in range(len(workers))]
+    return out, SharesState(
+        MappingProxyType(dict(state.timing)),
+        MappingProxyType(batches),
+        MappingProxyType(bits),
+        max(new_times) / max(1e-12, min(new_times)),
+    )
+
+
+def shares_policy(name: str, cfg: SharesConfig) -> Policy:
+    """A synchronous aggregate with batch shares (the body of ``lbbsp`` and ``hps``)."""
+
+    def init(view: ClusterView) -> SharesState:
+        timing = {
+            w: Timing().add(f.batch_size, f.compute_s)
+            for w, f in view.workers.items()
+            if f.compute_s is not None
+        }
+        batches = {w: f.batch_size for w, f in view.workers.items()}
+        return SharesState(
+            MappingProxyType(timing), MappingProxyType(batches), MappingProxyType({})
+        )
+
+    def update(
+        event: Event, state: SharesState, view: ClusterView
+    ) -> tuple[Sequence[Decision], SharesState]:
+        out: list[Decision] = []
+        lo = view.min_clock()
+        if isinstance(event, Push):
+            out.append(Buffer(float(event.samples), group=view.workers[event.worker].clock))
+            t = dict(state.timing)
+            t[event.worker] = t.get(event.worker, Timing()).add(event.samples, event.compute_s)
+            state = replace(state, timing=MappingProxyType(t))
+        if isinstance(event, Leave):
+            state = replace(
+                state,
+                batches=MappingProxyType(
+                    {w: b for w, b in state.batches.items() if w != event.worker}
+                ),
+            )
+        # Round r (pushes whose clock is r) is complete once every active worker reached r.
+        if (
+            view.workers
+            and isinstance(event, Push | Leave | Tick)
+            and (view.buffered or isinstance(event, Push))
+        ):
+            out.append(Flush(normalize=True, upto=lo))
+        # Re-size between rounds only: when this event completes a round, or the set changes.
+        round_done = isinstance(event, Push) and view.workers[event.worker].clock == lo
+        if round_done or isinstance(event, Join | Leave):
+            decisions, state = _plan(cfg, state, view, force=isinstance(event, Join | Leave))
+            out.extend(decisions)
+        out.extend(
+            Release(w) for w, f in view.workers.items() if f.waiting and f.clock - lo <= cfg.lead
+        )
+        return out, state
+
+    params = {
+        "global_batch": cfg.global_batch,
+        "b_min": cfg.b_min,
+        "eps": cfg.eps,
+        "lead": cfg.lead,
+        "mem_per_sample": cfg.mem_per_sample,
+        "quantize": cfg.quantize,
+    }
+    return Policy(name, init, update, params)
+
+
+def _check(global_batch: int | None, b_min: int, eps: float) -> None:
+    if global_batch is not None and (not isinstance(global_batch, int) or global_batch < 1):
+        raise ValueError(f"global_batch must be a positive int, got {global_batch!r}")
+    if not isinstance(b_min, int) or b_min < 1:
+        raise ValueError(f"b_min must be an int >= 1, got {b_min!r}")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps!r}")
+
+
+@register("lbbsp")
+def lbbsp(global_batch: int | None = None, b_min: int = 4, eps: float = 0.05) -> Policy:
+    """LB-BSP (Chen et al., SoCC 2020): BSP with the global batch fixed and each worker's batch
+    sized between rounds so all finish together; weights ``b_i/B``."""
+    _check(global_batch, b_min, eps)
+    cfg = SharesConfig(global_batch, b_min, eps, 0, None, 0.8, False, (32,), 0.002, 0.002)
+    return shares_policy("lbbsp", cfg)
+
+
+@register("hps")
+def hps(
+    global_batch: int | None = None,
+    b_min: int = 4,
+    eps: float = 0.05,
+    mem_per_sample: float = 4e6,
+    rho: float = 0.8,
+    pipeline: bool = True,
+    quantize: bool = True,
+    bits: Sequence[int] = (32, 16, 8, 4),
+    comm_min_s: float = 0.002,
+    latency_s: float = 0.002,
+) -> Policy:
+    """H-PS (Xian et al., IEEE Access 2021): LB-BSP shares capped by each worker's free memory
+    (``b_i ≤ ρ·free_mem_i / mem_per_sample``), a one-round lead so pipelined workers compute the next
+    step while the last one is in flight, and per-worker bits chosen from the measured link speed."""
+    _check(global_batch, b_min, eps)
+    if not mem_per_sample > 0 or not 0 < rho <= 1:
+        raise ValueError("mem_per_sample must be > 0 and 0 < rho <= 1")
+    bad = [q for q in bits if q not in BITS_CODECS]
+    if bad or not bits:
+        raise ValueError(f"bits must be drawn from {sorted(BITS_CODECS)}, got {list(bits)}")
+    cfg = SharesConfig(
+        global_batch,
+        b_min,
+        eps,
+        1 if pipeline else 0,
+        mem_per_sample,
+        rho,
+        quantize,
+        tuple(bits),
+        comm_min_s,
+        latency_s,
+    )
+    return shares_policy("hps", cfg)
