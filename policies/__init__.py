@@ -3,6 +3,7 @@
 Importing this package registers the built-in policies; :func:`make_policy` builds one by name.
 """
 
+from policies import adsp, ashl  # noqa: F401  (registers adsp, ashl)
 from policies import shares as shares
 from policies import staleness as staleness
 from policies import sync as sync
