@@ -73,7 +73,8 @@ def equal_finish(
 ) -> list[int]:
     """Integer batches ``b_i`` with ``Σ b_i = total`` and ``lo_i ≤ b_i ≤ hi_i`` that equalise the
     predicted finish times ``a_i + c_i·b_i``: ``τ = (B + Σ a_i/c_i) / Σ 1/c_i``, ``b_i = (τ-a_i)/c_i``;
-    violators are clipped to their bounds and the rest re-solved; largest remainders round.
+    with bounds, ``τ`` solves ``Σ clip((τ-a_i)/c_i, lo_i, hi_i) = B`` (bisection); largest
+    remainders round.
     ``total`` is first clamped into ``[Σ lo, Σ hi]``."""
     n = len(c)
     if n == 0:
@@ -81,26 +82,20 @@ def equal_finish(
     if any(ci <= 0 for ci in c) or any(lo[i] > hi[i] for i in range(n)):
         raise ValueError("equal_finish needs c_i > 0 and lo_i <= hi_i")
     total = max(sum(lo), min(sum(hi), total))
-    fixed: dict[int, float] = {}
-    x = [0.0] * n
-    for _ in range(n + 1):
-        free = [i for i in range(n) if i not in fixed]
-        if not free:
-            break
-        rest = total - sum(fixed.values())
-        tau = (rest + sum(a[i] / c[i] for i in free)) / sum(1 / c[i] for i in free)
-        violated = False
-        for i in free:
-            x[i] = (tau - a[i]) / c[i]
-        for i in free:
-            if x[i] < lo[i]:
-                fixed[i], violated = float(lo[i]), True
-            elif x[i] > hi[i]:
-                fixed[i], violated = float(hi[i]), True
-        if not violated:
-            break
-    for i, v in fixed.items():
-        x[i] = v
+
+    def sizes(tau: float) -> list[float]:
+        return [min(hi[i], max(lo[i], (tau - a[i]) / c[i])) for i in range(n)]
+
+    # Σ clip((τ - a_i)/c_i, lo_i, hi_i) is non-decreasing in τ: bisect for the τ that gives B.
+    t_lo = min(a[i] + c[i] * lo[i] for i in range(n))
+    t_hi = max(a[i] + c[i] * hi[i] for i in range(n))
+    for _ in range(100):
+        mid = (t_lo + t_hi) / 2
+        if sum(sizes(mid)) < total:
+            t_lo = mid
+        else:
+            t_hi = mid
+    x = sizes(t_hi)
     base = [min(hi[i], max(lo[i], math.floor(x[i]))) for i in range(n)]
     short = total - sum(base)
     order = sorted(range(n), key=lambda i: (-(x[i] - math.floor(x[i])), i))
@@ -166,6 +161,40 @@ class SharesConfig:
     bits_options: tuple[int, ...]
     comm_min_s: float
     latency_s: float
+    quantum: int = 0  # batch sizes are multiples of this (0: automatic); bounds recompilation
+
+
+def quantized(
+    total: int,
+    a: Sequence[float],
+    c: Sequence[float],
+    lo: Sequence[int],
+    hi: Sequence[int],
+    quantum: int,
+) -> list[int]:
+    """:func:`equal_finish` in units of ``quantum`` samples, so that a worker sees few distinct
+    batch sizes (each new size costs it a compilation); the remainder of ``total`` goes to the
+    fastest worker. Bounds that do not fit the quantum fall back to single samples."""
+    q = quantum or _auto_quantum(total, len(c))
+    units, rem = divmod(total, q)
+    qlo = [-(-v // q) for v in lo]
+    qhi = [v // q for v in hi]
+    if q == 1 or units < len(c) or any(qlo[i] > qhi[i] for i in range(len(c))):
+        return equal_finish(total, a, c, lo, hi)
+    sizes = [v * q for v in equal_finish(units, a, [ci * q for ci in c], qlo, qhi)]
+    for i in sorted(range(len(c)), key=lambda i: c[i]):  # the remainder, fastest first
+        extra = min(rem, hi[i] - sizes[i])
+        sizes[i] += extra
+        rem -= extra
+    return sizes
+
+
+def _auto_quantum(total: int, n: int) -> int:
+    """A power of two near an eighth of the mean share: few sizes, balance within ~1/8."""
+    q = 1
+    while q * 2 <= total / (8 * max(1, n)):
+        q *= 2
+    return q
 
 
 def _caps(cfg: SharesConfig, view: ClusterView, workers: Sequence[int], total: int) -> list[int]:
@@ -196,14 +225,27 @@ def _plan(
     imbalance = max(times) / max(1e-12, min(times))
     caps = _caps(cfg, view, workers, total)
     over_cap = any(current[i] > caps[i] for i in range(len(workers)))
+    force = force or sum(current) != total  # the global batch changed, or was never met
     if not force and not over_cap and imbalance <= 1 + cfg.eps:
         return [], state
     lo = [min(cfg.b_min, caps[i]) for i in range(len(workers))]
-    sizes = equal_finish(total, a, c, lo, caps)
+    sizes = quantized(total, a, c, lo, caps, cfg.quantum)
+    new_round = max(a[i] + c[i] * sizes[i] for i in range(len(workers)))
+    # Hysteresis: move samples only when the predicted round gets shorter by more than eps.
+    if not force and not over_cap and new_round > max(times) * (1 - cfg.eps):
+        return [], state
     out: list[Decision] = []
     batches = dict(state.batches)
     bits = dict(state.bits)
     tau = max(a[i] + c[i] * sizes[i] for i in range(len(workers)))
+    # The round lasts about τ plus the fastest full-precision push; a worker's push must fit what
+    # is left of it after its compute (and, when pipelined, may also overlap the next step).
+    comm32 = [
+        cfg.latency_s + f.push_bytes * 32 / bits.get(w, 32) / f.link_bps
+        for w, f in view.workers.items()
+        if f.link_bps and f.push_bytes
+    ]
+    round_s = tau + (min(comm32) if comm32 else 0.0)
     for i, w in enumerate(workers):
         fields: dict[str, object] = {}
         if state.batches.get(w) != sizes[i]:
@@ -212,7 +254,8 @@ def _plan(
         f = view.workers[w]
         if cfg.quantize and f.link_bps and f.push_bytes:
             fp32 = f.push_bytes * 32 / bits.get(w, 32)
-            budget = max(tau - (a[i] + c[i] * sizes[i]), cfg.comm_min_s)
+            own = a[i] + c[i] * sizes[i]
+            budget = max(round_s - own + (own if cfg.lead else 0.0), cfg.comm_min_s)
             q = choose_bits(budget, cfg.latency_s, fp32, f.link_bps, cfg.bits_options)
             if bits.get(w, 32) != q:
                 fields.update(codec=BITS_CODECS[q], bits=q)
@@ -285,11 +328,14 @@ def shares_policy(name: str, cfg: SharesConfig) -> Policy:
         "lead": cfg.lead,
         "mem_per_sample": cfg.mem_per_sample,
         "quantize": cfg.quantize,
+        "quantum": cfg.quantum,
     }
     return Policy(name, init, update, params)
 
 
-def _check(global_batch: int | None, b_min: int, eps: float) -> None:
+def _check(global_batch: int | None, b_min: int, eps: float, quantum: int = 1) -> None:
+    if not isinstance(quantum, int) or quantum < 0:
+        raise ValueError(f"quantum must be an int >= 0 (0: automatic), got {quantum!r}")
     if global_batch is not None and (not isinstance(global_batch, int) or global_batch < 1):
         raise ValueError(f"global_batch must be a positive int, got {global_batch!r}")
     if not isinstance(b_min, int) or b_min < 1:
@@ -299,11 +345,13 @@ def _check(global_batch: int | None, b_min: int, eps: float) -> None:
 
 
 @register("lbbsp")
-def lbbsp(global_batch: int | None = None, b_min: int = 4, eps: float = 0.05) -> Policy:
+def lbbsp(
+    global_batch: int | None = None, b_min: int = 4, eps: float = 0.05, quantum: int = 0
+) -> Policy:
     """LB-BSP (Chen et al., SoCC 2020): BSP with the global batch fixed and each worker's batch
     sized between rounds so all finish together; weights ``b_i/B``."""
-    _check(global_batch, b_min, eps)
-    cfg = SharesConfig(global_batch, b_min, eps, 0, None, 0.8, False, (32,), 0.002, 0.002)
+    _check(global_batch, b_min, eps, quantum)
+    cfg = SharesConfig(global_batch, b_min, eps, 0, None, 0.8, False, (32,), 0.005, 0.002, quantum)
     return shares_policy("lbbsp", cfg)
 
 
@@ -317,13 +365,14 @@ def hps(
     pipeline: bool = True,
     quantize: bool = True,
     bits: Sequence[int] = (32, 16, 8, 4),
-    comm_min_s: float = 0.002,
+    comm_min_s: float = 0.005,
     latency_s: float = 0.002,
+    quantum: int = 0,
 ) -> Policy:
     """H-PS (Xian et al., IEEE Access 2021): LB-BSP shares capped by each worker's free memory
     (``b_i ≤ ρ·free_mem_i / mem_per_sample``), a one-round lead so pipelined workers compute the next
     step while the last one is in flight, and per-worker bits chosen from the measured link speed."""
-    _check(global_batch, b_min, eps)
+    _check(global_batch, b_min, eps, quantum)
     if not mem_per_sample > 0 or not 0 < rho <= 1:
         raise ValueError("mem_per_sample must be > 0 and 0 < rho <= 1")
     bad = [q for q in bits if q not in BITS_CODECS]
@@ -340,5 +389,6 @@ def hps(
         tuple(bits),
         comm_min_s,
         latency_s,
+        quantum,
     )
     return shares_policy("hps", cfg)

@@ -104,6 +104,8 @@ def dssp(s_lo: int = 3, r_max: int = 12, weight: float | None = None) -> Policy:
                 r_star = 0
                 if i_f is not None and i_s is not None and p.last_push_at and slowest.last_push_at:
                     r_star = closest_stop(p.last_push_at, i_f, slowest.last_push_at, i_s, r_max)
+                # The bound stays within [s_lo, s_lo + r_max]: no grant past it.
+                r_star = max(0, min(r_star, s_lo + r_max + 1 - (p.clock - lo)))
                 if r_star > 0:
                     granted[p.worker] = r_star - 1
                     out.append(Release(p.worker))

@@ -142,12 +142,22 @@ async def _session(http: aiohttp.ClientSession, opts: WorkerOptions, state: Work
                 reader.result()  # raises what ended it
                 raise ConnectionError("daemon closed the connection before welcome")
             beat = asyncio.create_task(_heartbeats(ws, state.heartbeat_s))
+            sending: asyncio.Task[None] | None = None
+            idle_from = time.perf_counter()
             while not opts.max_steps or state.steps < opts.max_steps:
-                t0 = time.perf_counter()
-                depth = 1 if state.plan.get("pipeline") else 0
-                msg = await inbox.take(depth)
-                await _step(ws, msg, opts, state, idle_s=time.perf_counter() - t0)
+                pipeline = bool(state.plan.get("pipeline"))
+                msg = await inbox.take(1 if pipeline else 0)
+                start = time.perf_counter()
+                frame = await _compute(msg, opts, state, idle_s=start - idle_from)
+                idle_from = time.perf_counter()
+                if sending is not None:  # pushes leave in order
+                    await sending
                 inbox.in_flight += 1
+                sending = asyncio.create_task(_send(ws, frame, opts))
+                if not pipeline:  # the device waits while the push travels
+                    await sending
+            if sending is not None:
+                await sending
             await ws.send_bytes(wire.encode("bye", 0, reason="max steps reached"))
         finally:
             for task in (beat, reader):
@@ -202,13 +212,11 @@ def _welcome(msg: wire.Message, state: WorkerState, device: jax.Device) -> None:
     log.info("joined as worker %d, plan %s", state.worker_id, state.plan)
 
 
-async def _step(
-    ws: aiohttp.ClientWebSocketResponse,
-    msg: wire.Message,
-    opts: WorkerOptions,
-    state: WorkerState,
-    idle_s: float,
-) -> None:
+async def _compute(
+    msg: wire.Message, opts: WorkerOptions, state: WorkerState, idle_s: float
+) -> bytes:
+    """One step from a ``params`` message to an encoded ``push`` frame. ``idle_s`` is how long the
+    device sat idle since its last step ended (waiting for parameters and for the last push)."""
     if state.trainer is None:
         raise ConnectionError("params before welcome")
     params = await asyncio.to_thread(codecs.decode_tree, msg["tensors"])
@@ -220,9 +228,10 @@ async def _step(
         await asyncio.sleep(emulated - compute_s)
     codec = codecs.get_codec(str(state.plan.get("codec", "none")))
     free = opts.emulation.memory if opts.emulation.memory is not None else host_free_memory()
-    frame = wire.encode(
+    state.steps += 1
+    return wire.encode(
         "push",
-        state.steps + 1,
+        state.steps,
         base=msg["version"],
         kind=update.kind,
         tensors=codecs.encode_tree(update.tensors, codec),
@@ -234,11 +243,14 @@ async def _step(
         sent_at=time.time(),
         idle_s=idle_s,
     )
+
+
+async def _send(ws: aiohttp.ClientWebSocketResponse, frame: bytes, opts: WorkerOptions) -> None:
+    """Send a push, first waiting out the emulated link's transfer time."""
     delay = opts.emulation.transfer_seconds(len(frame))
     if delay:
         await asyncio.sleep(delay)
     await ws.send_bytes(frame)
-    state.steps += 1
 
 
 async def _heartbeats(ws: aiohttp.ClientWebSocketResponse, every_s: float) -> None:

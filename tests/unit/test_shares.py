@@ -432,16 +432,16 @@ LBBSP_TABLE: list[
         [Buffer(32.0, group=1), Flush(upto=1), Release(0), Release(1)],
     ),
     (
-        "just past 1 + eps (1.06): re-plan, b ∝ 1/c = 32.9, 31.1",
+        "1.2 apart: the round shrinks by more than eps, re-plan, b ∝ 1/c = 34.9, 29.1",
         {},
-        (fact(0, 1, T, compute=0.1), fact(1, 1, T, compute=0.106)),
+        (fact(0, 1, T, compute=0.1), fact(1, 1, T, compute=0.12)),
         1,
-        push(1, 32, 0.106),
+        push(1, 32, 0.12),
         [
             Buffer(32.0, group=1),
             Flush(upto=1),
-            SetPlan(0, {"batch_size": 33}),
-            SetPlan(1, {"batch_size": 31}),
+            SetPlan(0, {"batch_size": 35}),
+            SetPlan(1, {"batch_size": 29}),
             Release(0),
             Release(1),
         ],
@@ -507,7 +507,7 @@ def test_lbbsp_table(
     event: Event,
     expected: list[Decision],
 ) -> None:
-    policy = make_policy("lbbsp", params)
+    policy = make_policy("lbbsp", {"quantum": 1, **params})
     view = view_of(*facts, buffered=buffered)
     decisions, _ = policy.update(event, policy.init(view), view)
     assert list(decisions) == expected
@@ -569,7 +569,7 @@ def test_hps_memory_cap_gives_the_smaller_memory_the_smaller_batch() -> None:
 
 
 def test_hps_caps_bind_everywhere_then_the_total_shrinks_to_fit() -> None:
-    policy = hps(global_batch=128, pipeline=False, quantize=False)
+    policy = hps(global_batch=128, pipeline=False, quantize=False, quantum=1)
     view = view_of(
         fact(0, 0, T, compute=0.1, free_mem=100 * MB),
         fact(1, 0, T, compute=0.1, free_mem=200 * MB),
@@ -580,7 +580,7 @@ def test_hps_caps_bind_everywhere_then_the_total_shrinks_to_fit() -> None:
 
 def test_hps_re_plans_when_a_batch_no_longer_fits_even_if_balanced() -> None:
     # Balanced (hysteresis alone would keep 32/32), but w0 reported 80 MB free: cap 16.
-    policy = hps(global_batch=64, pipeline=False, quantize=False)
+    policy = hps(global_batch=64, pipeline=False, quantize=False, quantum=1)
     facts = (fact(0, 1, T, compute=0.1, free_mem=80 * MB), fact(1, 1, T, compute=0.1))
     view = view_of(*facts, buffered=1)
     decisions, _ = policy.update(push(1, 32, 0.1), policy.init(view), view)
