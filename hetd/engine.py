@@ -52,6 +52,7 @@ from policies.base import (
 
 log = logging.getLogger("hetd.engine")
 
+PROFILE_KEYS = frozenset({"sample_s", "push_s", "pull_s", "compress_s"})
 EWMA = 0.5  # smoothing of per-worker timing facts (ALGORITHMS.md §0)
 
 
@@ -89,6 +90,7 @@ class EngineConfig:
     eval_interval_s: float = 1.0
     max_staleness: int = 1000
     shards: int = 0  # 0: max(4, workers seen)
+    profile_steps: int = 3  # steps a joining worker times for its profile (0: no profile)
     eval_inline: bool = False  # evaluate inside tick() (the simulator: virtual time, no threads)
     welcome: Mapping[str, Any] = field(default_factory=dict)  # model/dataset/train for the welcome
 
@@ -269,6 +271,9 @@ class Engine:
                 **self.config.welcome,
             )
         )
+        if self.config.profile_steps > 0:
+            spec = {"steps": self.config.profile_steps, "batch_size": self.config.batch_size}
+            peer.send(wire.encode("profile", 0, spec=spec))
         log.info("worker %d (%s) joined on slot %d, codec %s", wid, hello["name"], slot, codec)
         self._dispatch(Join(now, wid))
         return wid
@@ -285,6 +290,26 @@ class Engine:
         self.departures.append((self.clock.now() - self.started_at, wid, reason))
         log.info("worker %d left: %s", wid, reason)
         self._dispatch(Leave(self.clock.now(), wid, reason))
+
+    def profile_result(self, wid: int, result: Mapping[str, Any]) -> None:
+        """A worker's profile run: finite, non-negative seconds for the known keys go into its
+        facts (anything else is ignored); policies see it with the next event."""
+        facts = self.facts.get(wid)
+        if facts is None:
+            return
+        clean = {
+            k: float(v)
+            for k, v in result.items()
+            if k in PROFILE_KEYS
+            and isinstance(v, int | float)
+            and not isinstance(v, bool)
+            and math.isfinite(v)
+            and v >= 0
+        }
+        self.facts[wid] = dataclasses.replace(facts, profile=clean)
+        self.stats[wid].last_seen = self.clock.now()
+        log.info("worker %d profile: %s", wid, clean)
+        self._dispatch(Tick(self.clock.now()))
 
     def heartbeat(self, wid: int) -> None:
         """A sign of life."""

@@ -179,9 +179,10 @@ async def handle(
             elif msg.type == "bye":
                 reason = msg.get("reason") or "bye"
                 break
-            elif msg.type in ("hello", "profile_result"):
-                if msg.type == "hello":
-                    outbox.send(wire.error_frame("malformed", "hello was already received", msg.id))
+            elif msg.type == "profile_result":
+                engine.submit(partial(engine.profile_result, wid, msg["result"]))
+            elif msg.type == "hello":
+                outbox.send(wire.error_frame("malformed", "hello was already received", msg.id))
             else:
                 outbox.send(
                     wire.error_frame(

@@ -42,6 +42,8 @@ class WorkerFacts:
     codec: str = "none"
     waiting_since: float | None = None  # s, when its current wait began
     idle_s: float = 0.0  # s spent waiting for releases in total
+    profile: Mapping[str, float] | None = None  # the worker's profile run: sample_s, push_s,
+    # pull_s, compress_s (s; trimmed means), from the daemon's profile exchange
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ import contextlib
 import logging
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,7 @@ class WorkerState:
     trainer_key: str = ""
     plan: dict[str, Any] = field(default_factory=dict)
     heartbeat_s: float = 2.0
+    rtt_s: float = 0.0  # s from hello to welcome, a round trip with little work in it
 
 
 async def run_worker(opts: WorkerOptions) -> int:
@@ -87,6 +89,7 @@ class Inbox:
         self.in_flight = 0
         self.changed = asyncio.Event()
         self.welcomed = asyncio.Event()
+        self.profile: dict[str, Any] | None = None  # a pending ``profile`` request
         self.closed: BaseException | None = None
 
     def deliver(self, msg: wire.Message) -> None:
@@ -132,7 +135,8 @@ async def _session(http: aiohttp.ClientSession, opts: WorkerOptions, state: Work
                 "hello", 1, name=opts.name, device=info, codecs=codecs.names(), resume=resume
             )
         )
-        reader = asyncio.create_task(_read(ws, opts, state, inbox, device))
+        hello_at = time.perf_counter()
+        reader = asyncio.create_task(_read(ws, opts, state, inbox, device, hello_at))
         beat: asyncio.Task[None] | None = None
         try:
             waiter = asyncio.create_task(inbox.welcomed.wait())
@@ -147,6 +151,10 @@ async def _session(http: aiohttp.ClientSession, opts: WorkerOptions, state: Work
             while not opts.max_steps or state.steps < opts.max_steps:
                 pipeline = bool(state.plan.get("pipeline"))
                 msg = await inbox.take(1 if pipeline else 0)
+                if inbox.profile is not None:
+                    spec, inbox.profile = inbox.profile, None
+                    result = await _profile(msg, spec, opts, state)
+                    await ws.send_bytes(wire.encode("profile_result", 0, result=result))
                 start = time.perf_counter()
                 frame = await _compute(msg, opts, state, idle_s=start - idle_from)
                 idle_from = time.perf_counter()
@@ -173,6 +181,7 @@ async def _read(
     state: WorkerState,
     inbox: Inbox,
     device: jax.Device,
+    hello_at: float,
 ) -> None:
     """Read every frame the daemon sends; hand parameters to the compute loop."""
     try:
@@ -181,8 +190,11 @@ async def _read(
                 break
             msg = wire.decode(frame.data, opts.max_frame_bytes)
             if msg.type == "welcome":
+                state.rtt_s = time.perf_counter() - hello_at
                 await asyncio.to_thread(_welcome, msg, state, device)
                 inbox.welcomed.set()
+            elif msg.type == "profile":
+                inbox.profile = dict(msg["spec"])
             elif msg.type == "plan":
                 state.plan.update(msg["plan"])
             elif msg.type == "params":
@@ -226,7 +238,7 @@ async def _compute(
     emulated = opts.emulation.step_seconds(compute_s, update.samples)
     if emulated > compute_s:
         await asyncio.sleep(emulated - compute_s)
-    codec = codecs.get_codec(str(state.plan.get("codec", "none")))
+    codec = codec_for(state.plan)
     free = opts.emulation.memory if opts.emulation.memory is not None else host_free_memory()
     state.steps += 1
     return wire.encode(
@@ -243,6 +255,49 @@ async def _compute(
         sent_at=time.time(),
         idle_s=idle_s,
     )
+
+
+def codec_for(plan: Mapping[str, Any]) -> codecs.Codec:
+    """The codec a plan names, with the plan's parameters (top-k keeps ``topk`` of the values)."""
+    name = str(plan.get("codec", "none"))
+    if name == "topk":
+        return codecs.get_codec(name, k=float(plan.get("topk", 0.01)))
+    return codecs.get_codec(name)
+
+
+async def _profile(
+    msg: wire.Message, spec: Mapping[str, Any], opts: WorkerOptions, state: WorkerState
+) -> dict[str, float]:
+    """The daemon's profile request: time a few steps, one encode, and the link (emulated)."""
+    if state.trainer is None:
+        raise ConnectionError("profile before welcome")
+    trainer = state.trainer
+    params = await asyncio.to_thread(codecs.decode_tree, msg["tensors"])
+    steps = max(1, min(20, int(spec.get("steps", 3))))
+    plan = {"batch_size": int(spec.get("batch_size", 32)), "local_steps": 1}
+    per_sample = []
+    update = None
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        update = await asyncio.to_thread(trainer.step, params, plan)
+        real = time.perf_counter() - t0
+        emulated = opts.emulation.step_seconds(real, update.samples)
+        per_sample.append(emulated / max(1, update.samples))
+    assert update is not None  # steps >= 1
+    t0 = time.perf_counter()
+    encoded = codecs.encode_tree(update.tensors, codec_for(state.plan))
+    compress_s = time.perf_counter() - t0
+    nbytes = sum(len(t["data"]) for t in encoded.values())
+    full = sum(4 * v.size for v in params.values())
+    half_rtt = state.rtt_s / 2
+    # The first step compiles: drop the slowest, keep the rest (a small trimmed mean).
+    kept = sorted(per_sample)[: max(1, len(per_sample) - 1)]
+    return {
+        "sample_s": sum(kept) / len(kept),
+        "push_s": half_rtt + opts.emulation.transfer_seconds(nbytes),
+        "pull_s": half_rtt + opts.emulation.transfer_seconds(full),
+        "compress_s": compress_s,
+    }
 
 
 async def _send(ws: aiohttp.ClientWebSocketResponse, frame: bytes, opts: WorkerOptions) -> None:

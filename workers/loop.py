@@ -90,10 +90,13 @@ class Trainer:
         self.model = get_model(
             model_spec["spec"], self.data.num_classes, **dict(model_spec.get("kwargs", {}))
         )
+        self.seed = seed
+        self.shard_index = int(shard["index"])
         idx = shard_indices(len(self.data.y_train), shard["index"], shard["count"], seed)
         self.sampler = BatchSampler(
             self.data.x_train[idx], self.data.y_train[idx], seed=seed * 1000 + shard["index"]
         )
+        self._share: tuple[float, float] | None = None  # (offset, share) the sampler covers
         self.worker_lr = float(train.get("worker_lr", 0.05))
         self.device = device
         self._grad = jax.jit(jax.value_and_grad(self.model.loss), device=device)
@@ -106,12 +109,32 @@ class Trainer:
 
         self._sgd = jax.jit(sgd, device=device)
 
+    def _follow_share(self, plan: Mapping[str, Any]) -> None:
+        """A plan with ``data_share`` (and ``data_offset``) moves this worker to that fraction of
+        one seed-fixed permutation of the training set (ASHL's data shares)."""
+        share = plan.get("data_share")
+        if not isinstance(share, int | float) or not 0 < share <= 1:
+            return
+        offset = plan.get("data_offset", 0.0)
+        offset = float(offset) if isinstance(offset, int | float) and 0 <= offset < 1 else 0.0
+        if self._share == (offset, float(share)):
+            return
+        n = len(self.data.y_train)
+        perm = np.random.default_rng(self.seed).permutation(n)
+        lo = int(offset * n)
+        idx = perm[lo : max(lo + 1, min(n, int((offset + share) * n)))]
+        self.sampler = BatchSampler(
+            self.data.x_train[idx], self.data.y_train[idx], seed=self.seed * 1000 + self.shard_index
+        )
+        self._share = (offset, float(share))
+
     def step(self, params: Mapping[str, np.ndarray], plan: Mapping[str, Any]) -> Update:
         """One plan's worth of work on the current parameters."""
         batch = max(1, int(plan.get("batch_size", 32)))
         k = max(1, int(plan.get("local_steps", 1)))
+        self._follow_share(plan)
         dev = {name: jax.device_put(v, self.device) for name, v in params.items()}
-        if k == 1:
+        if k == 1 and plan.get("push_kind", "grad") != "delta":
             x, y = self.sampler.next(batch)
             loss, grads = self._grad(dev, jnp.asarray(x), jnp.asarray(y))
             tensors = {name: np.asarray(g, dtype=np.float32) for name, g in grads.items()}

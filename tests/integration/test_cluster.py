@@ -97,3 +97,20 @@ async def test_wrong_token_is_refused(cluster) -> None:  # type: ignore[no-untyp
     assert proc.stderr is not None
     assert b"401" in await proc.stderr.read()
     assert not c.engine.facts
+
+
+async def test_joining_workers_are_profiled(cluster) -> None:  # type: ignore[no-untyped-def]
+    c = await cluster("asp")
+    await c.spawn(1, 0.02)
+    await c.spawn(4, 0.02)
+    await c.wait_for(
+        lambda: len(c.engine.facts) == 2 and all(f.profile for f in c.engine.facts.values()),
+        60,
+        "both profiles",
+    )
+    by_slowdown = {f.name.split("-x")[1]: f.profile for f in c.engine.facts.values()}
+    fast, slow = by_slowdown["1"], by_slowdown["4"]
+    assert fast is not None and slow is not None
+    assert set(fast) == {"sample_s", "push_s", "pull_s", "compress_s"}
+    # 0.02 s per 32 samples, padded; the x4 worker's profile shows it about 4x slower.
+    assert 2.5 < slow["sample_s"] / fast["sample_s"] < 6
