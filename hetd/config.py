@@ -1,8 +1,9 @@
 """Configuration: typed sections with defaults, loaded from TOML and the environment.
 
-Every key has a default, so ``hetd serve`` runs with no file. An unknown section or key, or a value
-of the wrong type, raises :class:`ConfigError` naming it and listing the valid keys. Tokens come from
-the file or from ``HETD_WORKER_TOKEN`` / ``HETD_ADMIN_TOKEN`` — never from the command line.
+Every key has a default, so ``hetd serve`` runs with no file; ``systemd/hetd.toml`` is a commented
+example of every key. An unknown section or key, a value of the wrong type or out of range raises
+:class:`ConfigError` naming it (and listing the valid keys). Tokens come from the file or from
+``HETD_WORKER_TOKEN`` / ``HETD_ADMIN_TOKEN`` — never from the command line.
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 7070
     admin_host: str = "127.0.0.1"
-    admin_port: int = 7071  # 0 disables the admin API
+    admin_port: int = 7071  # -1 disables the admin API; 0 picks a free port (tests)
     max_frame_bytes: int = 64 * 1024 * 1024  # websocket max_msg_size, set on both ends
     heartbeat_s: float = 2.0  # workers send a heartbeat this often
     heartbeat_timeout_s: float = 10.0  # a silent worker is dropped after this long
     outbox_frames: int = 16  # control frames queued per session before it is closed as stuck
     worker_token: str = ""  # empty: no worker token required
     admin_token: str = ""  # empty: admin API refuses every call but /healthz
+    stop_timeout_s: float = 10.0  # bound on each step of a graceful stop (bye, checkpoint, close)
 
 
 @dataclass(frozen=True)
@@ -67,10 +69,13 @@ class PolicyConfig:
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """Checkpoints."""
+    """Checkpoints (see :mod:`hetd.checkpoint`)."""
 
-    dir: str = ""  # empty: no checkpoints
-    interval_s: float = 60.0
+    dir: str = ""  # empty: no checkpoints; systemd: /var/lib/hetd (StateDirectory=hetd)
+    interval_s: float = (
+        60.0  # s between timed checkpoints; 0: only on SIGTERM and POST /v1/checkpoint
+    )
+    keep: int = 3  # newest checkpoints kept; older ones are deleted after each write
 
 
 @dataclass(frozen=True)
@@ -163,7 +168,32 @@ def with_env(cfg: Config) -> Config:
     return _checked(dataclasses.replace(cfg, server=server))
 
 
+# Allowed ranges, checked after the types: (section, key) -> (lowest, highest or None, why).
+_RANGES: dict[tuple[str, str], tuple[float, float | None, str]] = {
+    ("server", "port"): (0, 65535, "a TCP port, 0 for any free one"),
+    ("server", "admin_port"): (-1, 65535, "a TCP port, 0 for any free one, -1 to disable"),
+    ("server", "max_frame_bytes"): (1024, None, "at least 1024 bytes"),
+    ("server", "heartbeat_s"): (1e-3, None, "positive seconds"),
+    ("server", "heartbeat_timeout_s"): (1e-3, None, "positive seconds"),
+    ("server", "outbox_frames"): (1, None, "at least 1"),
+    ("server", "stop_timeout_s"): (0.1, None, "at least 0.1 s"),
+    ("train", "lr"): (0, None, "not negative"),
+    ("train", "worker_lr"): (0, None, "not negative"),
+    ("train", "global_batch"): (1, None, "at least 1"),
+    ("train", "batch_size"): (1, None, "at least 1"),
+    ("train", "shards"): (0, None, "0 (automatic) or more"),
+    ("train", "eval_interval_s"): (0, None, "not negative"),
+    ("train", "max_staleness_drop"): (0, None, "not negative"),
+    ("store", "interval_s"): (0, None, "0 (no timer) or positive seconds"),
+    ("store", "keep"): (1, None, "at least 1"),
+}
+
+
 def _checked(cfg: Config) -> Config:
+    for (section, key), (low, high, why) in _RANGES.items():
+        value = getattr(getattr(cfg, section), key)
+        if value < low or (high is not None and value > high) or value != value:  # NaN
+            raise ConfigError(f"[{section}] {key} = {value!r} is out of range: {why}")
     if cfg.server.worker_token and cfg.server.worker_token == cfg.server.admin_token:
         raise ConfigError("the worker token and the admin token must differ")
     return cfg

@@ -57,6 +57,11 @@ class Cluster:
         self.url = url
         self.procs: list[asyncio.subprocess.Process] = []
 
+    @property
+    def admin_url(self) -> str:
+        """The daemon's admin API (``admin_port = 0`` in tests: a free port)."""
+        return f"http://127.0.0.1:{self.daemon.admin_port}"
+
     async def spawn(
         self, slowdown: float = 1.0, base_step: float = 0.02, *extra: str, token: str = WORKER_TOKEN
     ) -> asyncio.subprocess.Process:
