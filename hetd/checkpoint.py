@@ -17,8 +17,8 @@ is skipped with a warning naming it and the reason; with none left it starts fre
 :class:`CheckpointError` instead — silently training a different model from scratch over an operator's
 state directory would be worse.
 
-Engine hooks: :func:`engine_state`, :func:`restore_engine` and :func:`install_resume` reach into the
-engine's attributes; they are meant to move into ``hetd/engine.py`` as methods.
+Engine hooks: :func:`engine_state` and :func:`restore_engine` read and write the
+engine's attributes (the engine itself resumes a returning worker's clock in ``join``).
 """
 
 from __future__ import annotations
@@ -40,8 +40,7 @@ from typing import Any
 import numpy as np
 from flax import serialization
 
-from hetd import wire
-from hetd.engine import Engine, Peer
+from hetd.engine import Engine
 from hetd.store import Aggregator
 from policies.base import PolicyError, WorkerFacts, make_policy
 
@@ -135,13 +134,7 @@ def engine_state(engine: Engine) -> dict[str, Any]:
         "params": {k: np.array(v, copy=True) for k, v in params.items()},
         "opt_state": _plain(serialization.to_state_dict(opt_state)),
         "buffers": {
-            str(group): {
-                "count": agg.count,
-                "weights": dict(agg._weights),
-                "sums": {kind: _plain(acc) for kind, acc in agg._sums.items()},
-            }
-            for group, agg in engine.buffers.items()
-            if agg.count
+            str(group): _plain(agg.state()) for group, agg in engine.buffers.items() if agg.count
         },
         "policy": {
             "name": engine.policy.name,
@@ -174,14 +167,7 @@ def restore_engine(engine: Engine, state: Mapping[str, Any]) -> None:
         ) from None
     engine.buffers = {}
     for group, buf in (state.get("buffers") or {}).items():
-        agg = Aggregator()
-        agg._sums = {
-            kind: {k: np.array(v, np.float32) for k, v in acc.items()}
-            for kind, acc in buf["sums"].items()
-        }
-        agg._weights = {k: float(v) for k, v in buf["weights"].items()}
-        agg.count = int(buf["count"])
-        engine.buffers[int(group)] = agg
+        engine.buffers[int(group)] = Aggregator.from_state(buf)
     engine.stage = str(state.get("stage", engine.stage))
     engine.updates_applied = int(state.get("updates_applied", 0))
     now = engine.clock.now()
@@ -220,34 +206,6 @@ def restore_engine(engine: Engine, state: Mapping[str, Any]) -> None:
         except Exception as exc:  # a changed policy version: its init rebuilds a valid state
             log.warning("policy %s: saved state not restored (%s); rebuilt by init", name, exc)
     engine.policy, engine.policy_state = policy, policy_state
-
-
-def install_resume(engine: Engine) -> None:
-    """Make ``engine.join`` give a returning worker its clock back (never below the active minimum).
-
-    The engine's own join starts every (re)joining worker at the slowest active clock; after a restart
-    that would reset every clock to 0. This wraps the bound method on the instance (sessions look the
-    method up at call time); it belongs inside ``Engine.join``.
-    """
-    original = engine.join
-
-    def join(hello: wire.Message, peer: Peer) -> int:
-        resume = hello.get("resume")
-        old = resume.get("worker_id") if isinstance(resume, Mapping) else None
-        saved = engine.departed.get(old) if isinstance(old, int) else None
-        wid = original(hello, peer)
-        facts = engine.facts.get(wid)
-        if saved is None or wid != old or facts is None:
-            return wid
-        others = [f.clock for w, f in engine.facts.items() if w != wid]
-        clock = max(saved.clock, min(others)) if others else saved.clock
-        if clock != facts.clock:
-            # Only the clock: samples and idle time are rates over this connection (joined_at).
-            engine.facts[wid] = dataclasses.replace(facts, clock=clock)
-            engine.tick()  # the gates see the restored clock at once
-        return wid
-
-    setattr(engine, "join", join)  # noqa: B010 - an instance attribute shadows the method
 
 
 # --- the file format ----------------------------------------------------------------------------------

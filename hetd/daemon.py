@@ -109,7 +109,6 @@ class Daemon:
     def __init__(self, cfg: config_mod.Config, engine: Engine | None = None) -> None:
         self.cfg = cfg
         self.engine = engine or build_engine(cfg)
-        checkpoint.install_resume(self.engine)
         store = cfg.store
         self.checkpointer = checkpoint.Checkpointer(store.dir, store.keep) if store.dir else None
         self.resumed_from: checkpoint.CheckpointInfo | None = None

@@ -231,15 +231,18 @@ class Engine:
         now = self.clock.now()
         resume = hello.get("resume") or {}
         old_id = resume.get("worker_id")
+        saved: WorkerFacts | None = None
         if isinstance(old_id, int) and old_id in self.departed and old_id not in self.facts:
             wid = old_id
-            self.departed.pop(wid)
+            saved = self.departed.pop(wid)
         else:
             wid = self._next_id
             self._next_id += 1
         offered = [c for c in hello["codecs"] if isinstance(c, str)]
         codec = codecs.negotiate(offered, self.config.codec)
         start_clock = self.view().min_clock() if self.facts else 0
+        if saved is not None:  # a returning worker keeps its clock, never below the slowest
+            start_clock = max(saved.clock, start_clock) if self.facts else saved.clock
         used = {s.slot for w, s in self.stats.items() if w in self.facts}
         slot = next(i for i in range(len(used) + 1) if i not in used)
         device = hello["device"]

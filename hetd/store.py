@@ -138,6 +138,28 @@ class Aggregator:
         self._weights[kind] = self._weights.get(kind, 0.0) + weight
         self.count += 1
 
+    def state(self) -> dict[str, Any]:
+        """The buffer as plain values (for checkpoints)."""
+        return {
+            "count": self.count,
+            "weights": dict(self._weights),
+            "sums": {
+                kind: {k: v.copy() for k, v in acc.items()} for kind, acc in self._sums.items()
+            },
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> Aggregator:
+        """The buffer saved by :meth:`state`."""
+        agg = cls()
+        agg._sums = {
+            str(kind): {str(k): np.array(v, np.float32) for k, v in acc.items()}
+            for kind, acc in state["sums"].items()
+        }
+        agg._weights = {str(k): float(v) for k, v in state["weights"].items()}
+        agg.count = int(state["count"])
+        return agg
+
     def take(self, normalize: bool) -> list[tuple[str, dict[str, np.ndarray]]]:
         """Empty the buffer: per kind, the sum (divided by Σ weight when ``normalize``)."""
         out = []

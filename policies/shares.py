@@ -273,7 +273,7 @@ def _plan(
     )
 
 
-def shares_policy(name: str, cfg: SharesConfig) -> Policy:
+def shares_policy(name: str, cfg: SharesConfig, params: Mapping[str, object]) -> Policy:
     """A synchronous aggregate with batch shares (the body of ``lbbsp`` and ``hps``)."""
 
     def init(view: ClusterView) -> SharesState:
@@ -321,15 +321,6 @@ def shares_policy(name: str, cfg: SharesConfig) -> Policy:
         )
         return out, state
 
-    params = {
-        "global_batch": cfg.global_batch,
-        "b_min": cfg.b_min,
-        "eps": cfg.eps,
-        "lead": cfg.lead,
-        "mem_per_sample": cfg.mem_per_sample,
-        "quantize": cfg.quantize,
-        "quantum": cfg.quantum,
-    }
     return Policy(name, init, update, params)
 
 
@@ -352,7 +343,8 @@ def lbbsp(
     sized between rounds so all finish together; weights ``b_i/B``."""
     _check(global_batch, b_min, eps, quantum)
     cfg = SharesConfig(global_batch, b_min, eps, 0, None, 0.8, False, (32,), 0.005, 0.002, quantum)
-    return shares_policy("lbbsp", cfg)
+    params = {"global_batch": global_batch, "b_min": b_min, "eps": eps, "quantum": quantum}
+    return shares_policy("lbbsp", cfg, params)
 
 
 @register("hps")
@@ -391,4 +383,17 @@ def hps(
         latency_s,
         quantum,
     )
-    return shares_policy("hps", cfg)
+    params = {
+        "global_batch": global_batch,
+        "b_min": b_min,
+        "eps": eps,
+        "mem_per_sample": mem_per_sample,
+        "rho": rho,
+        "pipeline": pipeline,
+        "quantize": quantize,
+        "bits": list(bits),
+        "comm_min_s": comm_min_s,
+        "latency_s": latency_s,
+        "quantum": quantum,
+    }
+    return shares_policy("hps", cfg, params)

@@ -39,7 +39,7 @@ def make_config(
         worker_token=WORKER_TOKEN,
         admin_token=ADMIN_TOKEN,
         heartbeat_s=0.5,
-        heartbeat_timeout_s=5.0,
+        heartbeat_timeout_s=10.0,
         **(server or {}),
     )
     cfg = config_mod.replace(

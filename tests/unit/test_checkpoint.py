@@ -206,7 +206,6 @@ def hello(resume: int | None) -> wire.Message:
 
 def test_a_returning_worker_gets_its_clock_back_never_below_the_slowest() -> None:
     e = make_engine()
-    checkpoint.install_resume(e)
     e.departed[4] = WorkerFacts(worker=4, name="w", clock=9, version=0, waiting=True, joined_at=0)
     e.departed[5] = WorkerFacts(worker=5, name="v", clock=2, version=0, waiting=True, joined_at=0)
     e._next_id = 6

@@ -807,3 +807,11 @@ def test_hps_run_respects_caps_pipelines_and_loses_nothing() -> None:
     pending = sum(wt for g in run.buffers.values() for _, wt in g.values())
     assert run.flushed_weight + pending == run.pushed_samples
     assert all(g > 60 for g in run.buffers)  # only rounds still incomplete stay buffered
+
+
+def test_reported_parameters_rebuild_the_same_policy() -> None:
+    # An operator's PATCH and a checkpoint resume rebuild a policy from its reported parameters.
+    for name in ("lbbsp", "hps"):
+        first = make_policy(name, {"global_batch": 96})
+        again = make_policy(name, dict(first.params))
+        assert again.params == first.params
