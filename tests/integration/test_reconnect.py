@@ -36,7 +36,9 @@ async def test_worker_reconnects_after_daemon_restart() -> None:
         second = Daemon(cfg)
         await second.start()
         c.daemon, c.engine = second, second.engine
-        await c.wait_for(lambda: second.engine.updates_applied >= 10, 60, "10 updates after restart")
+        await c.wait_for(
+            lambda: second.engine.updates_applied >= 10, 60, "10 updates after restart"
+        )
         assert proc.returncode is None, "the worker exited instead of reconnecting"
         assert len(second.engine.facts) == 1
     finally:
