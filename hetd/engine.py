@@ -23,6 +23,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from hetd import codecs, wire
+from hetd.downlink import Downlink
 from hetd.store import Aggregator, Snapshot, Store
 from policies.base import (
     PLAN_FIELDS,
@@ -72,7 +73,7 @@ class MonotonicClock:
 class Peer(Protocol):
     """A session's outbox as the engine sees it: ``send`` never blocks."""
 
-    def send(self, frame: bytes, *, params: bool = False) -> None: ...
+    def send(self, frame: bytes, *, params: bool = False, full: bool = False) -> None: ...
 
     def close(self, reason: str) -> None: ...
 
@@ -160,7 +161,7 @@ class Engine:
         self.max_release_gap = 0  # the largest clock lead any worker was released with
         self.evals: list[tuple[float, float, float]] = []  # (t since start, loss, accuracy)
         self._next_id = 1
-        self._frames: dict[tuple[int, str], bytes] = {}
+        self.downlink = Downlink()
         self._queue: asyncio.Queue[Callable[[], Any]] = asyncio.Queue()
         self._last_eval = -math.inf
         self._eval_task: asyncio.Task[None] | None = None
@@ -251,7 +252,7 @@ class Engine:
             worker=wid,
             name=hello["name"],
             clock=start_clock,
-            version=self.store.version,
+            version=-1,  # holds nothing yet: its first parameters go in full
             waiting=True,
             joined_at=now,
             batch_size=self.config.batch_size,
@@ -319,15 +320,18 @@ class Engine:
         if wid in self.stats:
             self.stats[wid].last_seen = self.clock.now()
 
-    def pull(self, wid: int) -> None:
-        """A worker asks for parameters; the gate decides when it gets them."""
+    def pull(self, wid: int, have: int | None = None) -> None:
+        """A worker asks for parameters (``have``: the version it holds; None: send them in full);
+        the gate decides when it gets them."""
         facts = self.facts.get(wid)
         if facts is None:
             return
         now = self.clock.now()
         self.stats[wid].last_seen = now
-        if not facts.waiting:
-            self.facts[wid] = dataclasses.replace(facts, waiting=True, waiting_since=now)
+        held = facts.version if have is not None and have == facts.version else -1
+        self.facts[wid] = dataclasses.replace(
+            facts, waiting=True, waiting_since=facts.waiting_since or now, version=held
+        )
         self._dispatch(Pull(now, wid))
 
     def push(self, p: PushIn) -> None:
@@ -510,24 +514,15 @@ class Engine:
             facts,
             waiting=False,
             waiting_since=None,
-            version=self.store.version,
             idle_s=facts.idle_s + idle,
         )
-        frame = self._params_frame(facts.codec)
-        self.stats[wid].bytes_out += len(frame)
-        peer.send(frame, params=True)
-
-    def _params_frame(self, codec_name: str) -> bytes:
-        """The current version as a ``params`` frame, encoded once per (version, codec)."""
-        key = (self.store.version, codec_name)
-        frame = self._frames.get(key)
-        if frame is None:
-            snap = self.store.snapshot()
-            tensors = codecs.encode_tree(snap.tensors, codecs.get_codec(codec_name))
-            frame = wire.encode("params", 0, version=snap.version, full=True, tensors=tensors)
-            self._frames = {k: v for k, v in self._frames.items() if k[0] == snap.version}
-            self._frames[key] = frame
-        return frame
+        frames, version, full = self.downlink.frames(
+            facts.codec, facts.version, self.store.snapshot()
+        )
+        self.facts[wid] = dataclasses.replace(self.facts[wid], version=version)
+        for frame in frames:
+            self.stats[wid].bytes_out += len(frame)
+            peer.send(frame, params=True, full=full)
 
     def _set_plan(self, wid: int, fields: Mapping[str, Any]) -> None:
         plan = self.plans.get(wid)
@@ -601,6 +596,9 @@ class Engine:
                     "link_bps": f.link_bps,
                     "bytes_in": st.bytes_in,
                     "bytes_out": st.bytes_out,
+                    "bytes_per_push": st.bytes_in / max(1, st.pushes),
+                    # encoded push bytes / the same update in float32 (frame overhead included)
+                    "push_ratio": st.bytes_in / max(1, st.pushes) / (4 * self.store.n_params),
                     "last_seen_s": now - st.last_seen,
                     "plan": self.plans[wid].to_wire(),
                 }

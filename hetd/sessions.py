@@ -36,8 +36,8 @@ def authorized(request: web.Request, token: str) -> bool:
 
 
 class Outbox:
-    """Frames waiting for one worker. Only the newest ``params`` frame is kept (older versions are
-    useless once a newer one exists); too many control frames mean the worker is stuck."""
+    """Frames waiting for one worker. A full ``params`` frame replaces the parameter frames queued
+    before it; too many frames mean the worker is stuck."""
 
     def __init__(self, ws: web.WebSocketResponse, limit: int) -> None:
         self._ws = ws
@@ -46,11 +46,12 @@ class Outbox:
         self._wake = asyncio.Event()
         self.closing: str | None = None
 
-    def send(self, frame: bytes, *, params: bool = False) -> None:
-        """Queue a frame; never blocks."""
+    def send(self, frame: bytes, *, params: bool = False, full: bool = False) -> None:
+        """Queue a frame; never blocks. A ``full`` parameter frame makes every parameter frame
+        still queued before it useless, so they are dropped (deltas must all arrive, in order)."""
         if self.closing is not None:
             return
-        if params:
+        if full:
             self._frames = deque(f for f in self._frames if not f[1])
         self._frames.append((frame, params))
         if len(self._frames) > self._limit:
@@ -175,7 +176,7 @@ async def handle(
             if msg.type == "heartbeat":
                 engine.submit(partial(engine.heartbeat, wid))
             elif msg.type == "pull":
-                engine.submit(partial(engine.pull, wid))
+                engine.submit(partial(engine.pull, wid, msg.get("have")))
             elif msg.type == "bye":
                 reason = msg.get("reason") or "bye"
                 break

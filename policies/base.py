@@ -27,7 +27,7 @@ class WorkerFacts:
     worker: int
     name: str
     clock: int  # pushes accounted so far (iterations, or commits for local-step methods)
-    version: int  # the parameter version the worker holds (its last release)
+    version: int  # the parameter version the worker holds (its last release; -1: none)
     waiting: bool  # it has pushed or pulled and awaits a release
     joined_at: float  # s, engine clock
     last_push_at: float | None = None  # s, arrival time of the last push

@@ -14,8 +14,10 @@ from typing import Any
 
 import aiohttp
 import jax
+import numpy as np
 
 from hetd import codecs, wire
+from hetd.feedback import ErrorFeedback, encode_with_feedback
 from workers.emulate import Emulation
 from workers.loop import Trainer, device_info, host_free_memory
 
@@ -52,6 +54,8 @@ class WorkerState:
     trainer_key: str = ""
     plan: dict[str, Any] = field(default_factory=dict)
     heartbeat_s: float = 2.0
+    feedback: ErrorFeedback = field(default_factory=ErrorFeedback)  # what lossy pushes still owe
+    rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     rtt_s: float = 0.0  # s from hello to welcome, a round trip with little work in it
 
 
@@ -79,26 +83,50 @@ async def run_worker(opts: WorkerOptions) -> int:
     return state.steps
 
 
+@dataclass(frozen=True, slots=True)
+class Held:
+    """Parameters this worker holds: a version and its tensors (never changed in place)."""
+
+    version: int
+    tensors: Mapping[str, np.ndarray]
+
+
+def apply_params(held: Held | None, msg: wire.Message) -> Held | None:
+    """The parameters after a ``params`` message: full ones replace; a delta adds to the version it
+    names, or returns None when that is not the version held."""
+    decoded = codecs.decode_tree(msg["tensors"])
+    if msg["full"]:
+        return Held(msg["version"], decoded)
+    if held is None or msg.get("base") != held.version:
+        return None
+    tensors = dict(held.tensors)
+    for path, d in decoded.items():
+        if path not in tensors or tensors[path].shape != d.shape:
+            return None
+        tensors[path] = tensors[path] + d
+    return Held(msg["version"], tensors)
+
+
 class Inbox:
     """What the reader task hands the compute loop: the newest parameters and how many pushes are
     still unanswered. A worker computes when it has parameters and at most ``depth`` pushes in
     flight (0, or 1 when its plan says ``pipeline``: the next step overlaps the last push)."""
 
     def __init__(self) -> None:
-        self.params: wire.Message | None = None
+        self.params: Held | None = None
         self.in_flight = 0
         self.changed = asyncio.Event()
         self.welcomed = asyncio.Event()
         self.profile: dict[str, Any] | None = None  # a pending ``profile`` request
         self.closed: BaseException | None = None
 
-    def deliver(self, msg: wire.Message) -> None:
-        """A ``params`` message arrived."""
-        self.params = msg
+    def deliver(self, held: Held) -> None:
+        """New parameters arrived."""
+        self.params = held
         self.in_flight = max(0, self.in_flight - 1)
         self.changed.set()
 
-    async def take(self, depth: int) -> wire.Message:
+    async def take(self, depth: int) -> Held:
         """Wait until a step may start; the parameters to start it from."""
         while True:
             if self.closed is not None:
@@ -198,7 +226,11 @@ async def _read(
             elif msg.type == "plan":
                 state.plan.update(msg["plan"])
             elif msg.type == "params":
-                inbox.deliver(msg)
+                held = await asyncio.to_thread(apply_params, inbox.params, msg)
+                if held is None:  # a delta against parameters we do not hold: ask for all
+                    await ws.send_bytes(wire.encode("pull", 0, have=None))
+                else:
+                    inbox.deliver(held)
             elif msg.type == "ack":
                 if msg["status"] == "dropped":
                     log.info("push dropped: %s", msg.get("reason"))
@@ -224,14 +256,12 @@ def _welcome(msg: wire.Message, state: WorkerState, device: jax.Device) -> None:
     log.info("joined as worker %d, plan %s", state.worker_id, state.plan)
 
 
-async def _compute(
-    msg: wire.Message, opts: WorkerOptions, state: WorkerState, idle_s: float
-) -> bytes:
+async def _compute(msg: Held, opts: WorkerOptions, state: WorkerState, idle_s: float) -> bytes:
     """One step from a ``params`` message to an encoded ``push`` frame. ``idle_s`` is how long the
     device sat idle since its last step ended (waiting for parameters and for the last push)."""
     if state.trainer is None:
         raise ConnectionError("params before welcome")
-    params = await asyncio.to_thread(codecs.decode_tree, msg["tensors"])
+    params = msg.tensors
     t0 = time.perf_counter()
     update = await asyncio.to_thread(state.trainer.step, params, dict(state.plan))
     compute_s = time.perf_counter() - t0
@@ -244,9 +274,9 @@ async def _compute(
     return wire.encode(
         "push",
         state.steps,
-        base=msg["version"],
+        base=msg.version,
         kind=update.kind,
-        tensors=codecs.encode_tree(update.tensors, codec),
+        tensors=encode_with_feedback(state.feedback, update.tensors, codec, state.rng),
         samples=update.samples,
         steps=update.steps,
         compute_s=emulated,
@@ -258,21 +288,22 @@ async def _compute(
 
 
 def codec_for(plan: Mapping[str, Any]) -> codecs.Codec:
-    """The codec a plan names, with the plan's parameters (top-k keeps ``topk`` of the values)."""
-    name = str(plan.get("codec", "none"))
-    if name == "topk":
-        return codecs.get_codec(name, k=float(plan.get("topk", 0.01)))
-    return codecs.get_codec(name)
+    """The codec a plan names (a spec such as ``int8:block=1024``); a bare ``topk`` keeps the plan's
+    ``topk`` fraction of the values."""
+    spec = str(plan.get("codec", "none"))
+    if spec == "topk":
+        return codecs.get_codec("topk", k=float(plan.get("topk", 0.01)))
+    return codecs.from_spec(spec)
 
 
 async def _profile(
-    msg: wire.Message, spec: Mapping[str, Any], opts: WorkerOptions, state: WorkerState
+    msg: Held, spec: Mapping[str, Any], opts: WorkerOptions, state: WorkerState
 ) -> dict[str, float]:
     """The daemon's profile request: time a few steps, one encode, and the link (emulated)."""
     if state.trainer is None:
         raise ConnectionError("profile before welcome")
     trainer = state.trainer
-    params = await asyncio.to_thread(codecs.decode_tree, msg["tensors"])
+    params = msg.tensors
     steps = max(1, min(20, int(spec.get("steps", 3))))
     plan = {"batch_size": int(spec.get("batch_size", 32)), "local_steps": 1}
     per_sample = []

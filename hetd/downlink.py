@@ -1,0 +1,118 @@
+"""Parameters on their way to workers: full frames, or quantized deltas shared by a codec group.
+
+For a lossless codec every release is a full ``params`` frame of the current version, encoded once
+per version. For a lossy codec ``c`` the daemon keeps one *reference* ``R_c``: the parameters every
+worker of that group reconstructs. Advancing it to version ``v`` encodes ``D = params(v) - R_c`` once,
+and every worker holding the previous reference applies the same frame (``R_c += decode(D)``). What
+the codec lost stays in ``params - R_c`` and goes out with the next delta — error feedback for the
+whole group, so every frame is encoded once per (codec, base version) and shared. A worker whose
+version is older than the kept transitions gets the reference in full (lossless), which puts it back
+in the group.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hetd import codecs, wire
+from hetd.store import Snapshot
+
+
+@dataclass
+class _Reference:
+    version: int
+    tensors: dict[str, np.ndarray]
+    # (from version, to version, frame), oldest first
+    steps: deque[tuple[int, int, bytes]] = field(default_factory=deque)
+    full: tuple[int, bytes] | None = None
+
+
+class Downlink:
+    """Encodes parameter frames for workers by codec; the engine's only writer calls it."""
+
+    def __init__(self, keep: int = 8) -> None:
+        self._keep = keep
+        self._refs: dict[str, _Reference] = {}
+        self._full: dict[tuple[int, str], bytes] = {}
+        self._codecs: dict[str, codecs.Codec] = {}
+
+    def _codec(self, spec: str) -> codecs.Codec:
+        codec = self._codecs.get(spec)
+        if codec is None:
+            codec = self._codecs[spec] = codecs.from_spec(spec)
+        return codec
+
+    def frames(self, spec: str, held: int | None, snap: Snapshot) -> tuple[list[bytes], int, bool]:
+        """Frames that bring a worker of codec ``spec`` holding version ``held`` (None or -1:
+        nothing usable) to ``snap``; the version it then holds; whether they are one full frame."""
+        codec = self._codec(spec)
+        if codec.lossless:
+            return [self._full_frame(snap.version, snap.tensors, spec)], snap.version, True
+        ref = self._refs.get(spec)
+        if ref is None:
+            ref = self._refs[spec] = _Reference(
+                snap.version, {k: np.array(v, np.float32) for k, v in snap.tensors.items()}
+            )
+        elif ref.version < snap.version:
+            self._advance(ref, codec, snap)
+        chain = self._chain(ref, held)
+        if chain is None:
+            if ref.full is None or ref.full[0] != ref.version:
+                frame = wire.encode(
+                    "params",
+                    0,
+                    version=ref.version,
+                    full=True,
+                    tensors=codecs.encode_tree(ref.tensors, codecs.get_codec("none")),
+                )
+                ref.full = (ref.version, frame)
+            return [ref.full[1]], ref.version, True
+        return chain, ref.version, False
+
+    def _advance(self, ref: _Reference, codec: codecs.Codec, snap: Snapshot) -> None:
+        delta = {k: np.subtract(snap.tensors[k], ref.tensors[k]) for k in ref.tensors}
+        encoded = codecs.encode_tree(delta, codec)
+        for k, t in encoded.items():
+            ref.tensors[k] += codecs.decode_tensor(t, k)
+        frame = wire.encode(
+            "params", 0, version=snap.version, full=False, base=ref.version, tensors=encoded
+        )
+        ref.steps.append((ref.version, snap.version, frame))
+        while len(ref.steps) > self._keep:
+            ref.steps.popleft()
+        ref.version = snap.version
+
+    def _chain(self, ref: _Reference, held: int | None) -> list[bytes] | None:
+        if held is None:
+            return None
+        if held == ref.version:
+            return [self._empty(ref.version)]
+        out = []
+        for start, end, frame in ref.steps:  # consecutive transitions, oldest first
+            if start == held:
+                out.append(frame)
+                held = end
+        return out if out and held == ref.version else None
+
+    def _empty(self, version: int) -> bytes:
+        """A delta of nothing: the worker may go on with what it has."""
+        return wire.encode("params", 0, version=version, full=False, base=version, tensors={})
+
+    def _full_frame(self, version: int, tensors: Mapping[str, np.ndarray], spec: str) -> bytes:
+        key = (version, spec)
+        frame = self._full.get(key)
+        if frame is None:
+            frame = wire.encode(
+                "params",
+                0,
+                version=version,
+                full=True,
+                tensors=codecs.encode_tree(tensors, self._codec(spec)),
+            )
+            self._full = {k: v for k, v in self._full.items() if k[0] == version}
+            self._full[key] = frame
+        return frame
