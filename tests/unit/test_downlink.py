@@ -60,7 +60,7 @@ def test_lossy_group_shares_deltas_and_tracks_the_model(spec: str) -> None:
         assert a is not None and a.version == v
         if v % 3 == 0:
             fb, vb, full_b = d.frames(spec, b.version if b else None, s)
-            assert not full_b and len(fb) == 3  # three shared deltas, not a new encoding
+            assert not full_b and vb == v and len(fb) == 3  # three shared deltas, not new ones
             assert fb[-1] is fa[0]
             b = replay(fb, b)
             assert b is not None
