@@ -100,6 +100,19 @@ def _add_serve(sub: Sub) -> None:
         default=None,
         help="override [store] dir: where checkpoints are written and resumed from",
     )
+    s.add_argument(
+        "--model",
+        default=None,
+        help="override [train] model: mlp, cnn, or your own as pkg.module:attr (a hetd.models.Model "
+        "or a factory returning one; workers must be able to import it too)",
+    )
+    s.add_argument(
+        "--dataset",
+        default=None,
+        help="override [train] dataset: digits, mnist5k, mnist, synthetic, or your own as "
+        "pkg.module:attr (a hetd.data.Dataset or a factory (seed, **kwargs) returning one)",
+    )
+    s.add_argument("--policy", default=None, help="override [policy] name (its default params)")
     s.set_defaults(run=_serve)
 
 
@@ -268,6 +281,11 @@ def _serve(args: argparse.Namespace) -> int:
         cfg = config.replace(cfg, "server", **server)
     if args.state_dir is not None:
         cfg = config.replace(cfg, "store", dir=args.state_dir)
+    train = {k: v for k, v in (("model", args.model), ("dataset", args.dataset)) if v is not None}
+    if train:
+        cfg = config.replace(cfg, "train", **train)
+    if args.policy is not None:
+        cfg = config.replace(cfg, "policy", name=args.policy, params={})
     try:
         asyncio.run(serve(cfg))
     except CheckpointError as exc:

@@ -48,6 +48,7 @@ from policies.base import (
     SetStage,
     Tick,
     WorkerFacts,
+    describe_state,
     make_policy,
 )
 
@@ -561,6 +562,7 @@ class Engine:
             "version": self.store.version,
             "stage": self.stage,
             "policy": self.policy.describe(),
+            "policy_state": describe_state(self.policy_state),
             "uptime_s": self.clock.now() - self.started_at,
             "workers": len(self.facts),
             "updates_applied": self.updates_applied,

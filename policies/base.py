@@ -13,6 +13,7 @@ This module also owns the policy registry (with the entry-point group ``hetd.pol
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Literal, NamedTuple
@@ -284,6 +285,28 @@ def compose(*policies: Policy, name: str | None = None) -> Policy:
 
     params = {p.name: dict(p.params) for p in policies}
     return Policy(name or "+".join(p.name for p in policies), init, update, params)
+
+
+def describe_state(state: Any, depth: int = 0) -> Any:
+    """A policy state as plain JSON values for status pages: its own ``describe()`` when it has one,
+    else its fields (mappings with string keys, sequences as lists)."""
+    if depth > 6:
+        return None
+    describe = getattr(state, "describe", None)
+    if callable(describe):
+        return describe()
+    if dataclasses.is_dataclass(state) and not isinstance(state, type):
+        return {
+            f.name: describe_state(getattr(state, f.name), depth + 1)
+            for f in dataclasses.fields(state)
+        }
+    if isinstance(state, Mapping):
+        return {str(k): describe_state(v, depth + 1) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return [describe_state(v, depth + 1) for v in state]
+    if state is None or isinstance(state, bool | int | float | str):
+        return state
+    return repr(state)
 
 
 def release_waiting(view: ClusterView, may_proceed: Callable[[WorkerFacts], bool]) -> list[Release]:

@@ -42,9 +42,8 @@ def make_config(
         heartbeat_timeout_s=10.0,
         **(server or {}),
     )
-    cfg = config_mod.replace(
-        cfg, "train", dataset="digits", model="mlp", lr=0.2, eval_interval_s=0.5, **train
-    )
+    defaults: dict[str, Any] = {"dataset": "digits", "model": "mlp", "lr": 0.2}
+    cfg = config_mod.replace(cfg, "train", eval_interval_s=0.5, **{**defaults, **train})
     return config_mod.replace(cfg, "policy", name=policy, params=params or {})
 
 

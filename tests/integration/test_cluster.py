@@ -114,3 +114,13 @@ async def test_joining_workers_are_profiled(cluster) -> None:  # type: ignore[no
     assert set(fast) == {"sample_s", "push_s", "pull_s", "compress_s"}
     # 0.02 s per 32 samples, padded; the x4 worker's profile shows it about 4x slower.
     assert 2.5 < slow["sample_s"] / fast["sample_s"] < 6
+
+
+async def test_a_users_own_model_plugs_in_on_both_sides(cluster) -> None:  # type: ignore[no-untyped-def]
+    c = await cluster("asp", model="tests.unit.test_models:tiny_linear")
+    await c.spawn(1, 0.01)
+    await c.wait_for(lambda: c.engine.updates_applied >= 20, 60, "20 updates")
+    # The daemon holds the plug-in's parameters and the worker pushed updates of that shape.
+    assert len(c.engine.store.shapes) == 2
+    assert c.engine.store.n_params == 64 * 10 + 10
+    assert all(row["dropped"] == 0 for row in c.engine.workers())
