@@ -12,8 +12,8 @@ This module also owns the policy registry (with the entry-point group ``hetd.pol
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
 import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Literal, NamedTuple
