@@ -32,7 +32,7 @@ class FakePeer:
     def __init__(self) -> None:
         self.frames: list[bytes] = []
 
-    def send(self, frame: bytes, *, params: bool = False) -> None:
+    def send(self, frame: bytes, *, params: bool = False, full: bool = False) -> None:
         self.frames.append(frame)
 
     def close(self, reason: str) -> None:
