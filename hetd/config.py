@@ -57,6 +57,7 @@ class TrainConfig:
     eval_interval_s: float = 1.0  # the daemon evaluates the global model this often
     target_accuracy: float = 0.0  # > 0: log when reached
     max_staleness_drop: int = 1000  # pushes staler than this are dropped
+    profile_steps: int = 3  # steps a joining worker times for its profile (0: no profiling)
 
 
 @dataclass(frozen=True)
@@ -184,6 +185,7 @@ _RANGES: dict[tuple[str, str], tuple[float, float | None, str]] = {
     ("train", "shards"): (0, None, "0 (automatic) or more"),
     ("train", "eval_interval_s"): (0, None, "not negative"),
     ("train", "max_staleness_drop"): (0, None, "not negative"),
+    ("train", "profile_steps"): (0, 20, "0 (no profiling) to 20 steps"),
     ("store", "interval_s"): (0, None, "0 (no timer) or positive seconds"),
     ("store", "keep"): (1, None, "at least 1"),
 }

@@ -69,6 +69,7 @@ def build_engine(cfg: config_mod.Config, clock: Clock | None = None) -> Engine:
         heartbeat_timeout_s=cfg.server.heartbeat_timeout_s,
         eval_interval_s=t.eval_interval_s,
         max_staleness=t.max_staleness_drop,
+        profile_steps=t.profile_steps,
         shards=t.shards,
         welcome={
             "model": {"spec": t.model, "kwargs": dict(t.model_kwargs)},
