@@ -91,6 +91,14 @@ def add_commands(sub: Any) -> None:
     )
     _common(b)
     b.add_argument(
+        "--suite",
+        choices=("policies", "codecs"),
+        default="policies",
+        help="policies: time-to-accuracy of --policies on --scenario (BENCHMARK.md §1, the "
+        "default); codecs: codec GB/s vs memcpy, written to OUT/codecs.json (hetd.bench_codecs; "
+        "its other options: python -m hetd.bench_codecs --help)",
+    )
+    b.add_argument(
         "--mode",
         choices=("sim", "real"),
         default="sim",
@@ -187,6 +195,11 @@ def _sim(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from hetd.bench import BenchOptions, run_bench
     from hetd.results import parse_policies
+
+    if args.suite == "codecs":
+        from hetd import bench_codecs
+
+        return bench_codecs.main(["--out", args.out])
 
     if args.seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
