@@ -72,6 +72,9 @@ def parser() -> argparse.ArgumentParser:
     _add_workers(sub, client)
     _add_policy(sub, client)
     _add_checkpoint(sub, client)
+    from hetd import bench_cli
+
+    bench_cli.add_commands(sub)
     return p
 
 
@@ -255,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     from hetd.config import ConfigError
 
+    from hetd import bench_cli
+
+    if args.command in bench_cli.COMMANDS:
+        return bench_cli.run_command(args)
     run: Callable[[argparse.Namespace], int] = args.run
     try:
         return run(args)
