@@ -110,7 +110,7 @@ def _config(sc: Scenario, policy: PolicySpec, seed: int, lr: float) -> config_mo
         seed=seed,
         optimizer=sc.optimizer,
         lr=lr,
-        worker_lr=sc.worker_lr,
+        worker_lr=sc.worker_lr or lr,
         global_batch=sc.global_batch,
         batch_size=sc.batch_per_worker,
         codec=sc.codec,

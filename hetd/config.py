@@ -49,7 +49,7 @@ class TrainConfig:
     seed: int = 0
     optimizer: str = "sgd"  # sgd | momentum | adam
     lr: float = 0.1  # the daemon's optimizer learning rate
-    worker_lr: float = 0.05  # the worker's local lr for local-step (delta) plans
+    worker_lr: float = 0.0  # the worker's local lr for local-step (delta) plans; 0: same as lr
     global_batch: int = 128  # samples per round across workers (BSP: B/N each)
     batch_size: int = 32  # initial per-worker batch
     codec: str = "none"  # preferred codec for pushes and params

@@ -74,7 +74,7 @@ def build_engine(cfg: config_mod.Config, clock: Clock | None = None) -> Engine:
         welcome={
             "model": {"spec": t.model, "kwargs": dict(t.model_kwargs)},
             "dataset": {"spec": t.dataset, "kwargs": dict(t.dataset_kwargs), "seed": t.seed},
-            "train": {"worker_lr": t.worker_lr, "seed": t.seed},
+            "train": {"worker_lr": t.worker_lr or t.lr, "seed": t.seed},
         },
     )
     return Engine(store, policy, econf, clock=clock, evaluator=make_evaluator(model, data))

@@ -95,7 +95,7 @@ class Scenario:
     lr: float = 0.1  # the daemon optimizer's learning rate
     lr_grid: tuple[float, ...] = (0.05, 0.1, 0.2)  # candidates for --tune-lr
     optimizer: str = "sgd"  # sgd | momentum | adam
-    worker_lr: float = 0.05  # local lr for local-step (delta) plans
+    worker_lr: float = 0.0  # local lr for local-step (delta) plans; 0: the run's lr
     codec: str = "none"  # preferred codec
     shifts: tuple[Shift, ...] = ()
 
@@ -159,7 +159,7 @@ _TOP: dict[str, tuple[Check, str, Check, str]] = {
         lambda v: v in ("sgd", "momentum", "adam"),
         "one of sgd, momentum, adam",
     ),
-    "worker_lr": (_num, "number", lambda v: 0 < v < INF, "> 0"),
+    "worker_lr": (_num, "number", lambda v: 0 <= v < INF, ">= 0 (0: the run's lr)"),
     "codec": (lambda v: isinstance(v, str), "string", lambda v: bool(v), "non-empty"),
     "workers": (
         lambda v: isinstance(v, list),

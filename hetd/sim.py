@@ -108,7 +108,7 @@ class _Sim:
             welcome={
                 "model": {"spec": sc.model, "kwargs": dict(sc.model_kwargs)},
                 "dataset": {"spec": sc.dataset, "kwargs": dict(sc.dataset_kwargs), "seed": seed},
-                "train": {"worker_lr": sc.worker_lr, "seed": seed},
+                "train": {"worker_lr": sc.worker_lr or lr, "seed": seed},
             },
         )
         # No evaluator: the loop evaluates at exact virtual times k × interval and hands the result

@@ -77,6 +77,7 @@ class EmuWorker:
     sampler: BatchSampler | None = None
     _shard: int = 0
     _share: tuple[float, float] | None = None
+    worker_lr: float = 0.0  # the local lr of delta plans, from the welcome
     _sizes: dict[tuple[str, str], int] = field(default_factory=dict)  # tensor bytes per codec/kind
 
     def __post_init__(self) -> None:
@@ -101,6 +102,8 @@ class EmuWorker:
     def welcome(self, msg: wire.Message) -> None:
         """Plan and shard from the welcome (the shard as ``workers.loop.Trainer`` samples it)."""
         self.plan = dict(msg["plan"])
+        train = msg.get("train") or {}
+        self.worker_lr = float(train.get("worker_lr") or self.sc.worker_lr)  # as workers.loop
         shard = msg["shard"]
         self._shard = int(shard["index"])
         rows = shard_indices(len(self.data.y_train), shard["index"], shard["count"], self.seed)
@@ -166,7 +169,7 @@ class EmuWorker:
         k = max(1, int(self.plan.get("local_steps", 1)))
         delta = k > 1 or self.plan.get("push_kind", "grad") == "delta"
         rows = np.stack([self.sampler.next_indices(batch) for _ in range(k)]).astype(np.int32)
-        lr = sc.worker_lr * float(self.plan.get("lr_scale", 1.0))
+        lr = self.worker_lr * float(self.plan.get("lr_scale", 1.0))
         work = StepWork(self.held.tensors, rows, lr, delta=delta)
         compute_s = self._step_s(batch * k, t)
         end = t + compute_s

@@ -51,7 +51,8 @@ _KEEP = 32  # search records kept in the state
 class AdspConfig:
     """``adsp`` parameters; defaults from §9 (the ASHL authors' reimplementation) unless [D]."""
 
-    period_s: float = 60.0  # Γ: the check period, s
+    period_s: float | None = None  # Γ: the check period, s; None: period_steps slowest rounds [D]
+    period_steps: int = 20  # Γ = this x the slowest worker's (step + commit overhead) [D]
     cycle_periods: int = 20  # K: periods per search cycle
     weight: float | None = None  # γ: the weight of a commit; None: 1/N [D]
     mode: str = "steps"  # "steps": the PS sets local_steps; "time": also local_time_s
@@ -67,9 +68,13 @@ class AdspConfig:
     alpha: float = 0.5
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.period_s, int | float) and 0 < self.period_s < math.inf):
-            raise ValueError(f"period_s (Γ, seconds) must be > 0, got {self.period_s!r}")
-        for name in ("cycle_periods", "overhead_window", "max_local_steps"):
+        if self.period_s is not None and not (
+            isinstance(self.period_s, int | float) and 0 < self.period_s < math.inf
+        ):
+            raise ValueError(
+                f"period_s (Γ, seconds) must be > 0, or None for period_steps, got {self.period_s!r}"
+            )
+        for name in ("cycle_periods", "overhead_window", "max_local_steps", "period_steps"):
             if not is_int(getattr(self, name), 1):
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
         if self.weight is not None and not self.weight > 0:
@@ -149,16 +154,36 @@ def reward(
     return sum(rs) / len(rs) if rs else None
 
 
-def local_steps(quota: int, t1: float, step_s: float, cfg: AdspConfig) -> int:
+def gamma(cfg: AdspConfig, period: float | None = None) -> float:
+    """Γ: ``period`` (the state's, when derived from the cluster) or the configured ``period_s``."""
+    g = period if period is not None else cfg.period_s
+    if g is None:
+        raise ValueError("adsp: Γ is derived from profiles; pass the state's period")
+    return g
+
+
+def auto_period(step_s: Mapping[int, float], t1: Mapping[int, float], cfg: AdspConfig) -> float:
+    """Γ when ``period_s`` is None [D]: ``period_steps`` x the slowest worker's step plus commit
+    overhead. The reimplementation's 60 s suits VGG16 steps of about a second; tying Γ to the
+    cluster keeps the search meaningful for any model (a few dozen slow steps per period)."""
+    if cfg.period_s is not None:
+        return cfg.period_s
+    slowest = max((step_s[w] + t1.get(w, 0.0) for w in step_s), default=1.0)
+    return cfg.period_steps * max(slowest, prof.MIN_SAMPLE_S)
+
+
+def local_steps(
+    quota: int, t1: float, step_s: float, cfg: AdspConfig, period: float | None = None
+) -> int:
     """§9 plan: ``floor((Γ/m_i - T1_i) / step_time_i)``, at least 1."""
-    budget = cfg.period_s / max(1, quota) - t1
+    budget = gamma(cfg, period) / max(1, quota) - t1
     n = math.floor(budget / max(step_s, prof.MIN_SAMPLE_S))
     return min(cfg.max_local_steps, max(1, n))
 
 
-def max_quota(t1: float, step_s: float, cfg: AdspConfig) -> int:
+def max_quota(t1: float, step_s: float, cfg: AdspConfig, period: float | None = None) -> int:
     """The most commits per period that still leave one local step each [D]."""
-    return max(1, math.floor(cfg.period_s / max(t1 + step_s, prof.MIN_SAMPLE_S)))
+    return max(1, math.floor(gamma(cfg, period) / max(t1 + step_s, prof.MIN_SAMPLE_S)))
 
 
 def _empty() -> Mapping[Any, Any]:
@@ -184,6 +209,7 @@ class AdspState:
     overhead: Mapping[int, tuple[float, ...]] = field(default_factory=_empty)
     last_push: Mapping[int, float] = field(default_factory=_empty)
     period_start: float = 0.0  # s
+    period: float | None = None  # Γ in use (s); set on entering the ADSP stage
     history: tuple[tuple[float, float | None, str], ...] = ()  # (s, reward, action), last few
     fresh: bool = True  # the engine has not heard this policy's stage and plans yet
 
@@ -221,10 +247,12 @@ def describe_state(state: AdspState) -> dict[str, Any]:
                 "quota": m,
                 "period_commits": state.period_commits.get(w, 0),
                 "t1_s": state.t1(w),
-                "period_s_per_commit": None if m is None else state.cfg.period_s / m,
+                "period_s_per_commit": None
+                if m is None or state.period is None
+                else state.period / m,
                 "local_steps_at_batch_1": None
                 if m is None or p is None
-                else local_steps(m, state.t1(w), p.sample_s, state.cfg),
+                else local_steps(m, state.t1(w), p.sample_s, state.cfg, state.period),
             }
         )
     return {
@@ -234,6 +262,7 @@ def describe_state(state: AdspState) -> dict[str, Any]:
         "cycle": s.cycle,
         "period": s.period,
         "period_start": state.period_start,
+        "period_s": state.period,
         "searching": s.searching,
         "rate": s.rate,
         "c_target": max(state.commits.values(), default=0) + s.rate,
@@ -255,7 +284,7 @@ def adsp(**params: Any) -> Policy:
         return AdspState(cfg, PROFILE, prof.init_tracks(view, pcfg), ((PROFILE, view.now),))
 
     def new_quotas(st: AdspState, view: ClusterView) -> Mapping[int, int]:
-        caps = {w: max_quota(st.t1(w), _step_s(st, w, view), cfg) for w in st.commits}
+        caps = {w: max_quota(st.t1(w), _step_s(st, w, view), cfg, st.period) for w in st.commits}
         return freeze(quotas(st.commits, st.search.rate, caps))
 
     def plans(st: AdspState, view: ClusterView) -> list[Decision]:
@@ -265,31 +294,32 @@ def adsp(**params: Any) -> Policy:
             if m is None:
                 out.append(SetPlan(w, PROFILE_FIELDS))
                 continue
-            t1 = st.t1(w)
+            t1, g = st.t1(w), gamma(cfg, st.period)
             fields: dict[str, Any] = {
-                "local_steps": local_steps(m, t1, _step_s(st, w, view), cfg),
+                "local_steps": local_steps(m, t1, _step_s(st, w, view), cfg, g),
                 "lr_scale": cfg.lr_decay**st.search.cycle,
                 "commit_quota": m,
-                "period_s": cfg.period_s,
+                "period_s": g,
                 "push_kind": "delta",  # a commit is accumulated local steps, even just one
             }
             if cfg.mode == "time":
-                fields["local_time_s"] = max(0.0, cfg.period_s / m - t1)
+                fields["local_time_s"] = max(0.0, g / m - t1)
             out.append(SetPlan(w, fields))
         return out
 
     def end_period(st: AdspState, view: ClusterView) -> AdspState:
-        now, gamma = view.now, cfg.period_s
-        start = st.period_start + gamma * math.floor((now - st.period_start) / gamma)
+        now, g = view.now, gamma(cfg, st.period)
+        start = st.period_start + g * math.floor((now - st.period_start) / g)
         if not st.commits:  # nobody to measure: the search waits
             return replace(st, period_start=start, losses=freeze({}))
-        r = reward(st.losses, st.period_start, gamma, cfg.reward_window)
-        room = all(gamma / (m + 1) > st.t1(w) for w, m in st.quota.items())
+        r = reward(st.losses, st.period_start, g, cfg.reward_window)
+        room = all(g / (m + 1) > st.t1(w) for w, m in st.quota.items())
         search, action = search_step(st.search, r, room)
         search = replace(search, period=search.period + 1)
         if search.period >= cfg.cycle_periods:  # a new cycle searches again from this rate [D]
             search = Search(search.rate, None, True, search.cycle + 1, 0)
             action += "; new cycle"
+            st = replace(st, period=_period(st, view))
         st = replace(st, search=search)
         return replace(
             st,
@@ -309,7 +339,7 @@ def adsp(**params: Any) -> Policy:
             st = _forget(st, view)
         out: list[Decision] = [] if st.fresh else [SetPlan(w, PROFILE_FIELDS) for w in ch.joined]
         replan = ch.replan
-        if st.stage == TRAIN and event.now >= st.period_start + cfg.period_s:
+        if st.stage == TRAIN and event.now >= st.period_start + gamma(cfg, st.period):
             st, replan = end_period(st, view), True
         head: list[Decision] = []
         if isinstance(event, Push) and event.worker in view.workers:
@@ -324,6 +354,7 @@ def adsp(**params: Any) -> Policy:
                     search=Search(),
                     commits=freeze(dict.fromkeys(view.workers, 0)),
                 )
+                st = replace(st, period=_period(st, view))
                 st = replace(
                     st,
                     quota=new_quotas(st, view),
@@ -347,6 +378,13 @@ def adsp(**params: Any) -> Policy:
         return [*head, *out, *release_waiting(view, lambda f: True)], st
 
     return Policy("adsp", init, update, asdict(cfg))
+
+
+def _period(st: AdspState, view: ClusterView) -> float:
+    """Γ for the members' current profiles (:func:`auto_period`)."""
+    members = [w for w in st.commits if w in st.tracks]
+    steps = {w: _step_s(st, w, view) for w in members}
+    return auto_period(steps, {w: st.t1(w) for w in members}, st.cfg)
 
 
 def _forget(st: AdspState, view: ClusterView) -> AdspState:

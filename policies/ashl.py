@@ -65,7 +65,9 @@ class AshlConfig:
     profile_weight: float | None = None  # lambda of profiling pushes; None: 1/N (ASP)
     ahl_lr_scale: float = 1.0  # worker lr scale in AHL (code: 0.1)
     shl_lr_scale: float = 3.0  # worker lr scale on entering SHL (code: lr2 = 0.3 = 3 x 0.1)
-    warmup: int = 5  # AHL linear warm-up, in scheduler steps
+    warmup: int = (
+        1  # AHL linear warm-up, scheduler steps [D: the code warms VGG16 up over 5; 1 = none]
+    )
     lr_every: int = 6  # commits per scheduler step
     ahl_cosine: int = 200  # AHL cosine horizon in scheduler steps (code: n_epochs)
     shl_rounds: int = 800  # SHL cosine horizon in commits, and the round limit of the stop test

@@ -21,6 +21,7 @@ from policies.adsp import (
     TRAIN,
     AdspConfig,
     Search,
+    auto_period,
     describe_state,
     local_steps,
     max_quota,
@@ -130,7 +131,18 @@ STEPS = [
     ("m", "t1", "step", "params", "want"), [r[1:] for r in STEPS], ids=[r[0] for r in STEPS]
 )
 def test_local_steps(m: int, t1: float, step: float, params: dict[str, Any], want: int) -> None:
-    assert local_steps(m, t1, step, AdspConfig(**params)) == want
+    assert local_steps(m, t1, step, AdspConfig(**{"period_s": 60.0, **params})) == want
+    # the same with Γ handed in, as the state does when Γ is derived from the profiles
+    assert local_steps(m, t1, step, AdspConfig(**params), 60.0) == want
+
+
+def test_auto_period_is_period_steps_slowest_rounds() -> None:
+    cfg = AdspConfig(period_steps=10)
+    # slowest: 0.04 s step + 0.01 s commit overhead
+    assert auto_period({1: 0.01, 2: 0.04}, {1: 0.002, 2: 0.01}, cfg) == pytest.approx(0.5)
+    assert auto_period({1: 0.01}, {}, AdspConfig(period_s=7.0)) == 7.0
+    with pytest.raises(ValueError, match="period"):
+        local_steps(1, 0.0, 0.1, cfg)  # no Γ yet
 
 
 def test_max_quota_leaves_a_step_per_commit() -> None:

@@ -152,12 +152,19 @@ def test_planner(
 # --- lr schedule and the switch ----------------------------------------------------------------------
 
 LR = [
-    ("AHL warm-up starts at 1/5", AHL, 0, {}, 0.2),
-    ("steps every 6 commits", AHL, 5, {}, 0.2),
-    ("second step", AHL, 6, {}, 0.4),
-    ("warm-up done", AHL, 24, {}, 1.0),
-    ("cosine starts at the top", AHL, 30, {}, 1.0),
-    ("cosine midway", AHL, 105, {"lr_every": 1, "ahl_cosine": 205, "lr_floor": 0.0}, 0.5),
+    ("AHL warm-up starts at 1/5", AHL, 0, {"warmup": 5}, 0.2),
+    ("steps every 6 commits", AHL, 5, {"warmup": 5}, 0.2),
+    ("second step", AHL, 6, {"warmup": 5}, 0.4),
+    ("warm-up done", AHL, 24, {"warmup": 5}, 1.0),
+    ("no warm-up by default", AHL, 0, {}, 1.0),
+    ("cosine starts at the top", AHL, 30, {"warmup": 5}, 1.0),
+    (
+        "cosine midway",
+        AHL,
+        105,
+        {"lr_every": 1, "ahl_cosine": 205, "lr_floor": 0.0, "warmup": 5},
+        0.5,
+    ),
     ("cosine end is the floor", AHL, 10**6, {"lr_floor": 0.05}, 0.05),
     ("SHL restarts at lr2", SHL, 0, {}, 3.0),
     ("SHL cosine midway", SHL, 50, {"lr_every": 1, "shl_rounds": 100, "lr_floor": 0.0}, 1.5),

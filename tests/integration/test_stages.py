@@ -1,0 +1,70 @@
+"""Multi-stage policies on a real daemon with real worker processes: ASHL moves profile -> AHL -> SHL
+while the accuracy keeps rising; ADSP leaves its profile stage and commits at equal rates."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _transitions(c: Any) -> list[str]:
+    state = c.engine.status()["policy_state"]
+    return [t["stage"] for t in state["transitions"]]
+
+
+async def test_ashl_moves_through_its_stages_and_keeps_learning(cluster) -> None:  # type: ignore[no-untyped-def]
+    # digits reaches an evaluated loss of 0.5 within a few seconds; a plateau would also switch.
+    c = await cluster("ashl", {"switch_loss": 0.5, "profile_pushes": 3})
+    await c.spawn(1.0, 0.01)
+    await c.spawn(2.0, 0.01)
+    await c.wait_for(lambda: len(c.engine.facts) == 2, 60, "2 workers to join")
+    await c.wait_for(lambda: c.engine.stage == "AHL", 60, "the AHL stage")
+    ahl_at = len(c.engine.evals)
+    await c.wait_for(lambda: c.engine.stage == "SHL", 90, "the SHL stage")
+    shl_at = len(c.engine.evals)
+    before = {w: (c.engine.stats[w].bytes_in, c.engine.stats[w].pushes) for w in c.engine.facts}
+    await c.wait_for(lambda: len(c.engine.evals) >= shl_at + 6, 60, "6 evaluations in SHL")
+
+    assert _transitions(c) == ["profile", "AHL", "SHL"]
+    state = c.engine.status()["policy_state"]
+    assert state["switch_reason"] in ("threshold", "plateau")
+    plans = {w: c.engine.plans[w] for w in c.engine.facts}
+    assert all(p.local_steps >= 1 and 0 < p.topk <= 1 for p in plans.values()), plans
+    assert all(p.stage == "SHL" for p in plans.values()), plans
+    accs = [a for _, _, a in c.engine.evals]
+    at_ahl = max(accs[: ahl_at + 1])
+    at_shl = max(accs[ahl_at : shl_at + 1])
+    final = max(accs[-3:])
+    assert at_ahl < at_shl <= final + 0.02, (at_ahl, at_shl, final)
+    assert final > 0.85, accs
+    # SHL pushes are top-k deltas: the slowest worker keeps rho = 0.25 (the others spend their
+    # slack on a larger rho, up to dense), so its pushes are well below dense float32.
+    dense = 4 * c.engine.store.n_params
+    slowest = min(plans, key=lambda w: plans[w].topk)
+    assert plans[slowest].topk <= 0.25 + 1e-9, plans
+    b0, p0 = before[slowest]
+    st = c.engine.stats[slowest]
+    assert st.pushes > p0
+    assert (st.bytes_in - b0) / (st.pushes - p0) < 0.75 * dense, st
+
+
+async def test_adsp_equalises_commit_counts(cluster) -> None:  # type: ignore[no-untyped-def]
+    c = await cluster("adsp", {"period_steps": 10, "profile_pushes": 3})
+    await c.spawn(1.0, 0.01)
+    await c.spawn(3.0, 0.01)
+    await c.wait_for(lambda: len(c.engine.facts) == 2, 60, "2 workers to join")
+    await c.wait_for(lambda: c.engine.stage == "ADSP", 60, "the ADSP stage")
+
+    def commits() -> dict[int, int]:
+        rows = c.engine.status()["policy_state"]["workers"]
+        return {r["worker"]: r["commits"] for r in rows}
+
+    # The laggard's quota C_target - c_i makes it catch up within a few periods of joining late.
+    # Without quotas the 3x faster worker would commit 3x as often.
+    await c.wait_for(lambda: min(commits().values(), default=0) >= 40, 120, "40 commits each")
+    counts = commits()
+    assert max(counts.values()) <= 1.5 * min(counts.values()), counts
+    steps = {w: c.engine.plans[w].local_steps for w in c.engine.facts}
+    rows = c.engine.status()["policy_state"]["workers"]
+    fast, slow = (r["worker"] for r in sorted(rows, key=lambda r: r["sample_s"]))
+    assert steps[fast] > steps[slow], steps  # the fast worker fills its period with more steps
+    assert c.engine.evals[-1][2] > c.engine.evals[0][2]
