@@ -103,14 +103,7 @@ class AshlConfig:
 
     def profiling(self) -> ProfilingConfig:
         """The profiling part of the configuration."""
-        return ProfilingConfig(
-            self.profile_pushes,
-            self.trim,
-            self.drift,
-            self.drift_patience,
-            self.alpha,
-            self.comm_factor,
-        )
+        return prof.profiling_of(self)
 
 
 @dataclass(frozen=True, slots=True)

@@ -128,6 +128,14 @@ class ProfilingConfig:
         return max(self.pushes, self.patience)
 
 
+def profiling_of(cfg: Any) -> ProfilingConfig:
+    """The profiling part of a policy's configuration: its ``profile_pushes``, ``trim``, ``drift``,
+    ``drift_patience``, ``alpha`` and ``comm_factor`` (the names ``adsp`` and ``ashl`` share)."""
+    return ProfilingConfig(
+        cfg.profile_pushes, cfg.trim, cfg.drift, cfg.drift_patience, cfg.alpha, cfg.comm_factor
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerTrack:
     """What a policy knows about one worker's speed."""
