@@ -1,7 +1,7 @@
-"""``python -m hetd`` is ``hetd``."""
+"""``python -m hetd`` is ``hetd`` (malloc settings included, see :mod:`hetd.launch`)."""
 
 import sys
 
-from hetd.cli import main
+from hetd.launch import hetd_main
 
-sys.exit(main())
+sys.exit(hetd_main())

@@ -92,11 +92,13 @@ def add_commands(sub: Any) -> None:
     _common(b)
     b.add_argument(
         "--suite",
-        choices=("policies", "codecs"),
+        choices=("policies", "codecs", "system"),
         default="policies",
         help="policies: time-to-accuracy of --policies on --scenario (BENCHMARK.md §1, the "
         "default); codecs: codec GB/s vs memcpy, written to OUT/codecs.json (hetd.bench_codecs; "
-        "its other options: python -m hetd.bench_codecs --help)",
+        "its other options: python -m hetd.bench_codecs --help); system: the daemon's updates/s "
+        "against the loopback websocket limit, engine latency and start-up, written to "
+        "OUT/system.json and OUT/system.md (hetd.bench_system; options below)",
     )
     b.add_argument(
         "--mode",
@@ -120,6 +122,9 @@ def add_commands(sub: Any) -> None:
         metavar="LR,LR,...",
         help="candidates for --tune-lr (default: the scenario's lr_grid, 0.05,0.1,0.2)",
     )
+    from hetd.bench_system_cli import add_options
+
+    add_options(b)
 
 
 def _floats(text: str, what: str) -> tuple[float, ...]:
@@ -200,6 +205,10 @@ def _bench(args: argparse.Namespace) -> int:
         from hetd import bench_codecs
 
         return bench_codecs.main(["--out", args.out])
+    if args.suite == "system":
+        from hetd import bench_system
+
+        return bench_system.run_main(bench_system.options_from(args))
 
     if args.seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {args.seeds}")

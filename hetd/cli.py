@@ -256,9 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    from hetd.config import ConfigError
-
     from hetd import bench_cli
+    from hetd.config import ConfigError
 
     if args.command in bench_cli.COMMANDS:
         return bench_cli.run_command(args)
@@ -435,6 +434,21 @@ def _duration(seconds: float) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{seconds:.1f}s"
 
 
+def _throughput_text(rates: dict[str, Any] | None) -> str:
+    if not rates or not rates.get("window_s"):
+        return "-"
+    return (
+        f"{rates['updates_per_s']:.1f} updates/s, {rates['mb_in_per_s']:.1f} MB/s in, "
+        f"{rates['mb_out_per_s']:.1f} MB/s out (last {rates['window_s']:.0f}s)"
+    )
+
+
+def _latency_text(lat: dict[str, Any] | None) -> str:
+    if not lat or lat.get("p50_ms") is None:
+        return "-"
+    return f"p50 {lat['p50_ms']:.3f} ms, p99 {lat['p99_ms']:.3f} ms ({lat['events']} events)"
+
+
 def status_text(st: dict[str, Any]) -> str:
     """A readable /v1/status."""
     acc = st.get("accuracy")
@@ -449,6 +463,8 @@ def status_text(st: dict[str, Any]) -> str:
         ("updates applied", str(st["updates_applied"])),
         ("buffered", str(st.get("buffered", 0))),
         ("accuracy", "-" if acc is None else f"{acc:.4f} (loss {st.get('loss', 0.0):.4f})"),
+        ("throughput", _throughput_text(st.get("throughput"))),
+        ("engine latency", _latency_text(st.get("engine_latency"))),
         (
             "checkpoints",
             "off"

@@ -5,16 +5,19 @@ per version. For a lossy codec ``c`` the daemon keeps one *reference* ``R_c``: t
 worker of that group reconstructs. Advancing it to version ``v`` encodes ``D = params(v) - R_c`` once,
 and every worker holding the previous reference applies the same frame (``R_c += decode(D)``). What
 the codec lost stays in ``params - R_c`` and goes out with the next delta — error feedback for the
-whole group, so every frame is encoded once per (codec, base version) and shared. A worker whose
-version is older than the kept transitions gets the reference in full (lossless), which puts it back
-in the group.
+whole group, so every frame is encoded once per (codec, base version) and shared. A worker that
+holds anything but the previous reference gets the reference in full (lossless), which puts it back
+in the group: a release is always one frame. (A chain of k deltas would cost k lossy frames — more
+than one full frame once k * ratio >= 1, as with int8 and four asynchronous workers — and a worker
+counts each frame as a release.) Under the daemon the engine publishes once for every command
+already queued, so the reference moves once per publish and a busy group mostly holds the previous
+one.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -26,16 +29,14 @@ from hetd.store import Snapshot
 class _Reference:
     version: int
     tensors: dict[str, np.ndarray]
-    # (from version, to version, frame), oldest first
-    steps: deque[tuple[int, int, bytes]] = field(default_factory=deque)
+    last: tuple[int, int, bytes] | None = None  # (from version, to version, frame)
     full: tuple[int, bytes] | None = None
 
 
 class Downlink:
     """Encodes parameter frames for workers by codec; the engine's only writer calls it."""
 
-    def __init__(self, keep: int = 8) -> None:
-        self._keep = keep
+    def __init__(self) -> None:
         self._refs: dict[str, _Reference] = {}
         self._full: dict[tuple[int, str], bytes] = {}
         self._codecs: dict[str, codecs.Codec] = {}
@@ -81,9 +82,7 @@ class Downlink:
         frame = wire.encode(
             "params", 0, version=snap.version, full=False, base=ref.version, tensors=encoded
         )
-        ref.steps.append((ref.version, snap.version, frame))
-        while len(ref.steps) > self._keep:
-            ref.steps.popleft()
+        ref.last = (ref.version, snap.version, frame)
         ref.version = snap.version
 
     def _chain(self, ref: _Reference, held: int | None) -> list[bytes] | None:
@@ -91,12 +90,9 @@ class Downlink:
             return None
         if held == ref.version:
             return [self._empty(ref.version)]
-        out = []
-        for start, end, frame in ref.steps:  # consecutive transitions, oldest first
-            if start == held:
-                out.append(frame)
-                held = end
-        return out if out and held == ref.version else None
+        if ref.last is not None and ref.last[0] == held and ref.last[1] == ref.version:
+            return [ref.last[2]]
+        return None
 
     def _empty(self, version: int) -> bytes:
         """A delta of nothing: the worker may go on with what it has."""

@@ -5,6 +5,13 @@ Sessions put commands on the queue (join, push, pull, heartbeat, leave); the adm
 decisions, applies them to the store, and hands frames to per-session :class:`Peer` outboxes, which
 never block it. Time comes from an injected :class:`Clock`; the engine does not import aiohttp, so
 the simulator drives the same code under a virtual clock.
+
+Under :meth:`Engine.run` (the daemon) a released worker's parameters are not encoded at once: the
+engine first takes whatever else is already queued (up to :data:`BATCH` commands), then *publishes*
+once — runs the queued optimizer steps, takes the snapshot and encodes each (codec, held version)'s
+frames once — in a worker thread for models of :data:`OFF_LOOP_PARAMS` or more, while the engine
+task awaits it, so one writer still owns the state and the sockets keep flowing. Called directly
+(the simulator, unit tests), every command publishes synchronously before it returns.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import numpy as np
 
 from hetd import codecs, wire
 from hetd.downlink import Downlink
+from hetd.rates import LatencyRecorder, RateMeter
 from hetd.store import Aggregator, Snapshot, Store
 from policies.base import (
     PLAN_FIELDS,
@@ -54,6 +62,10 @@ from policies.base import (
 
 log = logging.getLogger("hetd.engine")
 
+BATCH = 64  # commands at most taken before one publish
+OFF_LOOP_PARAMS = (
+    65_536  # models this big publish in a worker thread (smaller: a thread hop costs more)
+)
 PROFILE_KEYS = frozenset({"sample_s", "push_s", "pull_s", "compress_s"})
 EWMA = 0.5  # smoothing of per-worker timing facts (ALGORITHMS.md §0)
 
@@ -163,9 +175,15 @@ class Engine:
         self.evals: list[tuple[float, float, float]] = []  # (t since start, loss, accuracy)
         self._next_id = 1
         self.downlink = Downlink()
+        self.bytes_in = 0  # push bytes received, all workers, since start
+        self.bytes_out = 0  # parameter bytes sent, all workers, since start
+        self.latency = LatencyRecorder()  # s from taking a command to its replies being queued
+        self.rates = RateMeter()  # updates/s and MB/s over the last seconds, sampled on ticks
         self._queue: asyncio.Queue[Callable[[], Any]] = asyncio.Queue()
         self._last_eval = -math.inf
         self._eval_task: asyncio.Task[None] | None = None
+        self._deferred = False  # True while run() drives the engine: releases wait to be published
+        self._releases: dict[int, None] = {}  # workers released, not yet sent parameters (ordered)
         self.policy_state: Any = policy.init(self.view())
 
     # --- the view --------------------------------------------------------------------------------
@@ -207,19 +225,71 @@ class Engine:
     async def run(self) -> None:
         """Process commands until cancelled; a timer task feeds ticks."""
         ticker = asyncio.create_task(self._ticker())
+        self._deferred = True
         try:
             while True:
                 command = await self._queue.get()
-                try:
-                    command()
-                except Exception:  # a bug in one command must not stop training
-                    log.exception("engine command failed")
+                started = [time.perf_counter()]
+                self._run_command(command)
+                # What is already queued goes before the publish: one encode serves them all.
+                while not self._queue.empty() and len(started) < BATCH:
+                    started.append(time.perf_counter())
+                    self._run_command(self._queue.get_nowait())
+                if self._releases or self.store.pending:
+                    await self._publish()
+                done = time.perf_counter()
+                for t in started:
+                    self.latency.add(done - t)
         finally:
+            self._deferred = False
             ticker.cancel()
             if self._eval_task is not None:
                 self._eval_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await ticker
+
+    def _run_command(self, command: Callable[[], Any]) -> None:
+        try:
+            command()
+        except Exception:  # a bug in one command must not stop training
+            log.exception("engine command failed")
+
+    async def _publish(self) -> None:
+        """Run queued steps and encode the released workers' frames (off the loop for big
+        models, the engine task awaiting), then hand the frames to their outboxes."""
+        wants = [
+            (wid, self.facts[wid].codec, self.facts[wid].version)
+            for wid in self._releases
+            if wid in self.facts and wid in self.peers
+        ]
+        self._releases = {}
+        try:
+            if self.store.n_params >= OFF_LOOP_PARAMS:
+                frames = await asyncio.to_thread(self._encode_releases, wants)
+            else:
+                frames = self._encode_releases(wants)
+        except Exception:
+            log.exception("publishing parameters failed")
+            return
+        for wid, _, _ in wants:
+            self._send_params(wid, *frames[wid])
+
+    def _encode_releases(
+        self, wants: list[tuple[int, str, int]]
+    ) -> dict[int, tuple[list[bytes], int, bool]]:
+        """Frames for each (worker, codec, held version), encoded once per (codec, held)."""
+        self.store.flush()
+        if not wants:
+            return {}
+        snap = self.store.snapshot()
+        made: dict[tuple[str, int], tuple[list[bytes], int, bool]] = {}
+        out = {}
+        for wid, codec, held in wants:
+            key = (codec, held)
+            if key not in made:
+                made[key] = self.downlink.frames(codec, held, snap)
+            out[wid] = made[key]
+        return out
 
     async def _ticker(self) -> None:
         while True:
@@ -345,6 +415,7 @@ class Engine:
         st.last_seen = now
         st.pushes += 1
         st.bytes_in += p.nbytes
+        self.bytes_in += p.nbytes
         st.worker_idle_s += p.idle_s or 0.0
         staleness = max(0, self.store.version - p.base)
         st.staleness.append(staleness)
@@ -397,6 +468,7 @@ class Engine:
     def tick(self) -> None:
         """Time passes: heartbeats, evaluation, and a chance for gates to open."""
         now = self.clock.now()
+        self.rates.sample(now, self.updates_applied, self.bytes_in, self.bytes_out)
         for wid, st in list(self.stats.items()):
             if wid in self.facts and now - st.last_seen > self.config.heartbeat_timeout_s:
                 self.leave(wid, "heartbeat timeout")
@@ -517,12 +589,20 @@ class Engine:
             waiting_since=None,
             idle_s=facts.idle_s + idle,
         )
-        frames, version, full = self.downlink.frames(
-            facts.codec, facts.version, self.store.snapshot()
-        )
-        self.facts[wid] = dataclasses.replace(self.facts[wid], version=version)
+        if self._deferred:
+            self._releases[wid] = None
+            return
+        frames = self.downlink.frames(facts.codec, facts.version, self.store.snapshot())
+        self._send_params(wid, *frames)
+
+    def _send_params(self, wid: int, frames: list[bytes], version: int, full: bool) -> None:
+        facts, peer = self.facts.get(wid), self.peers.get(wid)
+        if facts is None or peer is None:
+            return
+        self.facts[wid] = dataclasses.replace(facts, version=version)
         for frame in frames:
             self.stats[wid].bytes_out += len(frame)
+            self.bytes_out += len(frame)
             peer.send(frame, params=True, full=full)
 
     def _set_plan(self, wid: int, fields: Mapping[str, Any]) -> None:
@@ -569,6 +649,8 @@ class Engine:
             "max_release_gap": self.max_release_gap,
             "accuracy": None if last is None else last[2],
             "loss": None if last is None else last[1],
+            "throughput": self.rates.rates(),
+            "engine_latency": self.latency.summary(),
         }
 
     def workers(self) -> list[dict[str, Any]]:

@@ -100,6 +100,8 @@ class Metrics:
             "accuracy": None if last is None else last[2],
             "loss": None if last is None else last[1],
             "departures": len(e.departures),
+            "throughput": e.rates.rates(),
+            "latency": e.latency.summary(),
             "extra": self._extra() if self._extra is not None else {},
         }
         rows = []
@@ -192,6 +194,36 @@ class _Collector:
             yield _gauge(
                 "hetd_test_loss", "Test loss of the global model at the last evaluation.", s["loss"]
             )
+        rates = s["throughput"]
+        yield _gauge(
+            "hetd_updates_per_second",
+            "Updates applied per second over the last window (hetd_throughput_window_seconds).",
+            rates["updates_per_s"],
+        )
+        yield _gauge(
+            "hetd_received_megabytes_per_second",
+            "Push MB (1e6 bytes) received per second over the last window.",
+            rates["mb_in_per_s"],
+        )
+        yield _gauge(
+            "hetd_sent_megabytes_per_second",
+            "Parameter MB (1e6 bytes) sent per second over the last window.",
+            rates["mb_out_per_s"],
+        )
+        yield _gauge(
+            "hetd_throughput_window_seconds",
+            "Seconds the throughput gauges average over.",
+            rates["window_s"],
+        )
+        lat = GaugeMetricFamily(
+            "hetd_engine_latency_seconds",
+            "Engine time per event (taken off the queue to replies queued), last 8192 events.",
+            labels=["quantile"],
+        )
+        for q, key in (("0.5", "p50_ms"), ("0.99", "p99_ms"), ("1", "max_ms")):
+            if s["latency"][key] is not None:
+                lat.add_metric([q], s["latency"][key] / 1e3)
+        yield lat
         for name, value in s["extra"].items():
             yield _gauge(name, name.replace("_", " "), value)
         yield from self._per_worker()

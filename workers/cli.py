@@ -134,5 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python -m workers.cli: the malloc settings of hetd-worker too
+    from hetd.launch import ensure_malloc_env
+
+    ensure_malloc_env()
     sys.exit(main())

@@ -93,8 +93,9 @@ def test_a_lossy_codec_shrinks_the_bytes_and_the_time_charged() -> None:
     int8 = run_sim(digits_s1(budget_s=1.0, workers=slow_link, codec="int8"), PolicySpec("asp"))
     per_push = int8.result.bytes_up / int8.pushes
     assert per_push < 0.3 * plain.result.bytes_up / plain.pushes  # int8: a quarter, plus scales
-    # the link was the bottleneck: pushes and (delta) parameter frames both shrank
-    assert int8.result.samples_per_s > 1.5 * plain.result.samples_per_s
+    # the link was the bottleneck: pushes and (delta) parameter frames both shrank (a worker that
+    # missed a version gets the reference in full: one frame per release, hetd.downlink)
+    assert int8.result.samples_per_s > 1.3 * plain.result.samples_per_s
     topk = digits_s1(budget_s=1.0, workers=slow_link, codec="topk:k=0.05")
     assert run_sim(topk, PolicySpec("asp")).result.final_accuracy > 0.5  # error feedback works
 

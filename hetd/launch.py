@@ -1,0 +1,53 @@
+"""The console-script entry points ``hetd`` and ``hetd-worker``: set the process environment that
+must be in place before the interpreter's first allocation, then run the real ``main``.
+
+glibc reads ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` once, when the process starts,
+so setting them from Python is too late for the running process (``mallopt`` caps the mmap threshold
+at 32 MiB, below a 10M-parameter frame). Fresh memory is slow on these machines (page faults at
+≈ 1.4 GB/s, BENCHMARK.md §3): with big frames served from a heap that keeps its pages, large
+messages move 2–10x faster. So when a variable is missing, the entry point re-executes the same
+command line (``execve``: same PID, so systemd's ``Type=notify`` is unaffected) with it set. A value
+the user set is kept; ``HETD_MALLOC_ENV=0`` turns the re-exec off. Only the console scripts and
+``python -m hetd`` do this — calling ``hetd.cli.main(argv)`` from Python never re-executes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+MALLOC_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": "1073741824",  # 1 GiB: big frames come from the heap, not mmap
+    "MALLOC_TRIM_THRESHOLD_": "4294967296",  # 4 GiB: freed pages stay for the next frame
+}
+
+
+def ensure_malloc_env() -> None:
+    """Re-execute this command with :data:`MALLOC_ENV` set, unless it already is (or the user
+    opted out, or this is not Linux); returns only when no re-exec happened."""
+    missing = {k: v for k, v in MALLOC_ENV.items() if k not in os.environ}
+    if not missing or os.environ.get("HETD_MALLOC_ENV") == "0":
+        return
+    if not sys.platform.startswith("linux") or not sys.orig_argv:
+        return
+    env = {**os.environ, **missing}
+    try:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    except OSError:  # no re-exec possible: run with the default malloc settings
+        return
+
+
+def hetd_main() -> int:
+    """``hetd``: the daemon's command line (:func:`hetd.cli.main`)."""
+    ensure_malloc_env()
+    from hetd.cli import main
+
+    return main()
+
+
+def worker_main() -> int:
+    """``hetd-worker``: the worker's command line (:func:`workers.cli.main`)."""
+    ensure_malloc_env()
+    from workers.cli import main
+
+    return main()

@@ -1,0 +1,119 @@
+"""``hetd bench --suite system``: the files it writes, and that its no-compute senders' pushes really
+reach the model through the real daemon (real websockets on loopback, real peer processes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hetd.bench_cli import main
+from hetd.bench_system import (
+    SystemOptions,
+    check_system,
+    hetd_cell,
+    make_daemon,
+    synthetic_shapes,
+)
+from hetd.bench_system_peers import PeerPool
+from hetd.metrics import Metrics
+
+
+def test_a_tiny_run_writes_system_json_in_its_schema_and_a_table(tmp_path: Path) -> None:
+    out = tmp_path / "sys"
+    code = main(
+        [
+            "bench",
+            "--suite",
+            "system",
+            "--out",
+            str(out),
+            "--params",
+            "200000",
+            "--codecs",
+            "int8",
+            "--senders",
+            "1",
+            "--seconds",
+            "1",
+            "--latency-workers",
+            "12",
+            "--startup-workers",
+            "1",
+            "--quiet",
+        ]
+    )
+    assert code == 0
+    doc = json.loads((out / "system.json").read_text())
+    check_system(doc)
+    [row] = doc["throughput"]
+    assert (row["params"], row["codec"], row["workers"]) == (199_010, "int8", 1)
+    assert row["updates_per_s"] > 0 and row["limit_updates_per_s"] > 0
+    assert row["fraction_of_limit"] == pytest.approx(
+        row["updates_per_s"] / row["limit_updates_per_s"], rel=0.01
+    )
+    assert doc["engine_latency"]["connected"] == 12
+    assert 0 < doc["engine_latency"]["p50_ms"] <= doc["engine_latency"]["p99_ms"]
+    assert doc["startup"]["workers"] == 1 and doc["startup"]["seconds_to_first_update"] > 0
+    md = (out / "system.md").read_text()
+    assert "| 199,010 | int8 | 1 |" in md and "Engine latency" in md and "Start-up" in md
+
+
+def test_check_system_names_what_is_wrong() -> None:
+    good = {
+        "setup": {},
+        "throughput": [
+            {
+                "params": 10,
+                "codec": "none",
+                "workers": 1,
+                "updates_per_s": 1.0,
+                "mb_in_per_s": 1.0,
+                "mb_out_per_s": 1.0,
+                "limit_updates_per_s": 2.0,
+                "fraction_of_limit": 0.5,
+            }
+        ],
+    }
+    check_system(good)
+    bad = json.loads(json.dumps(good))
+    del bad["throughput"][0]["fraction_of_limit"]
+    with pytest.raises(ValueError, match="fraction_of_limit"):
+        check_system(bad)
+    bad = json.loads(json.dumps(good))
+    bad["engine_latency"] = {"connected": 256, "p50_ms": 0.1, "p99_ms": float("nan")}
+    with pytest.raises(ValueError, match="p99_ms"):
+        check_system(bad)
+
+
+async def test_every_push_of_the_no_compute_sender_is_applied(tmp_path: Path) -> None:
+    shapes = synthetic_shapes(200_000)
+    daemon = make_daemon(shapes, "int8")
+    await daemon.start()
+    pool = PeerPool(1)
+    try:
+        engine = daemon.engine
+        v0 = engine.store.version
+        opts = SystemOptions(out=tmp_path, seconds=1.0)
+        rates, [report] = await hetd_cell(daemon, pool, shapes, "int8", 1, opts)
+        assert report.error is None
+        assert report.pushes > 10
+        # Every push was acked as applied, and the model moved by exactly that many versions.
+        assert report.applied == report.pushes
+        assert engine.store.version - v0 == report.pushes
+        assert engine.updates_applied == report.pushes
+        assert rates["updates_per_s"] > 0
+        # The same figures are live for operators: /v1/status and /metrics.
+        await engine.call(engine.tick)
+        status = await engine.call(engine.status)
+        assert status["throughput"]["updates_per_s"] > 0
+        assert status["engine_latency"]["p99_ms"] is not None
+        metrics = Metrics(engine)
+        await engine.call(metrics.sample)
+        text = metrics.render().decode()
+        assert "hetd_updates_per_second" in text
+        assert 'hetd_engine_latency_seconds{quantile="0.99"}' in text
+    finally:
+        pool.close()
+        await daemon.stop(final_checkpoint=False)
