@@ -177,9 +177,11 @@ class Engine:
         self.downlink = Downlink()
         self.bytes_in = 0  # push bytes received, all workers, since start
         self.bytes_out = 0  # parameter bytes sent, all workers, since start
-        self.latency = LatencyRecorder()  # s from taking a command to its replies being queued
+        self.latency = LatencyRecorder()  # s to decide one event: policy, bookkeeping, acks
+        self.publish_latency = LatencyRecorder()  # s per publish: steps, snapshot, param frames
+        self.wait = LatencyRecorder()  # s a command waited in the queue
         self.rates = RateMeter()  # updates/s and MB/s over the last seconds, sampled on ticks
-        self._queue: asyncio.Queue[Callable[[], Any]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[float, Callable[[], Any]]] = asyncio.Queue()
         self._last_eval = -math.inf
         self._eval_task: asyncio.Task[None] | None = None
         self._deferred = False  # True while run() drives the engine: releases wait to be published
@@ -203,7 +205,7 @@ class Engine:
 
     def submit(self, command: Callable[[], Any]) -> None:
         """Queue a command (a closure over engine methods) for the engine task."""
-        self._queue.put_nowait(command)
+        self._queue.put_nowait((time.perf_counter(), command))
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the engine task and return its result (or raise its error)."""
@@ -228,18 +230,7 @@ class Engine:
         self._deferred = True
         try:
             while True:
-                command = await self._queue.get()
-                started = [time.perf_counter()]
-                self._run_command(command)
-                # What is already queued goes before the publish: one encode serves them all.
-                while not self._queue.empty() and len(started) < BATCH:
-                    started.append(time.perf_counter())
-                    self._run_command(self._queue.get_nowait())
-                if self._releases or self.store.pending:
-                    await self._publish()
-                done = time.perf_counter()
-                for t in started:
-                    self.latency.add(done - t)
+                await self._run_batch(await self._queue.get())
         finally:
             self._deferred = False
             ticker.cancel()
@@ -247,6 +238,24 @@ class Engine:
                 self._eval_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await ticker
+
+    async def _run_batch(self, first: tuple[float, Callable[[], Any]]) -> None:
+        """Run ``first`` and whatever else is already queued (up to :data:`BATCH`), then publish
+        once: one snapshot and one encode serve every release of the batch."""
+        item: tuple[float, Callable[[], Any]] | None = first
+        taken = 0
+        while item is not None:
+            queued_at, command = item
+            start = time.perf_counter()
+            self.wait.add(start - queued_at)
+            self._run_command(command)
+            self.latency.add(time.perf_counter() - start)
+            taken += 1
+            item = self._queue.get_nowait() if taken < BATCH and not self._queue.empty() else None
+        if self._releases or self.store.pending:
+            start = time.perf_counter()
+            await self._publish()
+            self.publish_latency.add(time.perf_counter() - start)
 
     def _run_command(self, command: Callable[[], Any]) -> None:
         try:
@@ -651,6 +660,8 @@ class Engine:
             "loss": None if last is None else last[1],
             "throughput": self.rates.rates(),
             "engine_latency": self.latency.summary(),
+            "publish_latency": self.publish_latency.summary(),
+            "queue_wait": self.wait.summary(),
         }
 
     def workers(self) -> list[dict[str, Any]]:

@@ -107,6 +107,15 @@ class Store:
                 self.flush()
             return self.version
 
+    def warm(self) -> None:
+        """Compile both jitted steps now, on zeros of the model's shapes (the daemon runs this in a
+        worker thread at start-up, so the first push does not wait for XLA). Touches no state."""
+        grads = {k: np.zeros(s, np.float32) for k, s in self.shapes.items()}
+        zeros = {k: jnp.zeros(s, jnp.float32) for k, s in self.shapes.items()}
+        params, _ = self._grad_step(zeros, self._tx.init(zeros), grads, np.float32(0.0))
+        for leaf in self._delta_step(params, grads, np.float32(0.0)).values():
+            leaf.block_until_ready()
+
     @property
     def pending(self) -> int:
         """Steps queued and not yet run."""
