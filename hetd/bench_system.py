@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -49,6 +49,7 @@ PARAMS: tuple[int, ...] = (200_000, 1_000_000, 10_000_000)
 CODECS: tuple[str, ...] = ("none", "bf16", "int8")
 SENDERS: tuple[int, ...] = (1, 4, 8)
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "1073741824", "MALLOC_TRIM_THRESHOLD_": "4294967296"}
+ROUNDS = 2  # alternating hetd / limit windows per cell
 IDLE_PER_PROCESS = 128  # idle websockets one peer process holds in the latency run
 
 
@@ -129,29 +130,40 @@ def make_daemon(shapes: Shapes, codec: str) -> Daemon:
     return Daemon(cfg, engine)
 
 
-def _totals(engine: Engine) -> tuple[float, float, int, int, int]:
-    return (
-        time.monotonic(),
-        time.process_time(),
-        engine.updates_applied,
-        engine.bytes_in,
-        engine.bytes_out,
-    )
+class Tally(NamedTuple):
+    """What a server did over measured windows (summed over rounds)."""
+
+    seconds: float = 0.0
+    updates: int = 0  # updates applied (hetd) or exchanges answered (limit)
+    bytes_in: int = 0
+    bytes_out: int = 0
+    cpu_s: float = 0.0  # CPU of this process (every thread), s
+
+    def __add__(self, other: tuple[Any, ...]) -> Tally:
+        return Tally(*(a + b for a, b in zip(self, other, strict=True)))
+
+    def rates(self) -> dict[str, float]:
+        """updates/s, MB/s in and out, and CPU ms per update."""
+        dt = max(1e-9, self.seconds)
+        return {
+            "updates_per_s": self.updates / dt,
+            "mb_in_per_s": self.bytes_in / dt / MB,
+            "mb_out_per_s": self.bytes_out / dt / MB,
+            "cpu_ms_per_update": self.cpu_s / max(1, self.updates) * 1e3,
+        }
 
 
-async def _window(engine: Engine, seconds: float) -> dict[str, float]:
-    """Rates of the daemon over one window of ``seconds``, and the CPU this process spent per
-    update (every thread: the event loop and the off-loop work)."""
-    t0, c0, u0, i0, o0 = _totals(engine)
+async def _measure(counters: Any, seconds: float) -> Tally:
+    """Sample ``counters() -> (updates, bytes in, bytes out)`` around a window of ``seconds``;
+    the wall and process CPU time are read at the same moments."""
+    t0, c0, (u0, i0, o0) = time.monotonic(), time.process_time(), counters()
     await asyncio.sleep(seconds)
-    t1, c1, u1, i1, o1 = _totals(engine)
-    dt = t1 - t0
-    return {
-        "updates_per_s": (u1 - u0) / dt,
-        "mb_in_per_s": (i1 - i0) / dt / MB,
-        "mb_out_per_s": (o1 - o0) / dt / MB,
-        "cpu_ms_per_update": (c1 - c0) / max(1, u1 - u0) * 1e3,
-    }
+    t1, c1, (u1, i1, o1) = time.monotonic(), time.process_time(), counters()
+    return Tally(t1 - t0, u1 - u0, i1 - i0, o1 - o0, c1 - c0)
+
+
+def _engine_counters(engine: Engine) -> Any:
+    return lambda: (engine.updates_applied, engine.bytes_in, engine.bytes_out)
 
 
 async def _until(predicate: Any, timeout: float, what: str) -> None:
@@ -169,20 +181,26 @@ def _check_reports(reports: Sequence[Report], what: str) -> None:
 
 
 async def hetd_cell(
-    daemon: Daemon, pool: PeerPool, shapes: Shapes, codec: str, k: int, opts: SystemOptions
-) -> tuple[dict[str, float], list[Report]]:
-    """``k`` no-compute senders against the daemon; its rates over the window, and their reports."""
+    daemon: Daemon,
+    pool: PeerPool,
+    shapes: Shapes,
+    codec: str,
+    k: int,
+    opts: SystemOptions,
+    seconds: float | None = None,
+) -> tuple[Tally, list[Report]]:
+    """``k`` no-compute senders against the daemon: what it did over the window, their reports."""
     engine = daemon.engine
     url = f"ws://127.0.0.1:{daemon.port}/v1/ws"
     cap = daemon.cfg.server.max_frame_bytes
     jobs = [Job("hetd", url, codec=codec, shapes=shapes, cap=cap, seed=i) for i in range(k)]
     await pool.start(jobs)
     await asyncio.sleep(opts.warmup_s)
-    rates = await _window(engine, opts.seconds)
+    tally = await _measure(_engine_counters(engine), seconds or opts.seconds)
     reports = await pool.stop(k)
     _check_reports(reports, f"hetd {n_params(shapes)} {codec} x{k}")
     await _until(lambda: not engine.facts, 10.0, "the senders to leave")
-    return rates, reports
+    return tally, reports
 
 
 async def limit_cell(
@@ -193,26 +211,19 @@ async def limit_cell(
     replies: Sequence[int],
     cap: int,
     opts: SystemOptions,
-) -> dict[str, float]:
-    """``k`` bare clients exchanging frames of the hetd run's sizes; the server's rates."""
+    seconds: float | None = None,
+) -> Tally:
+    """``k`` bare clients exchanging frames of the hetd run's sizes: what the server did."""
     server.set_replies(replies)
     url = f"ws://127.0.0.1:{server.port}/bare"
     jobs = [Job("bare", url, push_bytes=push_bytes, replies=len(replies), cap=cap)] * k
     await pool.start(jobs)
     await asyncio.sleep(opts.warmup_s)
-    t0, c0, e0 = time.monotonic(), time.process_time(), server.exchanges
-    i0, o0 = server.bytes_in, server.bytes_out
-    await asyncio.sleep(opts.seconds)
-    t1, c1, e1 = time.monotonic(), time.process_time(), server.exchanges
-    i1, o1 = server.bytes_in, server.bytes_out
+    tally = await _measure(
+        lambda: (server.exchanges, server.bytes_in, server.bytes_out), seconds or opts.seconds
+    )
     _check_reports(await pool.stop(k), f"limit x{k}")
-    dt = t1 - t0
-    return {
-        "updates_per_s": (e1 - e0) / dt,
-        "mb_in_per_s": (i1 - i0) / dt / MB,
-        "mb_out_per_s": (o1 - o0) / dt / MB,
-        "cpu_ms_per_update": (c1 - c0) / max(1, e1 - e0) * 1e3,
-    }
+    return tally
 
 
 def _say(opts: SystemOptions, text: str) -> None:
@@ -250,13 +261,23 @@ async def _one_cell(
     k: int,
     opts: SystemOptions,
 ) -> dict[str, Any]:
-    got, reports = await hetd_cell(daemon, pool, shapes, codec, k, opts)
-    push = max(r.push_frame_bytes for r in reports)
-    frames = sum(r.params_frames for r in reports)
-    params_bytes = round(sum(r.params_bytes for r in reports) / max(1, frames))
-    ack = max(r.ack_bytes for r in reports)
+    # hetd and the limit alternate, ROUNDS windows each, so that load from other processes
+    # (the machine is shared) falls on both alike; the limit copies the first hetd window's sizes.
+    window = opts.seconds / ROUNDS
     cap = daemon.cfg.server.max_frame_bytes
-    limit = await limit_cell(server, pool, k, push, (ack, params_bytes), cap, opts)
+    hetd_tally, limit_tally = Tally(), Tally()
+    push, replies = 0, (0, 0)
+    for round_ in range(ROUNDS):
+        tally, reports = await hetd_cell(daemon, pool, shapes, codec, k, opts, window)
+        hetd_tally += tally
+        if round_ == 0:
+            push = max(r.push_frame_bytes for r in reports)
+            frames = sum(r.params_frames for r in reports)
+            params_bytes = round(sum(r.params_bytes for r in reports) / max(1, frames))
+            replies = (max(r.ack_bytes for r in reports), params_bytes)
+        limit_tally += await limit_cell(server, pool, k, push, replies, cap, opts, window)
+    got, limit = hetd_tally.rates(), limit_tally.rates()
+    params_bytes = replies[1]
     row = {
         "params": n_params(shapes),
         "codec": codec,
@@ -309,7 +330,7 @@ async def run_latency(pool: PeerPool, opts: SystemOptions) -> dict[str, Any]:
         connected = await engine.call(lambda: len(engine.facts))
         recorders = (engine.latency, engine.publish_latency, engine.wait)
         await engine.call(partial(_reset, recorders))
-        rates = await _window(engine, opts.latency_seconds)
+        rates = (await _measure(_engine_counters(engine), opts.latency_seconds)).rates()
         decide, publish, wait = await engine.call(lambda: [r.summary() for r in recorders])
         connected = min(connected, await engine.call(lambda: len(engine.facts)))
         _check_reports(await pool.stop(len(jobs)), "latency run")
@@ -344,7 +365,8 @@ def _setup(opts: SystemOptions) -> dict[str, Any]:
         "senders": "one OS process per sender (multiprocessing, spawn), each one websocket; the "
         "daemon and the bare limit server run in the benchmark's own process and event loop",
         "daemon": "hetd.daemon.Daemon, policy asp, optimizer sgd, no compute on the senders",
-        "seconds_per_window": opts.seconds,
+        "seconds_per_cell": opts.seconds,
+        "rounds": ROUNDS,
         "malloc": {k: os.environ.get(k) for k in MALLOC_ENV},
     }
 
@@ -447,9 +469,9 @@ def system_md(doc: dict[str, Any]) -> str:
         "# hetd system benchmark",
         "",
         f"Machine: {setup['machine']['cores']} cores, Python {setup['machine']['python']}. "
-        f"Senders: {setup['senders']}. Daemon: {setup['daemon']}. Each hetd window is followed by "
-        f"a limit window of {setup['seconds_per_window']:g} s with the same processes and frame "
-        "sizes: a bare aiohttp websocket exchange (push-sized frame up; ack- and params-sized "
+        f"Senders: {setup['senders']}. Daemon: {setup['daemon']}. Per cell, hetd and the limit "
+        f"alternate ({setup['rounds']} windows each, {setup['seconds_per_cell']:g} s in all for "
+        "each) with the same processes and frame sizes: a bare aiohttp websocket exchange (push-sized frame up; ack- and params-sized "
         "frames down), no hetd code on the path. Both are counted on the server side. "
         "On 2 cores the senders share the CPU with the server, in both runs alike.",
         "",
