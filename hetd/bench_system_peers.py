@@ -7,6 +7,9 @@ back), the three client loops, and :class:`PeerPool`, the ``spawn``-started proc
     A no-compute worker speaking protocol v1 to the real daemon: ``hello``, then for every
     ``params`` frame it receives, one ``push`` of a ready-made update (encoded once with the codec,
     packed once) based on that version — the real worker's message flow with the compute left out.
+    Decoding the parameters is the worker's compute too: it reads a ``params`` frame's envelope
+    and not its tensors, so it costs the CPU that the bare client does (both share 2 cores with
+    the server).
 ``bare``
     The physical limit: the same frame sizes over a bare aiohttp websocket, no hetd code on the
     path. It sends a frame of the push's size and waits for the server's replies (an ack-sized and
@@ -24,12 +27,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing as mp
+import struct
 import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import msgpack
@@ -89,25 +93,65 @@ def ready_update(shapes: Shapes, codec: str, seed: int) -> bytes:
     return packed
 
 
-def push_frame(request_id: int, base: int, tensors_packed: bytes) -> bytes:
-    """A protocol-v1 ``push`` whose ``tensors`` map is already packed: the envelope is packed
-    field by field and the tensors appended, so no update is packed twice."""
-    fields: dict[str, Any] = {
-        "v": wire.PROTOCOL_VERSION,
-        "type": "push",
-        "id": request_id,
-        "base": base,
-        "kind": "grad",
-        "samples": 32,
-        "steps": 1,
-        "compute_s": 0.0,
-    }
-    packer = msgpack.Packer(use_bin_type=True)
-    parts = [packer.pack_map_header(len(fields) + 1)]
-    for key, value in fields.items():
-        parts += [packer.pack(key), packer.pack(value)]
-    parts += [packer.pack("tensors"), tensors_packed]
-    return b"".join(parts)
+class PushFrame:
+    """A protocol-v1 ``push`` of a ready-made update, built once: the envelope's ``id`` and
+    ``base`` are packed as fixed-width uint64 and patched in place for each push, and the
+    ``tensors`` map was packed once, so a push costs what the bare client's frame costs (the
+    websocket client copies the frame when it masks it, so reusing the buffer is safe)."""
+
+    def __init__(self, tensors_packed: bytes) -> None:
+        fields: dict[str, Any] = {
+            "v": wire.PROTOCOL_VERSION,
+            "type": "push",
+            "id": _U64,
+            "base": _U64,
+            "kind": "grad",
+            "samples": 32,
+            "steps": 1,
+            "compute_s": 0.0,
+        }
+        packer = msgpack.Packer(use_bin_type=True)
+        head = bytearray(packer.pack_map_header(len(fields) + 1))
+        self._at: dict[str, int] = {}
+        for key, value in fields.items():
+            head += packer.pack(key)
+            if value is _U64:
+                self._at[key] = len(head) + 1
+                head += b"\xcf" + bytes(8)  # msgpack uint64: 0xcf + 8 big-endian bytes
+            else:
+                head += packer.pack(value)
+        head += packer.pack("tensors")
+        self.buffer = head + tensors_packed
+
+    def frame(self, request_id: int, base: int) -> bytearray:
+        """The frame for this push (the same buffer, patched)."""
+        struct.pack_into(">Q", self.buffer, self._at["id"], request_id)
+        struct.pack_into(">Q", self.buffer, self._at["base"], base)
+        return self.buffer
+
+
+_U64 = object()  # placeholder for a fixed-width uint64 field
+
+
+def params_version(frame: bytes) -> int | None:
+    """The ``version`` of a daemon ``params`` frame, read from its envelope alone; None for any
+    other frame. The no-compute sender does not apply parameters, so it does not unpack their
+    tensors (as the bare client does not) — the worker's decoding is part of its compute."""
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=1024)
+    unpacker.feed(frame[:256])
+    fields: dict[str, Any] = {}
+    try:
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            if key == "tensors":
+                break
+            fields[key] = unpacker.unpack()
+    except (msgpack.OutOfData, ValueError):
+        return None
+    version = fields.get("version")
+    if fields.get("v") != wire.PROTOCOL_VERSION or fields.get("type") != "params":
+        return None
+    return version if isinstance(version, int) and not isinstance(version, bool) else None
 
 
 def _hello(name: str, codec: str) -> bytes:
@@ -133,12 +177,16 @@ async def _run_hetd(job: Job, conn: Connection, http: aiohttp.ClientSession) -> 
         await ws.send_bytes(_hello(f"bench-{job.seed}", job.codec))
         watcher: asyncio.Task[None] | None = None
         request = 0
+        push = PushFrame(tensors)
         async for frame in ws:
             if frame.type != aiohttp.WSMsgType.BINARY:
                 report.error = f"connection ended: {frame.type!r} {ws.close_code}"
                 break
-            msg = wire.decode(frame.data, job.cap)
-            if msg.type == "params":
+            version = params_version(frame.data) if len(frame.data) > 4096 else None
+            msg = wire.decode(frame.data, job.cap) if version is None else None
+            if msg is not None and msg.type == "params":
+                version = msg["version"]
+            if version is not None:
                 if watcher is None:  # the first parameters: joined and released
                     report.connected = 1
                     conn.send(READY)
@@ -149,14 +197,14 @@ async def _run_hetd(job: Job, conn: Connection, http: aiohttp.ClientSession) -> 
                 if stop.is_set():
                     break
                 request += 1
-                out = push_frame(request, msg["version"], tensors)
+                out = push.frame(request, version)
                 report.push_frame_bytes = len(out)
-                await ws.send_bytes(out)
+                await ws.send_bytes(cast(bytes, out))  # aiohttp sends any bytes-like as is
                 report.pushes += 1
-            elif msg.type == "ack":
+            elif msg is not None and msg.type == "ack":
                 report.ack_bytes = len(frame.data)
                 report.applied += msg["status"] == "applied"
-            elif msg.type == "error":
+            elif msg is not None and msg.type == "error":
                 report.error = f"{msg['code']}: {msg['message']}"
                 break
         # Collect the acks of pushes still in flight, so ``applied`` counts every push.

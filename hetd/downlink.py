@@ -16,7 +16,7 @@ one.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,17 +47,35 @@ class Downlink:
             codec = self._codecs[spec] = codecs.from_spec(spec)
         return codec
 
-    def frames(self, spec: str, held: int | None, snap: Snapshot) -> tuple[list[bytes], int, bool]:
+    def frames(
+        self,
+        spec: str,
+        held: int | None,
+        snap: Snapshot,
+        holders: Collection[int | None] | None = None,
+    ) -> tuple[list[bytes], int, bool]:
         """Frames that bring a worker of codec ``spec`` holding version ``held`` (None or -1:
-        nothing usable) to ``snap``; the version it then holds; whether they are one full frame."""
+        nothing usable) to ``snap``; the version it then holds; whether they are one full frame.
+
+        ``holders`` are the versions held by every worker of this codec released with it (the
+        engine's publish knows them all). When none of them holds the group's reference, a delta
+        would serve nobody: the reference is reset to ``snap`` itself (lossless, nothing left for
+        error feedback) and everyone gets it in full — the quantize-and-track work is skipped.
+        """
         codec = self._codec(spec)
         if codec.lossless:
             return [self._full_frame(snap.version, snap.tensors, spec)], snap.version, True
         ref = self._refs.get(spec)
-        if ref is None:
-            ref = self._refs[spec] = _Reference(
-                snap.version, {k: np.array(v, np.float32) for k, v in snap.tensors.items()}
-            )
+        if ref is None or (
+            ref.version < snap.version and holders is not None and ref.version not in holders
+        ):
+            # A store snapshot's arrays are read-only: the reference shares them until it
+            # advances (anything writable is copied, so the reference never writes into it).
+            tensors = {
+                k: v if not v.flags.writeable else np.array(v, np.float32)
+                for k, v in snap.tensors.items()
+            }
+            ref = self._refs[spec] = _Reference(snap.version, tensors)
         elif ref.version < snap.version:
             self._advance(ref, codec, snap)
         chain = self._chain(ref, held)
@@ -78,7 +96,11 @@ class Downlink:
         delta = {k: np.subtract(snap.tensors[k], ref.tensors[k]) for k in ref.tensors}
         encoded = codecs.encode_tree(delta, codec)
         for k, t in encoded.items():
-            ref.tensors[k] += codecs.decode_tensor(t, k)
+            step = codecs.decode_tensor(t, k)
+            if ref.tensors[k].flags.writeable:
+                ref.tensors[k] += step
+            else:  # still the snapshot's (read-only) array: the first advance copies it
+                ref.tensors[k] = np.add(ref.tensors[k], step)
         frame = wire.encode(
             "params", 0, version=snap.version, full=False, base=ref.version, tensors=encoded
         )

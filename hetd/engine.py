@@ -291,12 +291,15 @@ class Engine:
         if not wants:
             return {}
         snap = self.store.snapshot()
+        holders: dict[str, set[int | None]] = {}
+        for _, codec, held in wants:
+            holders.setdefault(codec, set()).add(held)
         made: dict[tuple[str, int], tuple[list[bytes], int, bool]] = {}
         out = {}
         for wid, codec, held in wants:
             key = (codec, held)
             if key not in made:
-                made[key] = self.downlink.frames(codec, held, snap)
+                made[key] = self.downlink.frames(codec, held, snap, holders[codec])
             out[wid] = made[key]
         return out
 

@@ -98,3 +98,26 @@ def test_a_delta_against_another_version_is_refused() -> None:
     assert held is not None
     stale = Held(7, held.tensors)
     assert apply_params(stale, wire.decode(delta[0])) is None
+
+
+def test_a_publish_where_nobody_holds_the_reference_resets_it_to_the_snapshot() -> None:
+    """No released worker can use a delta: the reference becomes the snapshot itself (lossless),
+    nothing is quantized, and the next delta starts from it."""
+    rng = np.random.default_rng(4)
+    d = Downlink()
+    d.frames("int8", -1, snap(0, rng))
+    s3 = snap(3, rng)
+    for arr in s3.tensors.values():  # as the store publishes them
+        arr.flags.writeable = False
+    before = {k: v.copy() for k, v in s3.tensors.items()}
+    frames, version, full = d.frames("int8", 1, s3, holders={1, 2})
+    assert full and version == 3
+    held = replay(frames, None)
+    assert held is not None
+    for k in s3.tensors:  # the worker holds the exact parameters: no quantization error
+        np.testing.assert_array_equal(held.tensors[k], s3.tensors[k])
+    nxt, v4, full4 = d.frames("int8", 3, snap(4, rng), holders={3})
+    assert not full4 and v4 == 4
+    assert replay(nxt, held) is not None
+    for k in s3.tensors:  # the snapshot was shared by the reference, never written
+        np.testing.assert_array_equal(s3.tensors[k], before[k])
