@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from aiohttp import web
 
-from hetd import admin, checkpoint, sessions, wire
+from hetd import admin, checkpoint, codecs, sessions, wire
 from hetd import config as config_mod
 from hetd.data import Dataset, load_dataset
 from hetd.engine import Clock, Engine, EngineConfig
@@ -132,8 +132,9 @@ class Daemon:
         fit the configured model (nothing is listening yet).
         """
         # Compile the optimizer step while we open the sockets (a worker thread; no state touched).
+        int8 = codecs.spec_name(self.engine.config.codec) == "int8"
         self._warm_task = asyncio.create_task(
-            asyncio.to_thread(self.engine.store.warm), name="hetd-warm-store"
+            asyncio.to_thread(self.engine.store.warm, int8), name="hetd-warm-store"
         )
         if self.checkpointer is not None:
             self.resumed_from = self.checkpointer.restore(self.engine)

@@ -32,7 +32,7 @@ import numpy as np
 from hetd import codecs, wire
 from hetd.downlink import Downlink
 from hetd.rates import LatencyRecorder, RateMeter
-from hetd.store import Aggregator, Snapshot, Store
+from hetd.store import Aggregator, Snapshot, Store, Tensors
 from policies.base import (
     PLAN_FIELDS,
     Apply,
@@ -134,7 +134,7 @@ class PushIn:
     id: int
     base: int
     kind: str
-    tensors: Mapping[str, np.ndarray]
+    tensors: Tensors  # float32 arrays, or int8 ones the store's step dequantizes
     samples: int
     steps: int
     compute_s: float

@@ -14,17 +14,29 @@ import hmac
 import logging
 import time
 from collections import deque
+from collections.abc import Mapping
 from functools import partial
+from typing import Any
 
 import numpy as np
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from hetd import codecs, wire
+from hetd.codec_wire import (
+    check_fields,
+    read_bytes,
+    read_choice,
+    read_scales,
+    read_shape,
+    size_of,
+)
 from hetd.engine import Engine, PushIn
+from hetd.store import Int8, Update
 
 log = logging.getLogger("hetd.sessions")
 
 OFF_LOOP_BYTES = 256 * 1024  # frames larger than this are decoded in a worker thread
+MAX_INT8_SCALE = float(np.finfo(np.float32).max) / 128  # above it, q * scale may overflow
 
 
 def authorized(request: web.Request, token: str) -> bool:
@@ -79,15 +91,32 @@ class Outbox:
                 return
 
 
-def decode_push(engine: Engine, wid: int, msg: wire.Message, nbytes: int) -> PushIn:
-    """Validate a push's tensors against the model; raises ProtocolError saying what is wrong."""
+def decode_push(
+    engine: Engine, wid: int, msg: wire.Message, nbytes: int, *, fused: bool = False
+) -> PushIn:
+    """Validate a push's tensors against the model; raises ProtocolError saying what is wrong.
+
+    ``fused`` (the daemon's sessions): an ``int8`` tensor with one scale is checked as strictly
+    as :func:`hetd.codecs.decode_tensor` would, but kept as :class:`hetd.store.Int8` (a view of
+    the frame) for the jitted step to dequantize: no float32 copy is written or scanned.
+    """
+    wire_tensors = msg["tensors"]
+    shapes = engine.store.shapes
+    tensors: dict[str, Update] = {}
     try:
-        tensors = codecs.decode_tree(msg["tensors"], engine.store.shapes)
+        if fused and isinstance(wire_tensors, dict) and set(wire_tensors) == set(shapes):
+            for path, t in wire_tensors.items():
+                view = int8_view(t, path, shapes[path])
+                if view is not None:
+                    tensors[path] = view
+        rest = {p: t for p, t in wire_tensors.items() if p not in tensors}
+        decoded = codecs.decode_tree(rest, {p: shapes[p] for p in shapes if p not in tensors})
     except codecs.CodecError as exc:
         raise wire.ProtocolError("bad_tensor", str(exc)) from None
-    for path, t in tensors.items():
+    for path, t in decoded.items():
         if not np.isfinite(t).all():
             raise wire.ProtocolError("not_finite", f"tensor {path!r} holds NaN or Inf; not applied")
+    tensors.update(decoded)
     return PushIn(
         worker=wid,
         id=msg.id,
@@ -105,6 +134,31 @@ def decode_push(engine: Engine, wid: int, msg: wire.Message, nbytes: int) -> Pus
     )
 
 
+def int8_view(t: Any, path: str, shape: tuple[int, ...]) -> Int8 | None:
+    """``t`` as :class:`Int8` when it is an ``int8`` tensor with one scale (``block`` 0), checked
+    field by field like the ``int8`` decoder; None for any other codec or block (decoded as
+    usual). A scale that would make ``127 * scale`` overflow is refused as non-finite."""
+    if not isinstance(t, Mapping) or t.get("codec") != "int8" or type(t.get("block")) is not int:
+        return None
+    if t["block"] != 0:
+        return None
+    try:
+        check_fields(t, "int8", ("bits", "block", "scales", "data"))
+        if t.get("dtype") != "float32":
+            raise codecs.CodecError(f"dtype {t.get('dtype')!r} is not 'float32'")
+        got = read_shape(t)
+        if got != tuple(shape):
+            raise codecs.CodecError(f"shape {list(got)} does not match the expected {list(shape)}")
+        read_choice(t, "bits", "int8", (8,))
+        scale = read_scales(t, "int8", 1)[0]
+        data = read_bytes(t, "data", "int8", size_of(got))
+    except codecs.CodecError as exc:
+        raise codecs.CodecError(f"tensor {path!r}: {exc}") from None
+    if not scale <= MAX_INT8_SCALE:
+        raise wire.ProtocolError("not_finite", f"tensor {path!r} holds NaN or Inf; not applied")
+    return Int8(np.frombuffer(data, dtype=np.int8).reshape(got), np.float32(scale))
+
+
 def _transfer_s(sent_at: float | None) -> float | None:
     """Send-to-receipt seconds from the worker's wall-clock stamp; None when the clocks disagree
     too much to trust it (workers on other hosts without synchronised clocks)."""
@@ -118,7 +172,7 @@ def _decode(engine: Engine, wid: int | None, data: bytes, cap: int) -> wire.Mess
     """A frame as a message, or as a validated push once the worker is known."""
     msg = wire.decode(data, cap)
     if msg.type == "push" and wid is not None:
-        return decode_push(engine, wid, msg, len(data))
+        return decode_push(engine, wid, msg, len(data), fused=True)
     return msg
 
 

@@ -19,14 +19,44 @@ import math
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-Tensors = Mapping[str, np.ndarray]
+
+class Int8(NamedTuple):
+    """An ``int8`` update with one scale, kept as it came off the wire (``q`` is a view of the
+    frame): the jitted step dequantizes it itself, so the host never writes or checks the
+    float32 copy (BENCHMARK.md §2: int8 grads dequantized inside jit)."""
+
+    q: np.ndarray  # int8, the tensor's shape
+    scale: np.float32  # finite, >= 0, and 128 * scale is finite: every value is finite
+
+
+Update = np.ndarray | Int8
+Tensors = Mapping[str, Update]
+
+
+def dense(x: Update) -> np.ndarray:
+    """An update as a float32 array (``q * scale`` for :class:`Int8`, as ``int8`` decodes)."""
+    if isinstance(x, Int8):
+        out: np.ndarray = x.q.astype(np.float32)
+        out *= x.scale
+        return out
+    return x
+
+
+_Split = tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, Any]]
+"""An update as (float32 arrays, int8 arrays, their scales), by path."""
+
+
+def _shape(x: Update) -> tuple[int, ...]:
+    return tuple(x.q.shape) if isinstance(x, Int8) else tuple(np.shape(x))
+
+
 KINDS = ("grad", "delta")
 MAX_PENDING = 16  # queued steps that make apply() flush at once (bounds the memory they hold)
 
@@ -82,8 +112,26 @@ class Store:
         ) -> dict[str, jax.Array]:
             return {k: params[k] + scale * delta[k] for k in params}
 
+        def merged(update: _Split) -> dict[str, jax.Array]:
+            dense_part, q, scales = update
+            out = dict(dense_part)
+            out.update({k: q[k].astype(jnp.float32) * scales[k] for k in q})
+            return out
+
+        def grad_step_q(
+            params: dict[str, jax.Array], state: Any, update: _Split, scale: jax.Array
+        ) -> tuple[dict[str, jax.Array], Any]:
+            return grad_step(params, state, merged(update), scale)
+
+        def delta_step_q(
+            params: dict[str, jax.Array], update: _Split, scale: jax.Array
+        ) -> dict[str, jax.Array]:
+            return delta_step(params, merged(update), scale)
+
         self._grad_step = jax.jit(grad_step, donate_argnums=(0, 1))
         self._delta_step = jax.jit(delta_step, donate_argnums=(0,))
+        self._grad_step_q = jax.jit(grad_step_q, donate_argnums=(0, 1))
+        self._delta_step_q = jax.jit(delta_step_q, donate_argnums=(0,))
 
     @property
     def n_params(self) -> int:
@@ -97,7 +145,7 @@ class Store:
         if kind not in KINDS:
             raise ValueError(f"unknown update kind {kind!r}; known: {', '.join(KINDS)}")
         for path, shape in self.shapes.items():
-            if path not in tensors or tuple(np.shape(tensors[path])) != shape:
+            if path not in tensors or _shape(tensors[path]) != shape:
                 raise ValueError(f"update lacks {path!r} or has the wrong shape; wants {shape}")
         with self._lock:
             self._pending.append((kind, tensors, scale))
@@ -107,13 +155,20 @@ class Store:
                 self.flush()
             return self.version
 
-    def warm(self) -> None:
-        """Compile both jitted steps now, on zeros of the model's shapes (the daemon runs this in a
-        worker thread at start-up, so the first push does not wait for XLA). Touches no state."""
+    def warm(self, int8: bool = False) -> None:
+        """Compile the jitted steps now, on zeros of the model's shapes (the daemon runs this in a
+        worker thread at start-up, so the first push does not wait for XLA); ``int8``: also the
+        steps that take every tensor as :class:`Int8`. Touches no state."""
         grads = {k: np.zeros(s, np.float32) for k, s in self.shapes.items()}
         zeros = {k: jnp.zeros(s, jnp.float32) for k, s in self.shapes.items()}
         params, _ = self._grad_step(zeros, self._tx.init(zeros), grads, np.float32(0.0))
-        for leaf in self._delta_step(params, grads, np.float32(0.0)).values():
+        params = self._delta_step(params, grads, np.float32(0.0))
+        if int8:
+            q = {k: np.zeros(s, np.int8) for k, s in self.shapes.items()}
+            split: _Split = ({}, q, {k: np.float32(0.0) for k in q})
+            params, _ = self._grad_step_q(params, self._tx.init(params), split, np.float32(0.0))
+            params = self._delta_step_q(params, split, np.float32(0.0))
+        for leaf in params.values():
             leaf.block_until_ready()
 
     @property
@@ -128,13 +183,27 @@ class Store:
             for kind, tensors, scale in pending:
                 # Host arrays go to the jitted step as they are: its C++ path moves them in
                 # one go, ~2x faster than a jnp.asarray per tensor from Python.
-                update = {k: tensors[k] for k in self._params}
+                q = {k: v.q for k, v in tensors.items() if isinstance(v, Int8)}
+                if not q:
+                    update = {k: tensors[k] for k in self._params}
+                    if kind == "grad":
+                        self._params, self._opt_state = self._grad_step(
+                            self._params, self._opt_state, update, np.float32(scale)
+                        )
+                    else:
+                        self._params = self._delta_step(self._params, update, np.float32(scale))
+                    continue
+                split: _Split = (
+                    {k: v for k, v in tensors.items() if not isinstance(v, Int8)},
+                    q,
+                    {k: v.scale for k, v in tensors.items() if isinstance(v, Int8)},
+                )
                 if kind == "grad":
-                    self._params, self._opt_state = self._grad_step(
-                        self._params, self._opt_state, update, np.float32(scale)
+                    self._params, self._opt_state = self._grad_step_q(
+                        self._params, self._opt_state, split, np.float32(scale)
                     )
                 else:
-                    self._params = self._delta_step(self._params, update, np.float32(scale))
+                    self._params = self._delta_step_q(self._params, split, np.float32(scale))
 
     def snapshot(self) -> Snapshot:
         """The current version as host arrays, copied once per version (buffers are donated)."""
@@ -184,11 +253,11 @@ class Aggregator:
         acc = self._sums.get(kind)
         if acc is None:
             self._sums[kind] = {
-                k: np.multiply(v, weight, dtype=np.float32) for k, v in tensors.items()
+                k: np.multiply(dense(v), weight, dtype=np.float32) for k, v in tensors.items()
             }
         else:
             for k, v in tensors.items():
-                acc[k] += np.float32(weight) * v
+                acc[k] += np.float32(weight) * dense(v)
         self._weights[kind] = self._weights.get(kind, 0.0) + weight
         self.count += 1
 
