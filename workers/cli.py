@@ -41,6 +41,14 @@ def parser() -> argparse.ArgumentParser:
         help="give up after this many failed reconnects (-1: never)",
     )
     p.add_argument(
+        "--retry-max-delay",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="longest wait between reconnect attempts (exponential from 0.5 s, jittered); a "
+        "worker started before its daemon joins at most this long after it listens (default 2)",
+    )
+    p.add_argument(
         "--emulate-slowdown",
         type=float,
         default=1.0,
@@ -123,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             max_frame_bytes=args.max_frame_bytes,
             max_steps=args.steps,
             max_retries=args.max_retries,
+            backoff_max_s=max(0.5, args.retry_max_delay),
         )
         steps = asyncio.run(run_worker(opts))
     except (ValueError, OSError, FatalError) as exc:
