@@ -316,6 +316,9 @@ def decode_tree(
     be exactly the model's and every shape must match."""
     if not isinstance(wire, Mapping):
         raise CodecError(f"tensors must be a map of path -> tensor, got {type(wire).__name__}")
+    bad = [p for p in wire if not isinstance(p, str)]
+    if bad:
+        raise CodecError(f"tensor paths must be strings, got {sorted(map(repr, bad))[:5]}")
     if expected is not None:
         missing = sorted(set(expected) - set(wire))
         extra = sorted(set(wire) - set(expected))

@@ -198,7 +198,23 @@ def _checked(cfg: Config) -> Config:
             raise ConfigError(f"[{section}] {key} = {value!r} is out of range: {why}")
     if cfg.server.worker_token and cfg.server.worker_token == cfg.server.admin_token:
         raise ConfigError("the worker token and the admin token must differ")
+    if not cfg.server.worker_token and not _loopback(cfg.server.host):
+        raise ConfigError(
+            f"[server] worker_token is empty while host = {cfg.server.host!r} admits other "
+            "machines: set HETD_WORKER_TOKEN (or worker_token in the file)"
+        )
+    from hetd import codecs  # here, not at the top: codecs is heavier than a config needs
+
+    try:
+        codecs.from_spec(cfg.train.codec)
+    except codecs.CodecError as exc:
+        raise ConfigError(f"[train] codec = {cfg.train.codec!r}: {exc}") from None
     return cfg
+
+
+def _loopback(host: str) -> bool:
+    """Whether ``host`` only accepts connections from this machine."""
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def replace(cfg: Config, section: str, **values: Any) -> Config:

@@ -315,6 +315,8 @@ class Engine:
         now = self.clock.now()
         resume = hello.get("resume") or {}
         old_id = resume.get("worker_id")
+        offered = [c for c in hello["codecs"] if isinstance(c, str)]
+        codec = codecs.negotiate(offered, self.config.codec)  # raises before anything changes
         saved: WorkerFacts | None = None
         if isinstance(old_id, int) and old_id in self.departed and old_id not in self.facts:
             wid = old_id
@@ -322,8 +324,6 @@ class Engine:
         else:
             wid = self._next_id
             self._next_id += 1
-        offered = [c for c in hello["codecs"] if isinstance(c, str)]
-        codec = codecs.negotiate(offered, self.config.codec)
         start_clock = self.view().min_clock() if self.facts else 0
         if saved is not None:  # a returning worker keeps its clock, never below the slowest
             start_clock = max(saved.clock, start_clock) if self.facts else saved.clock

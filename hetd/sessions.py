@@ -172,7 +172,12 @@ def _decode(engine: Engine, wid: int | None, data: bytes, cap: int) -> wire.Mess
     """A frame as a message, or as a validated push once the worker is known."""
     msg = wire.decode(data, cap)
     if msg.type == "push" and wid is not None:
-        return decode_push(engine, wid, msg, len(data), fused=True)
+        try:
+            return decode_push(engine, wid, msg, len(data), fused=True)
+        except wire.ProtocolError as exc:
+            raise wire.ProtocolError(exc.code, exc.message, msg.id) from None
+        except Exception as exc:  # whatever else a hostile frame provokes: refused, not fatal
+            raise wire.ProtocolError("malformed", f"push: {exc}", msg.id) from None
     return msg
 
 
@@ -210,7 +215,7 @@ async def handle(
                     item = _decode(engine, wid, data, cap)
             except wire.ProtocolError as exc:
                 log.info("worker %s: %s: %s", wid, exc.code, exc.message)
-                outbox.send(wire.error_frame(exc.code, exc.message))
+                outbox.send(wire.error_frame(exc.code, exc.message, exc.id))
                 continue
             if isinstance(item, PushIn):
                 engine.submit(partial(engine.push, item))

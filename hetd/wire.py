@@ -22,10 +22,11 @@ DEFAULT_MAX_FRAME: Final = 64 * 1024 * 1024  # bytes; aiohttp's max_msg_size is 
 class ProtocolError(ValueError):
     """A frame that breaks protocol v1. ``code`` is a short machine-readable reason."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, id_: int = 0) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.id = id_  # the request id of the offending message, when it could be read
 
 
 _NUM = (int, float)
@@ -177,6 +178,8 @@ def validate(raw: Mapping[str, Any]) -> Message:
             raise ProtocolError(
                 "malformed", f"{type_}: field {field!r} must be {names}, got {type(value).__name__}"
             )
+    if type_ == "hello":
+        _check_hello(body)
     if type_ == "push":
         if body["kind"] not in PUSH_KINDS:
             raise ProtocolError("malformed", f"push: kind must be one of {PUSH_KINDS}")
@@ -192,3 +195,24 @@ def validate(raw: Mapping[str, Any]) -> Message:
 def error_frame(code: str, message: str, id_: int = 0) -> bytes:
     """An ``error`` message."""
     return encode("error", id_, code=code, message=message)
+
+
+_SCALAR = (str, int, float, bool, type(None))
+
+
+def _check_hello(body: Mapping[str, Any]) -> None:
+    """A hello's name, device description and codec list hold plain values only (they are shown
+    to operators as JSON and compared by name)."""
+    if not 0 < len(body["name"]) <= 200:
+        raise ProtocolError("malformed", "hello: name must be 1-200 characters")
+    device = body["device"]
+    if len(device) > 32 or not all(
+        isinstance(k, str) and isinstance(v, _SCALAR) and (not isinstance(v, str) or len(v) <= 200)
+        for k, v in device.items()
+    ):
+        raise ProtocolError(
+            "malformed", "hello: device must map at most 32 names to short strings or numbers"
+        )
+    codecs = body["codecs"]
+    if len(codecs) > 64 or not all(isinstance(c, str) and len(c) <= 64 for c in codecs):
+        raise ProtocolError("malformed", "hello: codecs must be a list of codec names")

@@ -80,6 +80,14 @@ def parser() -> argparse.ArgumentParser:
         metavar="BYTES",
         help="report this much free memory instead of the real figure",
     )
+    p.add_argument(
+        "--emulate-bad-pushes",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="fault injection: chance that a push carries NaN (the daemon refuses it; after 5 "
+        "refusals in a row the worker gives up)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed for the emulated stragglers")
     p.add_argument("-v", "--verbose", action="store_true", help="log every connection event")
     return p
@@ -120,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             memory=args.emulate_memory,
             bandwidth=parse_rate(args.emulate_bandwidth) if args.emulate_bandwidth else None,
             stragglers=args.emulate_stragglers,
+            bad_pushes=args.emulate_bad_pushes,
             seed=args.seed,
         )
         opts = WorkerOptions(

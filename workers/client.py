@@ -23,6 +23,8 @@ from workers.loop import Trainer, device_info, host_free_memory
 
 log = logging.getLogger("hetd.worker")
 
+MAX_REFUSED = 5  # pushes refused in a row before the worker gives up (a diverging worker)
+
 
 class FatalError(RuntimeError):
     """Retrying will not help (wrong token, refused codec): the worker exits."""
@@ -119,6 +121,8 @@ class Inbox:
         self.welcomed = asyncio.Event()
         self.profile: dict[str, Any] | None = None  # a pending ``profile`` request
         self.closed: BaseException | None = None
+        self.pushes: set[int] = set()  # request ids of pushes the daemon has not answered
+        self.rejected_in_a_row = 0  # pushes the daemon refused with ``error`` since one went in
 
     def deliver(self, held: Held) -> None:
         """New parameters arrived."""
@@ -126,9 +130,28 @@ class Inbox:
         self.in_flight = max(0, self.in_flight - 1)
         self.changed.set()
 
+    def answered(self, push_id: int) -> None:
+        """The daemon acknowledged push ``push_id`` (applied, buffered or dropped)."""
+        self.pushes.discard(push_id)
+        self.rejected_in_a_row = 0
+
+    def refused(self, push_id: int) -> bool:
+        """The daemon refused push ``push_id`` with an ``error``: nothing of it counts and no
+        parameters follow, so the next step starts from the parameters held. False when the id
+        is no push of ours in flight."""
+        if push_id not in self.pushes:
+            return False
+        self.pushes.discard(push_id)
+        self.in_flight = max(0, self.in_flight - 1)
+        self.rejected_in_a_row += 1
+        self.changed.set()
+        return True
+
     async def take(self, depth: int) -> Held:
         """Wait until a step may start; the parameters to start it from."""
         while True:
+            if isinstance(self.closed, FatalError):
+                raise self.closed
             if self.closed is not None:
                 raise ConnectionError(f"daemon connection ended: {self.closed}")
             if self.params is not None and self.in_flight <= depth:
@@ -189,6 +212,7 @@ async def _session(http: aiohttp.ClientSession, opts: WorkerOptions, state: Work
                 if sending is not None:  # pushes leave in order
                     await sending
                 inbox.in_flight += 1
+                inbox.pushes.add(state.steps)  # the push's request id
                 sending = asyncio.create_task(_send(ws, frame, opts))
                 if not pipeline:  # the device waits while the push travels
                     await sending
@@ -232,12 +256,19 @@ async def _read(
                 else:
                     inbox.deliver(held)
             elif msg.type == "ack":
+                inbox.answered(msg.id)
                 if msg["status"] == "dropped":
                     log.info("push dropped: %s", msg.get("reason"))
             elif msg.type == "error":
                 log.warning("daemon error %s: %s", msg["code"], msg["message"])
                 if msg["code"] == "no_codec":
                     raise FatalError(msg["message"])
+                if inbox.refused(msg.id) and inbox.rejected_in_a_row >= MAX_REFUSED:
+                    # Leaving frees every barrier this worker holds; the operator sees why.
+                    raise FatalError(
+                        f"the daemon refused {MAX_REFUSED} pushes in a row; last: "
+                        f"{msg['code']}: {msg['message']}"
+                    )
         raise ConnectionError(f"daemon closed the connection (code {ws.close_code})")
     except BaseException as exc:
         inbox.closed = exc
@@ -271,12 +302,17 @@ async def _compute(msg: Held, opts: WorkerOptions, state: WorkerState, idle_s: f
     codec = codec_for(state.plan)
     free = opts.emulation.memory if opts.emulation.memory is not None else host_free_memory()
     state.steps += 1
+    tensors = encode_with_feedback(state.feedback, update.tensors, codec, state.rng)
+    if opts.emulation.corrupt_push():  # after encoding: the residual stays clean
+        first = next(iter(update.tensors))
+        bad = np.full(update.tensors[first].shape, np.nan, np.float32)
+        tensors[first] = codecs.get_codec("none").encode(bad, None)
     return wire.encode(
         "push",
         state.steps,
         base=msg.version,
         kind=update.kind,
-        tensors=encode_with_feedback(state.feedback, update.tensors, codec, state.rng),
+        tensors=tensors,
         samples=update.samples,
         steps=update.steps,
         compute_s=emulated,

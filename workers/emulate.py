@@ -38,7 +38,8 @@ class Emulation:
     ``slowdown`` multiplies every step's compute time (padded to at least ``base_step_s``, so
     that emulated time dominates real contention on a small machine); ``bandwidth`` (bytes/s) caps the link;
     ``stragglers`` is the chance per step that a slow episode (``straggle_factor`` ×, geometric
-    length with mean ``straggle_mean`` steps) begins (BENCHMARK.md §1, scenario S2).
+    length with mean ``straggle_mean`` steps) begins (BENCHMARK.md §1, scenario S2);
+    ``bad_pushes`` injects faults: the chance that a push carries NaN, which the daemon refuses.
     """
 
     slowdown: float = 1.0
@@ -49,9 +50,11 @@ class Emulation:
     stragglers: float = 0.0
     straggle_factor: float = 5.0
     straggle_mean: float = 10.0
+    bad_pushes: float = 0.0  # chance that a push carries NaN (fault injection: refused, not fatal)
     seed: int = 0
     _left: int = 0  # steps left in the current slow episode
     _rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
+    _fault_rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
 
     def __post_init__(self) -> None:
         if self.slowdown < 1.0:
@@ -60,7 +63,15 @@ class Emulation:
             raise ValueError(f"base step time must be >= 0, got {self.base_step_s}")
         if not 0.0 <= self.stragglers <= 1.0:
             raise ValueError(f"stragglers must be a probability, got {self.stragglers}")
+        if not 0.0 <= self.bad_pushes <= 1.0:
+            raise ValueError(f"bad pushes must be a probability, got {self.bad_pushes}")
         self._rng = np.random.default_rng(self.seed)
+        self._fault_rng = np.random.default_rng([self.seed, 1])
+
+    def corrupt_push(self) -> bool:
+        """Whether the next push should carry NaN (its own random stream: faults do not change
+        the straggler pattern)."""
+        return self.bad_pushes > 0 and bool(self._fault_rng.random() < self.bad_pushes)
 
     def step_seconds(self, compute_s: float, samples: int | None = None) -> float:
         """The emulated duration of a step over ``samples`` that really took ``compute_s``: at

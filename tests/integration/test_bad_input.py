@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from hetd import codecs, wire
+from hetd.demo import stop_processes
 from tests.integration.conftest import WORKER_TOKEN
 
 AUTH = {"Authorization": f"Bearer {WORKER_TOKEN}"}
@@ -103,6 +104,15 @@ async def test_each_bad_frame_gets_its_error_and_nothing_is_applied(cluster) -> 
                 assert repr(first) in err["message"] or "missing" in err["message"]
         await ws.send_str("text frame")
         assert (await recv(ws, "error"))["code"] == "malformed"
+
+        # Paths of mixed kinds (text and bytes) are refused like any bad tensor, and the error
+        # names the push it answers.
+        mixed = codecs.encode_tree(zeros, codecs.get_codec("none"))
+        mixed[b"raw"] = mixed[first]  # type: ignore[index]
+        await ws.send_bytes(push({}, version, tensors=mixed))
+        err = await recv(ws, "error")
+        assert (err["code"], err.id) == ("bad_tensor", 7), err.body
+        assert "strings" in err["message"]
         assert c.engine.store.version == version, "a bad frame changed the model"
 
         # The same session still works: a good push is applied.
@@ -153,3 +163,17 @@ async def test_no_usable_codec(cluster, offered: list[str]) -> None:  # type: ig
         err = await recv(ws, "error")
         assert err["code"] == "no_codec"
         assert "none" in err["message"]
+
+
+async def test_refused_pushes_do_not_stall_bsp(cluster) -> None:  # type: ignore[no-untyped-def]
+    """A real worker whose pushes are sometimes NaN: each is refused with an error naming it, the
+    worker computes again from the parameters it holds, and BSP rounds go on for both."""
+    c = await cluster("bsp")
+    await c.spawn(1.0, 0.01)
+    bad = await c.spawn(1.0, 0.01, "--emulate-bad-pushes", "0.25")
+    await c.wait_for(lambda: c.engine.store.version >= 40, 90, "40 BSP rounds past refused pushes")
+    assert len(c.engine.facts) == 2 and not c.engine.departures
+    await stop_processes([bad])
+    assert bad.stderr is not None
+    log = (await bad.stderr.read()).decode()
+    assert "daemon error not_finite" in log, log[-2000:]

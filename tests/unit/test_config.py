@@ -156,3 +156,28 @@ def test_replace_rejects_equal_tokens() -> None:
     """BUG (config.replace): the token check lives only in with_env, so replace() skips it."""
     with pytest.raises(ConfigError, match="differ"):
         config.replace(Config(), "server", worker_token="same", admin_token="same")
+
+
+@pytest.mark.parametrize("spec", ["int9", "int8:blok=1024", "int8:block=3", "topk:k=2"])
+def test_a_bad_codec_spec_stops_start_up_naming_the_key(spec: str) -> None:
+    with pytest.raises(ConfigError, match=r"\[train\] codec"):
+        config.replace(Config(), "train", codec=spec)
+
+
+def test_a_good_codec_spec_loads() -> None:
+    assert (
+        config.replace(Config(), "train", codec="int8:block=1024").train.codec == "int8:block=1024"
+    )
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::"])
+def test_a_public_host_needs_a_worker_token(host: str) -> None:
+    with pytest.raises(ConfigError, match="worker_token"):
+        config.replace(Config(), "server", host=host)
+    cfg = config.replace(Config(), "server", host=host, worker_token="w", admin_token="a")
+    assert cfg.server.host == host
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1"])
+def test_loopback_runs_without_a_worker_token(host: str) -> None:
+    assert config.replace(Config(), "server", host=host).server.worker_token == ""

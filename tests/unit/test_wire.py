@@ -175,6 +175,22 @@ MALFORMED: list[tuple[str, bytes, str]] = [
     ("push negative samples", pack(valid_push(samples=-1)), "malformed"),
     ("push zero steps", pack(valid_push(steps=0)), "malformed"),
     ("push negative compute_s", pack(valid_push(compute_s=-0.5)), "malformed"),
+    ("hello empty name", pack(envelope("hello", name="", device={}, codecs=[])), "malformed"),
+    (
+        "hello bytes in device",
+        pack(envelope("hello", name="a", device={"kind": b"\x00"}, codecs=[])),
+        "malformed",
+    ),
+    (
+        "hello nested device",
+        pack(envelope("hello", name="a", device={"kind": {"x": 1}}, codecs=[])),
+        "malformed",
+    ),
+    (
+        "hello codec not a name",
+        pack(envelope("hello", name="a", device={}, codecs=[8])),
+        "malformed",
+    ),
     ("ext type field", pack(envelope("bye", reason=msgpack.ExtType(1, b"abc"))), "malformed"),
     ("timestamp ext", pack(envelope("bye", reason=msgpack.Timestamp(1, 0))), "malformed"),
     (
