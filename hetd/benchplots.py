@@ -65,6 +65,17 @@ def summary_markdown(doc: dict[str, Any], sc: Scenario, mode: str) -> str:
             f"| {np.median([r['bytes_up'] for r in mine]) / 1e6:.0f} / "
             f"{np.median([r['bytes_down'] for r in mine]) / 1e6:.0f} |"
         )
+    switched = [r for r in runs if r["stages"]]
+    if switched:
+        lines += [
+            "",
+            "Stage switches (s): "
+            + "; ".join(
+                f"{r['policy']} seed {r['seed']}: "
+                + ", ".join(f"{stage} {t:.2f}" for t, stage in r["stages"])
+                for r in switched
+            ),
+        ]
     ideal = doc["summary"][0]["tta_ideal_s"] if doc["summary"] else None
     lines += [
         "",

@@ -272,6 +272,7 @@ async def _measure(
         bytes_down=down,
         curve=curve,
         trace=trace,
+        stages=[[t - offset, st] for t, st in engine.stages],
     )
 
 

@@ -173,6 +173,7 @@ class Engine:
         self.updates_applied = 0
         self.max_release_gap = 0  # the largest clock lead any worker was released with
         self.evals: list[tuple[float, float, float]] = []  # (t since start, loss, accuracy)
+        self.stages: list[tuple[float, str]] = []  # (t since start, stage entered), each switch
         self._next_id = 1
         self.downlink = Downlink()
         self.bytes_in = 0  # push bytes received, all workers, since start
@@ -633,8 +634,10 @@ class Engine:
     def _set_stage(self, stage: str) -> None:
         if stage == self.stage:
             return
-        log.info("stage %s -> %s", self.stage, stage)
+        at = self.clock.now() - self.started_at
+        log.info("stage %s -> %s at %.2f s", self.stage, stage, at)
         self.stage = stage
+        self.stages.append((at, stage))
         for wid in list(self.plans):
             self._set_plan(wid, {"stage": stage})
 
@@ -653,6 +656,7 @@ class Engine:
         return {
             "version": self.store.version,
             "stage": self.stage,
+            "stage_switches": [{"at_s": t, "stage": st} for t, st in self.stages[-20:]],
             "policy": self.policy.describe(),
             "policy_state": describe_state(self.policy_state),
             "uptime_s": self.clock.now() - self.started_at,

@@ -118,6 +118,7 @@ class RunResult:
     bytes_down: int  # params frames, daemon -> worker
     curve: list[list[float]]  # [[t s, accuracy], ...]
     trace: Trace = field(default_factory=Trace)
+    stages: list[list[Any]] = field(default_factory=list)  # [[t s, stage entered], ...]
 
     def to_json(self) -> dict[str, Any]:
         """The record written to ``results.json`` (the trace is left out)."""
@@ -135,6 +136,7 @@ class RunResult:
             "bytes_up": self.bytes_up,
             "bytes_down": self.bytes_down,
             "curve": [list(c) for c in self.curve],
+            "stages": [list(x) for x in self.stages],
         }
 
 
@@ -216,6 +218,7 @@ RUN_KEYS = {
     "bytes_up": (int,),
     "bytes_down": (int,),
     "curve": (list,),
+    "stages": (list,),
 }
 SUMMARY_KEYS = {
     "policy": (str,),
@@ -250,3 +253,6 @@ def check_results(doc: Any) -> None:
         for point in rec["curve"]:
             if not (isinstance(point, list) and len(point) == 2):
                 raise ValueError(f"runs[{i}].curve points must be [t, accuracy], got {point!r}")
+        for switch in rec["stages"]:
+            if not (isinstance(switch, list) and len(switch) == 2 and isinstance(switch[1], str)):
+                raise ValueError(f"runs[{i}].stages items must be [t, stage], got {switch!r}")

@@ -280,6 +280,7 @@ class _Sim:
             bytes_down=sum(s.bytes_out for s in engine.stats.values()),
             curve=curve,
             trace=self.trace,
+            stages=[[t, st] for t, st in engine.stages],
         )
 
 

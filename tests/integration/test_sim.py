@@ -224,3 +224,13 @@ def test_a_bad_scenario_file_is_an_error_naming_the_key(
     err = capsys.readouterr().err
     assert "bad.toml: workers[1]: unknown key 'slowdwn'" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_ashl_stage_switches_are_in_the_results() -> None:
+    """A staged policy's switches (virtual s, stage entered) reach results.json, in order."""
+    run = run_sim(digits_s1(budget_s=4.0), PolicySpec("ashl", (("switch_loss", 0.5),)), seed=0)
+    stages = run.result.to_json()["stages"]
+    assert [s for _, s in stages] == ["profile", "AHL", "SHL"], stages
+    times = [t for t, _ in stages]
+    assert times == sorted(times) and 0 < times[1] < times[2] < 4.0, stages
+    assert run_sim(digits_s1(budget_s=1.0), PolicySpec("asp"), seed=0).result.stages == []

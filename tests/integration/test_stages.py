@@ -25,6 +25,10 @@ async def test_ashl_moves_through_its_stages_and_keeps_learning(cluster) -> None
     await c.wait_for(lambda: len(c.engine.evals) >= shl_at + 6, 60, "6 evaluations in SHL")
 
     assert _transitions(c) == ["profile", "AHL", "SHL"]
+    # The engine logs each switch with its time, and status shows them to operators.
+    switches = c.engine.status()["stage_switches"]
+    assert [s["stage"] for s in switches][-2:] == ["AHL", "SHL"], switches
+    assert 0 < switches[-2]["at_s"] < switches[-1]["at_s"], switches
     state = c.engine.status()["policy_state"]
     assert state["switch_reason"] in ("threshold", "plateau")
     plans = {w: c.engine.plans[w] for w in c.engine.facts}
