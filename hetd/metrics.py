@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -68,6 +69,7 @@ class _WorkerSample:
     idle_fraction: float
     compute_s: float | None
     batch_size: int
+    plan: Mapping[str, Any]  # the worker's current plan as sent (Plan.to_wire)
     staleness: list[tuple[str, float]]
     staleness_sum: float
 
@@ -92,6 +94,7 @@ class Metrics:
         self._sample = {
             "version": e.store.version,
             "stage": e.stage,
+            "stage_switches": list(e.stages),
             "policy": e.policy.describe(),
             "workers": len(e.facts),
             "updates_applied": e.updates_applied,
@@ -130,6 +133,7 @@ class Metrics:
                     idle_fraction=min(1.0, (f.idle_s + waiting) / alive),
                     compute_s=f.compute_s,
                     batch_size=f.batch_size,
+                    plan=e.plans[wid].to_wire() if wid in e.plans else {},
                     staleness=h.buckets(),
                     staleness_sum=h.total,
                 )
@@ -177,6 +181,17 @@ class _Collector:
         )
         stage.add_metric([s["stage"]], 1.0)
         yield stage
+        entered = GaugeMetricFamily(
+            "hetd_stage_entered_seconds",
+            "Seconds after start when each stage was last entered.",
+            labels=["stage"],
+        )
+        last: dict[str, float] = {}
+        for at, name in s["stage_switches"]:
+            last[name] = at
+        for name, at in last.items():
+            entered.add_metric([name], at)
+        yield entered
         pol = GaugeMetricFamily(
             "hetd_policy", "Active policy and its parameters (value 1).", labels=["name", "params"]
         )
@@ -309,6 +324,16 @@ class _Collector:
         yield family(
             g, "hetd_worker_batch_size", "The worker's planned batch size.", lambda r: r.batch_size
         )
+        for key, name, doc in _PLAN_GAUGES:
+            yield family(g, name, doc, partial(_plan_number, key))
+        codec = GaugeMetricFamily(
+            "hetd_worker_codec",
+            "The codec the worker's plan names for its pushes (value 1).",
+            labels=[*labels, "codec"],
+        )
+        for r in rows:
+            codec.add_metric([*r.labels, str(r.plan.get("codec", "none"))], 1.0)
+        yield codec
         h = HistogramMetricFamily(
             "hetd_worker_staleness",
             "Staleness of each push (versions behind on arrival).",
@@ -325,3 +350,25 @@ def _gauge(name: str, doc: str, value: float) -> Metric:
 
 def _counter(name: str, doc: str, value: float) -> Metric:
     return CounterMetricFamily(name, doc, value=float(value))
+
+
+# Plan fields shown per worker: (plan key, metric name, help). Absent or non-numeric: not shown.
+_PLAN_GAUGES = (
+    ("local_steps", "hetd_worker_local_steps", "Local steps per push in the worker's plan (H)."),
+    ("bits", "hetd_worker_bits", "Bits per value the worker's plan asks for."),
+    ("topk", "hetd_worker_topk_ratio", "Fraction of values a sparsifying codec keeps (rho)."),
+    ("lr_scale", "hetd_worker_lr_scale", "The worker's local learning-rate scale."),
+    ("data_share", "hetd_worker_data_share", "The worker's share of the data and weight (p_i)."),
+    (
+        "staleness_bound",
+        "hetd_worker_staleness_bound",
+        "Clocks the worker may run ahead of the slowest (where the policy bounds it).",
+    ),
+)
+
+
+def _plan_number(key: str, row: _WorkerSample) -> float | None:
+    value = row.plan.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)

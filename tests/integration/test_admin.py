@@ -259,8 +259,16 @@ async def test_hot_swap_under_load_loses_no_update(cluster) -> None:  # type: ig
             "hetd_worker_received_bytes",
             "hetd_worker_sent_bytes",
             "hetd_worker_updates_applied",
+            "hetd_worker_local_steps",
+            "hetd_worker_bits",
+            "hetd_worker_topk_ratio",
+            "hetd_worker_lr_scale",
         ):
             assert {s.labels["name"] for s in fams[family].samples} == names, family
+        codecs_shown = {
+            (s.labels["name"], s.labels["codec"]) for s in fams["hetd_worker_codec"].samples
+        }
+        assert codecs_shown == {(n, "none") for n in names}
         stale = [s for s in fams["hetd_worker_staleness"].samples if s.name.endswith("_count")]
         assert {s.labels["name"] for s in stale} == names
         assert sum(s.value for s in stale) == sum(c.engine.stats[w].pushes for w in ids)

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
+from hetd.metrics import Metrics
+
 
 def _transitions(c: Any) -> list[str]:
     state = c.engine.status()["policy_state"]
@@ -49,6 +53,20 @@ async def test_ashl_moves_through_its_stages_and_keeps_learning(cluster) -> None
     st = c.engine.stats[slowest]
     assert st.pushes > p0
     assert (st.bytes_in - b0) / (st.pushes - p0) < 0.75 * dense, st
+    # Operators see each worker's H, rho and share, and when each stage began, in /metrics.
+    m = Metrics(c.engine)
+    m.sample()
+    sampled = {w: c.engine.plans[w].to_wire() for w in c.engine.facts}  # no await in between
+    fams = {f.name: f for f in text_string_to_metric_families(m.render().decode())}
+    for family, field in (
+        ("hetd_worker_local_steps", "local_steps"),
+        ("hetd_worker_topk_ratio", "topk"),
+        ("hetd_worker_data_share", "data_share"),
+    ):
+        shown = {int(s.labels["worker"]): s.value for s in fams[family].samples}
+        assert shown == {w: float(sampled[w][field]) for w in sampled}, family
+    entered = {s.labels["stage"]: s.value for s in fams["hetd_stage_entered_seconds"].samples}
+    assert 0 < entered["AHL"] < entered["SHL"], entered
 
 
 async def test_adsp_equalises_commit_counts(cluster) -> None:  # type: ignore[no-untyped-def]
