@@ -119,6 +119,7 @@ class WorkerStats:
     dropped: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
+    releases: int = 0  # parameter sends (a full set or a delta, however many frames)
     worker_idle_s: float = 0.0  # s the worker reported waiting for parameters
     staleness: list[int] = field(default_factory=list)
     last_seen: float = 0.0
@@ -613,6 +614,7 @@ class Engine:
         if facts is None or peer is None:
             return
         self.facts[wid] = dataclasses.replace(facts, version=version)
+        self.stats[wid].releases += 1
         for frame in frames:
             self.stats[wid].bytes_out += len(frame)
             self.bytes_out += len(frame)
@@ -688,7 +690,8 @@ class Engine:
                     "samples_per_s": f.samples / alive,
                     "compute_s": f.compute_s,
                     "batch_size": f.batch_size,
-                    "codec": f.codec,
+                    "codec": self.plans[wid].codec,  # what its pushes use (the plan's)
+                    "params_codec": f.codec,  # what its parameters come in (negotiated)
                     "pushes": st.pushes,
                     "applied": st.applied,
                     "dropped": st.dropped,
@@ -701,6 +704,8 @@ class Engine:
                     "bytes_per_push": st.bytes_in / max(1, st.pushes),
                     # encoded push bytes / the same update in float32 (frame overhead included)
                     "push_ratio": st.bytes_in / max(1, st.pushes) / (4 * self.store.n_params),
+                    "bytes_per_pull": st.bytes_out / max(1, st.releases),
+                    "pull_ratio": st.bytes_out / max(1, st.releases) / (4 * self.store.n_params),
                     "last_seen_s": now - st.last_seen,
                     "plan": self.plans[wid].to_wire(),
                 }

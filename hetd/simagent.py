@@ -26,7 +26,7 @@ from hetd.data import BatchSampler, Dataset, shard_indices
 from hetd.feedback import ErrorFeedback, encode_with_feedback
 from hetd.scenario import Scenario
 from hetd.simworkers import StepWork, Straggler
-from workers.client import Held, apply_params, codec_for
+from workers.client import Held, apply_params, codec_for, local_steps_for
 
 
 @dataclass(eq=False)
@@ -166,7 +166,7 @@ class EmuWorker:
             t = profile[0] - spec.latency_s  # the step starts once the profile is done
         self._follow_share()
         batch = max(1, int(self.plan.get("batch_size", sc.batch_per_worker)))
-        k = max(1, int(self.plan.get("local_steps", 1)))
+        k = local_steps_for(self.plan, self._step_s(batch, t))
         delta = k > 1 or self.plan.get("push_kind", "grad") == "delta"
         rows = np.stack([self.sampler.next_indices(batch) for _ in range(k)]).astype(np.int32)
         lr = self.worker_lr * float(self.plan.get("lr_scale", 1.0))

@@ -120,9 +120,11 @@ def equal_finish(
     return base
 
 
-# Codec per bit width for flexible quantization (H-PS §8.3; 1 bit is sign + scale).
+# Codec per bit width for flexible quantization (H-PS §8.3): the integer widths round
+# stochastically (unbiased, QSGD-like, per-tensor max-norm scale); 1 bit is sign + scale, which
+# stands in for the paper's 2 (we ship no 2-bit packing) [D].
 BITS_CODECS: Mapping[int, str] = MappingProxyType(
-    {32: "none", 16: "bf16", 8: "int8", 4: "int4", 1: "sign"}
+    {32: "none", 16: "bf16", 8: "int8:stochastic=true", 4: "int4:stochastic=true", 1: "sign"}
 )
 
 

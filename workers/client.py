@@ -59,6 +59,7 @@ class WorkerState:
     feedback: ErrorFeedback = field(default_factory=ErrorFeedback)  # what lossy pushes still owe
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     rtt_s: float = 0.0  # s from hello to welcome, a round trip with little work in it
+    local_step_s: float | None = None  # s per local step as charged (emulation included), EWMA
 
 
 async def run_worker(opts: WorkerOptions) -> int:
@@ -293,12 +294,17 @@ async def _compute(msg: Held, opts: WorkerOptions, state: WorkerState, idle_s: f
     if state.trainer is None:
         raise ConnectionError("params before welcome")
     params = msg.tensors
+    plan = dict(state.plan)
+    plan["local_steps"] = local_steps_for(plan, state.local_step_s)
     t0 = time.perf_counter()
-    update = await asyncio.to_thread(state.trainer.step, params, dict(state.plan))
+    update = await asyncio.to_thread(state.trainer.step, params, plan)
     compute_s = time.perf_counter() - t0
     emulated = opts.emulation.step_seconds(compute_s, update.samples)
     if emulated > compute_s:
         await asyncio.sleep(emulated - compute_s)
+    per_step = emulated / max(1, update.steps)
+    old = state.local_step_s
+    state.local_step_s = per_step if old is None else 0.5 * per_step + 0.5 * old
     codec = codec_for(state.plan)
     free = opts.emulation.memory if opts.emulation.memory is not None else host_free_memory()
     state.steps += 1
@@ -321,6 +327,19 @@ async def _compute(msg: Held, opts: WorkerOptions, state: WorkerState, idle_s: f
         sent_at=time.time(),
         idle_s=idle_s,
     )
+
+
+def local_steps_for(plan: Mapping[str, Any], step_s: float | None) -> int:
+    """Local steps for the next push: the plan's ``local_steps``, or in time mode (a positive
+    ``local_time_s``, ADSP's) as many steps as fit that time at this worker's own measured
+    ``step_s`` seconds per step; at least 1."""
+    steps = max(1, int(plan.get("local_steps", 1)))
+    budget = plan.get("local_time_s")
+    if isinstance(budget, bool) or not isinstance(budget, int | float) or not budget > 0:
+        return steps
+    if step_s is None or not step_s > 0:
+        return steps  # no measurement yet: the daemon's estimate
+    return max(1, min(100_000, int(budget / step_s)))
 
 
 def codec_for(plan: Mapping[str, Any]) -> codecs.Codec:

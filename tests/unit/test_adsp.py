@@ -31,6 +31,7 @@ from policies.adsp import (
 )
 from policies.base import Apply, Join, Leave, Push, Release, SetPlan, SetStage, Tick
 from tests.unit.test_ashl import Cluster, Run, fuzz, replanned, sets
+from workers.client import local_steps_for
 
 # --- the search ----------------------------------------------------------------------------------------
 
@@ -269,6 +270,24 @@ def test_time_mode_sends_the_time_budget() -> None:
     out = c.step(Tick(c.state.period_start + GAMMA + 0.01))
     f = sets(out)[1]
     assert f["local_time_s"] == pytest.approx(GAMMA / f["commit_quota"] - c.state.t1(1))
+
+
+@pytest.mark.parametrize(
+    ("plan", "step_s", "steps"),
+    [
+        ({"local_steps": 4}, 0.01, 4),  # steps mode: the daemon's count
+        ({"local_steps": 4, "local_time_s": 0.5}, None, 4),  # no measurement yet
+        ({"local_steps": 4, "local_time_s": 0.5}, 0.01, 50),  # a fast worker fills its time
+        ({"local_steps": 4, "local_time_s": 0.5}, 0.2, 2),  # a slow one does fewer
+        ({"local_steps": 4, "local_time_s": 0.5}, 2.0, 1),  # never fewer than one
+        ({"local_steps": 4, "local_time_s": 0.0}, 0.01, 4),
+        ({"local_steps": 4, "local_time_s": True}, 0.01, 4),  # not a number of seconds
+    ],
+)
+def test_workers_turn_a_time_budget_into_local_steps(
+    plan: dict[str, Any], step_s: float | None, steps: int
+) -> None:
+    assert local_steps_for(plan, step_s) == steps
 
 
 # --- a scripted run -----------------------------------------------------------------------------------
