@@ -248,7 +248,9 @@ async def test_sigterm_checkpoints_and_a_restart_resumes(serve) -> None:  # type
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_example_config_loads_and_documents_every_key() -> None:
+def test_the_example_config_loads_and_documents_every_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import dataclasses
     import tomllib
 
@@ -256,6 +258,14 @@ def test_the_example_config_loads_and_documents_every_key() -> None:
 
     text = (ROOT / "systemd" / "hetd.toml").read_text()
     raw = tomllib.loads(text)
+    # The example listens on every interface, so it needs the worker token that
+    # systemd reads from /etc/hetd/tokens.env; without it start-up stops.
+    monkeypatch.delenv("HETD_WORKER_TOKEN", raising=False)
+    monkeypatch.delenv("HETD_ADMIN_TOKEN", raising=False)
+    with pytest.raises(config.ConfigError, match="HETD_WORKER_TOKEN"):
+        config.from_mapping(raw)
+    monkeypatch.setenv("HETD_WORKER_TOKEN", "w-secret")
+    monkeypatch.setenv("HETD_ADMIN_TOKEN", "a-secret")
     loaded = config.from_mapping(raw)
     assert loaded.server.host == "0.0.0.0"
     for name, cls in config._SECTIONS.items():
