@@ -109,6 +109,7 @@ class PushFrame:
             "samples": 32,
             "steps": 1,
             "compute_s": 0.0,
+            "sent_at": _F64,  # as a worker stamps it: the daemon measures the link from it
         }
         packer = msgpack.Packer(use_bin_type=True)
         head = bytearray(packer.pack_map_header(len(fields) + 1))
@@ -118,6 +119,9 @@ class PushFrame:
             if value is _U64:
                 self._at[key] = len(head) + 1
                 head += b"\xcf" + bytes(8)  # msgpack uint64: 0xcf + 8 big-endian bytes
+            elif value is _F64:
+                self._at[key] = len(head) + 1
+                head += b"\xcb" + bytes(8)  # msgpack float64: 0xcb + 8 big-endian bytes
             else:
                 head += packer.pack(value)
         head += packer.pack("tensors")
@@ -127,10 +131,12 @@ class PushFrame:
         """The frame for this push (the same buffer, patched)."""
         struct.pack_into(">Q", self.buffer, self._at["id"], request_id)
         struct.pack_into(">Q", self.buffer, self._at["base"], base)
+        struct.pack_into(">d", self.buffer, self._at["sent_at"], time.time())
         return self.buffer
 
 
 _U64 = object()  # placeholder for a fixed-width uint64 field
+_F64 = object()  # placeholder for a float64 field
 
 
 def params_version(frame: bytes) -> int | None:

@@ -53,6 +53,7 @@ class TrainConfig:
     global_batch: int = 128  # samples per round across workers (BSP: B/N each)
     batch_size: int = 32  # initial per-worker batch
     codec: str = "none"  # preferred codec for pushes and params
+    downlink: str = "auto"  # lossy codecs' parameters: auto (by link speed), delta, full
     shards: int = 0  # data shards; 0 = one per worker slot, at least 4
     eval_interval_s: float = 1.0  # the daemon evaluates the global model this often
     target_accuracy: float = 0.0  # > 0: log when reached
@@ -169,6 +170,8 @@ def with_env(cfg: Config) -> Config:
     return _checked(dataclasses.replace(cfg, server=server))
 
 
+DOWNLINK_MODES = ("auto", "delta", "full")
+
 # Allowed ranges, checked after the types: (section, key) -> (lowest, highest or None, why).
 _RANGES: dict[tuple[str, str], tuple[float, float | None, str]] = {
     ("server", "port"): (0, 65535, "a TCP port, 0 for any free one"),
@@ -209,6 +212,10 @@ def _checked(cfg: Config) -> Config:
         codecs.from_spec(cfg.train.codec)
     except codecs.CodecError as exc:
         raise ConfigError(f"[train] codec = {cfg.train.codec!r}: {exc}") from None
+    if cfg.train.downlink not in DOWNLINK_MODES:
+        raise ConfigError(
+            f"[train] downlink = {cfg.train.downlink!r}: one of {', '.join(DOWNLINK_MODES)}"
+        )
     return cfg
 
 

@@ -66,6 +66,7 @@ def build_engine(cfg: config_mod.Config, clock: Clock | None = None) -> Engine:
         global_batch=t.global_batch,
         batch_size=t.batch_size,
         codec=t.codec,
+        downlink=t.downlink,
         heartbeat_s=cfg.server.heartbeat_s,
         heartbeat_timeout_s=cfg.server.heartbeat_timeout_s,
         eval_interval_s=t.eval_interval_s,

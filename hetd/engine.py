@@ -30,7 +30,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from hetd import codecs, wire
-from hetd.downlink import Downlink
+from hetd.downlink import Downlink, Outgoing
 from hetd.rates import LatencyRecorder, RateMeter
 from hetd.store import Aggregator, Snapshot, Store, Tensors
 from policies.base import (
@@ -98,6 +98,7 @@ class EngineConfig:
     global_batch: int = 128
     batch_size: int = 32  # initial per-worker batch
     codec: str = "none"  # preferred codec
+    downlink: str = "auto"  # lossy codecs' parameters: auto (by link speed), delta, full
     heartbeat_s: float = 2.0
     heartbeat_timeout_s: float = 10.0
     tick_s: float = 0.25
@@ -177,6 +178,8 @@ class Engine:
         self.stages: list[tuple[float, str]] = []  # (t since start, stage entered), each switch
         self._next_id = 1
         self.downlink = Downlink()
+        self._held_refs: dict[int, int] = {}  # worker -> the downlink reference it holds
+        self._same_host: set[int] = set()  # workers on loopback: parameters in full are cheaper
         self.bytes_in = 0  # push bytes received, all workers, since start
         self.bytes_out = 0  # parameter bytes sent, all workers, since start
         self.latency = LatencyRecorder()  # s to decide one event: policy, bookkeeping, acks
@@ -269,7 +272,13 @@ class Engine:
         """Run queued steps and encode the released workers' frames (off the loop for big
         models, the engine task awaiting), then hand the frames to their outboxes."""
         wants = [
-            (wid, self.facts[wid].codec, self.facts[wid].version)
+            (
+                wid,
+                self.facts[wid].codec,
+                self.facts[wid].version,
+                self._held_refs.get(wid),
+                self._link(wid),
+            )
             for wid in self._releases
             if wid in self.facts and wid in self.peers
         ]
@@ -282,26 +291,24 @@ class Engine:
         except Exception:
             log.exception("publishing parameters failed")
             return
-        for wid, _, _ in wants:
-            self._send_params(wid, *frames[wid])
+        for wid, *_ in wants:
+            self._send_params(wid, frames[wid])
 
     def _encode_releases(
-        self, wants: list[tuple[int, str, int]]
-    ) -> dict[int, tuple[list[bytes], int, bool]]:
-        """Frames for each (worker, codec, held version), encoded once per (codec, held)."""
+        self, wants: list[tuple[int, str, int, int | None, float | None]]
+    ) -> dict[int, Outgoing]:
+        """The release for each (worker, codec, held version, held reference, link bytes/s); one
+        encoding per (codec, version, reference), shared by every worker holding it."""
         self.store.flush()
         if not wants:
             return {}
         snap = self.store.snapshot()
-        holders: dict[str, set[int | None]] = {}
-        for _, codec, held in wants:
-            holders.setdefault(codec, set()).add(held)
-        made: dict[tuple[str, int], tuple[list[bytes], int, bool]] = {}
+        made: dict[tuple[str, int, int | None], Outgoing] = {}
         out = {}
-        for wid, codec, held in wants:
-            key = (codec, held)
+        for wid, codec, held, ref, link in wants:
+            key = (codec, held, ref)
             if key not in made:
-                made[key] = self.downlink.frames(codec, held, snap, holders[codec])
+                made[key] = self.downlink.frames(codec, held, snap, ref, link)
             out[wid] = made[key]
         return out
 
@@ -312,8 +319,9 @@ class Engine:
 
     # --- commands (run on the engine task only) -----------------------------------------------------
 
-    def join(self, hello: wire.Message, peer: Peer) -> int:
-        """Admit a worker: facts, plan, welcome; the policy decides when it may start."""
+    def join(self, hello: wire.Message, peer: Peer, same_host: bool = False) -> int:
+        """Admit a worker: facts, plan, welcome; the policy decides when it may start.
+        ``same_host``: it connected over loopback (no link worth compressing parameters for)."""
         now = self.clock.now()
         resume = hello.get("resume") or {}
         old_id = resume.get("worker_id")
@@ -348,6 +356,8 @@ class Engine:
         self.stats[wid] = WorkerStats(last_seen=now, device=dict(device), slot=slot)
         self.plans[wid] = Plan(batch_size=self.config.batch_size, codec=codec, stage=self.stage)
         self.peers[wid] = peer
+        if same_host:
+            self._same_host.add(wid)
         shards = self.config.shards or max(4, len(self.facts))
         peer.send(
             wire.encode(
@@ -373,6 +383,8 @@ class Engine:
         if facts is None:
             return
         self.departed[wid] = facts
+        self._held_refs.pop(wid, None)
+        self._same_host.discard(wid)
         peer = self.peers.pop(wid, None)
         if peer is not None:
             peer.close(reason)
@@ -606,19 +618,37 @@ class Engine:
         if self._deferred:
             self._releases[wid] = None
             return
-        frames = self.downlink.frames(facts.codec, facts.version, self.store.snapshot())
-        self._send_params(wid, *frames)
+        release = self.downlink.frames(
+            facts.codec,
+            facts.version,
+            self.store.snapshot(),
+            self._held_refs.get(wid),
+            facts.link_bps,
+        )
+        self._send_params(wid, release)
 
-    def _send_params(self, wid: int, frames: list[bytes], version: int, full: bool) -> None:
+    def _link(self, wid: int) -> float | None:
+        """The worker's link in bytes/s for the downlink's choice: unbounded for loopback or
+        ``downlink = "full"``, unknown (deltas) for ``"delta"``."""
+        mode = self.config.downlink
+        if mode == "full" or (mode == "auto" and wid in self._same_host):
+            return math.inf
+        return None if mode == "delta" else self.facts[wid].link_bps
+
+    def _send_params(self, wid: int, release: Outgoing) -> None:
         facts, peer = self.facts.get(wid), self.peers.get(wid)
         if facts is None or peer is None:
             return
-        self.facts[wid] = dataclasses.replace(facts, version=version)
+        self.facts[wid] = dataclasses.replace(facts, version=release.version)
+        if release.ref is None:
+            self._held_refs.pop(wid, None)
+        else:
+            self._held_refs[wid] = release.ref
         self.stats[wid].releases += 1
-        for frame in frames:
+        for frame in release.frames:
             self.stats[wid].bytes_out += len(frame)
             self.bytes_out += len(frame)
-            peer.send(frame, params=True, full=full)
+            peer.send(frame, params=True, full=release.full)
 
     def _set_plan(self, wid: int, fields: Mapping[str, Any]) -> None:
         plan = self.plans.get(wid)

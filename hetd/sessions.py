@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 import logging
 import time
 from collections import deque
@@ -45,6 +46,14 @@ def authorized(request: web.Request, token: str) -> bool:
         return True
     got = request.headers.get("Authorization", "")
     return hmac.compare_digest(got.encode(), f"Bearer {token}".encode())
+
+
+def _loopback(request: web.Request) -> bool:
+    """The worker connected from this host (127.0.0.0/8, ::1)."""
+    try:
+        return ipaddress.ip_address(request.remote or "").is_loopback
+    except ValueError:
+        return False
 
 
 class Outbox:
@@ -226,7 +235,7 @@ async def handle(
                     outbox.send(wire.error_frame("no_hello", "send hello first", msg.id))
                     continue
                 try:
-                    wid = await engine.call(partial(engine.join, msg, outbox))
+                    wid = await engine.call(partial(engine.join, msg, outbox, _loopback(request)))
                 except codecs.CodecError as exc:
                     outbox.send(wire.error_frame("no_codec", str(exc), msg.id))
                     reason = "no usable codec"

@@ -181,3 +181,10 @@ def test_a_public_host_needs_a_worker_token(host: str) -> None:
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1"])
 def test_loopback_runs_without_a_worker_token(host: str) -> None:
     assert config.replace(Config(), "server", host=host).server.worker_token == ""
+
+
+def test_downlink_takes_one_of_three_modes() -> None:
+    for mode in ("auto", "delta", "full"):
+        assert config.replace(Config(), "train", downlink=mode).train.downlink == mode
+    with pytest.raises(ConfigError, match=r"\[train\] downlink = 'fast': one of auto, delta, full"):
+        config.replace(Config(), "train", downlink="fast")
