@@ -26,7 +26,7 @@ SCENARIO_EPILOG = """\
 scenario files (TOML or JSON; an unknown key is an error that names it):
   name, description, dataset, dataset_kwargs, model, model_kwargs, global_batch,
   base_batch, base_step_s, target_accuracy, budget_s, eval_interval_s, tick_s, lr,
-  lr_grid, optimizer (sgd|momentum|adam), worker_lr, codec,
+  lr_grid, optimizer (sgd|momentum|adam), worker_lr, codec, downlink (auto|delta|full),
   [[workers]]: slowdown, bandwidth (bytes/s), latency_s, memory (bytes), count,
                stragglers = { p, factor, mean_len }
   [[shifts]]:  worker (index), slowdown, and at_s or at_fraction (of the budget)

@@ -44,8 +44,9 @@ def summary_markdown(doc: dict[str, Any], sc: Scenario, mode: str) -> str:
         f"* seeds: {sorted({r['seed'] for r in runs})}",
         "",
         "| policy | lr | reached | TTA median (s) | TTA IQR (s) | speed-up vs BSP | TTA / ideal "
-        "| final acc. (median) | samples/s | staleness mean / p95 | idle (mean) | MB up / down |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| final acc. (median) | samples/s | staleness mean / p95 | idle (mean) | MB up / down "
+        "| KB per push / pull |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in doc["summary"]:
         mine = [r for r in runs if r["policy"] == row["policy"]]
@@ -63,7 +64,9 @@ def summary_markdown(doc: dict[str, Any], sc: Scenario, mode: str) -> str:
             f"{np.median([r['staleness_p95'] for r in mine]):.1f} "
             f"| {np.median(idle):.2f} "
             f"| {np.median([r['bytes_up'] for r in mine]) / 1e6:.0f} / "
-            f"{np.median([r['bytes_down'] for r in mine]) / 1e6:.0f} |"
+            f"{np.median([r['bytes_down'] for r in mine]) / 1e6:.0f} "
+            f"| {np.median([r['bytes_up'] / max(1, r['pushes']) for r in mine]) / 1e3:.1f} / "
+            f"{np.median([r['bytes_down'] / max(1, r['releases']) for r in mine]) / 1e3:.1f} |"
         )
     switched = [r for r in runs if r["stages"]]
     if switched:

@@ -114,6 +114,7 @@ def _config(sc: Scenario, policy: PolicySpec, seed: int, lr: float) -> config_mo
         global_batch=sc.global_batch,
         batch_size=sc.batch_per_worker,
         codec=sc.codec,
+        downlink=sc.downlink,
         shards=sc.n,
         eval_interval_s=sc.eval_interval_s,
         target_accuracy=sc.target_accuracy,
@@ -216,7 +217,7 @@ async def _measure(
     offset = start - engine.started_at
     idle0 = {w: engine.facts[wid].idle_s for w, wid in wids.items()}
     samples0 = sum(engine.facts[wid].samples for wid in wids.values())
-    bytes0 = [(s.bytes_in, s.bytes_out) for s in engine.stats.values()]
+    bytes0 = [(s.bytes_in, s.bytes_out, s.pushes, s.releases) for s in engine.stats.values()]
     _, acc0 = await asyncio.to_thread(evaluate, engine.store.snapshot())
     trace = Trace(timeline={w: [] for w in wids})
     last_share = -math.inf
@@ -270,6 +271,8 @@ async def _measure(
         staleness_p95=p95,
         bytes_up=up,
         bytes_down=down,
+        pushes=sum(s.pushes for s in engine.stats.values()) - sum(b[2] for b in bytes0),
+        releases=sum(s.releases for s in engine.stats.values()) - sum(b[3] for b in bytes0),
         curve=curve,
         trace=trace,
         stages=[[t - offset, st] for t, st in engine.stages],

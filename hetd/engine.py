@@ -99,6 +99,7 @@ class EngineConfig:
     batch_size: int = 32  # initial per-worker batch
     codec: str = "none"  # preferred codec
     downlink: str = "auto"  # lossy codecs' parameters: auto (by link speed), delta, full
+    delta_s_per_param: float | None = None  # fixed delta cost for "auto" (None: measured)
     heartbeat_s: float = 2.0
     heartbeat_timeout_s: float = 10.0
     tick_s: float = 0.25
@@ -177,7 +178,7 @@ class Engine:
         self.evals: list[tuple[float, float, float]] = []  # (t since start, loss, accuracy)
         self.stages: list[tuple[float, str]] = []  # (t since start, stage entered), each switch
         self._next_id = 1
-        self.downlink = Downlink()
+        self.downlink = Downlink(s_per_param=config.delta_s_per_param)
         self._held_refs: dict[int, int] = {}  # worker -> the downlink reference it holds
         self._same_host: set[int] = set()  # workers on loopback: parameters in full are cheaper
         self.bytes_in = 0  # push bytes received, all workers, since start

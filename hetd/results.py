@@ -116,6 +116,8 @@ class RunResult:
     staleness_p95: float
     bytes_up: int  # push frames, worker -> daemon
     bytes_down: int  # params frames, daemon -> worker
+    pushes: int  # updates received (bytes_up / pushes: bytes per update)
+    releases: int  # parameter sends (bytes_down / releases: bytes per pull)
     curve: list[list[float]]  # [[t s, accuracy], ...]
     trace: Trace = field(default_factory=Trace)
     stages: list[list[Any]] = field(default_factory=list)  # [[t s, stage entered], ...]
@@ -135,6 +137,8 @@ class RunResult:
             "staleness_p95": self.staleness_p95,
             "bytes_up": self.bytes_up,
             "bytes_down": self.bytes_down,
+            "pushes": self.pushes,
+            "releases": self.releases,
             "curve": [list(c) for c in self.curve],
             "stages": [list(x) for x in self.stages],
         }
@@ -217,6 +221,8 @@ RUN_KEYS = {
     "staleness_p95": (float, int),
     "bytes_up": (int,),
     "bytes_down": (int,),
+    "pushes": (int,),
+    "releases": (int,),
     "curve": (list,),
     "stages": (list,),
 }

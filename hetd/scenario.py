@@ -97,6 +97,7 @@ class Scenario:
     optimizer: str = "sgd"  # sgd | momentum | adam
     worker_lr: float = 0.0  # local lr for local-step (delta) plans; 0: the run's lr
     codec: str = "none"  # preferred codec
+    downlink: str = "auto"  # lossy codecs' parameters: auto (by link speed), delta, full
     shifts: tuple[Shift, ...] = ()
 
     @property
@@ -161,6 +162,12 @@ _TOP: dict[str, tuple[Check, str, Check, str]] = {
     ),
     "worker_lr": (_num, "number", lambda v: 0 <= v < INF, ">= 0 (0: the run's lr)"),
     "codec": (lambda v: isinstance(v, str), "string", lambda v: bool(v), "non-empty"),
+    "downlink": (
+        lambda v: isinstance(v, str),
+        "string",
+        lambda v: v in ("auto", "delta", "full"),
+        "one of auto, delta, full",
+    ),
     "workers": (
         lambda v: isinstance(v, list),
         "array of tables",

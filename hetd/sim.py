@@ -29,6 +29,7 @@ import jax
 
 from hetd import wire
 from hetd.config import TrainConfig
+from hetd.downlink import DELTA_S_PER_PARAM
 from hetd.engine import Engine, EngineConfig
 from hetd.results import PolicySpec, RunResult, Trace, first_reach, staleness_stats
 from hetd.scenario import Scenario
@@ -98,6 +99,9 @@ class _Sim:
             global_batch=sc.global_batch,
             batch_size=sc.batch_per_worker,
             codec=sc.codec,
+            downlink=sc.downlink,
+            # A fixed delta cost, not the measured one: a run must not depend on this CPU's load.
+            delta_s_per_param=DELTA_S_PER_PARAM,
             heartbeat_s=1e9,
             heartbeat_timeout_s=math.inf,  # virtual time: a slow worker is never silent
             tick_s=sc.tick_s,
@@ -278,6 +282,8 @@ class _Sim:
             staleness_p95=p95,
             bytes_up=sum(s.bytes_in for s in engine.stats.values()),
             bytes_down=sum(s.bytes_out for s in engine.stats.values()),
+            pushes=sum(s.pushes for s in engine.stats.values()),
+            releases=sum(s.releases for s in engine.stats.values()),
             curve=curve,
             trace=self.trace,
             stages=[[t, st] for t, st in engine.stages],

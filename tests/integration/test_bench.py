@@ -74,6 +74,7 @@ def test_bench_sim_writes_results_summary_and_plots(tmp_path: Path) -> None:
         assert set(r["idle_fraction"]) == {"0", "1"}
         assert r["curve"][0][0] == 0.0 and r["curve"][-1][0] == 1.5
         assert r["bytes_up"] > 0 and r["bytes_down"] > 0 and r["samples_per_s"] > 0
+        assert r["pushes"] > 0 and r["releases"] > 0
     bsp = doc["summary"][0]
     assert bsp["policy"] == "bsp" and bsp["speedup_vs_bsp"] == 1.0
     assert bsp["tta_ideal_s"] is not None and bsp["tta_ideal_s"] < bsp["tta_median_s"]

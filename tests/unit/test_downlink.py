@@ -223,3 +223,13 @@ def test_a_link_faster_than_the_encoding_gets_full_frames() -> None:
         out = d.frames("int8", slow.version, s, slow.ref, link_bps=1e6)  # 1 MB/s
         assert not out.full
         slow.take(out)
+
+
+def test_a_fixed_delta_cost_makes_the_choice_without_timing() -> None:
+    """The simulator fixes the cost per parameter, so its runs do not depend on this CPU."""
+    rng = np.random.default_rng(9)
+    for s_per_param, link, full in ((1e-3, 1e9, True), (1e-12, 1e6, False)):
+        d = Downlink(s_per_param=s_per_param)
+        w = Worker()
+        w.take(w.ask(d, "int8", snap(0, rng)))
+        assert d.frames("int8", w.version, snap(1, rng), w.ref, link_bps=link).full is full

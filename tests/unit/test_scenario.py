@@ -171,7 +171,7 @@ def test_bad_policy_specs_fail_before_any_run(text: str, error: type, needle: st
 
 def run(policy: str, seed: int, tta: float | None, acc: float = 0.9) -> RunResult:
     return RunResult(
-        policy, "S1", seed, 0.1, tta, acc, 100.0, {"0": 0.5}, 1.0, 2.0, 10, 20, [[0.0, acc]]
+        policy, "S1", seed, 0.1, tta, acc, 100.0, {"0": 0.5}, 1.0, 2.0, 10, 20, 3, 4, [[0.0, acc]]
     )
 
 
