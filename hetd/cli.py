@@ -292,6 +292,7 @@ def _serve(args: argparse.Namespace) -> int:
         cfg = config.replace(cfg, "train", **train)
     if args.policy is not None:
         cfg = config.replace(cfg, "policy", name=args.policy, params={})
+    config.check_serving(cfg)  # before JAX is imported: a refused start is quick
     try:
         asyncio.run(serve(cfg))
     except CheckpointError as exc:

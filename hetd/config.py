@@ -54,7 +54,7 @@ class TrainConfig:
     batch_size: int = 32  # initial per-worker batch
     codec: str = "none"  # preferred codec for pushes and params
     downlink: str = "auto"  # lossy codecs' parameters: auto (by link speed), delta, full
-    shards: int = 0  # data shards; 0 = one per worker slot, at least 4
+    shards: int = 0  # data shards; 0: as many as workers present when each joins
     eval_interval_s: float = 1.0  # the daemon evaluates the global model this often
     target_accuracy: float = 0.0  # > 0: log when reached
     max_staleness_drop: int = 1000  # pushes staler than this are dropped
@@ -194,6 +194,16 @@ _RANGES: dict[tuple[str, str], tuple[float, float | None, str]] = {
 }
 
 
+def check_serving(cfg: Config) -> None:
+    """What only a daemon about to listen needs: a worker token whenever ``host`` admits other
+    machines. (An admin client reading the same file needs only the admin token.)"""
+    if not cfg.server.worker_token and not _loopback(cfg.server.host):
+        raise ConfigError(
+            f"[server] worker_token is empty while host = {cfg.server.host!r} admits other "
+            "machines: set HETD_WORKER_TOKEN (or worker_token in the file)"
+        )
+
+
 def _checked(cfg: Config) -> Config:
     for (section, key), (low, high, why) in _RANGES.items():
         value = getattr(getattr(cfg, section), key)
@@ -201,11 +211,6 @@ def _checked(cfg: Config) -> Config:
             raise ConfigError(f"[{section}] {key} = {value!r} is out of range: {why}")
     if cfg.server.worker_token and cfg.server.worker_token == cfg.server.admin_token:
         raise ConfigError("the worker token and the admin token must differ")
-    if not cfg.server.worker_token and not _loopback(cfg.server.host):
-        raise ConfigError(
-            f"[server] worker_token is empty while host = {cfg.server.host!r} admits other "
-            "machines: set HETD_WORKER_TOKEN (or worker_token in the file)"
-        )
     from hetd import codecs  # here, not at the top: codecs is heavier than a config needs
 
     try:

@@ -110,6 +110,7 @@ class Daemon:
     """
 
     def __init__(self, cfg: config_mod.Config, engine: Engine | None = None) -> None:
+        config_mod.check_serving(cfg)  # before anything is built: a refused start changes nothing
         self.cfg = cfg
         self.engine = engine or build_engine(cfg)
         store = cfg.store

@@ -263,7 +263,7 @@ def test_the_example_config_loads_and_documents_every_key(
     monkeypatch.delenv("HETD_WORKER_TOKEN", raising=False)
     monkeypatch.delenv("HETD_ADMIN_TOKEN", raising=False)
     with pytest.raises(config.ConfigError, match="HETD_WORKER_TOKEN"):
-        config.from_mapping(raw)
+        config.check_serving(config.from_mapping(raw))
     monkeypatch.setenv("HETD_WORKER_TOKEN", "w-secret")
     monkeypatch.setenv("HETD_ADMIN_TOKEN", "a-secret")
     loaded = config.from_mapping(raw)

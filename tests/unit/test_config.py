@@ -172,15 +172,19 @@ def test_a_good_codec_spec_loads() -> None:
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::"])
 def test_a_public_host_needs_a_worker_token(host: str) -> None:
+    public = config.replace(Config(), "server", host=host)  # an admin client may read it
     with pytest.raises(ConfigError, match="worker_token"):
-        config.replace(Config(), "server", host=host)
+        config.check_serving(public)  # a daemon may not listen on it
     cfg = config.replace(Config(), "server", host=host, worker_token="w", admin_token="a")
+    config.check_serving(cfg)
     assert cfg.server.host == host
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1"])
 def test_loopback_runs_without_a_worker_token(host: str) -> None:
-    assert config.replace(Config(), "server", host=host).server.worker_token == ""
+    cfg = config.replace(Config(), "server", host=host)
+    config.check_serving(cfg)
+    assert cfg.server.worker_token == ""
 
 
 def test_downlink_takes_one_of_three_modes() -> None:
