@@ -119,7 +119,8 @@ class Inbox:
         self.params: Held | None = None
         self.in_flight = 0
         self.changed = asyncio.Event()
-        self.welcomed = asyncio.Event()
+        self.joined = asyncio.Event()  # the welcome arrived: heartbeats start
+        self.welcomed = asyncio.Event()  # ... and the trainer is built
         self.profile: dict[str, Any] | None = None  # a pending ``profile`` request
         self.closed: BaseException | None = None
         self.pushes: set[int] = set()  # request ids of pushes the daemon has not answered
@@ -191,13 +192,17 @@ async def _session(http: aiohttp.ClientSession, opts: WorkerOptions, state: Work
         reader = asyncio.create_task(_read(ws, opts, state, inbox, device, hello_at))
         beat: asyncio.Task[None] | None = None
         try:
-            waiter = asyncio.create_task(inbox.welcomed.wait())
-            await asyncio.wait({reader, waiter}, return_when=asyncio.FIRST_COMPLETED)
-            waiter.cancel()
-            if reader.done():
-                reader.result()  # raises what ended it
-                raise ConnectionError("daemon closed the connection before welcome")
-            beat = asyncio.create_task(_heartbeats(ws, state.heartbeat_s))
+            # Heartbeats start with the welcome, not after the trainer is built (loading data and
+            # compiling can outlast the daemon's heartbeat timeout).
+            for event in (inbox.joined, inbox.welcomed):
+                waiter = asyncio.create_task(event.wait())
+                await asyncio.wait({reader, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                if reader.done():
+                    reader.result()  # raises what ended it
+                    raise ConnectionError("daemon closed the connection before welcome")
+                if beat is None:
+                    beat = asyncio.create_task(_heartbeats(ws, state.heartbeat_s))
             sending: asyncio.Task[None] | None = None
             idle_from = time.perf_counter()
             while not opts.max_steps or state.steps < opts.max_steps:
@@ -244,6 +249,8 @@ async def _read(
             msg = wire.decode(frame.data, opts.max_frame_bytes)
             if msg.type == "welcome":
                 state.rtt_s = time.perf_counter() - hello_at
+                state.heartbeat_s = float(msg["heartbeat_s"])
+                inbox.joined.set()
                 await asyncio.to_thread(_welcome, msg, state, device)
                 inbox.welcomed.set()
             elif msg.type == "profile":

@@ -38,9 +38,7 @@ def make_config(
         admin_port=0,
         worker_token=WORKER_TOKEN,
         admin_token=ADMIN_TOKEN,
-        heartbeat_s=0.5,
-        heartbeat_timeout_s=10.0,
-        **(server or {}),
+        **{"heartbeat_s": 0.5, "heartbeat_timeout_s": 10.0, **(server or {})},
     )
     defaults: dict[str, Any] = {"dataset": "digits", "model": "mlp", "lr": 0.2}
     cfg = config_mod.replace(cfg, "train", eval_interval_s=0.5, **{**defaults, **train})
