@@ -15,6 +15,7 @@ import secrets
 import signal
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,16 @@ async def spawn_worker(
     )
 
 
+TAIL_LINES = 20
+
+
+async def _drain(proc: asyncio.subprocess.Process, tail: deque[str]) -> None:
+    if proc.stderr is None:
+        return
+    async for line in proc.stderr:
+        tail.append(line.decode(errors="replace").rstrip())
+
+
 async def stop_processes(procs: list[asyncio.subprocess.Process], timeout: float = 5.0) -> None:
     """SIGTERM, wait, then SIGKILL what is left."""
     for p in procs:
@@ -117,6 +128,10 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
         )
         for i, s in enumerate(opts.slowdowns)
     ]
+    # Each worker's stderr is drained as it runs (a full pipe would block it) and its last lines
+    # kept, so a worker that dies can say why.
+    tails: list[deque[str]] = [deque(maxlen=TAIL_LINES) for _ in procs]
+    drains = [asyncio.create_task(_drain(p, t)) for p, t in zip(procs, tails, strict=True)]
     t0 = time.monotonic()
     first_push: float | None = None
     reached: float | None = None
@@ -138,11 +153,18 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
                 break
             dead = [p for p in procs if p.returncode is not None]
             if len(dead) == len(procs):
-                raise RuntimeError("every worker process exited; see their errors above")
+                await asyncio.gather(*drains, return_exceptions=True)  # their last words
+                said = "\n".join(
+                    f"--- worker {i} (exit {p.returncode}):\n" + "\n".join(t)
+                    for i, (p, t) in enumerate(zip(procs, tails, strict=True))
+                )
+                raise RuntimeError(f"every worker process exited:\n{said}")
     finally:
         bar.close()
         workers = engine.workers()
         await stop_processes(procs)
+        for task in drains:
+            task.cancel()
         elapsed = time.monotonic() - t0
         evaluate = engine.evaluator
         assert evaluate is not None  # build_engine always sets one
