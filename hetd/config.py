@@ -54,7 +54,7 @@ class TrainConfig:
     batch_size: int = 32  # initial per-worker batch
     codec: str = "none"  # preferred codec for pushes and params
     downlink: str = "auto"  # lossy codecs' parameters: auto (by link speed), delta, full
-    shards: int = 0  # data shards; 0: as many as workers present when each joins
+    shards: int = 0  # data shards; 0 = one per worker slot, at least 4 (set it below 4 workers)
     eval_interval_s: float = 1.0  # the daemon evaluates the global model this often
     target_accuracy: float = 0.0  # > 0: log when reached
     max_staleness_drop: int = 1000  # pushes staler than this are dropped

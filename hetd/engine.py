@@ -105,7 +105,7 @@ class EngineConfig:
     tick_s: float = 0.25
     eval_interval_s: float = 1.0
     max_staleness: int = 1000
-    shards: int = 0  # 0: the workers present when each one joins (the first gets every sample)
+    shards: int = 0  # 0: max(4, workers present), fixed per worker at its join
     profile_steps: int = 3  # steps a joining worker times for its profile (0: no profile)
     eval_inline: bool = False  # evaluate inside tick() (the simulator: virtual time, no threads)
     welcome: Mapping[str, Any] = field(default_factory=dict)  # model/dataset/train for the welcome
@@ -359,9 +359,10 @@ class Engine:
         self.peers[wid] = peer
         if same_host:
             self._same_host.add(wid)
-        # Automatic shards never leave data unused: the first worker trains on every sample, the
-        # k-th to join on its slot's 1/k (shares overlap until the cluster is complete).
-        shards = self.config.shards or max(1, len(self.facts))
+        # Automatic shards are disjoint for up to 4 workers (fewer workers leave some data unused:
+        # set [train] shards to their number). Overlapping shares (the first worker on everything,
+        # the k-th on 1/k) covered all data but trained the 4-worker demo ~30 % slower.
+        shards = self.config.shards or max(4, len(self.facts))
         peer.send(
             wire.encode(
                 "welcome",
