@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # python -m workers.cli: the malloc settings of hetd-worker too
-    from hetd.launch import ensure_malloc_env
+    from hetd.launch import prepare_process
 
-    ensure_malloc_env()
+    prepare_process()
     sys.exit(main())

@@ -56,6 +56,7 @@ def test_a_tiny_run_writes_system_json_in_its_schema_and_a_table(tmp_path: Path)
     assert doc["engine_latency"]["connected"] == 12
     assert 0 < doc["engine_latency"]["p50_ms"] <= doc["engine_latency"]["p99_ms"]
     assert doc["startup"]["workers"] == 1 and doc["startup"]["seconds_to_first_update"] > 0
+    assert doc["startup"]["cold_seconds_to_first_update"] > 0  # a first start, empty cache
     md = (out / "system.md").read_text()
     assert "| 199,010 | int8 | 1 |" in md and "Engine latency" in md and "Start-up" in md
 
