@@ -101,16 +101,21 @@ class Cluster:
 
 @pytest.fixture
 async def cluster() -> AsyncIterator[Callable[..., Awaitable[Cluster]]]:
-    """``await cluster(policy, params)`` starts a daemon; everything is stopped at the end."""
+    """``await cluster(policy, params, server={...}, store={...}, **train)`` starts a daemon;
+    everything is stopped at the end."""
     made: list[Cluster] = []
 
     async def make(
         policy: str,
         params: dict[str, Any] | None = None,
         server: dict[str, Any] | None = None,
+        store: dict[str, Any] | None = None,
         **train: Any,
     ) -> Cluster:
-        daemon = Daemon(make_config(policy, params, server, **train))
+        cfg = make_config(policy, params, server, **train)
+        if store:
+            cfg = config_mod.replace(cfg, "store", **store)
+        daemon = Daemon(cfg)
         port = await daemon.start()
         c = Cluster(daemon, f"ws://127.0.0.1:{port}")
         made.append(c)

@@ -5,24 +5,21 @@ checkpoint timer writing and pruning files on its own while a real worker trains
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import re
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
 import pytest
 
 from hetd import checkpoint
-from hetd import config as config_mod
-from hetd.daemon import Daemon
 from hetd.demo import stop_processes
 from policies.base import policy_names
-from tests.integration.conftest import ADMIN_TOKEN, WORKER_TOKEN, Cluster, make_config
+from tests.integration.conftest import ADMIN_TOKEN, WORKER_TOKEN, Cluster
 
 pytestmark = pytest.mark.slow
 
@@ -77,30 +74,16 @@ async def healthz(c: Cluster) -> dict[str, object]:
 
 
 @pytest.fixture
-async def stored(tmp_path: Path) -> AsyncIterator[MakeStored]:
+def stored(cluster, tmp_path: Path) -> MakeStored:  # type: ignore[no-untyped-def]
     """``await stored(interval_s=..., keep=...)``: a daemon (policy asp) checkpointing into
-    ``tmp_path / "state"``; it and its workers are stopped at the end."""
-    made: list[Cluster] = []
+    ``tmp_path / "state"`` (the ``cluster`` fixture stops it and its workers)."""
 
     async def make(interval_s: float, keep: int) -> Cluster:
-        cfg = config_mod.replace(
-            make_config("asp"),
-            "store",
-            dir=str(tmp_path / "state"),
-            interval_s=interval_s,
-            keep=keep,
-        )
-        daemon = Daemon(cfg)
-        port = await daemon.start()
-        c = Cluster(daemon, f"ws://127.0.0.1:{port}")
-        made.append(c)
+        store = {"dir": str(tmp_path / "state"), "interval_s": interval_s, "keep": keep}
+        c: Cluster = await cluster("asp", store=store)
         return c
 
-    yield make
-    for c in made:
-        await stop_processes(c.procs)
-        with contextlib.suppress(Exception):
-            await c.daemon.stop()
+    return make
 
 
 async def test_policy_get_shows_the_running_policy_and_a_wrong_token_is_refused(  # type: ignore[no-untyped-def]
