@@ -290,7 +290,13 @@ class Engine:
             else:
                 frames = self._encode_releases(wants)
         except Exception:
-            log.exception("publishing parameters failed")
+            # Nothing to send: rather than leave the released workers waiting for parameters,
+            # drop their sessions; they reconnect as themselves and get parameters in full.
+            log.exception("publishing parameters failed; dropping %d session(s)", len(wants))
+            for wid, *_ in wants:
+                peer = self.peers.get(wid)
+                if peer is not None:
+                    peer.close("the daemon could not encode parameters for this worker; reconnect")
             return
         for wid, *_ in wants:
             self._send_params(wid, frames[wid])

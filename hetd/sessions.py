@@ -259,6 +259,7 @@ async def handle(
                     )
                 )
     finally:
+        reason = outbox.closing or reason  # the daemon's own reason, when it closed first
         if wid is not None:
             engine.submit(partial(engine.leave, wid, reason))
         outbox.close(reason)

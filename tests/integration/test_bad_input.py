@@ -177,3 +177,33 @@ async def test_refused_pushes_do_not_stall_bsp(cluster) -> None:  # type: ignore
     assert bad.stderr is not None
     log = (await bad.stderr.read()).decode()
     assert "daemon error not_finite" in log, log[-2000:]
+
+
+async def test_a_publish_that_cannot_be_encoded_drops_the_session_not_the_worker(cluster) -> None:  # type: ignore[no-untyped-def]
+    """Fault injection: encoding one publish raises. The released worker is not left waiting for
+    parameters that never come: its session is dropped with a reason, it reconnects as itself and
+    gets parameters in full, and training goes on."""
+    c = await cluster("asp")
+    await c.spawn(1.0, 0.01)
+    await c.wait_for(lambda: c.engine.store.version >= 10, 60, "10 updates")
+    downlink = c.engine.downlink
+    real = downlink.frames
+    failures = []
+
+    def flaky(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("injected encoding failure")
+        return real(*args, **kwargs)
+
+    downlink.frames = flaky  # type: ignore[method-assign]
+    await c.wait_for(lambda: bool(c.engine.departures), 30, "the session to be dropped")
+    wid = c.engine.departures[-1][1]
+    assert "could not encode parameters" in c.engine.departures[-1][2]
+    version = c.engine.store.version
+    await c.wait_for(
+        lambda: wid in c.engine.facts and c.engine.store.version >= version + 10,
+        60,
+        "the worker back as itself and 10 more updates",
+    )
+    assert len(c.engine.departures) == 1
