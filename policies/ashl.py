@@ -55,6 +55,11 @@ class AshlConfig:
     trim: float = 0.2  # fraction of profile samples dropped at each end
     comm_factor: float = 1.0  # multiplies u_i, d_i (the code uses 6, undocumented) [D]
     k_coarse: int = 8  # k_c: the slowest worker's local steps in AHL
+    # [D] Local steps pay for communication: k_c shrinks with the profiled communication time per
+    # step, k_c * min(1, max_i (u_i + d_i) / c_i / comm_ref), at least 1. With communication as long
+    # as a step or longer (the paper's setting) this is the paper's k_c; on a fast link it avoids
+    # local SGD's statistical cost for nothing. None: k_c as configured.
+    comm_ref: float | None = 1.0
     k_fine: int = 2  # k_f: the slowest worker's local steps in SHL
     topk: float = 0.25  # rho: the slowest worker's SHL keep ratio [D: the code's default is 1.0]
     max_local_steps: int = 10_000  # guard on H [D]
@@ -93,6 +98,12 @@ class AshlConfig:
             v = getattr(self, name)
             if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        if self.comm_ref is not None and not (
+            isinstance(self.comm_ref, int | float)
+            and math.isfinite(self.comm_ref)
+            and self.comm_ref > 0
+        ):
+            raise ValueError(f"comm_ref must be a finite number > 0 or None, got {self.comm_ref!r}")
         if self.switch_loss is not None and not math.isfinite(self.switch_loss):
             raise ValueError(f"switch_loss must be finite or None, got {self.switch_loss!r}")
         if self.profile_weight is not None and not self.profile_weight > 0:
@@ -115,6 +126,14 @@ class WorkerPlan:
     share: float  # p_i: fraction of the training set, and the aggregation weight
     rho: float  # SHL top-k keep ratio
     offset: float  # where its data range starts in [0, 1) (workers in id order)
+
+
+def coarse_steps(c: Mapping[int, float], full: Mapping[int, float], cfg: AshlConfig) -> int:
+    """AHL's ``k_c`` after the [D] communication scaling (see :class:`AshlConfig`)."""
+    if cfg.comm_ref is None:
+        return cfg.k_coarse
+    ratio = max((full[w] / c[w] if c[w] > 0 else math.inf) for w in c)
+    return max(1, min(cfg.k_coarse, round(cfg.k_coarse * ratio / cfg.comm_ref)))
 
 
 def plan_workers(
@@ -141,7 +160,7 @@ def plan_workers(
         p = max(k * c[w] + comm[w] for w in ws)
         return {w: min(cfg.max_local_steps, max(1, round((p - comm[w]) / c[w]))) for w in ws}
 
-    hc, hf = h(cfg.k_coarse, full), h(cfg.k_fine, cmp)
+    hc, hf = h(coarse_steps(c, full, cfg), full), h(cfg.k_fine, cmp)
     total = sum(hf.values())
     t_star = max(c[w] * hf[w] + cmp[w] for w in ws)
     out: dict[int, WorkerPlan] = {}

@@ -54,6 +54,13 @@ from policies.profiling import Profile
 
 # --- the planner -------------------------------------------------------------------------------------
 
+
+def ashl_fixed(params: dict[str, Any] | None = None) -> Policy:
+    """ASHL with the paper's fixed k_c (no communication scaling), so the stage tests below do not
+    depend on the [D] rule, which has its own test."""
+    return make_policy("ashl", {"comm_ref": None, **(params or {})})
+
+
 P = Profile  # Profile(sample_s, push_s, pull_s, compress_s)
 
 # (label, profiles, batches, config, Hc, Hf, p, rho) — worked by hand from §10's formulas.
@@ -139,7 +146,7 @@ def test_planner(
     share: tuple[float, ...],
     rho: tuple[float, ...],
 ) -> None:
-    plans = plan_workers(profiles, batches, AshlConfig(**params))
+    plans = plan_workers(profiles, batches, AshlConfig(**{"comm_ref": None, **params}))
     ws = sorted(profiles)
     assert tuple(plans[w].hc for w in ws) == hc
     assert tuple(plans[w].hf for w in ws) == hf
@@ -147,6 +154,20 @@ def test_planner(
     assert tuple(plans[w].rho for w in ws) == pytest.approx(rho)
     offsets = [sum(share[:i]) for i in range(len(ws))]
     assert [plans[w].offset for w in ws] == pytest.approx(offsets)
+
+
+@pytest.mark.parametrize(
+    ("comm_s", "k_c"),
+    [(0.0, 1), (0.002, 2), (0.005, 4), (0.01, 8), (0.05, 8)],  # per step of 0.01 s
+)
+def test_coarse_steps_shrink_with_cheap_communication(comm_s: float, k_c: int) -> None:
+    """k_c = 8 where a push + pull takes a step or more (the paper's setting); fewer local steps
+    where communication is cheap, down to 1 (plain asynchronous SGD) when it is free."""
+    profiles = {1: P(0.01, comm_s / 2, comm_s / 2), 2: P(0.04, comm_s / 2, comm_s / 2)}
+    plans = plan_workers(profiles, {1: 1, 2: 1}, AshlConfig())
+    assert plans[2].hc == k_c  # the slowest worker does k_c steps
+    assert plans[1].hc == pytest.approx(4 * k_c, abs=1)  # 4x faster: about 4x the steps
+    assert plan_workers(profiles, {1: 1, 2: 1}, AshlConfig(comm_ref=None))[2].hc == 8
 
 
 # --- lr schedule and the switch ----------------------------------------------------------------------
@@ -272,14 +293,14 @@ def replanned(decisions: Sequence[Decision]) -> dict[int, Mapping[str, Any]]:
 
 
 def test_first_join_announces_the_profile_stage() -> None:
-    c = Cluster(make_policy("ashl"))
+    c = Cluster(ashl_fixed())
     assert c.step(Join(0.0, 1)) == [SetStage(PROFILE), SetPlan(1, PROFILE_FIELDS), Release(1)]
     assert c.step(Join(0.1, 2)) == [SetPlan(2, PROFILE_FIELDS), Release(2)]
     assert c.push(1) == [Apply(0.5), Release(1)]  # ASP weight 1/N, never held
 
 
 def test_profile_stage_ends_when_every_worker_has_a_profile() -> None:
-    c = Cluster(make_policy("ashl"))
+    c = Cluster(ashl_fixed())
     for w in (1, 2):
         c.step(Join(0.0, w))
     for _ in range(4):
@@ -296,7 +317,7 @@ def test_profile_stage_ends_when_every_worker_has_a_profile() -> None:
 
 
 def test_ahl_applies_with_p_and_never_holds() -> None:
-    c = profiled(make_policy("ashl"), {1: 0.004, 2: 0.002})
+    c = profiled(ashl_fixed(), {1: 0.004, 2: 0.002})
     c.push(2, 0.002)
     c.push(2, 0.002)
     out = c.push(1, 0.004)
@@ -306,7 +327,7 @@ def test_ahl_applies_with_p_and_never_holds() -> None:
 
 def loss_run(series: Sequence[float], **params: Any) -> tuple[Cluster, list[int]]:
     """Evaluations of ``series`` in AHL; the indices at which SetStage(SHL) came."""
-    c = profiled(make_policy("ashl", params), {1: 0.004, 2: 0.002})
+    c = profiled(ashl_fixed(params), {1: 0.004, 2: 0.002})
     switched = []
     for i, loss in enumerate(series):
         if SetStage(SHL) in c.step(Eval(c.now + 1.0, loss, 0.5)):
@@ -341,7 +362,7 @@ def test_stage_switch_on_scripted_losses(
 
 
 def test_shl_plans_topk_rho_and_resets_lr() -> None:
-    c = profiled(make_policy("ashl"), {1: 0.004, 2: 0.002}, link=(1e4, 1e6))  # u = d = 0.01 s
+    c = profiled(ashl_fixed(), {1: 0.004, 2: 0.002}, link=(1e4, 1e6))  # u = d = 0.01 s
     out = c.step(Eval(c.now + 1, 0.1, 0.9))
     assert SetStage(SHL) in out
     plans = sets(out)
@@ -349,13 +370,13 @@ def test_shl_plans_topk_rho_and_resets_lr() -> None:
     assert 0.25 <= plans[2]["topk"] <= 1.0
     assert plans[1]["local_steps"] == 2 and plans[1]["lr_scale"] == 3.0
     assert plans[1]["staleness_bound"] == 3
-    free = profiled(make_policy("ashl"), {1: 0.004, 2: 0.002})  # no link facts: comm is free
+    free = profiled(ashl_fixed(), {1: 0.004, 2: 0.002})  # no link facts: comm is free
     plans = sets(free.step(Eval(free.now + 1, 0.1, 0.9)))
     assert plans[2]["topk"] == 1.0 and plans[2]["codec"] == "none"  # a dense push, sent plainly
 
 
 def in_shl(commits: Mapping[int, int]) -> Cluster:
-    c = profiled(make_policy("ashl", {"staleness": 1}), dict.fromkeys(commits, 0.001))
+    c = profiled(ashl_fixed({"staleness": 1}), dict.fromkeys(commits, 0.001))
     c.step(Eval(c.now + 1, 0.1, 0.9))
     c.state = dataclasses.replace(c.state, commits=dict(commits))
     return c
@@ -376,7 +397,7 @@ def test_shl_gate_table() -> None:
 
 
 def test_join_profiles_the_newcomer_then_replans_everyone() -> None:
-    c = profiled(make_policy("ashl"), {1: 0.004, 2: 0.002})
+    c = profiled(ashl_fixed(), {1: 0.004, 2: 0.002})
     out = c.step(Join(c.now, 3))
     assert sets(out) == {3: PROFILE_FIELDS} and Release(3) in out
     for _ in range(4):
@@ -389,14 +410,14 @@ def test_join_profiles_the_newcomer_then_replans_everyone() -> None:
 
 
 def test_leave_replans_the_rest() -> None:
-    c = profiled(make_policy("ashl"), {1: 0.004, 2: 0.002, 3: 0.001})
+    c = profiled(ashl_fixed(), {1: 0.004, 2: 0.002, 3: 0.001})
     out = c.step(Leave(c.now, 1))  # the slowest leaves: the others need fewer steps
     assert {w: f["local_steps"] for w, f in sets(out).items()} == {2: 8, 3: 16}
     assert c.state.replans[-1][1] == "left 1"
 
 
 def test_drift_replans_and_noise_does_not() -> None:
-    c = profiled(make_policy("ashl"), {1: 0.004, 2: 0.002})
+    c = profiled(ashl_fixed(), {1: 0.004, 2: 0.002})
     for i in range(40):
         assert not replanned(c.push(1, 0.004 * (1.1 if i % 2 else 0.9)))  # 10 % noise
     assert len(c.state.replans) == 1  # only "profile done"
@@ -407,7 +428,7 @@ def test_drift_replans_and_noise_does_not() -> None:
 
 
 def test_describe_state() -> None:
-    c = profiled(make_policy("ashl"), {1: 0.004, 2: 0.002})
+    c = profiled(ashl_fixed(), {1: 0.004, 2: 0.002})
     d = describe_state(c.state)
     assert d["stage"] == AHL and [t["stage"] for t in d["transitions"]] == [PROFILE, AHL]
     rows = {r["worker"]: r for r in d["workers"]}
@@ -417,7 +438,7 @@ def test_describe_state() -> None:
 
 
 def test_hot_swap_uses_the_engine_ewma_and_announces_plans() -> None:
-    policy = make_policy("ashl")
+    policy = ashl_fixed()
     facts = {
         w: WorkerFacts(w, "x", 9, 0, w == 1, 0.0, sample_s=s) for w, s in ((1, 0.004), (2, 0.002))
     }
@@ -437,11 +458,12 @@ def test_hot_swap_uses_the_engine_ewma_and_announces_plans() -> None:
         ({"profile_pushes": 0}, "profile_pushes"),
         ({"shl_lr_scale": math.inf}, "shl_lr_scale"),
         ({"bogus": 1}, "bogus"),
+        ({"comm_ref": 0}, "comm_ref"),
     ],
 )
 def test_bad_params_raise(params: dict[str, Any], word: str) -> None:
     with pytest.raises(PolicyError, match=word):
-        make_policy("ashl", params)
+        ashl_fixed(params)
 
 
 # --- a scripted run through every stage ----------------------------------------------------------------
@@ -531,7 +553,7 @@ SPEEDS = {1: 0.004, 2: 0.002, 3: 0.001}  # speeds 1, 2, 4
 
 
 def test_scripted_run_through_every_stage() -> None:
-    run = Run(make_policy("ashl"), SPEEDS, loss=lambda n: 2.0 * 0.99**n, eval_s=1.0, comm_s=0.01)
+    run = Run(ashl_fixed(), SPEEDS, loss=lambda n: 2.0 * 0.99**n, eval_s=1.0, comm_s=0.01)
     run.go(600)
     st = run.c.state
     assert [s for s, _ in st.transitions] == [PROFILE, AHL, SHL]
@@ -550,7 +572,7 @@ def test_scripted_run_through_every_stage() -> None:
 
 def test_scripted_run_with_a_plateau_and_a_drift() -> None:
     speeds = dict(SPEEDS)
-    run = Run(make_policy("ashl"), speeds, loss=lambda n: max(0.8, 2.0 * 0.99**n), eval_s=0.5)
+    run = Run(ashl_fixed(), speeds, loss=lambda n: max(0.8, 2.0 * 0.99**n), eval_s=0.5)
     run.go(150)
     speeds[3] = 0.002  # the fast worker halves its speed
     run.sample_s = speeds
@@ -597,4 +619,4 @@ def fuzz(policy: Policy, ops: list[tuple[Any, ...]]) -> None:
 @settings(max_examples=150, deadline=None, database=None)
 @given(st.lists(_op, max_size=60))
 def test_ashl_fuzz(ops: list[tuple[Any, ...]]) -> None:
-    fuzz(make_policy("ashl", {"profile_pushes": 2, "plateau_evals": 2}), ops)
+    fuzz(ashl_fixed({"profile_pushes": 2, "plateau_evals": 2}), ops)
