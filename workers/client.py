@@ -258,6 +258,9 @@ async def _read(
             elif msg.type == "plan":
                 state.plan.update(msg["plan"])
             elif msg.type == "params":
+                delay = opts.emulation.transfer_seconds(len(frame.data))
+                if delay:  # the emulated link carries parameters too, as the simulator charges
+                    await asyncio.sleep(delay)
                 held = await asyncio.to_thread(apply_params, inbox.params, msg)
                 if held is None:  # a delta against parameters we do not hold: ask for all
                     await ws.send_bytes(wire.encode("pull", 0, have=None))

@@ -124,3 +124,18 @@ async def test_a_users_own_model_plugs_in_on_both_sides(cluster) -> None:  # typ
     assert len(c.engine.store.shapes) == 2
     assert c.engine.store.n_params == 64 * 10 + 10
     assert all(row["dropped"] == 0 for row in c.engine.workers())
+
+
+async def test_an_emulated_link_carries_parameters_too(cluster) -> None:  # type: ignore[no-untyped-def]
+    """``--emulate-bandwidth`` charges both directions, as the simulator does: with a link that
+    needs ~0.15 s per float32 copy of the model, a round (push + parameters back) takes at least
+    twice that. Slowness cannot fail this bound; a pull that skipped the link would."""
+    c = await cluster("asp")
+    nbytes = 4 * c.engine.store.n_params
+    rate = nbytes / 0.15  # bytes/s: 0.15 s per copy
+    await c.spawn(1.0, 0.001, "--emulate-bandwidth", str(int(rate)))
+    await c.wait_for(lambda: c.engine.store.version >= 2, 60, "2 updates")
+    start, v0 = time.monotonic(), c.engine.store.version
+    await c.wait_for(lambda: c.engine.store.version >= v0 + 6, 60, "6 more updates")
+    per_round = (time.monotonic() - start) / (c.engine.store.version - v0)
+    assert per_round >= 2 * 0.15 * 0.9, per_round
