@@ -64,7 +64,10 @@ def parser() -> argparse.ArgumentParser:
         "before the slow-down applies",
     )
     p.add_argument(
-        "--emulate-bandwidth", default=None, metavar="RATE", help="cap the link, e.g. 20MB/s"
+        "--emulate-bandwidth",
+        default=None,
+        metavar="RATE",
+        help="cap the link both ways (pushes and parameters), e.g. 20MB/s",
     )
     p.add_argument(
         "--emulate-stragglers",
