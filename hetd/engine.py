@@ -633,7 +633,7 @@ class Engine:
             facts.version,
             self.store.snapshot(),
             self._held_refs.get(wid),
-            facts.link_bps,
+            self._link(wid),
         )
         self._send_params(wid, release)
 

@@ -100,6 +100,18 @@ def test_a_lossy_codec_shrinks_the_bytes_and_the_time_charged() -> None:
     assert run_sim(topk, PolicySpec("asp")).result.final_accuracy > 0.5  # error feedback works
 
 
+def test_the_downlink_mode_decides_what_parameters_travel_as() -> None:
+    """``downlink = "full"`` sends float32 parameters whatever the link; ``"delta"`` sends int8
+    deltas even on a link fast enough for ``auto`` to prefer full frames."""
+    fast = [{"slowdown": 1.0, "bandwidth": 1e12, "count": 2}]
+    per_pull = {}
+    for mode in ("full", "delta"):
+        sc = digits_s1(budget_s=0.5, workers=fast, codec="int8", downlink=mode)
+        r = run_sim(sc, PolicySpec("asp")).result
+        per_pull[mode] = r.bytes_down / r.releases
+    assert per_pull["delta"] < 0.4 * per_pull["full"], per_pull
+
+
 # --- the policy contract, checked on the events the simulated engine produced ----------------------
 
 RECORDED: list[tuple[Event, ClusterView, Sequence[Decision]]] = []
