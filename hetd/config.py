@@ -9,6 +9,7 @@ example of every key. An unknown section or key, a value of the wrong type or ou
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import tomllib
 from collections.abc import Mapping
@@ -170,7 +171,7 @@ def with_env(cfg: Config) -> Config:
     return _checked(dataclasses.replace(cfg, server=server))
 
 
-DOWNLINK_MODES = ("auto", "delta", "full")
+DOWNLINK_MODES = ("auto", "delta", "full")  # [train] downlink and the scenario key
 
 # Allowed ranges, checked after the types: (section, key) -> (lowest, highest or None, why).
 _RANGES: dict[tuple[str, str], tuple[float, float | None, str]] = {
@@ -197,7 +198,7 @@ _RANGES: dict[tuple[str, str], tuple[float, float | None, str]] = {
 def check_serving(cfg: Config) -> None:
     """What only a daemon about to listen needs: a worker token whenever ``host`` admits other
     machines. (An admin client reading the same file needs only the admin token.)"""
-    if not cfg.server.worker_token and not _loopback(cfg.server.host):
+    if not cfg.server.worker_token and not is_loopback(cfg.server.host):
         raise ConfigError(
             f"[server] worker_token is empty while host = {cfg.server.host!r} admits other "
             "machines: set HETD_WORKER_TOKEN (or worker_token in the file)"
@@ -224,9 +225,15 @@ def _checked(cfg: Config) -> Config:
     return cfg
 
 
-def _loopback(host: str) -> bool:
-    """Whether ``host`` only accepts connections from this machine."""
-    return host in ("localhost", "::1") or host.startswith("127.")
+def is_loopback(host: str | None) -> bool:
+    """Whether ``host`` (a name or an address) is this machine only: ``localhost``, 127.0.0.0/8,
+    ``::1``. Used for the address a daemon listens on and for the address a worker came from."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host or "").is_loopback
+    except ValueError:
+        return False
 
 
 def replace(cfg: Config, section: str, **values: Any) -> Config:

@@ -20,6 +20,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from hetd.config import DOWNLINK_MODES
+
 INF = math.inf
 
 
@@ -165,8 +167,8 @@ _TOP: dict[str, tuple[Check, str, Check, str]] = {
     "downlink": (
         lambda v: isinstance(v, str),
         "string",
-        lambda v: v in ("auto", "delta", "full"),
-        "one of auto, delta, full",
+        lambda v: v in DOWNLINK_MODES,
+        f"one of {', '.join(DOWNLINK_MODES)}",
     ),
     "workers": (
         lambda v: isinstance(v, list),

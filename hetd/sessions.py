@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import ipaddress
 import logging
 import time
 from collections import deque
@@ -31,6 +30,7 @@ from hetd.codec_wire import (
     read_shape,
     size_of,
 )
+from hetd.config import is_loopback
 from hetd.engine import Engine, PushIn
 from hetd.store import Int8, Update
 
@@ -46,14 +46,6 @@ def authorized(request: web.Request, token: str) -> bool:
         return True
     got = request.headers.get("Authorization", "")
     return hmac.compare_digest(got.encode(), f"Bearer {token}".encode())
-
-
-def _loopback(request: web.Request) -> bool:
-    """The worker connected from this host (127.0.0.0/8, ::1)."""
-    try:
-        return ipaddress.ip_address(request.remote or "").is_loopback
-    except ValueError:
-        return False
 
 
 class Outbox:
@@ -235,7 +227,9 @@ async def handle(
                     outbox.send(wire.error_frame("no_hello", "send hello first", msg.id))
                     continue
                 try:
-                    wid = await engine.call(partial(engine.join, msg, outbox, _loopback(request)))
+                    wid = await engine.call(
+                        partial(engine.join, msg, outbox, is_loopback(request.remote))
+                    )
                 except codecs.CodecError as exc:
                     outbox.send(wire.error_frame("no_codec", str(exc), msg.id))
                     reason = "no usable codec"

@@ -192,3 +192,21 @@ def test_downlink_takes_one_of_three_modes() -> None:
         assert config.replace(Config(), "train", downlink=mode).train.downlink == mode
     with pytest.raises(ConfigError, match=r"\[train\] downlink = 'fast': one of auto, delta, full"):
         config.replace(Config(), "train", downlink="fast")
+
+
+@pytest.mark.parametrize(
+    ("host", "local"),
+    [
+        ("127.0.0.1", True),
+        ("127.5.0.9", True),
+        ("localhost", True),
+        ("::1", True),
+        ("0.0.0.0", False),
+        ("10.1.2.3", False),
+        ("::", False),
+        ("head.example", False),
+        (None, False),
+    ],
+)
+def test_is_loopback_for_listen_hosts_and_peer_addresses(host: str | None, local: bool) -> None:
+    assert config.is_loopback(host) is local
