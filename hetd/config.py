@@ -72,7 +72,7 @@ class PolicyConfig:
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """Checkpoints (see :mod:`hetd.checkpoint`)."""
+    """Checkpoints (see :mod:`hetd.server.checkpoint`)."""
 
     dir: str = ""  # empty: no checkpoints; systemd: /var/lib/hetd (StateDirectory=hetd)
     interval_s: float = (
@@ -212,7 +212,8 @@ def _checked(cfg: Config) -> Config:
             raise ConfigError(f"[{section}] {key} = {value!r} is out of range: {why}")
     if cfg.server.worker_token and cfg.server.worker_token == cfg.server.admin_token:
         raise ConfigError("the worker token and the admin token must differ")
-    from hetd import codecs  # here, not at the top: codecs is heavier than a config needs
+    # here, not at the top: codecs is heavier than a config needs
+    from hetd.codecs import registry as codecs
 
     try:
         codecs.from_spec(cfg.train.codec)

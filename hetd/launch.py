@@ -8,7 +8,7 @@ at 32 MiB, below a 10M-parameter frame). Fresh memory is slow on these machines 
 messages move 2–10x faster. So when a variable is missing, the entry point re-executes the same
 command line (``execve``: same PID, so systemd's ``Type=notify`` is unaffected) with it set. A value
 the user set is kept; ``HETD_MALLOC_ENV=0`` turns the re-exec off. Only the console scripts and
-``python -m hetd`` do this — calling ``hetd.cli.main(argv)`` from Python never re-executes.
+``python -m hetd`` do this — calling ``hetd.cli.main.main(argv)`` from Python never re-executes.
 
 They also point JAX's persistent compilation cache at a directory of ours (``$CACHE_DIRECTORY``
 under systemd's ``CacheDirectory=``, else ``$XDG_CACHE_HOME/hetd/jax`` or ``~/.cache/hetd/jax``),
@@ -77,9 +77,9 @@ def prepare_process() -> None:
 
 
 def hetd_main() -> int:
-    """``hetd``: the daemon's command line (:func:`hetd.cli.main`)."""
+    """``hetd``: the daemon's command line (:func:`hetd.cli.main.main`)."""
     prepare_process()
-    from hetd.cli import main
+    from hetd.cli.main import main
 
     return main()
 

@@ -155,8 +155,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m workers.cli: the malloc settings of hetd-worker too
-    from hetd.launch import prepare_process
-
-    prepare_process()
+if __name__ == "__main__":  # python -m workers.cli: the environment comes from the parent
+    # (a spawning ``hetd`` process set the malloc and JAX cache variables; ``hetd-worker`` sets them)
     sys.exit(main())

@@ -16,8 +16,9 @@ import aiohttp
 import jax
 import numpy as np
 
-from hetd import codecs, wire
-from hetd.feedback import ErrorFeedback, encode_with_feedback
+from hetd.codecs import registry as codecs
+from hetd.codecs.feedback import ErrorFeedback, encode_with_feedback
+from hetd.protocol import wire
 from workers.emulate import Emulation
 from workers.loop import Trainer, device_info, host_free_memory
 

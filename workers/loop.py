@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetd.data import BatchSampler, load_dataset, shard_indices
-from hetd.models import get_model
+from hetd.zoo.data import BatchSampler, load_dataset, shard_indices
+from hetd.zoo.models import get_model
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from hetd import config as config_mod
-from hetd.daemon import Daemon
-from hetd.demo import stop_processes, worker_env
+from hetd.local.demo import stop_processes, worker_env
+from hetd.server.daemon import Daemon
 
 WORKER_TOKEN = "worker-secret-for-tests"
 ADMIN_TOKEN = "admin-secret-for-tests"

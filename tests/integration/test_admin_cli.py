@@ -16,8 +16,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from hetd import checkpoint
-from hetd.demo import stop_processes
+from hetd.local.demo import stop_processes
+from hetd.server import checkpoint
 from policies.base import policy_names
 from tests.integration.conftest import ADMIN_TOKEN, WORKER_TOKEN, Cluster
 

@@ -9,8 +9,9 @@ import msgpack
 import numpy as np
 import pytest
 
-from hetd import codecs, wire
-from hetd.demo import stop_processes
+from hetd.codecs import registry as codecs
+from hetd.local.demo import stop_processes
+from hetd.protocol import wire
 from tests.integration.conftest import WORKER_TOKEN
 
 AUTH = {"Authorization": f"Bearer {WORKER_TOKEN}"}

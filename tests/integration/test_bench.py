@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from hetd.bench_cli import main
-from hetd.results import RUN_KEYS, SUMMARY_KEYS, check_results
+from hetd.cli.bench import main
+from hetd.sim.results import RUN_KEYS, SUMMARY_KEYS, check_results
 
 TINY = """
 name = "tiny"

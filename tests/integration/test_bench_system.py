@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from hetd.bench_cli import main
-from hetd.bench_system import (
+from hetd.bench.system import (
     SystemOptions,
     check_system,
     hetd_cell,
     make_daemon,
     synthetic_shapes,
 )
-from hetd.bench_system_peers import PeerPool
-from hetd.metrics import Metrics
+from hetd.bench.system_peers import PeerPool
+from hetd.cli.bench import main
+from hetd.server.metrics import Metrics
 
 
 def test_a_tiny_run_writes_system_json_in_its_schema_and_a_table(tmp_path: Path) -> None:

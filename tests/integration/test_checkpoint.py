@@ -21,8 +21,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from hetd import checkpoint
-from hetd.demo import stop_processes, worker_env
+from hetd.local.demo import stop_processes, worker_env
+from hetd.server import checkpoint
 from tests.integration.conftest import ADMIN_TOKEN, WORKER_TOKEN
 
 pytestmark = pytest.mark.slow

@@ -3,7 +3,7 @@ real subprocess (no daemon in this test's process), checked by the files it leav
 
 * ``hetd demo`` on ``digits``: a real daemon and four real ``hetd-worker`` processes reach the
   target and write ``summary.json`` and ``accuracy.png``.
-* ``hetd bench --suite codecs``: every codec spec of :mod:`hetd.bench_codecs` measured against
+* ``hetd bench --suite codecs``: every codec spec of :mod:`hetd.bench.codec_speed` measured against
   memcpy, written to ``codecs.json`` (the CLI path has no size options; it takes ≈ 6 s here).
 """
 
@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from hetd import bench_codecs, codecs
+from hetd.bench import codec_speed as bench_codecs
+from hetd.codecs import registry as codecs
 
 pytestmark = pytest.mark.slow
 
@@ -193,7 +194,7 @@ def test_bench_codecs_suite_writes_every_codec(tmp_path: Path) -> None:
 
 async def test_a_demo_whose_workers_all_die_says_why(tmp_path: Path) -> None:
     """The workers' own error messages reach the user, not just "they exited"."""
-    from hetd.demo import DemoOptions, run_demo
+    from hetd.local.demo import DemoOptions, run_demo
 
     opts = DemoOptions(
         dataset="digits", slowdowns=(1.0, 2.0), base_step_s=-1.0, budget_s=60.0, quiet=True

@@ -16,8 +16,8 @@ import time
 import pytest
 
 from hetd import config as config_mod
-from hetd.daemon import Daemon
-from hetd.demo import stop_processes
+from hetd.local.demo import stop_processes
+from hetd.server.daemon import Daemon
 from tests.integration.conftest import Cluster, make_config
 
 pytestmark = pytest.mark.slow

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 import policies.base
-from hetd.bench_cli import main as bench_main
-from hetd.results import PolicySpec
-from hetd.scenario import Scenario, from_mapping, load_scenario
-from hetd.sim import run_sim
+from hetd.cli.bench import main as bench_main
+from hetd.sim.loop import run_sim
+from hetd.sim.results import PolicySpec
+from hetd.sim.scenario import Scenario, from_mapping, load_scenario
 from policies import ClusterView, Policy, make_policy
 from policies.base import Decision, Event, Push, Release
 
@@ -94,7 +94,7 @@ def test_a_lossy_codec_shrinks_the_bytes_and_the_time_charged() -> None:
     per_push = int8.result.bytes_up / int8.pushes
     assert per_push < 0.3 * plain.result.bytes_up / plain.pushes  # int8: a quarter, plus scales
     # the link was the bottleneck: pushes and (delta) parameter frames both shrank (a worker that
-    # missed a version gets the reference in full: one frame per release, hetd.downlink)
+    # missed a version gets the reference in full: one frame per release, hetd.core.downlink)
     assert int8.result.samples_per_s > 1.3 * plain.result.samples_per_s
     topk = digits_s1(budget_s=1.0, workers=slow_link, codec="topk:k=0.05")
     assert run_sim(topk, PolicySpec("asp")).result.final_accuracy > 0.5  # error feedback works

@@ -7,7 +7,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from hetd.metrics import Metrics
+from hetd.server.metrics import Metrics
 
 
 def _transitions(c: Any) -> list[str]:

@@ -12,10 +12,12 @@ import numpy as np
 import optax
 import pytest
 
-from hetd import checkpoint, config, wire
-from hetd.checkpoint import Checkpointer, CheckpointError
-from hetd.engine import Engine, EngineConfig
-from hetd.store import Store
+from hetd import config
+from hetd.core.engine import Engine, EngineConfig
+from hetd.core.store import Store
+from hetd.protocol import wire
+from hetd.server import checkpoint
+from hetd.server.checkpoint import Checkpointer, CheckpointError
 from policies import make_policy
 from policies.base import ClusterView, Policy, WorkerFacts, policy_names, register
 
@@ -63,7 +65,7 @@ def trained_engine() -> Engine:
         worker=2, name="slow", clock=7, version=3, waiting=True, joined_at=0
     )
     e._next_id = 3
-    from hetd.store import Aggregator
+    from hetd.core.store import Aggregator
 
     agg = Aggregator()
     agg.add("grad", grads(e, 2.0), 0.25)
@@ -154,7 +156,7 @@ def test_a_corrupt_newest_checkpoint_is_skipped_with_a_warning(
         newest.write_bytes(b"")
     else:
         newest.write_bytes(b"not a checkpoint at all")
-    with caplog.at_level(logging.WARNING, "hetd.checkpoint"):
+    with caplog.at_level(logging.WARNING, "hetd.server.checkpoint"):
         found = checkpoint.load_newest(tmp_path)
     assert found is not None and found[0].version == infos[-2].version
     assert f"skipping checkpoint {newest}" in caplog.text
@@ -166,7 +168,7 @@ def test_no_valid_checkpoint_means_a_fresh_start_with_a_warning(
     (tmp_path / "ckpt-00000001-v3.msgpack").write_bytes(b"\x00" * 10)
     (tmp_path / ".ckpt-00000002-v4.msgpack.tmp").write_bytes(b"half written")
     (tmp_path / "notes.txt").write_text("not ours")
-    with caplog.at_level(logging.WARNING, "hetd.checkpoint"):
+    with caplog.at_level(logging.WARNING, "hetd.server.checkpoint"):
         assert checkpoint.load_newest(tmp_path) is None
         assert checkpoint.load_newest(tmp_path / "absent") is None
     assert "starting fresh" in caplog.text
@@ -191,7 +193,7 @@ def test_an_unknown_saved_policy_keeps_the_configured_one(
     state = checkpoint.engine_state(e)
     state["policy"] = {"name": "gone-plugin", "params": {}, "state": None}
     fresh = make_engine()
-    with caplog.at_level(logging.WARNING, "hetd.checkpoint"):
+    with caplog.at_level(logging.WARNING, "hetd.server.checkpoint"):
         checkpoint.restore_engine(fresh, state)
     assert fresh.store.version == 5 and fresh.policy.name == "ssp"
     assert "gone-plugin" in caplog.text

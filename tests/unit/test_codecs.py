@@ -15,8 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from hetd import bench_codecs, codecs, topk, wire
-from hetd.codecs import CodecError
+from hetd.bench import codec_speed as bench_codecs
+from hetd.codecs import registry as codecs
+from hetd.codecs.registry import CodecError, topk
+from hetd.protocol import wire
 
 ALL = ("none", "fp16", "bf16", "int8", "int4", "sign", "topk")
 # One spec per codec and parameter shape the tests walk through.

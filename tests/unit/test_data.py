@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hetd import data
-from hetd.data import BatchSampler, Dataset, load_dataset, shard_indices
+from hetd.zoo import data
+from hetd.zoo.data import BatchSampler, Dataset, load_dataset, shard_indices
 
 
 # A user's own data set, referenced below as "tests.unit.test_data:...".

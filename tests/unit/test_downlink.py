@@ -8,9 +8,9 @@ from collections.abc import Mapping
 import numpy as np
 import pytest
 
-from hetd import wire
-from hetd.downlink import Downlink, Outgoing
-from hetd.store import Snapshot
+from hetd.core.downlink import Downlink, Outgoing
+from hetd.core.store import Snapshot
+from hetd.protocol import wire
 from workers.client import Held, apply_params
 
 

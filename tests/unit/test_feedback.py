@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hetd import codecs
-from hetd.feedback import ErrorFeedback, encode_with_feedback
+from hetd.codecs import registry as codecs
+from hetd.codecs.feedback import ErrorFeedback, encode_with_feedback
 
 
 def drifting_updates(n: int, steps: int, seed: int = 0) -> list[np.ndarray]:

@@ -8,10 +8,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hetd import codecs, wire
-from hetd.engine import Engine, EngineConfig
-from hetd.sessions import decode_push
-from hetd.store import Aggregator, Int8, Store, dense, make_optimizer
+from hetd.codecs import registry as codecs
+from hetd.core.engine import Engine, EngineConfig
+from hetd.core.store import Aggregator, Int8, Store, dense, make_optimizer
+from hetd.protocol import wire
+from hetd.server.sessions import decode_push
 from policies import make_policy
 
 SHAPES = {"dense/w": (64, 48), "dense/b": (48,)}

@@ -8,9 +8,9 @@ import numpy as np
 import optax
 import pytest
 
-from hetd import models
-from hetd.data import BatchSampler, load_dataset
-from hetd.models import Model, Params
+from hetd.zoo import models
+from hetd.zoo.data import BatchSampler, load_dataset
+from hetd.zoo.models import Model, Params
 
 
 # A user's own model, written in plain JAX, referenced below as "tests.unit.test_models:...".
@@ -139,7 +139,7 @@ def test_plugin_model_object_and_factories() -> None:
         ("resnet", r"unknown model 'resnet'; known models: \['cnn', 'mlp'"),
         ("no_such_pkg.mod:thing", "cannot import module 'no_such_pkg.mod'"),
         ("tests.unit.test_models:missing", "has no attribute 'missing'"),
-        ("tests.unit.test_models:NOT_A_MODEL", "neither a hetd.models.Model nor a factory"),
+        ("tests.unit.test_models:NOT_A_MODEL", "neither a hetd.zoo.models.Model nor a factory"),
         ("tests.unit.test_models:", "must look like 'pkg.module:attr'"),
     ],
 )

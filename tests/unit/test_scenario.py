@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from hetd.results import (
+from hetd.sim.results import (
     PolicySpec,
     RunResult,
     check_results,
@@ -18,7 +18,7 @@ from hetd.results import (
     parse_policies,
     summarize,
 )
-from hetd.scenario import (
+from hetd.sim.scenario import (
     Scenario,
     ScenarioError,
     Stragglers,
@@ -202,7 +202,7 @@ def test_the_schema_check_names_what_is_wrong() -> None:
 
 
 def test_ideal_time_integrates_throughput_across_a_shift() -> None:
-    from hetd.bench import throughput_at, time_for_samples
+    from hetd.bench.sweep import throughput_at, time_for_samples
 
     sc: Scenario = from_mapping(
         with_(

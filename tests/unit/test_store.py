@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 
-from hetd.store import Aggregator, Store, make_optimizer
+from hetd.core.store import Aggregator, Store, make_optimizer
 
 
 def init_params(seed: int = 0) -> dict[str, np.ndarray]:

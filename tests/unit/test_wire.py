@@ -10,9 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetd import codecs, wire
-from hetd.codecs import CodecError
-from hetd.wire import ProtocolError
+from hetd.codecs import registry as codecs
+from hetd.codecs.registry import CodecError
+from hetd.protocol import wire
+from hetd.protocol.wire import ProtocolError
 
 # --- helpers -------------------------------------------------------------------------------------
 

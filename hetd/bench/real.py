@@ -1,0 +1,286 @@
+"""``hetd bench --mode real``: one run with a real daemon and real ``hetd-worker`` processes.
+
+Owns :func:`run_real`. It starts :class:`hetd.server.daemon.Daemon` on a free loopback port and one
+``hetd-worker`` process per scenario worker, slowed with the emulation flags (as ``hetd demo``
+does), waits until every worker has joined and pushed once (its jit compiled), trains for ``budget_s`` wall seconds while sampling the
+engine's events (through a recording wrapper around the policy) and batch sizes for the plots, then stops everything it started and returns
+the same :class:`~hetd.sim.results.RunResult` as the simulator. Latency is loopback's own; regime
+shifts cannot be emulated by ``hetd-worker`` and are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import secrets
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from hetd import config as config_mod
+from hetd.core.engine import Engine
+from hetd.local.demo import stop_processes, worker_env
+from hetd.server.daemon import Daemon
+from hetd.sim.results import PolicySpec, RunResult, Trace, first_reach, staleness_stats
+from hetd.sim.scenario import Scenario
+from policies import ClusterView, Policy
+from policies.base import Decision, Event, Leave, Push, Release
+
+JOIN_TIMEOUT_S = 120.0  # worker processes import jax and build their trainer first
+POLL_S = 0.05  # how often the engine is sampled for batch shares and progress
+
+
+class Recorder:
+    """Wraps the engine's policy to see every event and decision: a worker is busy from the
+    release that sends it parameters until its next push arrives (the engine's own rule: a
+    Release only counts for a worker that is waiting). Engine-clock seconds."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._busy_since: dict[int, float] = {}
+        self._spans: dict[int, list[tuple[float, float]]] = {}
+
+    def wrap(self, inner: Policy) -> Policy:
+        """``inner`` with the same name, parameters and state, observed."""
+
+        def update(event: Event, state: Any, view: ClusterView) -> tuple[Sequence[Decision], Any]:
+            decisions, state = inner.update(event, state, view)
+            self._observe(event, decisions, view)
+            return decisions, state
+
+        return Policy(inner.name, inner.init, update, inner.params)
+
+    def _observe(self, event: Event, decisions: Sequence[Decision], view: ClusterView) -> None:
+        if isinstance(event, Push | Leave):
+            began = self._busy_since.pop(event.worker, None)
+            if began is not None:
+                self._spans.setdefault(event.worker, []).append((began, event.now))
+        for d in decisions:
+            if isinstance(d, Release) and d.worker not in self._busy_since:
+                facts = view.workers.get(d.worker)
+                if facts is not None and facts.waiting:
+                    self._busy_since[d.worker] = event.now
+
+    def spans(self) -> dict[int, list[tuple[float, float]]]:
+        """Busy intervals per engine worker id; an open one ends now."""
+        now = self._engine.clock.now()
+        out = {w: list(s) for w, s in self._spans.items()}
+        for w, began in self._busy_since.items():
+            out.setdefault(w, []).append((began, now))
+        return out
+
+
+def check_real(sc: Scenario) -> None:
+    """Raise ValueError if ``hetd-worker``'s emulation flags cannot express ``sc``."""
+    if sc.shifts:
+        raise ValueError(
+            f"scenario {sc.name} has regime shifts; hetd-worker cannot change its speed mid-run, "
+            "so run it with --mode sim"
+        )
+    for i, w in enumerate(sc.workers):
+        s = w.stragglers
+        if s.p > 0 and (s.factor != 5.0 or s.mean_len != 10.0):
+            raise ValueError(
+                f"workers[{i}]: hetd-worker --emulate-stragglers has a fixed x5 factor and mean "
+                f"10 steps; this scenario asks for x{s.factor:g}, mean {s.mean_len:g}"
+            )
+
+
+def _config(sc: Scenario, policy: PolicySpec, seed: int, lr: float) -> config_mod.Config:
+    cfg = config_mod.Config()
+    cfg = config_mod.replace(
+        cfg,
+        "server",
+        host="127.0.0.1",
+        port=0,
+        admin_port=0,
+        worker_token=secrets.token_hex(16),
+        admin_token=secrets.token_hex(16),
+        heartbeat_s=0.5,
+        heartbeat_timeout_s=30.0,
+    )
+    cfg = config_mod.replace(
+        cfg,
+        "train",
+        model=sc.model,
+        model_kwargs=dict(sc.model_kwargs),
+        dataset=sc.dataset,
+        dataset_kwargs=dict(sc.dataset_kwargs),
+        seed=seed,
+        optimizer=sc.optimizer,
+        lr=lr,
+        worker_lr=sc.worker_lr or lr,
+        global_batch=sc.global_batch,
+        batch_size=sc.batch_per_worker,
+        codec=sc.codec,
+        downlink=sc.downlink,
+        shards=sc.n,
+        eval_interval_s=sc.eval_interval_s,
+        target_accuracy=sc.target_accuracy,
+    )
+    return config_mod.replace(cfg, "policy", name=policy.name, params=policy.build_params())
+
+
+def _worker_args(sc: Scenario, i: int, seed: int) -> list[str]:
+    """Emulation flags for worker ``i``. ``--emulate-slowdown`` must be >= 1, so slow-downs are
+    relative to the fastest worker, whose speed goes into ``--emulate-base-step`` (seconds per 32
+    samples; the worker scales it by its batch)."""
+    w = sc.workers[i]
+    fastest = min(x.slowdown for x in sc.workers)
+    per_32 = sc.base_step_s * 32 / sc.base_batch * fastest
+    args = [
+        "--name",
+        f"w{i}",
+        "--emulate-slowdown",
+        repr(w.slowdown / fastest),
+        "--emulate-base-step",
+        repr(per_32),
+        "--emulate-stragglers",
+        repr(w.stragglers.p),
+        "--seed",
+        str(seed * 1000 + i),
+        "--max-retries",
+        "3",
+    ]
+    if math.isfinite(w.bandwidth):
+        args += ["--emulate-bandwidth", repr(w.bandwidth)]
+    if w.memory is not None:
+        args += ["--emulate-memory", str(w.memory)]
+    return args
+
+
+async def _run(
+    sc: Scenario, policy: PolicySpec, seed: int, lr: float, on_time: Callable[[float], None]
+) -> RunResult:
+    check_real(sc)
+    cfg = _config(sc, policy, seed, lr)
+    daemon = Daemon(cfg)
+    engine = daemon.engine
+    recorder = Recorder(engine)
+    engine.policy, engine.policy_state = recorder.wrap(engine.policy), engine.policy_state
+    port = await daemon.start()
+    url = f"ws://127.0.0.1:{port}"
+    env = worker_env(cfg.server.worker_token)
+    procs: list[asyncio.subprocess.Process] = []
+    try:
+        for i in range(sc.n):
+            procs.append(
+                await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    "workers.cli",
+                    url,
+                    *_worker_args(sc, i, seed),
+                    env=env,
+                    stdout=asyncio.subprocess.DEVNULL,
+                    stderr=asyncio.subprocess.PIPE,
+                )
+            )
+        # The clock starts once every worker has joined and pushed once (its jit is compiled).
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while len(engine.facts) < sc.n or any(f.samples == 0 for f in engine.facts.values()):
+            if time.monotonic() > deadline or any(p.returncode is not None for p in procs):
+                errors = [
+                    (await p.stderr.read()).decode()[-800:]
+                    for p in procs
+                    if p.returncode is not None and p.stderr is not None
+                ]
+                raise RuntimeError(
+                    f"{len(engine.facts)} of {sc.n} workers joined, "
+                    f"{sum(f.samples > 0 for f in engine.facts.values())} pushed, within "
+                    f"{JOIN_TIMEOUT_S:g} s; worker errors: {errors}"
+                )
+            await asyncio.sleep(0.05)
+        return await _measure(sc, policy, seed, lr, daemon, recorder, on_time)
+    finally:
+        await stop_processes(procs)
+        await daemon.stop()
+
+
+async def _measure(
+    sc: Scenario,
+    policy: PolicySpec,
+    seed: int,
+    lr: float,
+    daemon: Daemon,
+    recorder: Recorder,
+    on_time: Callable[[float], None],
+) -> RunResult:
+    """Train for the budget from the moment every worker has joined, sampling the engine."""
+    engine = daemon.engine
+    evaluate = engine.evaluator
+    assert evaluate is not None  # build_engine always sets one
+    by_name = {f.name: wid for wid, f in engine.facts.items()}
+    wids = {str(i): by_name[f"w{i}"] for i in range(sc.n)}
+    start = engine.clock.now()
+    offset = start - engine.started_at
+    idle0 = {w: engine.facts[wid].idle_s for w, wid in wids.items()}
+    samples0 = sum(engine.facts[wid].samples for wid in wids.values())
+    bytes0 = [(s.bytes_in, s.bytes_out, s.pushes, s.releases) for s in engine.stats.values()]
+    _, acc0 = await asyncio.to_thread(evaluate, engine.store.snapshot())
+    trace = Trace(timeline={w: [] for w in wids})
+    last_share = -math.inf
+    t = 0.0
+    while t < sc.budget_s:
+        await asyncio.sleep(POLL_S)
+        t = min(sc.budget_s, engine.clock.now() - start)
+        if t - last_share >= sc.eval_interval_s:
+            last_share = t
+            sizes = {w: f.batch_size for w, wid in wids.items() if (f := engine.facts.get(wid))}
+            total = sum(sizes.values()) or 1
+            trace.shares.append((t, {w: b / total for w, b in sizes.items()}))
+            on_time(t)
+    names = {wid: w for w, wid in wids.items()}
+    for wid, spans in recorder.spans().items():
+        if wid in names:
+            trace.timeline[names[wid]] = [
+                (t0 - start, min(t1, start + sc.budget_s) - start, "busy")
+                for t0, t1 in spans
+                if t1 > start and t0 < start + sc.budget_s
+            ]
+    _, final_acc = await asyncio.to_thread(evaluate, engine.store.snapshot())
+    now = engine.clock.now()
+    curve = [[0.0, acc0]]
+    curve += [[e[0] - offset, e[2]] for e in engine.evals if 0 < e[0] - offset < sc.budget_s]
+    curve.append([sc.budget_s, final_acc])
+    idle: dict[str, float] = {}
+    staleness: list[int] = []
+    samples = 0
+    for w, wid in wids.items():
+        f = engine.facts.get(wid) or engine.departed.get(wid)
+        if f is None:
+            continue
+        waiting = now - f.waiting_since if f.waiting and f.waiting_since is not None else 0.0
+        idle[w] = min(1.0, max(0.0, (f.idle_s + waiting - idle0[w]) / sc.budget_s))
+        samples += f.samples
+        staleness += engine.stats[wid].staleness  # the engine keeps each worker's last ≤ 4096
+    mean, p95 = staleness_stats(staleness)
+    up = sum(s.bytes_in for s in engine.stats.values()) - sum(b[0] for b in bytes0)
+    down = sum(s.bytes_out for s in engine.stats.values()) - sum(b[1] for b in bytes0)
+    return RunResult(
+        policy=policy.label,
+        scenario=sc.name,
+        seed=seed,
+        lr=lr,
+        tta_s=first_reach(curve, sc.target_accuracy),
+        final_accuracy=final_acc,
+        samples_per_s=(samples - samples0) / sc.budget_s,
+        idle_fraction=idle,
+        staleness_mean=mean,
+        staleness_p95=p95,
+        bytes_up=up,
+        bytes_down=down,
+        pushes=sum(s.pushes for s in engine.stats.values()) - sum(b[2] for b in bytes0),
+        releases=sum(s.releases for s in engine.stats.values()) - sum(b[3] for b in bytes0),
+        curve=curve,
+        trace=trace,
+        stages=[[t - offset, st] for t, st in engine.stages],
+    )
+
+
+def run_real(
+    sc: Scenario, policy: PolicySpec, seed: int, lr: float, on_time: Callable[[float], None]
+) -> RunResult:
+    """One real run (blocking): daemon + worker processes on loopback for ``sc.budget_s`` s."""
+    return asyncio.run(_run(sc, policy, seed, lr, on_time))

@@ -1,0 +1,41 @@
+"""The command-line options of ``hetd bench --suite system`` (kept apart from
+:mod:`hetd.bench.system` so that building ``hetd``'s parser imports nothing heavy)."""
+
+from __future__ import annotations
+
+import argparse
+
+PARTS = ("throughput", "latency", "startup")
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    """Add the system suite's options to a parser (``hetd bench`` or ``python -m``)."""
+    g = p.add_argument_group("--suite system")
+    g.add_argument(
+        "--params", default=None, help="model sizes, e.g. 200000,1e6 (default 0.2M,1M,10M)"
+    )
+    g.add_argument("--codecs", default=None, help="codecs among none,bf16,int8 (default all)")
+    g.add_argument("--senders", default=None, help="sender counts (default 1,4,8)")
+    g.add_argument(
+        "--seconds",
+        type=float,
+        default=2.0,
+        help="measured window of each hetd run and of each limit run (default 2)",
+    )
+    g.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help="parts to run, among " + ",".join(PARTS) + " (default all)",
+    )
+    g.add_argument(
+        "--latency-workers",
+        type=int,
+        default=256,
+        help="connected workers in the latency run, 4 of them pushing (default 256; 0: skip)",
+    )
+    g.add_argument(
+        "--startup-workers",
+        type=int,
+        default=4,
+        help="local hetd-worker processes in the start-up run (default 4; 0: skip)",
+    )

@@ -1,0 +1,252 @@
+"""The ``hetd sim`` and ``hetd bench`` commands: argument parsing only; the work is in
+:mod:`hetd.sim.loop` and :mod:`hetd.bench.sweep`.
+
+``hetd.cli.main`` calls :func:`add_commands` with its sub-parsers and hands the parsed arguments of
+these two commands to :func:`run_command`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+COMMANDS = ("sim", "bench")
+
+POLICY_HELP = (
+    "policies by registered name with optional parameters, comma-separated: "
+    "NAME[:KEY=VALUE[;KEY=VALUE...]], e.g. 'bsp,asp,ssp:staleness=3' or "
+    "'ssp:staleness=2;weight=0.5' (quote ';' in the shell; 'ssp:staleness=2,weight=0.5' works too)"
+)
+
+
+SCENARIO_EPILOG = """\
+scenario files (TOML or JSON; an unknown key is an error that names it):
+  name, description, dataset, dataset_kwargs, model, model_kwargs, global_batch,
+  base_batch, base_step_s, target_accuracy, budget_s, eval_interval_s, tick_s, lr,
+  lr_grid, optimizer (sgd|momentum|adam), worker_lr, codec, downlink (auto|delta|full),
+  [[workers]]: slowdown, bandwidth (bytes/s), latency_s, memory (bytes), count,
+               stragglers = { p, factor, mean_len }
+  [[shifts]]:  worker (index), slowdown, and at_s or at_fraction (of the budget)
+time charged per step: base_step_s x batch/base_batch x slowdown x straggle
+                       + 2 x latency_s + (params bytes + push bytes) / bandwidth
+"""
+
+
+def _scenario_help() -> str:
+    from hetd.sim.scenario import scenario_names
+
+    return (
+        "a packaged scenario (" + ", ".join(scenario_names()) + "; case-insensitive) or the path "
+        "of your own .toml/.json scenario file (default S1)"
+    )
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scenario", default="S1", help=_scenario_help())
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="override the scenario's time budget (virtual s in sim mode, wall s in real mode)",
+    )
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="the daemon's learning rate for every policy (default: the scenario's lr)",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def add_commands(sub: Any) -> None:
+    """Add the ``sim`` and ``bench`` sub-commands to ``hetd``'s sub-parsers."""
+    s = sub.add_parser(
+        "sim",
+        help="simulate one policy on a scenario in virtual time (real engine, real gradients)",
+        description="Run the real engine and policy under a virtual clock with emulated workers "
+        "that compute real JAX gradients; deterministic per seed. Writes results.json, "
+        "summary.md and PNG plots to --out when given.",
+        epilog=SCENARIO_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _common(s)
+    s.add_argument(
+        "--policy", default="ssp", help="one policy, NAME[:KEY=VALUE[;...]] (default ssp)"
+    )
+    s.add_argument("--seed", type=int, default=0, help="the run's seed (default 0)")
+    s.add_argument("--out", default=None, help="directory for results.json, summary.md, PNGs")
+
+    b = sub.add_parser(
+        "bench",
+        help="run policies x seeds on a scenario; write results.json, summary.md and plots",
+        description="Time-to-accuracy benchmark (BENCHMARK.md §1): every policy x seed on one "
+        "scenario, same global batch and budget; writes OUT/results.json, OUT/summary.md, "
+        "OUT/accuracy.png, OUT/timeline.png and OUT/batch_shares.png.",
+        epilog=SCENARIO_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _common(b)
+    b.add_argument(
+        "--suite",
+        choices=("policies", "codecs", "system"),
+        default="policies",
+        help="policies: time-to-accuracy of --policies on --scenario (BENCHMARK.md §1, the "
+        "default); codecs: codec GB/s vs memcpy, written to OUT/codecs.json (hetd.bench.codec_speed; "
+        "its other options: python -m hetd.bench.codec_speed --help); system: the daemon's updates/s "
+        "against the loopback websocket limit, engine latency and start-up, written to "
+        "OUT/system.json and OUT/system.md (hetd.bench.system; options below)",
+    )
+    b.add_argument(
+        "--mode",
+        choices=("sim", "real"),
+        default="sim",
+        help="sim: virtual-time simulation (deterministic, fast); real: a real daemon and real "
+        "hetd-worker processes on loopback slowed by emulation, for the budget in wall time",
+    )
+    b.add_argument("--policies", default="bsp,asp,ssp", help=POLICY_HELP + " (default bsp,asp,ssp)")
+    b.add_argument("--seeds", type=int, default=3, help="run seeds 0..N-1 (default 3)")
+    b.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
+    b.add_argument(
+        "--tune-lr",
+        action="store_true",
+        help="pick each policy's lr on seed 0 from --lr-grid (soonest to target, then highest "
+        "final accuracy) and freeze it for every seed; the chosen lr is in results.json",
+    )
+    b.add_argument(
+        "--lr-grid",
+        default=None,
+        metavar="LR,LR,...",
+        help="candidates for --tune-lr (default: the scenario's lr_grid, 0.05,0.1,0.2)",
+    )
+    from hetd.bench.system_options import add_options
+
+    add_options(b)
+
+
+def _floats(text: str, what: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated numbers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"{what} must be positive numbers, got {text!r}")
+    return values
+
+
+def _scenario(args: argparse.Namespace) -> Any:
+    from hetd.sim.scenario import load_scenario, replace
+
+    sc = load_scenario(args.scenario)
+    if args.budget is not None:
+        sc = replace(sc, budget_s=args.budget)
+    return sc
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run ``hetd sim`` or ``hetd bench``; returns the exit code. Bad input prints one line."""
+    from policies import PolicyError
+
+    try:
+        if args.lr is not None and not args.lr > 0:
+            raise ValueError(f"--lr must be > 0, got {args.lr}")
+        if args.command == "sim":
+            return _sim(args)
+        if args.command == "bench":
+            return _bench(args)
+    except (ValueError, PolicyError, OSError) as exc:  # ScenarioError is a ValueError
+        print(f"hetd {args.command}: {exc}", file=sys.stderr)
+        return 2
+    print(f"hetd: unknown command {args.command!r}; this module runs {COMMANDS}", file=sys.stderr)
+    return 2
+
+
+def _sim(args: argparse.Namespace) -> int:
+    from hetd.bench.sweep import ideal_tta, write_outputs
+    from hetd.sim.loop import run_sim
+    from hetd.sim.results import parse_policies, summarize
+
+    sc = _scenario(args)
+    specs = parse_policies(args.policy)
+    if len(specs) != 1:
+        raise ValueError(f"hetd sim runs one policy; got {len(specs)} (use hetd bench for more)")
+    from tqdm import tqdm
+
+    t0 = time.monotonic()
+    with tqdm(total=sc.budget_s, unit="s", desc=f"{sc.name} sim", disable=args.quiet) as bar:
+        run = run_sim(sc, specs[0], args.seed, args.lr, lambda t: bar.update(t - bar.n))
+    wall = time.monotonic() - t0
+    r = run.result
+    reached = "not reached" if r.tta_s is None else f"reached at {r.tta_s:g} s"
+    print(
+        f"{sc.name} {r.policy} seed {r.seed}: target {sc.target_accuracy:g} {reached}; "
+        f"final accuracy {r.final_accuracy:.4f} at {run.virtual_s:g} virtual s; "
+        f"{run.pushes} pushes, {r.samples_per_s:.0f} samples/s; simulated in {wall:.1f} s"
+    )
+    if args.out:
+        ideal = ideal_tta(sc, [r.lr], [args.seed])
+        doc = {"runs": [r.to_json()], "summary": summarize([r], {sc.name: ideal})}
+        write_outputs(Path(args.out), doc, [r], sc, "sim")
+        print(
+            f"wrote {args.out}/results.json, summary.md, accuracy.png, timeline.png, "
+            "batch_shares.png"
+        )
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from hetd.bench.sweep import BenchOptions, run_bench
+    from hetd.sim.results import parse_policies
+
+    if args.suite == "codecs":
+        from hetd.bench import codec_speed as bench_codecs
+
+        return bench_codecs.main(["--out", args.out])
+    if args.suite == "system":
+        from hetd.bench import system as bench_system
+
+        return bench_system.run_main(bench_system.options_from(args))
+
+    if args.seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
+    sc = _scenario(args)
+    opts = BenchOptions(
+        scenario=sc,
+        policies=tuple(parse_policies(args.policies)),
+        out=Path(args.out),
+        seeds=args.seeds,
+        mode=args.mode,
+        tune_lr=args.tune_lr,
+        lr=args.lr,
+        lr_grid=_floats(args.lr_grid, "--lr-grid") if args.lr_grid else None,
+        quiet=args.quiet,
+    )
+    t0 = time.monotonic()
+    doc = run_bench(opts)
+    wall = time.monotonic() - t0
+    print(f"{len(doc['runs'])} runs in {wall:.0f} s ({args.mode} mode); wrote {args.out}/")
+    for row in doc["summary"]:
+        tta, speed = row["tta_median_s"], row["speedup_vs_bsp"]
+        ideal = row["tta_ideal_s"]
+        print(
+            f"  {row['policy']:<22} TTA median "
+            + ("never" if tta is None else f"{tta:7.2f} s")
+            + ("" if speed is None else f"  x{speed:.2f} vs BSP")
+            + ("" if ideal is None or tta is None else f"  TTA/ideal {tta / ideal:.1f}")
+            + f"  final acc {row['final_accuracy_median']:.4f}"
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A stand-alone runner (``python -m hetd.cli.bench bench ...``) until ``hetd`` wires these."""
+    p = argparse.ArgumentParser(prog="hetd")
+    add_commands(p.add_subparsers(dest="command", required=True))
+    return run_command(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Local processes: the demo, and starting and stopping a daemon and workers on this host."""

@@ -1,0 +1,223 @@
+"""``hetd demo``: a daemon and local workers of different speeds, a progress bar, a result.
+
+Everything a user needs to see hetd work, with no config and no network: the data set ships inside
+a package, the workers are real ``hetd-worker`` processes on loopback, slowed by emulation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import secrets
+import signal
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from hetd import config as config_mod
+from hetd.server.daemon import Daemon
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """What ``hetd demo`` takes; the defaults are the embedded demo."""
+
+    policy: str = "ssp"
+    policy_params: tuple[tuple[str, Any], ...] = (("staleness", 3),)
+    slowdowns: tuple[float, ...] = (1.0, 1.0, 2.0, 4.0)
+    dataset: str = "mnist5k"
+    model: str = "mlp"
+    hidden: int = 256
+    lr: float = 0.2
+    base_step_s: float = 0.01  # emulated seconds per step of the fastest worker
+    target: float = 0.92
+    budget_s: float = 150.0
+    out: str | None = None
+    quiet: bool = False
+
+
+def worker_env(token: str) -> dict[str, str]:
+    """Environment for local worker processes: the token, one XLA thread, big-frame malloc."""
+    env = dict(os.environ)
+    env["HETD_WORKER_TOKEN"] = token
+    env.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", "1073741824")
+    env.setdefault("MALLOC_TRIM_THRESHOLD_", "4294967296")
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    return env
+
+
+async def spawn_worker(
+    url: str, token: str, name: str, slowdown: float, *extra: str
+) -> asyncio.subprocess.Process:
+    """Start one real ``hetd-worker`` process."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "workers.cli",
+        url,
+        "--name",
+        name,
+        "--emulate-slowdown",
+        str(slowdown),
+        *extra,
+        env=worker_env(token),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+
+
+TAIL_LINES = 20
+
+
+async def _drain(proc: asyncio.subprocess.Process, tail: deque[str]) -> None:
+    if proc.stderr is None:
+        return
+    async for line in proc.stderr:
+        tail.append(line.decode(errors="replace").rstrip())
+
+
+async def stop_processes(procs: list[asyncio.subprocess.Process], timeout: float = 5.0) -> None:
+    """SIGTERM, wait, then SIGKILL what is left."""
+    for p in procs:
+        if p.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            await asyncio.wait_for(p.wait(), timeout)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                p.kill()
+            await p.wait()
+
+
+async def run_demo(opts: DemoOptions) -> dict[str, Any]:
+    """Run the demo; returns the summary (also written to ``opts.out``)."""
+    token = secrets.token_hex(16)
+    cfg = config_mod.Config()
+    cfg = config_mod.replace(
+        cfg, "server", port=0, admin_port=0, worker_token=token, admin_token=secrets.token_hex(16)
+    )
+    cfg = config_mod.replace(
+        cfg,
+        "train",
+        dataset=opts.dataset,
+        model=opts.model,
+        model_kwargs={"hidden": [opts.hidden]} if opts.model == "mlp" else {},
+        lr=opts.lr,
+        eval_interval_s=0.5,
+        target_accuracy=opts.target,
+    )
+    cfg = config_mod.replace(cfg, "policy", name=opts.policy, params=dict(opts.policy_params))
+    daemon = Daemon(cfg)
+    port = await daemon.start()
+    url = f"ws://127.0.0.1:{port}"
+    engine = daemon.engine
+    procs = [
+        await spawn_worker(
+            url, token, f"demo-{i}-x{s:g}", s, "--emulate-base-step", str(opts.base_step_s)
+        )
+        for i, s in enumerate(opts.slowdowns)
+    ]
+    # Each worker's stderr is drained as it runs (a full pipe would block it) and its last lines
+    # kept, so a worker that dies can say why.
+    tails: list[deque[str]] = [deque(maxlen=TAIL_LINES) for _ in procs]
+    drains = [asyncio.create_task(_drain(p, t)) for p, t in zip(procs, tails, strict=True)]
+    t0 = time.monotonic()
+    first_push: float | None = None
+    reached: float | None = None
+    bar = tqdm(total=100, disable=opts.quiet, unit="%", bar_format="{l_bar}{bar}| {postfix}")
+    try:
+        while time.monotonic() - t0 < opts.budget_s:
+            await asyncio.sleep(0.5)
+            status = engine.status()
+            acc = status["accuracy"] or 0.0
+            if first_push is None and status["updates_applied"]:
+                first_push = time.monotonic()
+            bar.n = round(100 * acc, 1)
+            bar.set_postfix_str(
+                f"acc {acc:.3f} v{status['version']} workers {status['workers']} "
+                f"t {time.monotonic() - t0:.0f}s"
+            )
+            if reached is None and acc >= opts.target:
+                reached = time.monotonic() - t0
+                break
+            dead = [p for p in procs if p.returncode is not None]
+            if len(dead) == len(procs):
+                await asyncio.gather(*drains, return_exceptions=True)  # their last words
+                said = "\n".join(
+                    f"--- worker {i} (exit {p.returncode}):\n" + "\n".join(t)
+                    for i, (p, t) in enumerate(zip(procs, tails, strict=True))
+                )
+                raise RuntimeError(f"every worker process exited:\n{said}")
+    finally:
+        bar.close()
+        workers = engine.workers()
+        await stop_processes(procs)
+        for task in drains:
+            task.cancel()
+        elapsed = time.monotonic() - t0
+        evaluate = engine.evaluator
+        assert evaluate is not None  # build_engine always sets one
+        final_loss, final_acc = await asyncio.to_thread(evaluate, engine.store.snapshot())
+        await daemon.stop()
+    pushes = sum(w["pushes"] for w in workers)
+    train_s = time.monotonic() - (first_push or t0)
+    summary = {
+        "policy": engine.policy.describe(),
+        "dataset": opts.dataset,
+        "final_accuracy": final_acc,
+        "final_loss": final_loss,
+        "target_accuracy": opts.target,
+        "time_to_target_s": reached,
+        "elapsed_s": elapsed,
+        "updates_applied": engine.updates_applied,
+        "version": engine.store.version,
+        "pushes": pushes,
+        "pushes_per_s": pushes / max(1e-9, min(train_s, elapsed)),
+        "workers": [
+            {k: w[k] for k in ("worker", "name", "samples", "pushes", "clock", "idle_fraction")}
+            for w in workers
+        ],
+        "curve": [[t, acc] for t, _, acc in engine.evals],
+    }
+    if opts.out:
+        write_outputs(Path(opts.out), summary)
+    return summary
+
+
+def write_outputs(out: Path, summary: dict[str, Any]) -> None:
+    """``summary.json`` and ``accuracy.png`` in ``out``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    curve = summary["curve"]
+    ax.plot([c[0] for c in curve], [c[1] for c in curve], label=summary["policy"]["name"])
+    ax.axhline(summary["target_accuracy"], color="grey", ls="--", lw=0.8, label="target")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("test accuracy")
+    ax.set_title(f"hetd demo: {summary['dataset']}, {len(summary['workers'])} workers")
+    ax.set_ylim(0, 1)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out / "accuracy.png", dpi=100)
+    plt.close(fig)
+
+
+def replace(opts: DemoOptions, **changes: Any) -> DemoOptions:
+    """A copy with some options changed."""
+    return dataclasses.replace(opts, **changes)

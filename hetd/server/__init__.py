@@ -1,0 +1,1 @@
+"""The daemon's shell: websocket sessions, the admin API, metrics and checkpoints."""

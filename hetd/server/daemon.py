@@ -1,0 +1,334 @@
+"""The daemon: builds the engine from a config, serves websockets and the admin API, checkpoints,
+handles signals and systemd.
+
+``Daemon`` owns every task it starts (the engine, the HTTP runners, the checkpoint timer) and cancels
+and awaits them on ``stop``. ``serve`` is what ``hetd serve`` runs: resume from the newest checkpoint,
+listen, tell systemd READY=1, wait for SIGTERM or SIGINT, then stop taking pushes, say bye to workers,
+write the last checkpoint and exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from aiohttp import web
+
+from hetd import config as config_mod
+from hetd.codecs import registry as codecs
+from hetd.core.engine import Clock, Engine, EngineConfig
+from hetd.core.store import Snapshot, Store, make_optimizer
+from hetd.protocol import wire
+from hetd.server import admin, checkpoint, sessions
+from hetd.server.metrics import Metrics
+from hetd.zoo.data import Dataset, load_dataset
+from hetd.zoo.models import Model, get_model
+from policies import make_policy
+
+log = logging.getLogger("hetd.server.daemon")
+
+ENGINE_KEY = web.AppKey("engine", Engine)
+
+
+def make_evaluator(model: Model, data: Dataset) -> Callable[[Snapshot], tuple[float, float]]:
+    """(loss, accuracy) of a parameter snapshot on the test set, jitted once."""
+    x = jnp.asarray(data.x_test)
+    y = jnp.asarray(data.y_test)
+
+    @jax.jit
+    def metrics(params: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        return model.loss(params, x, y), model.accuracy(params, x, y)
+
+    def evaluate(snap: Snapshot) -> tuple[float, float]:
+        loss, acc = metrics({k: jnp.asarray(v) for k, v in snap.tensors.items()})
+        return float(loss), float(acc)
+
+    return evaluate
+
+
+def build_engine(cfg: config_mod.Config, clock: Clock | None = None) -> Engine:
+    """Model, data, store, policy and engine from a config."""
+    t = cfg.train
+    data = load_dataset(t.dataset, seed=t.seed, **dict(t.dataset_kwargs))
+    model = get_model(t.model, data.num_classes, **dict(t.model_kwargs))
+    # One jitted init compiles once; flax's eager init compiles op by op (~2x slower start-up).
+    params = jax.jit(model.init, static_argnums=1)(jax.random.PRNGKey(t.seed), data.input_shape)
+    store = Store(params, make_optimizer(t.optimizer, t.lr))
+    policy = make_policy(cfg.policy.name, cfg.policy.params)
+    econf = EngineConfig(
+        global_batch=t.global_batch,
+        batch_size=t.batch_size,
+        codec=t.codec,
+        downlink=t.downlink,
+        heartbeat_s=cfg.server.heartbeat_s,
+        heartbeat_timeout_s=cfg.server.heartbeat_timeout_s,
+        eval_interval_s=t.eval_interval_s,
+        max_staleness=t.max_staleness_drop,
+        profile_steps=t.profile_steps,
+        shards=t.shards,
+        welcome={
+            "model": {"spec": t.model, "kwargs": dict(t.model_kwargs)},
+            "dataset": {"spec": t.dataset, "kwargs": dict(t.dataset_kwargs), "seed": t.seed},
+            "train": {"worker_lr": t.worker_lr or t.lr, "seed": t.seed},
+        },
+    )
+    return Engine(store, policy, econf, clock=clock, evaluator=make_evaluator(model, data))
+
+
+def make_worker_app(engine: Engine, cfg: config_mod.Config) -> web.Application:
+    """The workers' HTTP app: ``/v1/ws`` and ``/healthz``."""
+    app = web.Application(client_max_size=cfg.server.max_frame_bytes)
+    app[ENGINE_KEY] = engine
+    server = cfg.server
+
+    async def ws(request: web.Request) -> web.StreamResponse:
+        return await sessions.handle(
+            request, engine, server.worker_token, server.max_frame_bytes, server.outbox_frames
+        )
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "version": engine.store.version})
+
+    app.router.add_get("/v1/ws", ws)
+    app.router.add_get("/healthz", healthz)
+    return app
+
+
+class Daemon:
+    """A running daemon: the engine task, the worker endpoint, the admin API, the checkpoint timer.
+
+    ``start`` resumes from the newest valid checkpoint in ``[store] dir`` (when set) before it
+    listens; ``stop`` drains gracefully: bye to every worker, one last checkpoint, sockets closed,
+    engine stopped — each step bounded by ``[server] stop_timeout_s``.
+    """
+
+    def __init__(self, cfg: config_mod.Config, engine: Engine | None = None) -> None:
+        config_mod.check_serving(cfg)  # before anything is built: a refused start changes nothing
+        self.cfg = cfg
+        self.engine = engine or build_engine(cfg)
+        store = cfg.store
+        self.checkpointer = checkpoint.Checkpointer(store.dir, store.keep) if store.dir else None
+        self.resumed_from: checkpoint.CheckpointInfo | None = None
+        self.metrics = Metrics(self.engine, extra=self._metric_extras)
+        self._runners: list[web.AppRunner] = []
+        self._worker_sites: list[web.TCPSite] = []
+        self._engine_task: asyncio.Task[None] | None = None
+        self._timer_task: asyncio.Task[None] | None = None
+        self._warm_task: asyncio.Task[None] | None = None
+        self._stopped = False
+        self.port = 0  # the bound worker port
+        self.admin_port: int | None = None  # the bound admin port (None: admin API off)
+        self.admin_app: web.Application | None = None
+
+    async def start(self) -> int:
+        """Resume, then start serving; returns the bound worker port (useful with port 0).
+
+        Raises :class:`hetd.server.checkpoint.CheckpointError` when the newest valid checkpoint does not
+        fit the configured model (nothing is listening yet).
+        """
+        # Compile the optimizer step while we open the sockets (a worker thread; no state touched).
+        int8 = codecs.spec_name(self.engine.config.codec) == "int8"
+        self._warm_task = asyncio.create_task(
+            asyncio.to_thread(self.engine.store.warm, int8), name="hetd-warm-store"
+        )
+        if self.checkpointer is not None:
+            self.resumed_from = self.checkpointer.restore(self.engine)
+        self._engine_task = asyncio.create_task(self.engine.run(), name="hetd-engine")
+        try:
+            await self._start_endpoints()
+        except BaseException:  # a port in use, ...: close what was opened, write nothing
+            await self.stop(final_checkpoint=False)
+            raise
+        if self.checkpointer is not None and self.cfg.store.interval_s > 0:
+            self._timer_task = asyncio.create_task(
+                self.checkpointer.run_timer(self.engine, self.cfg.store.interval_s),
+                name="hetd-checkpoint-timer",
+            )
+        return self.port
+
+    async def _start_endpoints(self) -> None:
+        server = self.cfg.server
+        worker_app = make_worker_app(self.engine, self.cfg)
+        self.port, site = await self._listen(worker_app, server.host, server.port)
+        self._worker_sites.append(site)
+        log.info("hetd listening for workers on %s:%d", server.host, self.port)
+        if server.admin_port >= 0:
+            ctx = admin.AdminContext(
+                engine=self.engine,
+                token=server.admin_token,
+                metrics=self.metrics,
+                checkpoint=self.checkpoint if self.checkpointer is not None else None,
+                daemon_status=self.describe,
+                timeout_s=server.stop_timeout_s,
+            )
+            self.admin_app = admin.make_admin_app(ctx)
+            self.admin_port, _ = await self._listen(
+                self.admin_app, server.admin_host, server.admin_port
+            )
+            log.info("admin API on http://%s:%d", server.admin_host, self.admin_port)
+            if not server.admin_token:
+                log.warning("no admin token configured: the admin API refuses every call")
+
+    async def _listen(self, app: web.Application, host: str, port: int) -> tuple[int, web.TCPSite]:
+        runner = web.AppRunner(app, handle_signals=False)
+        await runner.setup()
+        self._runners.append(runner)
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        sockets = getattr(site._server, "sockets", None) or []
+        bound: int = sockets[0].getsockname()[1] if sockets else port
+        return bound, site
+
+    async def checkpoint(self) -> checkpoint.CheckpointInfo:
+        """Write a checkpoint now (POST /v1/checkpoint); RuntimeError without a state directory."""
+        if self.checkpointer is None:
+            raise RuntimeError("checkpoints are off: set [store] dir or --state-dir")
+        return await self.checkpointer.save(self.engine)
+
+    def describe(self) -> dict[str, Any]:
+        """Daemon facts for /v1/status: pid, ports, checkpoints."""
+        ck = self.checkpointer
+        return {
+            "daemon": {"pid": os.getpid(), "worker_port": self.port, "admin_port": self.admin_port},
+            "checkpoint": {
+                "dir": str(ck.directory) if ck is not None else None,
+                "interval_s": self.cfg.store.interval_s,
+                "keep": self.cfg.store.keep,
+                "written": ck.written if ck is not None else 0,
+                "last": ck.last.to_json() if ck is not None and ck.last is not None else None,
+                "resumed_from": self.resumed_from.to_json() if self.resumed_from else None,
+            },
+        }
+
+    def _metric_extras(self) -> dict[str, float]:
+        ck = self.checkpointer
+        if ck is None:
+            return {}
+        extras = {"hetd_checkpoints_written": float(ck.written)}
+        if ck.last is not None:
+            extras["hetd_last_checkpoint_version"] = float(ck.last.version)
+        return extras
+
+    async def stop(self, timeout: float | None = None, *, final_checkpoint: bool = True) -> None:
+        """Graceful stop, each step bounded by ``timeout`` (default ``[server] stop_timeout_s``):
+        stop accepting workers; one engine command says bye to every worker (they reconnect
+        later) and captures the state, so every push the engine took is in it and none after;
+        close the sockets; write the last checkpoint; stop the engine. A second call does nothing.
+        """
+        if self._stopped:
+            return
+        self._stopped = True
+        timeout = self.cfg.server.stop_timeout_s if timeout is None else timeout
+        engine = self.engine
+        if self._timer_task is not None:
+            self._timer_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._timer_task
+        for site in self._worker_sites:  # no new connections; open ones get their bye below
+            with contextlib.suppress(Exception):
+                await site.stop()
+        capture = final_checkpoint and self.checkpointer is not None
+        state: dict[str, Any] | None = None
+        if self._engine_task is not None and not self._engine_task.done():
+            try:
+                state = await asyncio.wait_for(
+                    engine.call(lambda: _drain(engine, capture)), timeout
+                )
+            except Exception:
+                log.exception("draining the engine failed")
+        for runner in self._runners:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(runner.cleanup(), timeout)
+        self._runners.clear()
+        if self.checkpointer is not None and state is not None:
+            try:
+                info = await asyncio.wait_for(self.checkpointer.save(engine, state), timeout)
+                log.warning("final checkpoint %s at version %d", info.path, info.version)
+            except Exception:
+                log.exception("the final checkpoint failed")
+        if self._engine_task is not None:
+            self._engine_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._engine_task
+            self._engine_task = None
+        if self._warm_task is not None:  # a thread cannot be cancelled: let it finish
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._warm_task, timeout)
+            self._warm_task = None
+
+
+def _drain(engine: Engine, capture: bool) -> dict[str, Any] | None:
+    """Say bye to every worker (they reconnect later) and capture the state to checkpoint."""
+    for wid, peer in list(engine.peers.items()):
+        peer.send(wire.encode("bye", 0, reason="daemon stopping"))
+        engine.leave(wid, "daemon stopping")
+    return checkpoint.engine_state(engine) if capture else None
+
+
+def sd_notify(state: str) -> bool:
+    """Tell systemd about our state (``READY=1``, ``STOPPING=1``, ``STATUS=...``, newline-separated)
+    over the datagram socket in ``NOTIFY_SOCKET``; False when not run as a notify service."""
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return False
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.connect(addr)
+            sock.sendall(state.encode())
+    except OSError as exc:
+        log.warning("sd_notify to %s failed: %s", os.environ.get("NOTIFY_SOCKET"), exc)
+        return False
+    return True
+
+
+async def serve(cfg: config_mod.Config, extra: Callable[[Daemon], Any] | None = None) -> None:
+    """Run until SIGTERM/SIGINT, then drain and stop (what ``hetd serve`` does).
+
+    READY=1 goes to systemd once both endpoints listen, with a STATUS line naming the ports.
+    """
+    daemon = Daemon(cfg)
+    await daemon.start()
+    try:
+        if extra is not None:
+            await extra(daemon)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        admin_at = (
+            f"{cfg.server.admin_host}:{daemon.admin_port}"
+            if daemon.admin_port is not None
+            else "off"
+        )
+        resumed = (
+            f"resumed at version {daemon.resumed_from.version}"
+            if daemon.resumed_from is not None
+            else "fresh start"
+        )
+        sd_notify(
+            f"READY=1\nSTATUS=workers on {cfg.server.host}:{daemon.port}, admin on {admin_at}, "
+            f"{resumed}\nMAINPID={os.getpid()}"
+        )
+        await stop.wait()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        sd_notify("STOPPING=1\nSTATUS=draining: bye to workers, final checkpoint")
+        log.warning("stopping: saying bye to %d workers", len(daemon.engine.facts))
+    finally:
+        await daemon.stop()
+
+
+def to_host(params: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Host copies of a flat parameter map."""
+    return {k: np.asarray(v) for k, v in params.items()}

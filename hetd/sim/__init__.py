@@ -1,0 +1,1 @@
+"""The simulator: the engine and policies under a virtual clock, simulated workers, scenarios and results."""

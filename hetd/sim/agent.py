@@ -1,0 +1,260 @@
+"""An emulated worker: what ``workers/client.py`` does with the daemon's frames, in virtual time.
+
+Owns :class:`EmuWorker` and :class:`InFlight`. A worker follows the real client's protocol: it
+applies ``params`` frames with the client's own :func:`workers.client.apply_params` (full frames, or
+deltas against the version it holds; an unusable delta means a ``pull`` for everything), follows
+``plan`` frames (batch size, local steps, push kind, codec with error feedback, data share,
+``pipeline``), answers a ``profile`` request by timing a few emulated steps before its first step,
+and computes when it holds parameters and has at most ``depth`` pushes unanswered (0, or 1 when
+its plan says ``pipeline``: the next step overlaps the push in flight, and pushes leave in order).
+
+Times are virtual seconds from the scenario; nothing here reads a clock or touches the engine —
+:mod:`hetd.sim.loop` moves the clock and delivers what this module produces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from hetd.codecs import registry as codecs
+from hetd.codecs.feedback import ErrorFeedback, encode_with_feedback
+from hetd.protocol import wire
+from hetd.sim.compute import StepWork, Straggler
+from hetd.sim.scenario import Scenario
+from hetd.zoo.data import BatchSampler, Dataset, shard_indices
+from workers.client import Held, apply_params, codec_for, local_steps_for
+
+
+@dataclass(eq=False)
+class InFlight:
+    """One push on its way to the daemon (its update is computed lazily, see simworkers)."""
+
+    worker: EmuWorker
+    work: StepWork
+    id: int  # the push's request id
+    base: int  # the version it started from
+    samples: int
+    compute_s: float  # emulated seconds of compute
+    sent_at: float  # s, when it left the worker
+    idle_s: float  # s the device sat idle before this step
+    nbytes: int  # the frame's size as charged
+    arrive: float  # s, when it reaches the daemon
+    frame: bytes | None = None  # encoded once the update is known
+    begin: float = 0.0  # s, when its compute began
+
+
+@dataclass
+class Started:
+    """What starting a step produced: the push, and a profile result (arrival time, result)."""
+
+    push: InFlight
+    profile: tuple[float, dict[str, float]] | None = None
+
+
+@dataclass(eq=False)
+class EmuWorker:
+    """One emulated worker's protocol state."""
+
+    index: int  # position in the scenario's worker list
+    sc: Scenario
+    data: Dataset
+    seed: int
+    shapes: Mapping[str, tuple[int, ...]]  # the model's parameter shapes
+    wid: int = 0
+    plan: dict[str, Any] = field(default_factory=dict)
+    held: Held | None = None  # the parameters it holds
+    in_flight: int = 0  # pushes not yet answered with parameters
+    busy_until: float = 0.0  # s: the device computes (or, without pipeline, waits for a send)
+    sending_until: float = 0.0  # s: the link carries the previous push
+    idle_from: float = 0.0  # s: when the device last became idle
+    profile: dict[str, Any] | None = None  # a pending profile request
+    steps: int = 0  # pushes made
+    staleness: list[int] = field(default_factory=list)
+    sampler: BatchSampler | None = None
+    _shard: int = 0
+    _share: tuple[float, float] | None = None
+    worker_lr: float = 0.0  # the local lr of delta plans, from the welcome
+    _sizes: dict[tuple[str, str], int] = field(default_factory=dict)  # tensor bytes per codec/kind
+
+    def __post_init__(self) -> None:
+        spec = self.sc.workers[self.index]
+        self.spec = spec
+        self.straggler = Straggler(
+            spec.stragglers, np.random.default_rng([self.seed, self.index, 7])
+        )
+        self.rng = np.random.default_rng([self.seed, self.index, 11])  # stochastic rounding
+        self.feedback = ErrorFeedback()
+
+    # --- the daemon's messages --------------------------------------------------------------
+
+    def hello(self) -> wire.Message:
+        """The hello a real worker sends (device info from the scenario)."""
+        device: dict[str, Any] = {"platform": "sim", "kind": f"x{self.spec.slowdown:g}"}
+        if self.spec.memory is not None:
+            device.update(memory=self.spec.memory, free_memory=self.spec.memory)
+        frame = wire.encode("hello", 1, name=f"w{self.index}", device=device, codecs=codecs.names())
+        return wire.decode(frame)
+
+    def welcome(self, msg: wire.Message) -> None:
+        """Plan and shard from the welcome (the shard as ``workers.loop.Trainer`` samples it)."""
+        self.plan = dict(msg["plan"])
+        train = msg.get("train") or {}
+        self.worker_lr = float(train.get("worker_lr") or self.sc.worker_lr)  # as workers.loop
+        shard = msg["shard"]
+        self._shard = int(shard["index"])
+        rows = shard_indices(len(self.data.y_train), shard["index"], shard["count"], self.seed)
+        self.sampler = self._sampler(rows)
+
+    def _sampler(self, rows: np.ndarray) -> BatchSampler:
+        seed = self.seed * 1000 + self._shard
+        return BatchSampler(self.data.x_train, self.data.y_train, rows, seed=seed)
+
+    def _follow_share(self) -> None:
+        """A plan's ``data_share``/``data_offset``, as ``workers.loop.Trainer`` follows them."""
+        share = self.plan.get("data_share")
+        if not isinstance(share, int | float) or not 0 < share <= 1:
+            return
+        offset = self.plan.get("data_offset", 0.0)
+        offset = float(offset) if isinstance(offset, int | float) and 0 <= offset < 1 else 0.0
+        if self._share == (offset, float(share)):
+            return
+        n = len(self.data.y_train)
+        perm = np.random.default_rng(self.seed).permutation(n)
+        lo = int(offset * n)
+        self.sampler = self._sampler(perm[lo : max(lo + 1, min(n, int((offset + share) * n)))])
+        self._share = (offset, float(share))
+
+    def receive(self, frames: list[wire.Message]) -> bool:
+        """Apply one release's ``params`` frames in order; False if a delta did not fit what it
+        holds (the worker then pulls everything, as the real client does)."""
+        for msg in frames:
+            held = apply_params(self.held, msg)
+            if held is None:
+                return False
+            self.held = held
+        self.in_flight = max(0, self.in_flight - 1)
+        return True
+
+    # --- steps -----------------------------------------------------------------------------------
+
+    @property
+    def depth(self) -> int:
+        """Pushes that may be unanswered when a step starts."""
+        return 1 if self.plan.get("pipeline") else 0
+
+    def ready(self, t: float) -> bool:
+        """Whether a step may start at ``t``."""
+        return self.held is not None and t >= self.busy_until and self.in_flight <= self.depth
+
+    def _step_s(self, samples: int, t: float) -> float:
+        """Emulated seconds of one step over ``samples`` samples starting at ``t``."""
+        sc = self.sc
+        per_sample = sc.base_step_s / sc.base_batch * sc.slowdown_at(self.index, t)
+        return per_sample * samples * self.straggler.factor()
+
+    def start(self, t: float) -> Started:
+        """Start a step at ``t`` (after a profile run if one was asked for)."""
+        assert self.held is not None and self.sampler is not None  # ready() and welcome()
+        sc, spec = self.sc, self.spec
+        profile = None
+        if self.profile is not None:
+            profile = self._profile(t)
+            t = profile[0] - spec.latency_s  # the step starts once the profile is done
+        self._follow_share()
+        batch = max(1, int(self.plan.get("batch_size", sc.batch_per_worker)))
+        k = local_steps_for(self.plan, self._step_s(batch, t))
+        delta = k > 1 or self.plan.get("push_kind", "grad") == "delta"
+        rows = np.stack([self.sampler.next_indices(batch) for _ in range(k)]).astype(np.int32)
+        lr = self.worker_lr * float(self.plan.get("lr_scale", 1.0))
+        work = StepWork(self.held.tensors, rows, lr, delta=delta)
+        compute_s = self._step_s(batch * k, t)
+        end = t + compute_s
+        idle_s, self.idle_from = t - self.idle_from, end
+        self.steps += 1
+        self.in_flight += 1
+        send = max(end, self.sending_until)  # pushes leave in order
+        p = InFlight(
+            self, work, self.steps, self.held.version, batch * k, compute_s, send, idle_s, 0, 0.0
+        )
+        p.begin = t
+        p.nbytes = self._estimate(p)
+        p.arrive = self.sending_until = send + spec.latency_s + p.nbytes / spec.bandwidth
+        self.busy_until = end if self.depth else p.arrive  # without pipeline it waits for the send
+        return Started(p, profile)
+
+    def _profile(self, t: float) -> tuple[float, dict[str, float]]:
+        """Time the requested profile steps as the real client does; (arrival at the daemon,
+        result). Communication is estimated from the link; encoding costs no virtual time."""
+        spec = self.profile or {}
+        self.profile = None
+        steps = max(1, min(20, int(spec.get("steps", 3))))
+        batch = int(spec.get("batch_size", 32))
+        per_sample = []
+        for _ in range(steps):
+            dt = self._step_s(batch, t)
+            per_sample.append(dt / batch)
+            t += dt
+        kept = sorted(per_sample)[: max(1, steps - 1)]  # the client drops its slowest (compile)
+        full = sum(4 * int(np.prod(s)) for s in self.shapes.values())
+        push = self._tensor_bytes(str(self.plan.get("codec", "none")), "grad")
+        link = self.spec
+        result = {
+            "sample_s": sum(kept) / len(kept),
+            "push_s": link.latency_s + push / link.bandwidth,
+            "pull_s": link.latency_s + full / link.bandwidth,
+            "compress_s": 0.0,
+        }
+        return t + link.latency_s, result
+
+    # --- push frames ----------------------------------------------------------------------------
+
+    def frame(self, p: InFlight, tensors: Any, loss: float) -> bytes:
+        """The push frame (``tensors`` already encoded)."""
+        return wire.encode(
+            "push",
+            p.id,
+            base=p.base,
+            kind="delta" if p.work.delta else "grad",
+            tensors=tensors,
+            samples=p.samples,
+            steps=int(p.work.indices.shape[0]),
+            compute_s=p.compute_s,
+            loss=loss,
+            free_mem=self.spec.memory,
+            sent_at=p.sent_at,
+            idle_s=p.idle_s,
+        )
+
+    def _tensor_bytes(self, spec: str, kind: str) -> int:
+        """Packed size of the pushed tensors: the last push's with this codec and kind, else a
+        zero update's (exact for fixed-size codecs; see :meth:`encode`)."""
+        size = self._sizes.get((spec, kind))
+        if size is None:
+            zeros = {k: np.zeros(s, np.float32) for k, s in self.shapes.items()}
+            tree = codecs.encode_tree(zeros, codec_for(self.plan))
+            size = self._sizes[(spec, kind)] = len(msgpack.packb(tree, use_bin_type=True))
+        return size
+
+    def _estimate(self, p: InFlight) -> int:
+        kind = "delta" if p.work.delta else "grad"
+        envelope = len(self.frame(p, {}, 0.0)) - 1  # an empty map packs as one byte
+        return envelope + self._tensor_bytes(str(self.plan.get("codec", "none")), kind)
+
+    def encode(self, p: InFlight) -> int:
+        """Encode ``p`` (its update computed) with the plan's codec and this worker's error
+        feedback; returns the bytes beyond the estimate that timed it (0 for fixed-size codecs;
+        the caller then delays the arrival by their transfer time)."""
+        assert p.work.tensors is not None  # computed by the caller
+        spec = str(self.plan.get("codec", "none"))
+        wire_tensors = encode_with_feedback(
+            self.feedback, p.work.tensors, codec_for(self.plan), self.rng
+        )
+        p.frame = self.frame(p, wire_tensors, p.work.loss)
+        kind = "delta" if p.work.delta else "grad"
+        self._sizes[(spec, kind)] = len(p.frame) - (len(self.frame(p, {}, 0.0)) - 1)
+        return max(0, len(p.frame) - p.nbytes)

@@ -1,0 +1,341 @@
+"""Heterogeneity scenarios as data: load, validate and expand a TOML or JSON scenario file.
+
+Owns :class:`Scenario` (what is trained, by which emulated workers, for how long) and its parts,
+the packaged scenarios S1–S5 (``hetd/scenarios/*.toml``, BENCHMARK.md §1), and
+:func:`load_scenario`, which takes a packaged name or a path. Validation is strict: an unknown key
+or a value of the wrong type raises :class:`ScenarioError` naming the file, the place and the key,
+and listing the valid keys. Both ``hetd sim``/``hetd bench --mode sim`` and ``--mode real`` read
+the same :class:`Scenario`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from hetd.config import DOWNLINK_MODES
+
+INF = math.inf
+
+
+class ScenarioError(ValueError):
+    """A bad scenario file, key or value; the message names where and what."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stragglers:
+    """Transient slow episodes: each step outside an episode starts one with probability ``p``;
+    an episode slows ``mean_len`` steps on average (geometric length) by ``factor``."""
+
+    p: float = 0.0  # probability per step
+    factor: float = 5.0  # × step time during an episode
+    mean_len: float = 10.0  # steps
+
+    def slow_fraction(self) -> float:
+        """Long-run fraction of steps inside an episode: p·L / (p·L + 1 − p)."""
+        if self.p <= 0:
+            return 0.0
+        pl = self.p * self.mean_len
+        return pl / (pl + 1.0 - self.p)
+
+    def mean_factor(self) -> float:
+        """Long-run mean multiplier of a step's time."""
+        return 1.0 + self.slow_fraction() * (self.factor - 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """One emulated worker (after ``count`` expansion)."""
+
+    slowdown: float = 1.0  # × base step time
+    bandwidth: float = 1e9  # bytes/s of its link, both directions (inf: free)
+    latency_s: float = 0.0  # s added to every transfer
+    memory: int | None = None  # bytes reported as the device's free memory
+    stragglers: Stragglers = field(default_factory=Stragglers)
+
+
+@dataclass(frozen=True, slots=True)
+class Shift:
+    """A regime shift: from ``at_s`` (or ``at_fraction`` of the budget) on, ``worker`` (an index
+    into the expanded worker list) runs at ``slowdown``."""
+
+    worker: int
+    slowdown: float
+    at_s: float | None = None
+    at_fraction: float | None = None
+
+    def time(self, budget_s: float) -> float:
+        """When the shift happens, in seconds from the start."""
+        return self.at_s if self.at_s is not None else float(self.at_fraction or 0.0) * budget_s
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """A whole experiment: data, model, batch, the workers and how they change, target and budget."""
+
+    name: str
+    dataset: str
+    model: str
+    workers: tuple[WorkerSpec, ...]
+    description: str = ""
+    dataset_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    model_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    global_batch: int = 128  # samples per round across workers; each worker starts at B/N
+    base_batch: int = 32  # the batch that takes base_step_s on a slowdown-1 worker
+    base_step_s: float = 0.01  # s per step of base_batch samples at slowdown 1
+    target_accuracy: float = 0.9
+    budget_s: float = 30.0  # s of (virtual or wall) training time
+    eval_interval_s: float = 0.5  # s between evaluations of the global model (not charged)
+    tick_s: float = 0.25  # s between engine ticks
+    lr: float = 0.1  # the daemon optimizer's learning rate
+    lr_grid: tuple[float, ...] = (0.05, 0.1, 0.2)  # candidates for --tune-lr
+    optimizer: str = "sgd"  # sgd | momentum | adam
+    worker_lr: float = 0.0  # local lr for local-step (delta) plans; 0: the run's lr
+    codec: str = "none"  # preferred codec
+    downlink: str = "auto"  # lossy codecs' parameters: auto (by link speed), delta, full
+    shifts: tuple[Shift, ...] = ()
+
+    @property
+    def n(self) -> int:
+        """Number of workers."""
+        return len(self.workers)
+
+    @property
+    def batch_per_worker(self) -> int:
+        """The initial per-worker batch: B/N (at least 1)."""
+        return max(1, self.global_batch // max(1, self.n))
+
+    def slowdown_at(self, worker: int, t: float) -> float:
+        """``worker``'s slow-down at time ``t`` (the last shift at or before ``t`` wins)."""
+        value = self.workers[worker].slowdown
+        for s in sorted(self.shifts, key=lambda s: s.time(self.budget_s)):
+            if s.worker == worker and s.time(self.budget_s) <= t:
+                value = s.slowdown
+        return value
+
+
+# --- validation ------------------------------------------------------------------------------------
+
+
+def _num(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+Check = Callable[[Any], bool]
+
+# key -> (type test, type name, value test, value rule)
+_TOP: dict[str, tuple[Check, str, Check, str]] = {
+    "name": (lambda v: isinstance(v, str), "string", lambda v: bool(v), "non-empty"),
+    "description": (lambda v: isinstance(v, str), "string", lambda v: True, ""),
+    "dataset": (lambda v: isinstance(v, str), "string", lambda v: bool(v), "non-empty"),
+    "dataset_kwargs": (lambda v: isinstance(v, Mapping), "table", lambda v: True, ""),
+    "model": (lambda v: isinstance(v, str), "string", lambda v: bool(v), "non-empty"),
+    "model_kwargs": (lambda v: isinstance(v, Mapping), "table", lambda v: True, ""),
+    "global_batch": (_int, "int", lambda v: v >= 1, ">= 1"),
+    "base_batch": (_int, "int", lambda v: v >= 1, ">= 1"),
+    "base_step_s": (_num, "number", lambda v: 0 < v < INF, "> 0"),
+    "target_accuracy": (_num, "number", lambda v: 0 < v <= 1, "in (0, 1]"),
+    "budget_s": (_num, "number", lambda v: 0 < v < INF, "> 0"),
+    "eval_interval_s": (_num, "number", lambda v: 0 < v < INF, "> 0"),
+    "tick_s": (_num, "number", lambda v: 0 < v < INF, "> 0"),
+    "lr": (_num, "number", lambda v: 0 < v < INF, "> 0"),
+    "lr_grid": (
+        lambda v: isinstance(v, list | tuple) and all(_num(x) for x in v),
+        "list of numbers",
+        lambda v: len(v) > 0 and all(0 < x < INF for x in v),
+        "non-empty, each > 0",
+    ),
+    "optimizer": (
+        lambda v: isinstance(v, str),
+        "string",
+        lambda v: v in ("sgd", "momentum", "adam"),
+        "one of sgd, momentum, adam",
+    ),
+    "worker_lr": (_num, "number", lambda v: 0 <= v < INF, ">= 0 (0: the run's lr)"),
+    "codec": (lambda v: isinstance(v, str), "string", lambda v: bool(v), "non-empty"),
+    "downlink": (
+        lambda v: isinstance(v, str),
+        "string",
+        lambda v: v in DOWNLINK_MODES,
+        f"one of {', '.join(DOWNLINK_MODES)}",
+    ),
+    "workers": (
+        lambda v: isinstance(v, list),
+        "array of tables",
+        lambda v: len(v) > 0,
+        "non-empty",
+    ),
+    "shifts": (lambda v: isinstance(v, list), "array of tables", lambda v: True, ""),
+}
+_REQUIRED = ("name", "dataset", "model", "workers")
+
+_WORKER: dict[str, tuple[Check, str, Check, str]] = {
+    "slowdown": (_num, "number", lambda v: 0 < v < INF, "> 0"),
+    "bandwidth": (_num, "number", lambda v: v > 0, "> 0 bytes/s (inf: free)"),
+    "latency_s": (_num, "number", lambda v: 0 <= v < INF, ">= 0"),
+    "memory": (_int, "int", lambda v: v >= 0, ">= 0 bytes"),
+    "stragglers": (lambda v: isinstance(v, Mapping), "table", lambda v: True, ""),
+    "count": (_int, "int", lambda v: v >= 1, ">= 1"),
+}
+_STRAGGLERS: dict[str, tuple[Check, str, Check, str]] = {
+    "p": (_num, "number", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "factor": (_num, "number", lambda v: 1 <= v < INF, ">= 1"),
+    "mean_len": (_num, "number", lambda v: 1 <= v < INF, ">= 1 step"),
+}
+_SHIFT: dict[str, tuple[Check, str, Check, str]] = {
+    "worker": (_int, "int", lambda v: v >= 0, ">= 0"),
+    "slowdown": (_num, "number", lambda v: 0 < v < INF, "> 0"),
+    "at_s": (_num, "number", lambda v: 0 <= v < INF, ">= 0"),
+    "at_fraction": (_num, "number", lambda v: 0 <= v <= 1, "in [0, 1]"),
+}
+
+
+def _checked(
+    where: str, raw: Any, rules: Mapping[str, tuple[Check, str, Check, str]]
+) -> dict[str, Any]:
+    """``raw`` as a dict whose keys are all known and whose values pass their rules."""
+    if not isinstance(raw, Mapping):
+        raise ScenarioError(f"{where}: must be a table, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(rules))
+    if unknown:
+        raise ScenarioError(
+            f"{where}: unknown key{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(map(repr, unknown))}; valid keys: {', '.join(sorted(rules))}"
+        )
+    for key, value in raw.items():
+        is_type, type_name, ok, rule = rules[key]
+        if not is_type(value):
+            raise ScenarioError(
+                f"{where}: {key!r} must be a {type_name}, got {value!r} ({type(value).__name__})"
+            )
+        if not ok(value):
+            raise ScenarioError(f"{where}: {key!r} must be {rule}, got {value!r}")
+    return dict(raw)
+
+
+def from_mapping(raw: Mapping[str, Any], source: str = "<scenario>") -> Scenario:
+    """Validate parsed TOML/JSON and build a :class:`Scenario` (workers expanded by ``count``)."""
+    top = _checked(source, raw, _TOP)
+    missing = [k for k in _REQUIRED if k not in top]
+    if missing:
+        raise ScenarioError(f"{source}: missing required key(s) {', '.join(map(repr, missing))}")
+    workers: list[WorkerSpec] = []
+    for i, w in enumerate(top.pop("workers")):
+        where = f"{source}: workers[{i}]"
+        wd = _checked(where, w, _WORKER)
+        strag = Stragglers(**_checked(f"{where}.stragglers", wd.pop("stragglers", {}), _STRAGGLERS))
+        count = wd.pop("count", 1)
+        values: dict[str, Any] = {k: float(v) if k != "memory" else v for k, v in wd.items()}
+        spec = WorkerSpec(**values)
+        workers.extend([dataclasses.replace(spec, stragglers=strag)] * count)
+    shifts: list[Shift] = []
+    for i, s in enumerate(top.pop("shifts", [])):
+        where = f"{source}: shifts[{i}]"
+        sd = _checked(where, s, _SHIFT)
+        for key in ("worker", "slowdown"):
+            if key not in sd:
+                raise ScenarioError(f"{where}: missing required key {key!r}")
+        if ("at_s" in sd) == ("at_fraction" in sd):
+            raise ScenarioError(f"{where}: give exactly one of 'at_s' or 'at_fraction'")
+        if sd["worker"] >= len(workers):
+            raise ScenarioError(
+                f"{where}: 'worker' is {sd['worker']} but there are only {len(workers)} workers "
+                f"(indices 0..{len(workers) - 1}, after expanding 'count')"
+            )
+        fields: dict[str, Any] = {k: float(v) if k != "worker" else v for k, v in sd.items()}
+        shifts.append(Shift(**fields))
+    floats = {k: float(v) for k, v in top.items() if _TOP[k][1] == "number"}
+    if "lr_grid" in top:
+        top["lr_grid"] = tuple(float(x) for x in top["lr_grid"])
+    top.update(floats)
+    for key in ("dataset_kwargs", "model_kwargs"):
+        if key in top:
+            top[key] = _frozen(top[key])
+    sc = Scenario(workers=tuple(workers), shifts=tuple(shifts), **top)
+    return validate(sc, source)
+
+
+def _frozen(value: Any) -> Any:
+    """TOML arrays as tuples (hashable, so data sets cache), tables as dicts."""
+    if isinstance(value, list | tuple):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, Mapping):
+        return {k: _frozen(v) for k, v in value.items()}
+    return value
+
+
+def validate(sc: Scenario, source: str = "<scenario>") -> Scenario:
+    """Cross-field checks; returns ``sc`` unchanged when it is consistent."""
+    if sc.global_batch < sc.n:
+        raise ScenarioError(
+            f"{source}: 'global_batch' ({sc.global_batch}) must be >= the number of workers "
+            f"({sc.n}), so that each worker gets at least one sample per round"
+        )
+    for s in sc.shifts:
+        if not 0 <= s.worker < sc.n:
+            raise ScenarioError(f"{source}: shift names worker {s.worker}; there are {sc.n}")
+    if sc.eval_interval_s > sc.budget_s:
+        raise ScenarioError(f"{source}: 'eval_interval_s' is longer than 'budget_s'")
+    return sc
+
+
+def replace(sc: Scenario, **changes: Any) -> Scenario:
+    """A copy with some fields changed, checked again (e.g. ``budget_s`` from the command line)."""
+    return validate(dataclasses.replace(sc, **changes), sc.name)
+
+
+# --- files -------------------------------------------------------------------------------------------
+
+
+def scenario_names() -> list[str]:
+    """The packaged scenario names (file stems), sorted."""
+    folder = resources.files("hetd.sim") / "scenarios"
+    return sorted(p.name.rsplit(".", 1)[0] for p in folder.iterdir() if p.name.endswith(".toml"))
+
+
+def load_file(path: str | Path) -> Scenario:
+    """A scenario from a ``.toml`` or ``.json`` file."""
+    p = Path(path)
+    try:
+        text = p.read_bytes()
+    except OSError as exc:
+        raise ScenarioError(f"cannot read scenario {p}: {exc.strerror}") from None
+    return _parse(text, p.name, p.suffix.lower() == ".json")
+
+
+def _parse(text: bytes, source: str, is_json: bool) -> Scenario:
+    try:
+        raw = json.loads(text) if is_json else tomllib.loads(text.decode())
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        kind = "JSON" if is_json else "TOML"
+        raise ScenarioError(f"{source} is not valid {kind}: {exc}") from None
+    if not isinstance(raw, Mapping):
+        raise ScenarioError(f"{source}: the top level must be a table/object")
+    return from_mapping(raw, source)
+
+
+def load_scenario(spec: str) -> Scenario:
+    """A packaged scenario by name (``S1``; case-insensitive) or a path to a TOML/JSON file."""
+    path = Path(spec)
+    if path.suffix.lower() in (".toml", ".json") or path.exists():
+        return load_file(path)
+    names = scenario_names()
+    match = next((n for n in names if n.lower() == spec.lower()), None)
+    if match is None:
+        raise ScenarioError(
+            f"unknown scenario {spec!r}; packaged scenarios: {', '.join(names)} "
+            "(or give the path of a .toml/.json file)"
+        )
+    data = (resources.files("hetd.sim") / "scenarios" / f"{match}.toml").read_bytes()
+    return _parse(data, f"{match}.toml", False)
