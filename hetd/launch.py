@@ -4,7 +4,7 @@ must be in place before the interpreter's first allocation, then run the real ``
 glibc reads ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` once, when the process starts,
 so setting them from Python is too late for the running process (``mallopt`` caps the mmap threshold
 at 32 MiB, below a 10M-parameter frame). Fresh memory is slow on these machines (page faults at
-≈ 1.4 GB/s, BENCHMARK.md §3): with big frames served from a heap that keeps its pages, large
+≈ 1.4 GB/s, docs/benchmark.md): with big frames served from a heap that keeps its pages, large
 messages move 2–10x faster. So when a variable is missing, the entry point re-executes the same
 command line (``execve``: same PID, so systemd's ``Type=notify`` is unaffected) with it set. A value
 the user set is kept; ``HETD_MALLOC_ENV=0`` turns the re-exec off. Only the console scripts and

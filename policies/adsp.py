@@ -1,4 +1,4 @@
-"""ADSP (Hu, Wang, Wu, AAAI 2020; ALGORITHMS.md §9): no barriers, equal commit rates, and an online
+"""ADSP (Hu, Wang, Wu, AAAI 2020; docs/policies.md): no barriers, equal commit rates, and an online
 search for the commit rate.
 
 Owns the ``adsp`` policy: commit quotas ``m_i`` per check period ``Γ`` (:func:`quotas`: every

@@ -1,4 +1,4 @@
-"""ASHL (Shen et al., IEEE TC 73(1), 2024; ALGORITHMS.md §10): profile -> AHL -> SHL, re-planned.
+"""ASHL (Shen et al., IEEE TC 73(1), 2024; docs/policies.md): profile -> AHL -> SHL, re-planned.
 
 Owns the ``ashl`` policy: the planner (H, p, rho from profiles, :func:`plan_workers`), the stage
 switch (:func:`switch_reason`), the per-stage worker learning-rate schedule (:func:`lr_scale`), the

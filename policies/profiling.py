@@ -1,4 +1,4 @@
-"""Measured worker speed for adaptive policies (ALGORITHMS.md §0, §10 stage P): robust profiles,
+"""Measured worker speed for adaptive policies (docs/policies.md): robust profiles,
 an EWMA speed tracker, drift detection, and the per-worker bookkeeping ``adsp`` and ``ashl`` share.
 
 Owns: :func:`trimmed_mean`, :class:`Profile` (one worker's measured costs), :func:`drifted`,
@@ -105,7 +105,7 @@ class ProfilingConfig:
     trim: float = 0.2  # fraction dropped at each end of the profile samples
     drift: float = 0.3  # relative change of the speed that triggers a new profile
     patience: int = 3  # the median of this many last pushes must also have drifted
-    alpha: float = 0.5  # EWMA weight of a new sample (ALGORITHMS.md §0)
+    alpha: float = 0.5  # EWMA weight of a new sample (docs/policies.md)
     comm_factor: float = 1.0  # multiplies u_i and d_i (the ASHL code uses 6; §10)
 
     def __post_init__(self) -> None:

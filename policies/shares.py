@@ -1,4 +1,4 @@
-"""Heterogeneity-aware batch shares: LB-BSP (ALGORITHMS.md §7) and H-PS (§8).
+"""Heterogeneity-aware batch shares: LB-BSP and H-PS (docs/policies.md).
 
 Both keep a synchronous aggregate and a fixed global batch ``B`` but size each worker's batch so that
 all finish a round together, from per-worker timing models ``T_i(b) = a_i + c_i·b`` fitted to the

@@ -1,4 +1,4 @@
-"""Dynamic staleness and staleness-aware weights: DSSP (ALGORITHMS.md §5) and DynSGD (§6).
+"""Dynamic staleness and staleness-aware weights: DSSP and DynSGD (docs/policies.md).
 
 ``dssp`` is SSP whose bound moves within ``[s_lo, s_lo + r_max]``: only the fastest worker may run
 extra iterations, as many as make it stop closest to the slowest worker's next predicted push.

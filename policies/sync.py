@@ -1,4 +1,4 @@
-"""Synchronisation gates: BSP, ASP, SSP (ALGORITHMS.md §2–4).
+"""Synchronisation gates: BSP, ASP, SSP (docs/policies.md).
 
 Each is stateless beyond its parameters: the clocks it needs are the engine's facts, so ``init``
 returns ``None`` and a hot swap is always valid.

@@ -38,7 +38,7 @@ class Emulation:
     ``slowdown`` multiplies every step's compute time (padded to at least ``base_step_s``, so
     that emulated time dominates real contention on a small machine); ``bandwidth`` (bytes/s) caps the link;
     ``stragglers`` is the chance per step that a slow episode (``straggle_factor`` ×, geometric
-    length with mean ``straggle_mean`` steps) begins (BENCHMARK.md §1, scenario S2);
+    length with mean ``straggle_mean`` steps) begins (docs/benchmark.md, scenario S2);
     ``bad_pushes`` injects faults: the chance that a push carries NaN, which the daemon refuses.
     """
 

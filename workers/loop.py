@@ -151,7 +151,7 @@ class Trainer:
 
 
 def quiet_xla_threads() -> None:
-    """Many workers share few cores: one compute thread each (BENCHMARK.md §3)."""
+    """Many workers share few cores: one compute thread each (docs/benchmark.md)."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_cpu_multi_thread_eigen" not in flags:
         os.environ["XLA_FLAGS"] = (flags + " --xla_cpu_multi_thread_eigen=false").strip()

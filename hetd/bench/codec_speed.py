@@ -1,6 +1,6 @@
 """Codec benchmark: each codec's encode and decode speed against memcpy, measured side by side.
 
-Owns ``codecs.json`` (BENCHMARK.md §2): one record per codec spec and tensor size::
+Owns ``codecs.json`` (docs/benchmark.md): one record per codec spec and tensor size::
 
     {"codec": spec, "n": floats, "encode_gbps", "decode_gbps", "roundtrip_gbps", "memcpy_gbps",
      "roundtrip_vs_memcpy", "memcpy_hot_gbps", "memcpy_large_gbps", "ratio", "rel_error"}
@@ -11,13 +11,13 @@ load from other processes hits them alike; memcpy is ``np.copyto`` of the same `
 timed in the same rounds as the codecs. Two more memcpy figures bracket it:
 ``memcpy_hot_gbps`` runs back to back, both buffers staying in cache (an upper bound at n = 1M,
 where 8 MB fits in L3), and ``memcpy_large_gbps`` copies 400 MB, out of cache, the limit
-BENCHMARK.md §2 quotes. ``roundtrip`` is encode then decode
+docs/benchmark.md quotes. ``roundtrip`` is encode then decode
 (``4 n / (t_encode + t_decode)``). ``ratio`` is encoded payload bytes / float32 bytes and
 ``rel_error`` is ``||x - decode(encode(x))|| / ||x||`` on standard normal data. Decoding goes
 through :func:`hetd.codecs.registry.decode_tensor`, checks included, as the daemon runs it.
 
 Run ``python -m hetd.bench.codec_speed --out DIR``. Fresh memory is slow on these machines: run with
-``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` set as for the daemon (BENCHMARK.md §3),
+``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` set as for the daemon (docs/benchmark.md),
 or the 10M rows measure page faults rather than codecs.
 """
 
@@ -93,7 +93,7 @@ def _jobs(
 
 
 def large_memcpy_gbps(mb: int = 400, repeats: int = 3) -> float:
-    """memcpy GB/s on a buffer far bigger than the caches (BENCHMARK.md §2's limit, 400 MB)."""
+    """memcpy GB/s on a buffer far bigger than the caches (docs/benchmark.md's limit, 400 MB)."""
     src = np.ones(mb * 2**20 // 4, np.float32)
     dst = np.zeros_like(src)
     dst.fill(1.0)  # fault the pages in before timing

@@ -84,7 +84,7 @@ def summary_markdown(doc: dict[str, Any], sc: Scenario, mode: str) -> str:
         "",
         f"TTA ideal = {_fmt(ideal, '.3f')} s: the samples one process needs to reach the target "
         "(global batch, best lr in use, median over seeds) divided by the workers' summed "
-        "throughput — perfect balance, no waiting, free communication (BENCHMARK.md §1).",
+        "throughput — perfect balance, no waiting, free communication (docs/benchmark.md).",
         "Speed-up vs BSP = BSP's median TTA / the policy's. Medians over seeds; a seed that never "
         "reaches the target counts as infinitely slow. Idle = time waiting for a release.",
         "",

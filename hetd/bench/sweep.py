@@ -1,7 +1,7 @@
 """``hetd bench``: every policy × seed on one scenario, learning rates chosen fairly, and the outputs.
 
 Owns :class:`BenchOptions`, :func:`run_bench` (the loop over policies and seeds with a progress bar,
-``--tune-lr``), :func:`ideal_tta` (BENCHMARK.md §1's perfectly balanced, zero-wait lower bound) and
+``--tune-lr``), :func:`ideal_tta` (docs/benchmark.md's perfectly balanced, zero-wait lower bound) and
 :func:`write_outputs` (``results.json``, ``summary.md``, PNGs — the last two in
 :mod:`hetd.bench.plots`). A run is ``--mode sim`` (:func:`hetd.sim.loop.run_sim`, virtual time) or
 ``--mode real`` (:func:`hetd.bench.real.run_real`, a real daemon and real worker processes); both
@@ -147,7 +147,7 @@ def time_for_samples(sc: Scenario, samples: float) -> float:
 
 
 def ideal_tta(sc: Scenario, lrs: Sequence[float], seeds: Sequence[int]) -> float | None:
-    """BENCHMARK.md §1: samples one process needs to reach the target (global batch, the best of
+    """docs/benchmark.md: samples one process needs to reach the target (global batch, the best of
     the learning rates in use, median over seeds) / Σ worker throughput. None if one process
     never gets there within 200 epochs."""
     from hetd.sim.compute import samples_to_target, scenario_compute

@@ -1,4 +1,4 @@
-"""System benchmark: the real daemon against the physical limit, side by side (BENCHMARK.md §2).
+"""System benchmark: the real daemon against the physical limit, side by side (docs/benchmark.md).
 
 Owns ``hetd bench --suite system``: it writes ``OUT/system.json`` (schema in :func:`check_system`)
 and ``OUT/system.md``.

@@ -83,7 +83,7 @@ def add_commands(sub: Any) -> None:
     b = sub.add_parser(
         "bench",
         help="run policies x seeds on a scenario; write results.json, summary.md and plots",
-        description="Time-to-accuracy benchmark (BENCHMARK.md §1): every policy x seed on one "
+        description="Time-to-accuracy benchmark (docs/benchmark.md): every policy x seed on one "
         "scenario, same global batch and budget; writes OUT/results.json, OUT/summary.md, "
         "OUT/accuracy.png, OUT/timeline.png and OUT/batch_shares.png.",
         epilog=SCENARIO_EPILOG,
@@ -94,7 +94,7 @@ def add_commands(sub: Any) -> None:
         "--suite",
         choices=("policies", "codecs", "system"),
         default="policies",
-        help="policies: time-to-accuracy of --policies on --scenario (BENCHMARK.md §1, the "
+        help="policies: time-to-accuracy of --policies on --scenario (docs/benchmark.md, the "
         "default); codecs: codec GB/s vs memcpy, written to OUT/codecs.json (hetd.bench.codec_speed; "
         "its other options: python -m hetd.bench.codec_speed --help); system: the daemon's updates/s "
         "against the loopback websocket limit, engine latency and start-up, written to "

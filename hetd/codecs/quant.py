@@ -19,7 +19,7 @@ All multi-byte numbers are little-endian. ``n`` is the element count of ``shape`
 
 The kernels work in chunks of :data:`CHUNK` elements through one small float32 scratch buffer, so
 no temporary as big as the tensor is made: fresh memory is slow on these machines
-(BENCHMARK.md §3). Rounding to nearest uses the float32 "magic number" trick: adding 1.5 * 2**23
+(docs/benchmark.md). Rounding to nearest uses the float32 "magic number" trick: adding 1.5 * 2**23
 to a value below 2**22 in magnitude rounds it (half to even, like ``np.rint``) and leaves the
 integer in the low bits of the result, whose low byte is then the two's-complement int8 — one
 add and one narrowing cast instead of ``rint`` + a float-to-int cast.

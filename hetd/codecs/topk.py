@@ -10,7 +10,7 @@ count of ``shape``):
     ``values`` is a nested wire tensor of shape ``[count]`` in any dense codec (not ``topk``).
 
 The threshold comes from a random sample of |x| and candidates from one chunked compare and
-``np.flatnonzero``; only the few candidates are partitioned (BENCHMARK.md §3: a full
+``np.flatnonzero``; only the few candidates are partitioned (docs/benchmark.md: a full
 ``np.argpartition`` is ~7x slower). The nested values codec is resolved by :mod:`hetd.codecs.registry`,
 which hands this module the encoder and a checked decoder.
 """

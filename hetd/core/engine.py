@@ -68,7 +68,7 @@ OFF_LOOP_PARAMS = (
     65_536  # models this big publish in a worker thread (smaller: a thread hop costs more)
 )
 PROFILE_KEYS = frozenset({"sample_s", "push_s", "pull_s", "compress_s"})
-EWMA = 0.5  # smoothing of per-worker timing facts (ALGORITHMS.md §0)
+EWMA = 0.5  # smoothing of per-worker timing facts (docs/policies.md)
 
 
 class Clock(Protocol):

@@ -3,7 +3,7 @@
 Parameters are a flat ``path -> array`` map (the wire and the store address tensors by path, so a
 worker can later hold and push only a slice). A gradient step is one jitted function that donates
 its buffers: ``updates, s = tx.update(g, s, w); w = w + scale * updates`` — the weight scales the
-step *after* the transform (ALGORITHMS.md §0, so Adam does not normalise λ away). A delta from local
+step *after* the transform (docs/policies.md, so Adam does not normalise λ away). A delta from local
 steps is applied as ``w + scale * D``. Only the engine calls the mutating methods.
 
 ``apply`` only queues the step and bumps the version: the steps run, in order, at the next
@@ -30,7 +30,7 @@ import optax
 class Int8(NamedTuple):
     """An ``int8`` update with one scale, kept as it came off the wire (``q`` is a view of the
     frame): the jitted step dequantizes it itself, so the host never writes or checks the
-    float32 copy (BENCHMARK.md §2: int8 grads dequantized inside jit)."""
+    float32 copy (docs/benchmark.md: int8 grads dequantized inside jit)."""
 
     q: np.ndarray  # int8, the tensor's shape
     scale: np.float32  # finite, >= 0, and 128 * scale is finite: every value is finite

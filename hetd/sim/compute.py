@@ -2,7 +2,7 @@
 
 Owns :class:`Compute` (the jitted, vmapped kernels for one model and data set, cached per process so
 that a benchmark compiles them once), :class:`StepWork` (one emulated step waiting for its
-gradient), :class:`Straggler` (the transient straggler process of BENCHMARK.md §1 S2) and
+gradient), :class:`Straggler` (the transient straggler process of docs/benchmark.md S2) and
 :func:`samples_to_target` (the single-process sample count behind ``tta_ideal_s``).
 
 Gradients are computed lazily: the simulator records each step when it starts (its parameters and

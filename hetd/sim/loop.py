@@ -5,7 +5,7 @@ Owns :class:`VirtualClock`, :class:`SimPeer` and :func:`run_sim`. The
 directly (``join``, ``push``, ``pull``, ``profile_result``, ``tick``, ``record_eval``). Emulated
 workers (:mod:`hetd.sim.agent`) are in-memory peers that get the engine's real frames (decoded with
 :func:`hetd.protocol.wire.decode`) and send real push frames, checked by the sessions' own
-:func:`hetd.server.sessions.decode_push`. Time charged (BENCHMARK.md §1)::
+:func:`hetd.server.sessions.decode_push`. Time charged (docs/benchmark.md)::
 
     pull  = latency + bytes of the release's params frames / bandwidth
     step  = base_step_s × samples / base_batch × slowdown(t) × straggle   (samples = batch × k)

@@ -9,7 +9,7 @@ Parameters are a flat ``dict`` from a ``/``-separated path (``"Dense_0/kernel"``
 because the wire and the parameter store address parameters by path. The functions unflatten the
 dict themselves, so ``jax.grad(model.loss)`` returns a dict with exactly the same paths. We keep
 it a dict of arrays and never ravel to one vector inside ``jit``: on jax 0.10.2 on this CPU that
-was ~100x slower (BENCHMARK.md §3).
+was ~100x slower (docs/benchmark.md).
 """
 
 from __future__ import annotations
