@@ -4,7 +4,9 @@ Parameters are a flat ``path -> array`` map (the wire and the store address tens
 worker can later hold and push only a slice). A gradient step is one jitted function that donates
 its buffers: ``updates, s = tx.update(g, s, w); w = w + scale * updates`` — the weight scales the
 step *after* the transform (docs/policies.md, so Adam does not normalise λ away). A delta from local
-steps is applied as ``w + scale * D``. Only the engine calls the mutating methods.
+steps is applied as ``w + scale * D``, or, with an *outer* optimizer, as ``w + scale * u`` where
+``u, s = outer.update(-D, s)`` (the pseudo-gradient of DiLoCo-style training; plain ``sgd`` at lr 1
+is the first form). Only the engine calls the mutating methods.
 
 ``apply`` only queues the step and bumps the version: the steps run, in order, at the next
 :meth:`Store.flush` — which :meth:`Store.snapshot` and :meth:`Store.state` call first, and which the
@@ -25,6 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from hetd.zoo.optim import make_optimizer
+
+__all__ = ["Aggregator", "Int8", "Snapshot", "Store", "dense", "make_optimizer"]
 
 
 class Int8(NamedTuple):
@@ -61,17 +67,6 @@ KINDS = ("grad", "delta")
 MAX_PENDING = 16  # queued steps that make apply() flush at once (bounds the memory they hold)
 
 
-def make_optimizer(name: str, lr: float) -> optax.GradientTransformation:
-    """The daemon's optimizer by name: ``sgd``, ``momentum`` (0.9) or ``adam``."""
-    if name == "sgd":
-        return optax.sgd(lr)
-    if name == "momentum":
-        return optax.sgd(lr, momentum=0.9)
-    if name == "adam":
-        return optax.adam(lr)
-    raise ValueError(f"unknown optimizer {name!r}; known: adam, momentum, sgd")
-
-
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """One published parameter version: immutable host copies, shared by every reader."""
@@ -84,13 +79,20 @@ class Store:
     """Global params + optimizer state + version. Not thread-safe: one writer (the engine)."""
 
     def __init__(
-        self, params: Mapping[str, Any], tx: optax.GradientTransformation, version: int = 0
+        self,
+        params: Mapping[str, Any],
+        tx: optax.GradientTransformation,
+        version: int = 0,
+        outer: optax.GradientTransformation | None = None,
     ) -> None:
+        """``tx`` applies gradients; ``outer`` (None: add deltas as they are) applies deltas."""
         self._params: dict[str, jax.Array] = {
             k: jnp.asarray(v, jnp.float32) for k, v in params.items()
         }
         self._tx = tx
         self._opt_state: Any = tx.init(self._params)
+        self._outer = outer
+        self._outer_state: Any = outer.init(self._params) if outer is not None else None
         self.version = version
         self.shapes: dict[str, tuple[int, ...]] = {
             k: tuple(v.shape) for k, v in self._params.items()
@@ -107,10 +109,20 @@ class Store:
             new = {k: params[k] + scale * updates[k] for k in params}
             return new, state
 
-        def delta_step(
-            params: dict[str, jax.Array], delta: dict[str, jax.Array], scale: jax.Array
-        ) -> dict[str, jax.Array]:
-            return {k: params[k] + scale * delta[k] for k in params}
+        def plain_delta_step(
+            params: dict[str, jax.Array], state: Any, delta: dict[str, jax.Array], scale: jax.Array
+        ) -> tuple[dict[str, jax.Array], Any]:
+            return {k: params[k] + scale * delta[k] for k in params}, state
+
+        def outer_delta_step(
+            params: dict[str, jax.Array], state: Any, delta: dict[str, jax.Array], scale: jax.Array
+        ) -> tuple[dict[str, jax.Array], Any]:
+            assert outer is not None  # chosen below only when there is one; not network input
+            pseudo = {k: -delta[k] for k in delta}
+            updates, state = outer.update(pseudo, state, params)
+            return {k: params[k] + scale * updates[k] for k in params}, state
+
+        delta_step = plain_delta_step if outer is None else outer_delta_step
 
         def merged(update: _Split) -> dict[str, jax.Array]:
             dense_part, q, scales = update
@@ -124,14 +136,14 @@ class Store:
             return grad_step(params, state, merged(update), scale)
 
         def delta_step_q(
-            params: dict[str, jax.Array], update: _Split, scale: jax.Array
-        ) -> dict[str, jax.Array]:
-            return delta_step(params, merged(update), scale)
+            params: dict[str, jax.Array], state: Any, update: _Split, scale: jax.Array
+        ) -> tuple[dict[str, jax.Array], Any]:
+            return delta_step(params, state, merged(update), scale)
 
         self._grad_step = jax.jit(grad_step, donate_argnums=(0, 1))
-        self._delta_step = jax.jit(delta_step, donate_argnums=(0,))
+        self._delta_step = jax.jit(delta_step, donate_argnums=(0, 1))
         self._grad_step_q = jax.jit(grad_step_q, donate_argnums=(0, 1))
-        self._delta_step_q = jax.jit(delta_step_q, donate_argnums=(0,))
+        self._delta_step_q = jax.jit(delta_step_q, donate_argnums=(0, 1))
 
     @property
     def n_params(self) -> int:
@@ -162,12 +174,14 @@ class Store:
         grads = {k: np.zeros(s, np.float32) for k, s in self.shapes.items()}
         zeros = {k: jnp.zeros(s, jnp.float32) for k, s in self.shapes.items()}
         params, _ = self._grad_step(zeros, self._tx.init(zeros), grads, np.float32(0.0))
-        params = self._delta_step(params, grads, np.float32(0.0))
+        outer = self._outer.init(zeros) if self._outer is not None else None
+        params, _ = self._delta_step(params, outer, grads, np.float32(0.0))
         if int8:
             q = {k: np.zeros(s, np.int8) for k, s in self.shapes.items()}
             split: _Split = ({}, q, {k: np.float32(0.0) for k in q})
             params, _ = self._grad_step_q(params, self._tx.init(params), split, np.float32(0.0))
-            params = self._delta_step_q(params, split, np.float32(0.0))
+            outer = self._outer.init(params) if self._outer is not None else None
+            params, _ = self._delta_step_q(params, outer, split, np.float32(0.0))
         for leaf in params.values():
             leaf.block_until_ready()
 
@@ -191,7 +205,9 @@ class Store:
                             self._params, self._opt_state, update, np.float32(scale)
                         )
                     else:
-                        self._params = self._delta_step(self._params, update, np.float32(scale))
+                        self._params, self._outer_state = self._delta_step(
+                            self._params, self._outer_state, update, np.float32(scale)
+                        )
                     continue
                 split: _Split = (
                     {k: v for k, v in tensors.items() if not isinstance(v, Int8)},
@@ -203,7 +219,9 @@ class Store:
                         self._params, self._opt_state, split, np.float32(scale)
                     )
                 else:
-                    self._params = self._delta_step_q(self._params, split, np.float32(scale))
+                    self._params, self._outer_state = self._delta_step_q(
+                        self._params, self._outer_state, split, np.float32(scale)
+                    )
 
     def snapshot(self) -> Snapshot:
         """The current version as host arrays, copied once per version (buffers are donated)."""
@@ -219,10 +237,15 @@ class Store:
             return self._snapshot
 
     def state(self) -> tuple[dict[str, np.ndarray], Any, int]:
-        """Params (host copies), optimizer state (host pytree) and version, for checkpoints."""
+        """Params (host copies), optimizer state (host pytree) and version, for checkpoints. With
+        an outer optimizer the state is ``{"grad": ..., "outer": ...}``; without, the gradient
+        optimizer's state alone (the format of checkpoints written before outer optimizers)."""
         with self._lock:
             snap = self.snapshot()
-            return dict(snap.tensors), jax.device_get(self._opt_state), snap.version
+            opt: Any = self._opt_state
+            if self._outer is not None:
+                opt = {"grad": self._opt_state, "outer": self._outer_state}
+            return dict(snap.tensors), jax.device_get(opt), snap.version
 
     def restore(self, params: Tensors, opt_state: Any, version: int) -> None:
         """Replace the whole state (from a checkpoint); shapes must match the model."""
@@ -235,7 +258,11 @@ class Store:
     def _restore(self, params: Tensors, opt_state: Any, version: int) -> None:
         self._pending = []
         self._params = {k: jnp.asarray(v, jnp.float32) for k, v in params.items()}
-        self._opt_state = jax.tree.map(jnp.asarray, opt_state)
+        if self._outer is not None:
+            self._opt_state = jax.tree.map(jnp.asarray, opt_state["grad"])
+            self._outer_state = jax.tree.map(jnp.asarray, opt_state["outer"])
+        else:
+            self._opt_state = jax.tree.map(jnp.asarray, opt_state)
         self.version = version
         self._snapshot = None
 
