@@ -1,0 +1,163 @@
+"""A worker's compute in fixed shapes: gradients over micro-batches, local steps through an inner
+optimizer.
+
+Every jitted call sees a batch of exactly ``micro_batch`` examples. A batch of ``b`` examples runs
+as ``ceil(b / micro_batch)`` calls whose per-example losses are summed under a mask (the last
+micro-batch padded with zeros and masked out), so a policy that changes a worker's batch every
+round changes how many calls it makes, never a compiled shape. Without this a new batch size
+cost a compilation (0.5–1.5 s on a small CPU) that the worker then reported as compute time, and
+batch-share policies chased their own compile times (docs/benchmark.md).
+
+Local steps (a delta push) run the *inner* optimizer (:mod:`hetd.zoo.optim`) whose state this
+object keeps across rounds, as DiLoCo-style training does; its learning rate is an injected
+hyperparameter, so the plan's ``lr_scale`` changes it without recompiling.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from hetd.zoo.models import Model
+from hetd.zoo.optim import OptimizerSpec
+
+Sample = Callable[[int], tuple[np.ndarray, np.ndarray]]
+"""Draws the next ``n`` examples ``(x, y)`` of the worker's data."""
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """One plan's worth of work."""
+
+    kind: str  # "grad" (mean gradient of one batch) | "delta" (θ_end − θ_start after k steps)
+    tensors: dict[str, np.ndarray]
+    loss: float  # mean training loss over the examples seen
+    samples: int  # examples computed (padding excluded)
+    steps: int  # optimizer steps taken (1 for a gradient)
+
+
+def micro_batches(b: int, micro_batch: int) -> int:
+    """How many fixed-shape calls a batch of ``b`` examples takes."""
+    return max(1, math.ceil(b / micro_batch))
+
+
+class Steps:
+    """Jitted, fixed-shape gradient and inner-optimizer kernels for one model on one device."""
+
+    def __init__(
+        self, model: Model, micro_batch: int, inner: OptimizerSpec, device: jax.Device
+    ) -> None:
+        if micro_batch < 1:
+            raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
+        if inner.lr is None:
+            raise ValueError("the inner optimizer needs a learning rate")
+        self.micro_batch = micro_batch
+        self.inner = inner
+        self.base_lr = inner.lr
+        self.device = device
+        self._tx = _injectable(inner)
+        self._state: Any = None  # the inner optimizer's state, kept across rounds
+
+        def masked_sum(params: Any, x: jax.Array, y: jax.Array, mask: jax.Array) -> jax.Array:
+            # Model.loss is a mean over examples, so per-example losses are loss(x[i:i+1]).
+            per = jax.vmap(lambda xi, yi: model.loss(params, xi[None], yi[None]))(x, y)
+            return jnp.sum(per * mask)
+
+        grad_sum = jax.value_and_grad(masked_sum)
+
+        def first(params: Any, x: jax.Array, y: jax.Array, mask: jax.Array) -> Any:
+            return grad_sum(params, x, y, mask)
+
+        def more(
+            params: Any, acc: Any, loss: jax.Array, x: jax.Array, y: jax.Array, mask: jax.Array
+        ) -> Any:
+            part_loss, part = grad_sum(params, x, y, mask)
+            return loss + part_loss, {k: acc[k] + part[k] for k in acc}
+
+        def apply_inner(
+            params: Any, state: Any, g_sum: Any, inv_n: jax.Array, lr: jax.Array
+        ) -> tuple[Any, Any]:
+            state.hyperparams["learning_rate"] = lr
+            grads = {k: g_sum[k] * inv_n for k in g_sum}
+            updates, state = self._tx.update(grads, state, params)
+            return {k: params[k] + updates[k] for k in params}, state
+
+        # Inputs are placed on ``device`` (jit's own device argument is deprecated): the
+        # computation follows its operands.
+        self._first = jax.jit(first)
+        self._more = jax.jit(more)
+        self._apply = jax.jit(apply_inner)
+
+    def _grad_sum(self, params: Mapping[str, jax.Array], sample: Sample, b: int) -> Any:
+        """Σ over ``b`` fresh examples of the per-example loss and its gradient."""
+        m = self.micro_batch
+        x, y = sample(b)
+        calls = micro_batches(b, m)
+        pad = calls * m - b
+        if pad:
+            x = np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)])
+            y = np.concatenate([y, np.zeros((pad, *y.shape[1:]), y.dtype)])
+        mask_host = np.ones(calls * m, np.float32)
+        if pad:
+            mask_host[b:] = 0.0
+
+        def part(i: int) -> tuple[jax.Array, ...]:
+            s = slice(i * m, (i + 1) * m)  # host slices, one transfer each
+            return tuple(jax.device_put(a[s], self.device) for a in (x, y, mask_host))
+
+        loss, acc = self._first(params, *part(0))
+        for i in range(1, calls):
+            loss, acc = self._more(params, acc, loss, *part(i))
+        return loss, acc
+
+    def gradient(self, params: Mapping[str, np.ndarray], sample: Sample, b: int) -> Result:
+        """The mean gradient over ``b`` examples."""
+        dev = {k: jax.device_put(v, self.device) for k, v in params.items()}
+        loss, acc = self._grad_sum(dev, sample, b)
+        inv = np.float32(1.0 / b)
+        tensors = {k: np.asarray(v, dtype=np.float32) * inv for k, v in acc.items()}
+        return Result("grad", tensors, float(loss) / b, b, 1)
+
+    def local_steps(
+        self, params: Mapping[str, np.ndarray], sample: Sample, b: int, k: int, lr_scale: float
+    ) -> Result:
+        """``k`` inner-optimizer steps of ``b`` examples each; the change as a delta."""
+        start = {k_: jax.device_put(v, self.device) for k_, v in params.items()}
+        if self._state is None:
+            self._state = self._tx.init(start)
+        lr = jnp.float32(self.base_lr * lr_scale)
+        inv = jax.device_put(np.float32(1.0 / b), self.device)
+        lr = jax.device_put(lr, self.device)
+        local: Any = start
+        total = 0.0
+        for _ in range(k):
+            loss, acc = self._grad_sum(local, sample, b)
+            local, self._state = self._apply(local, self._state, acc, inv, lr)
+            total += float(loss)
+        delta = {name: np.asarray(local[name] - start[name], dtype=np.float32) for name in start}
+        return Result("delta", delta, total / (b * k), b * k, k)
+
+
+def _injectable(spec: OptimizerSpec) -> optax.GradientTransformation:
+    """``spec`` with its learning rate as an injected hyperparameter."""
+    opts = dict(spec.options)
+    if spec.name == "adam":
+        return optax.inject_hyperparams(optax.adam)(
+            learning_rate=spec.lr,
+            b1=opts.get("b1", 0.9),
+            b2=opts.get("b2", 0.999),
+            eps=opts.get("eps", 1e-8),
+        )
+    momentum = opts.get("momentum", {"sgd": 0.0, "momentum": 0.9, "nesterov": 0.9}[spec.name])
+    return optax.inject_hyperparams(optax.sgd, static_args=("momentum", "nesterov"))(
+        learning_rate=spec.lr,
+        momentum=momentum or None,
+        nesterov=spec.name == "nesterov" and momentum > 0,
+    )
