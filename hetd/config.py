@@ -48,9 +48,16 @@ class TrainConfig:
     dataset: str = "mnist5k"  # registered name or pkg.module:attr
     dataset_kwargs: Mapping[str, Any] = field(default_factory=dict)
     seed: int = 0
-    optimizer: str = "sgd"  # sgd | momentum | adam
+    optimizer: str = "sgd"  # the daemon's optimizer for gradients: sgd | momentum | nesterov | adam
     lr: float = 0.1  # the daemon's optimizer learning rate
-    worker_lr: float = 0.0  # the worker's local lr for local-step (delta) plans; 0: same as lr
+    # Local-step (delta) plans: the workers' optimizer, its state kept on the worker across
+    # rounds; "" = the same family as optimizer. Spec "name[:lr=..,momentum=..,b1=..]".
+    inner_optimizer: str = ""
+    worker_lr: float = 0.0  # the inner optimizer's lr when its spec names none; 0: same as lr
+    # How the daemon applies a delta: the pseudo-gradient -delta through this optimizer.
+    # "sgd:lr=1" adds deltas as they are; "nesterov:lr=0.7,momentum=0.9" is DiLoCo's.
+    outer_optimizer: str = "sgd:lr=1"
+    micro_batch: int = 0  # examples per jitted call on workers (fixed shape); 0: batch_size
     global_batch: int = 128  # samples per round across workers (BSP: B/N each)
     batch_size: int = 32  # initial per-worker batch
     codec: str = "none"  # preferred codec for pushes and params
@@ -186,6 +193,7 @@ _RANGES: dict[tuple[str, str], tuple[float, float | None, str]] = {
     ("train", "worker_lr"): (0, None, "not negative"),
     ("train", "global_batch"): (1, None, "at least 1"),
     ("train", "batch_size"): (1, None, "at least 1"),
+    ("train", "micro_batch"): (0, None, "0 (the batch size) or more"),
     ("train", "shards"): (0, None, "0 (automatic) or more"),
     ("train", "eval_interval_s"): (0, None, "not negative"),
     ("train", "max_staleness_drop"): (0, None, "not negative"),
@@ -212,18 +220,42 @@ def _checked(cfg: Config) -> Config:
             raise ConfigError(f"[{section}] {key} = {value!r} is out of range: {why}")
     if cfg.server.worker_token and cfg.server.worker_token == cfg.server.admin_token:
         raise ConfigError("the worker token and the admin token must differ")
-    # here, not at the top: codecs is heavier than a config needs
+    # here, not at the top: codecs and optax are heavier than a config needs
     from hetd.codecs import registry as codecs
+    from hetd.zoo.optim import parse_optimizer
 
     try:
         codecs.from_spec(cfg.train.codec)
     except codecs.CodecError as exc:
         raise ConfigError(f"[train] codec = {cfg.train.codec!r}: {exc}") from None
+    for key in ("optimizer", "inner_optimizer", "outer_optimizer"):
+        spec = getattr(cfg.train, key)
+        if key == "inner_optimizer" and not spec:
+            continue
+        try:
+            parse_optimizer(spec)
+        except ValueError as exc:
+            raise ConfigError(f"[train] {key} = {spec!r}: {exc}") from None
     if cfg.train.downlink not in DOWNLINK_MODES:
         raise ConfigError(
             f"[train] downlink = {cfg.train.downlink!r}: one of {', '.join(DOWNLINK_MODES)}"
         )
     return cfg
+
+
+def optimizers(
+    optimizer: str, lr: float, inner: str, worker_lr: float, outer: str
+) -> tuple[str, str, str]:
+    """The three optimizer specs in full (each with its learning rate): the daemon's for
+    gradients, the workers' inner one (``inner`` empty: ``optimizer``'s family; its lr
+    ``worker_lr``, 0 meaning ``lr``) and the outer one for deltas. Shared by the daemon and the
+    simulator so both train the same way."""
+    from hetd.zoo.optim import parse_optimizer
+
+    daemon = parse_optimizer(optimizer).with_default_lr(lr)
+    base = parse_optimizer(inner) if inner else parse_optimizer(daemon.name)
+    inner_spec = base.with_default_lr(worker_lr or daemon.lr or lr)
+    return str(daemon), str(inner_spec), str(parse_optimizer(outer).with_default_lr(1.0))
 
 
 def is_loopback(host: str | None) -> bool:
