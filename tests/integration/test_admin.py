@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hetd import config as config_mod
 from hetd.server.daemon import Daemon
-from tests.integration.conftest import ADMIN_TOKEN, WORKER_TOKEN, Cluster, make_config
+from tests.conftest import ADMIN_TOKEN, WORKER_TOKEN, Cluster, make_config
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import pytest
 from hetd.codecs import registry as codecs
 from hetd.local.demo import stop_processes
 from hetd.protocol import wire
-from tests.integration.conftest import WORKER_TOKEN
+from tests.conftest import WORKER_TOKEN
 
 AUTH = {"Authorization": f"Bearer {WORKER_TOKEN}"}
 

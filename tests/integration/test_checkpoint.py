@@ -23,7 +23,7 @@ import pytest
 
 from hetd.local.demo import stop_processes, worker_env
 from hetd.server import checkpoint
-from tests.integration.conftest import ADMIN_TOKEN, WORKER_TOKEN
+from tests.conftest import ADMIN_TOKEN, WORKER_TOKEN
 
 pytestmark = pytest.mark.slow
 

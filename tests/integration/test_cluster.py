@@ -8,7 +8,7 @@ import time
 import aiohttp
 import pytest
 
-from tests.integration.conftest import WORKER_TOKEN
+from tests.conftest import WORKER_TOKEN
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import pytest
 from hetd import config as config_mod
 from hetd.local.demo import stop_processes
 from hetd.server.daemon import Daemon
-from tests.integration.conftest import Cluster, make_config
+from tests.conftest import Cluster, make_config
 
 pytestmark = pytest.mark.slow
 

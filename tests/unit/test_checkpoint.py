@@ -20,25 +20,7 @@ from hetd.server import checkpoint
 from hetd.server.checkpoint import Checkpointer, CheckpointError
 from policies import make_policy
 from policies.base import ClusterView, Policy, WorkerFacts, policy_names, register
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def now(self) -> float:
-        return self.t
-
-
-class FakePeer:
-    def __init__(self) -> None:
-        self.frames: list[bytes] = []
-
-    def send(self, frame: bytes, *, params: bool = False, full: bool = False) -> None:
-        self.frames.append(frame)
-
-    def close(self, reason: str) -> None:
-        pass
+from tests.conftest import FakeClock, FakePeer
 
 
 def make_engine(optimizer: str = "adam", shape: tuple[int, ...] = (3, 2)) -> Engine:

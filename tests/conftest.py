@@ -1,0 +1,173 @@
+"""Shared test doubles and factories.
+
+* :class:`FakeClock` and :class:`FakePeer` drive an :class:`hetd.core.engine.Engine` directly in unit
+  tests: time is whatever the test sets, frames are collected instead of sent.
+* :func:`cluster` (a fixture) starts a real daemon on loopback, and :class:`Cluster` real
+  ``hetd-worker`` processes for it; :func:`make_config` is its config, with the test tokens.
+
+Every factory closes what it built, even when the test fails. Heavy modules (JAX through the
+daemon) are imported where they are used, so pure policy tests do not pay for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from hetd import config as config_mod
+    from hetd.server.daemon import Daemon
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+WORKER_TOKEN = "worker-secret-for-tests"
+ADMIN_TOKEN = "admin-secret-for-tests"
+
+
+# --- unit tests: an engine without sockets ---------------------------------------------------------
+
+
+class FakeClock:
+    """The engine's clock, set by the test (``clock.t = ...``)."""
+
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def now(self) -> float:
+        return self.t
+
+
+class FakePeer:
+    """A session's outbox that keeps every frame the engine sends it."""
+
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+
+    def send(self, frame: bytes, *, params: bool = False, full: bool = False) -> None:
+        self.frames.append(frame)
+
+    def close(self, reason: str) -> None:
+        pass
+
+
+# --- integration tests: a real daemon on loopback, real worker processes ---------------------------
+
+
+def make_config(
+    policy: str,
+    params: dict[str, Any] | None = None,
+    server: dict[str, Any] | None = None,
+    **train: Any,
+) -> config_mod.Config:
+    """A config for digits on loopback with test tokens."""
+    from hetd import config as config_mod
+
+    cfg = config_mod.Config()
+    cfg = config_mod.replace(
+        cfg,
+        "server",
+        port=0,
+        admin_port=0,
+        worker_token=WORKER_TOKEN,
+        admin_token=ADMIN_TOKEN,
+        **{"heartbeat_s": 0.5, "heartbeat_timeout_s": 10.0, **(server or {})},
+    )
+    defaults: dict[str, Any] = {"dataset": "digits", "model": "mlp", "lr": 0.2}
+    cfg = config_mod.replace(cfg, "train", eval_interval_s=0.5, **{**defaults, **train})
+    return config_mod.replace(cfg, "policy", name=policy, params=params or {})
+
+
+class Cluster:
+    """A daemon plus the worker processes started for it."""
+
+    def __init__(self, daemon: Daemon, url: str) -> None:
+        self.daemon = daemon
+        self.engine = daemon.engine
+        self.url = url
+        self.procs: list[asyncio.subprocess.Process] = []
+
+    @property
+    def admin_url(self) -> str:
+        """The daemon's admin API (``admin_port = 0`` in tests: a free port)."""
+        return f"http://127.0.0.1:{self.daemon.admin_port}"
+
+    async def spawn(
+        self, slowdown: float = 1.0, base_step: float = 0.02, *extra: str, token: str = WORKER_TOKEN
+    ) -> asyncio.subprocess.Process:
+        """Start one real worker process."""
+        from hetd.local.demo import worker_env
+
+        env = worker_env(token)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "workers.cli",
+            self.url,
+            "--name",
+            f"w{len(self.procs)}-x{slowdown:g}",
+            "--emulate-slowdown",
+            str(slowdown),
+            "--emulate-base-step",
+            str(base_step),
+            "--max-retries",
+            "3",
+            *extra,
+            env=env,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        self.procs.append(proc)
+        return proc
+
+    async def wait_for(self, predicate: Callable[[], bool], timeout: float, what: str) -> None:
+        """Poll ``predicate`` until it holds; fail naming ``what`` and showing worker errors."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return
+            await asyncio.sleep(0.05)
+        errors = []
+        for p in self.procs:
+            if p.returncode is not None and p.stderr is not None:
+                errors.append((await p.stderr.read()).decode()[-2000:])
+        pytest.fail(f"timed out after {timeout}s waiting for {what}; worker errors: {errors}")
+
+
+@pytest.fixture
+async def cluster() -> AsyncIterator[Callable[..., Awaitable[Cluster]]]:
+    """``await cluster(policy, params, server={...}, store={...}, **train)`` starts a daemon;
+    everything is stopped at the end."""
+    from hetd import config as config_mod
+    from hetd.local.demo import stop_processes
+    from hetd.server.daemon import Daemon
+
+    made: list[Cluster] = []
+
+    async def make(
+        policy: str,
+        params: dict[str, Any] | None = None,
+        server: dict[str, Any] | None = None,
+        store: dict[str, Any] | None = None,
+        **train: Any,
+    ) -> Cluster:
+        cfg = make_config(policy, params, server, **train)
+        if store:
+            cfg = config_mod.replace(cfg, "store", **store)
+        daemon = Daemon(cfg)
+        port = await daemon.start()
+        c = Cluster(daemon, f"ws://127.0.0.1:{port}")
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        await stop_processes(c.procs)
+        with contextlib.suppress(Exception):
+            await c.daemon.stop()
