@@ -19,6 +19,7 @@ import numpy as np
 from hetd.codecs import registry as codecs
 from hetd.codecs.feedback import ErrorFeedback, encode_with_feedback
 from hetd.protocol import wire
+from hetd.protocol.params import Held, apply_params
 from workers.emulate import Emulation
 from workers.loop import Trainer, device_info, host_free_memory
 
@@ -85,30 +86,6 @@ async def run_worker(opts: WorkerOptions) -> int:
                 log.warning("connection lost (%s); retrying in %.1fs", exc, delay)
                 await asyncio.sleep(delay)
     return state.steps
-
-
-@dataclass(frozen=True, slots=True)
-class Held:
-    """Parameters this worker holds: a version and its tensors (never changed in place)."""
-
-    version: int
-    tensors: Mapping[str, np.ndarray]
-
-
-def apply_params(held: Held | None, msg: wire.Message) -> Held | None:
-    """The parameters after a ``params`` message: full ones replace; a delta adds to the version it
-    names, or returns None when that is not the version held."""
-    decoded = codecs.decode_tree(msg["tensors"])
-    if msg["full"]:
-        return Held(msg["version"], decoded)
-    if held is None or msg.get("base") != held.version:
-        return None
-    tensors = dict(held.tensors)
-    for path, d in decoded.items():
-        if path not in tensors or tensors[path].shape != d.shape:
-            return None
-        tensors[path] = tensors[path] + d
-    return Held(msg["version"], tensors)
 
 
 class Inbox:

@@ -1,9 +1,9 @@
 """An emulated worker: what ``workers/client.py`` does with the daemon's frames, in virtual time.
 
 Owns :class:`EmuWorker` and :class:`InFlight`. A worker follows the real client's protocol: it
-applies ``params`` frames with the client's own :func:`workers.client.apply_params` (full frames, or
-deltas against the version it holds; an unusable delta means a ``pull`` for everything), follows
-``plan`` frames (batch size, local steps, push kind, codec with error feedback, data share,
+applies ``params`` frames as the client does, with :func:`hetd.protocol.params.apply_params` (full
+frames, or deltas against the version it holds; an unusable delta means a ``pull`` for everything),
+follows ``plan`` frames (batch size, local steps, push kind, codec with error feedback, data share,
 ``pipeline``), answers a ``profile`` request by timing a few emulated steps before its first step,
 and computes when it holds parameters and has at most ``depth`` pushes unanswered (0, or 1 when
 its plan says ``pipeline``: the next step overlaps the push in flight, and pushes leave in order).
@@ -24,10 +24,11 @@ import numpy as np
 from hetd.codecs import registry as codecs
 from hetd.codecs.feedback import ErrorFeedback, encode_with_feedback
 from hetd.protocol import wire
+from hetd.protocol.params import Held, apply_params
 from hetd.sim.compute import StepWork, Straggler
 from hetd.sim.scenario import Scenario
 from hetd.zoo.data import BatchSampler, Dataset, shard_indices
-from workers.client import Held, apply_params, codec_for, local_steps_for
+from workers.client import codec_for, local_steps_for
 
 
 @dataclass(eq=False)

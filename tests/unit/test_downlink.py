@@ -11,7 +11,7 @@ import pytest
 from hetd.core.downlink import Downlink, Outgoing
 from hetd.core.store import Snapshot
 from hetd.protocol import wire
-from workers.client import Held, apply_params
+from hetd.protocol.params import Held, apply_params
 
 
 def snap(version: int, rng: np.random.Generator) -> Snapshot:
