@@ -1,32 +1,71 @@
 """Pure decision modules for hetd: synchronisation gates, weight rules, batch shares, stages.
 
-Importing this package registers the built-in policies; :func:`make_policy` builds one by name.
+The interface's records are :mod:`policies.types`; combining policies and decisions is
+:mod:`policies.compose`; names are :mod:`policies.registry`. Importing this package registers the
+built-in policies; :func:`make_policy` builds one by name.
 """
 
 from policies import adsp, ashl  # noqa: F401  (registers adsp, ashl)
 from policies import shares as shares
 from policies import staleness as staleness
 from policies import sync as sync
-from policies.base import (
+from policies.compose import Resolved, compose, describe_state, release_waiting, resolve
+from policies.registry import PolicyError, make_policy, policy_names, register
+from policies.types import (
+    Apply,
+    Buffer,
     ClusterView,
+    Decision,
+    Drop,
+    Eval,
+    Event,
+    Flush,
+    Join,
+    Leave,
     Plan,
     Policy,
-    PolicyError,
+    Pull,
+    Push,
+    PushDecision,
+    Release,
+    Scale,
+    SetPlan,
+    SetStage,
+    Tick,
     WorkerFacts,
-    compose,
-    make_policy,
-    policy_names,
 )
 
 __all__ = [
+    "Apply",
+    "Buffer",
     "ClusterView",
+    "Decision",
+    "Drop",
+    "Eval",
+    "Event",
+    "Flush",
+    "Join",
+    "Leave",
     "Plan",
     "Policy",
     "PolicyError",
+    "Pull",
+    "Push",
+    "PushDecision",
+    "Release",
+    "Resolved",
+    "Scale",
+    "SetPlan",
+    "SetStage",
+    "Tick",
     "WorkerFacts",
     "compose",
+    "describe_state",
     "make_policy",
     "policy_names",
+    "register",
+    "release_waiting",
+    "resolve",
     "shares",
     "staleness",
     "sync",

@@ -27,7 +27,10 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from policies import profiling as prof
-from policies.base import (
+from policies.compose import release_waiting
+from policies.profiling import ProfilingConfig, WorkerTrack, freeze, is_int
+from policies.registry import register
+from policies.types import (
     Apply,
     ClusterView,
     Decision,
@@ -36,10 +39,7 @@ from policies.base import (
     Push,
     SetPlan,
     SetStage,
-    register,
-    release_waiting,
 )
-from policies.profiling import ProfilingConfig, WorkerTrack, freeze, is_int
 
 PROFILE, TRAIN = "profile", "ADSP"
 PROFILE_FIELDS: Mapping[str, Any] = freeze({"local_steps": 1, "lr_scale": 1.0})

@@ -25,7 +25,10 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from policies import profiling as prof
-from policies.base import (
+from policies.compose import release_waiting
+from policies.profiling import Profile, ProfilingConfig, WorkerTrack, freeze, is_int
+from policies.registry import register
+from policies.types import (
     Apply,
     ClusterView,
     Decision,
@@ -35,10 +38,7 @@ from policies.base import (
     Push,
     SetPlan,
     SetStage,
-    register,
-    release_waiting,
 )
-from policies.profiling import Profile, ProfilingConfig, WorkerTrack, freeze, is_int
 
 PROFILE, AHL, SHL = "profile", "AHL", "SHL"
 PROFILE_FIELDS: Mapping[str, Any] = freeze(
@@ -265,7 +265,7 @@ def describe_state(state: AshlState) -> dict[str, Any]:
 
 
 def _fields(stage: str, wp: WorkerPlan, commits: int, cfg: AshlConfig) -> dict[str, Any]:
-    """The plan fields of a planned worker in ``stage`` (``extra`` keys reach the worker as-is)."""
+    """The plan fields (:class:`~policies.types.Plan`'s) of a planned worker in ``stage``."""
     shl = stage == SHL
     return {
         "local_steps": wp.hf if shl else wp.hc,

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, TypeVar
 
-from policies.base import ClusterView, Event, Push, WorkerFacts
+from policies.types import ClusterView, Event, Push, WorkerFacts
 
 K = TypeVar("K")
 V = TypeVar("V")

@@ -13,7 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
-from policies.base import (
+from policies.registry import register
+from policies.types import (
     Buffer,
     ClusterView,
     Decision,
@@ -26,7 +27,6 @@ from policies.base import (
     Release,
     SetPlan,
     Tick,
-    register,
 )
 
 ALPHA = 0.3  # EWMA weight of a new timing observation
@@ -369,7 +369,7 @@ def hps(
     _check(global_batch, b_min, eps, quantum)
     if not mem_per_sample > 0 or not 0 < rho <= 1:
         raise ValueError("mem_per_sample must be > 0 and 0 < rho <= 1")
-    bad = [q for q in bits if q not in BITS_CODECS]
+    bad = [q for q in bits if isinstance(q, bool) or not isinstance(q, int) or q not in BITS_CODECS]
     if bad or not bits:
         raise ValueError(f"bits must be drawn from {sorted(BITS_CODECS)}, got {list(bits)}")
     cfg = SharesConfig(

@@ -13,7 +13,10 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from policies.base import (
+from policies.compose import compose
+from policies.registry import make_policy, register
+from policies.sync import _async_weight, _check_weight
+from policies.types import (
     Apply,
     ClusterView,
     Decision,
@@ -24,11 +27,7 @@ from policies.base import (
     Release,
     Scale,
     WorkerFacts,
-    compose,
-    make_policy,
-    register,
 )
-from policies.sync import _async_weight, _check_weight
 
 
 def closest_stop(

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from policies.base import (
+from policies.compose import release_waiting
+from policies.registry import register
+from policies.types import (
     Apply,
     Buffer,
     ClusterView,
@@ -21,8 +23,6 @@ from policies.base import (
     Pull,
     Push,
     Tick,
-    register,
-    release_waiting,
 )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
 import time
@@ -20,6 +21,7 @@ from hetd.codecs import registry as codecs
 from hetd.codecs.feedback import ErrorFeedback, encode_with_feedback
 from hetd.protocol import wire
 from hetd.protocol.params import Held, apply_params
+from hetd.protocol.plan import Plan, codec_for, local_steps_for
 from workers.emulate import Emulation
 from workers.loop import Trainer, device_info, host_free_memory
 
@@ -56,7 +58,7 @@ class WorkerState:
     steps: int = 0
     trainer: Trainer | None = None
     trainer_key: str = ""
-    plan: dict[str, Any] = field(default_factory=dict)
+    plan: Plan = field(default_factory=Plan)  # the daemon's latest plan for this worker
     heartbeat_s: float = 2.0
     feedback: ErrorFeedback = field(default_factory=ErrorFeedback)  # what lossy pushes still owe
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
@@ -184,7 +186,7 @@ async def _session(http: aiohttp.ClientSession, opts: WorkerOptions, state: Work
             sending: asyncio.Task[None] | None = None
             idle_from = time.perf_counter()
             while not opts.max_steps or state.steps < opts.max_steps:
-                pipeline = bool(state.plan.get("pipeline"))
+                pipeline = bool(state.plan.pipeline)
                 msg = await inbox.take(1 if pipeline else 0)
                 if inbox.profile is not None:
                     spec, inbox.profile = inbox.profile, None
@@ -233,8 +235,8 @@ async def _read(
                 inbox.welcomed.set()
             elif msg.type == "profile":
                 inbox.profile = dict(msg["spec"])
-            elif msg.type == "plan":
-                state.plan.update(msg["plan"])
+            elif msg.type == "plan":  # the whole plan, every time
+                state.plan = Plan.from_wire(msg["plan"])
             elif msg.type == "params":
                 delay = opts.emulation.transfer_seconds(len(frame.data))
                 if delay:  # the emulated link carries parameters too, as the simulator charges
@@ -267,13 +269,13 @@ async def _read(
 
 def _welcome(msg: wire.Message, state: WorkerState, device: jax.Device) -> None:
     state.worker_id = msg["worker_id"]
-    state.plan = dict(msg["plan"])
+    state.plan = Plan.from_wire(msg["plan"])
     state.heartbeat_s = float(msg["heartbeat_s"])
     key = repr((msg["model"], msg["dataset"], msg["shard"], msg["train"]))
     if state.trainer is None or state.trainer_key != key:
         state.trainer = Trainer(msg.body, device)
         state.trainer_key = key
-    log.info("joined as worker %d, plan %s", state.worker_id, state.plan)
+    log.info("joined as worker %d, plan %s", state.worker_id, state.plan.to_wire())
 
 
 async def _compute(msg: Held, opts: WorkerOptions, state: WorkerState, idle_s: float) -> bytes:
@@ -282,8 +284,9 @@ async def _compute(msg: Held, opts: WorkerOptions, state: WorkerState, idle_s: f
     if state.trainer is None:
         raise ConnectionError("params before welcome")
     params = msg.tensors
-    plan = dict(state.plan)
-    plan["local_steps"] = local_steps_for(plan, state.local_step_s)
+    plan = dataclasses.replace(
+        state.plan, local_steps=local_steps_for(state.plan, state.local_step_s)
+    )
     t0 = time.perf_counter()
     update = await asyncio.to_thread(state.trainer.step, params, plan)
     compute_s = time.perf_counter() - t0
@@ -317,28 +320,6 @@ async def _compute(msg: Held, opts: WorkerOptions, state: WorkerState, idle_s: f
     )
 
 
-def local_steps_for(plan: Mapping[str, Any], step_s: float | None) -> int:
-    """Local steps for the next push: the plan's ``local_steps``, or in time mode (a positive
-    ``local_time_s``, ADSP's) as many steps as fit that time at this worker's own measured
-    ``step_s`` seconds per step; at least 1."""
-    steps = max(1, int(plan.get("local_steps", 1)))
-    budget = plan.get("local_time_s")
-    if isinstance(budget, bool) or not isinstance(budget, int | float) or not budget > 0:
-        return steps
-    if step_s is None or not step_s > 0:
-        return steps  # no measurement yet: the daemon's estimate
-    return max(1, min(100_000, int(budget / step_s)))
-
-
-def codec_for(plan: Mapping[str, Any]) -> codecs.Codec:
-    """The codec a plan names (a spec such as ``int8:block=1024``); a bare ``topk`` keeps the plan's
-    ``topk`` fraction of the values."""
-    spec = str(plan.get("codec", "none"))
-    if spec == "topk":
-        return codecs.get_codec("topk", k=float(plan.get("topk", 0.01)))
-    return codecs.from_spec(spec)
-
-
 async def _profile(
     msg: Held, spec: Mapping[str, Any], opts: WorkerOptions, state: WorkerState
 ) -> dict[str, float]:
@@ -348,7 +329,7 @@ async def _profile(
     trainer = state.trainer
     params = msg.tensors
     steps = max(1, min(20, int(spec.get("steps", 3))))
-    plan = {"batch_size": int(spec.get("batch_size", 32)), "local_steps": 1}
+    plan = Plan(batch_size=int(spec.get("batch_size", 32)), local_steps=1)
     per_sample = []
     update = None
     for _ in range(steps):

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hetd.protocol.plan import Plan, data_range
 from hetd.zoo.data import BatchSampler, load_dataset, shard_indices
 from hetd.zoo.models import get_model
 
@@ -109,16 +110,13 @@ class Trainer:
 
         self._sgd = jax.jit(sgd, device=device)
 
-    def _follow_share(self, plan: Mapping[str, Any]) -> None:
+    def _follow_share(self, plan: Plan) -> None:
         """A plan with ``data_share`` (and ``data_offset``) moves this worker to that fraction of
         one seed-fixed permutation of the training set (ASHL's data shares)."""
-        share = plan.get("data_share")
-        if not isinstance(share, int | float) or not 0 < share <= 1:
+        wanted = data_range(plan)
+        if wanted is None or self._share == wanted:
             return
-        offset = plan.get("data_offset", 0.0)
-        offset = float(offset) if isinstance(offset, int | float) and 0 <= offset < 1 else 0.0
-        if self._share == (offset, float(share)):
-            return
+        offset, share = wanted
         n = len(self.data.y_train)
         perm = np.random.default_rng(self.seed).permutation(n)
         lo = int(offset * n)
@@ -126,20 +124,20 @@ class Trainer:
         self.sampler = BatchSampler(
             self.data.x_train[idx], self.data.y_train[idx], seed=self.seed * 1000 + self.shard_index
         )
-        self._share = (offset, float(share))
+        self._share = wanted
 
-    def step(self, params: Mapping[str, np.ndarray], plan: Mapping[str, Any]) -> Update:
+    def step(self, params: Mapping[str, np.ndarray], plan: Plan) -> Update:
         """One plan's worth of work on the current parameters."""
-        batch = max(1, int(plan.get("batch_size", 32)))
-        k = max(1, int(plan.get("local_steps", 1)))
+        batch = max(1, plan.batch_size)
+        k = max(1, plan.local_steps)
         self._follow_share(plan)
         dev = {name: jax.device_put(v, self.device) for name, v in params.items()}
-        if k == 1 and plan.get("push_kind", "grad") != "delta":
+        if k == 1 and plan.push_kind != "delta":
             x, y = self.sampler.next(batch)
             loss, grads = self._grad(dev, jnp.asarray(x), jnp.asarray(y))
             tensors = {name: np.asarray(g, dtype=np.float32) for name, g in grads.items()}
             return Update("grad", tensors, float(loss), batch, 1)
-        lr = jnp.float32(self.worker_lr * float(plan.get("lr_scale", 1.0)))
+        lr = jnp.float32(self.worker_lr * plan.lr_scale)
         local = dev
         losses = []
         for _ in range(k):

@@ -25,7 +25,7 @@ from hetd.server.daemon import Daemon
 from hetd.sim.results import PolicySpec, RunResult, Trace, first_reach, staleness_stats
 from hetd.sim.scenario import Scenario
 from policies import ClusterView, Policy
-from policies.base import Decision, Event, Leave, Push, Release
+from policies.types import Decision, Event, Leave, Push, Release
 
 JOIN_TIMEOUT_S = 120.0  # worker processes import jax and build their trainer first
 POLL_S = 0.05  # how often the engine is sampled for batch shares and progress

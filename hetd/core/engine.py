@@ -34,31 +34,27 @@ from hetd.core.downlink import Downlink, Outgoing
 from hetd.core.rates import LatencyRecorder, RateMeter
 from hetd.core.store import Aggregator, Snapshot, Store, Tensors
 from hetd.protocol import wire
-from policies.base import (
-    PLAN_FIELDS,
+from policies.compose import Resolved, describe_state, resolve
+from policies.registry import make_policy
+from policies.types import (
     Apply,
     Buffer,
     ClusterView,
-    Decision,
     Drop,
     Eval,
     Event,
     Flush,
-    Hold,
     Join,
     Leave,
     Plan,
     Policy,
     Pull,
     Push,
+    PushDecision,
     Release,
-    Scale,
-    SetPlan,
     SetStage,
     Tick,
     WorkerFacts,
-    describe_state,
-    make_policy,
 )
 
 log = logging.getLogger("hetd.core.engine")
@@ -543,46 +539,38 @@ class Engine:
     def _dispatch(self, event: Event, push: PushIn | None = None) -> None:
         try:
             decisions, state = self.policy.update(event, self.policy_state, self.view())
+            resolved = resolve(decisions)  # raises on a policy bug (e.g. an unknown plan field)
         except Exception:
             log.exception(
                 "policy %s failed on %s; applying asynchronously", self.policy.name, event
             )
-            decisions, state = (), self.policy_state
-            if push is not None:
-                decisions = (Apply(1.0 / max(1, len(self.facts))),)
+            state = self.policy_state
+            fallback = () if push is None else (Apply(1.0 / max(1, len(self.facts))),)
+            resolved = resolve(fallback)
         self.policy_state = state
-        self._execute(decisions, push)
+        self._execute(resolved, push)
 
-    def _execute(self, decisions: Any, push: PushIn | None) -> None:
-        factor = 1.0
-        for d in decisions:
-            if isinstance(d, Scale):
-                factor *= d.factor
+    def _execute(self, r: Resolved, push: PushIn | None) -> None:
+        """Carry out one event's resolved decisions (the rules are :func:`policies.resolve`'s)."""
         # Plans first, so a worker released by this event computes under its new plan.
-        for d in decisions:
+        for d in r.plans:
             if isinstance(d, SetStage):
                 self._set_stage(d.stage)
-            elif isinstance(d, SetPlan):
+            else:
                 self._set_plan(d.worker, d.fields)
-        decided = False
-        for d in decisions:
-            if isinstance(d, Apply | Buffer | Drop):
-                if push is None or decided:
-                    continue
-                decided = True
-                self._decide_push(d, push, factor)
-            elif isinstance(d, Flush):
-                self._flush(d)
-            elif isinstance(d, Release):
-                self._release(d.worker)
-            elif isinstance(d, Hold | Scale | SetPlan | SetStage):
-                pass
-        if push is not None and not decided:
+        for a in r.actions:
+            if isinstance(a, Flush):
+                self._flush(a)
+            elif isinstance(a, Release):
+                self._release(a.worker)
+            elif push is not None:
+                self._decide_push(a, push, r.scale)
+        if push is not None and r.push is None:
             # A policy that says nothing about a push must not lose it.
             log.warning("policy %s made no decision on a push; applying it", self.policy.name)
-            self._decide_push(Apply(1.0 / max(1, len(self.facts))), push, factor)
+            self._decide_push(Apply(1.0 / max(1, len(self.facts))), push, r.scale)
 
-    def _decide_push(self, d: Decision, p: PushIn, factor: float) -> None:
+    def _decide_push(self, d: PushDecision, p: PushIn, factor: float) -> None:
         st = self.stats[p.worker]
         if isinstance(d, Apply):
             self.store.apply(p.kind, p.tensors, d.weight * factor)
@@ -665,9 +653,7 @@ class Engine:
         plan = self.plans.get(wid)
         if plan is None:
             return
-        known = {k: v for k, v in fields.items() if k in PLAN_FIELDS}
-        extra = {k: v for k, v in fields.items() if k not in PLAN_FIELDS}
-        new = dataclasses.replace(plan, **known, extra={**plan.extra, **extra})
+        new = plan.merge(fields)  # checked: resolve() raised on unknown fields already
         if new == plan:
             return
         self.plans[wid] = new

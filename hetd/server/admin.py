@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from hetd.core.engine import Engine
 from hetd.server.checkpoint import CheckpointInfo
 from hetd.server.metrics import Metrics
-from policies.base import PolicyError, policy_names
+from policies.registry import PolicyError, policy_names
 
 log = logging.getLogger("hetd.server.admin")
 

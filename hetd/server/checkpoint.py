@@ -42,7 +42,7 @@ from flax import serialization
 
 from hetd.core.engine import Engine
 from hetd.core.store import Aggregator
-from policies.base import PolicyError, WorkerFacts, make_policy
+from policies import PolicyError, WorkerFacts, make_policy
 
 log = logging.getLogger("hetd.server.checkpoint")
 

@@ -1,12 +1,13 @@
 """An emulated worker: what ``workers/client.py`` does with the daemon's frames, in virtual time.
 
 Owns :class:`EmuWorker` and :class:`InFlight`. A worker follows the real client's protocol: it
-applies ``params`` frames as the client does, with :func:`hetd.protocol.params.apply_params` (full
+applies ``params`` frames with the client's own :func:`hetd.protocol.params.apply_params` (full
 frames, or deltas against the version it holds; an unusable delta means a ``pull`` for everything),
-follows ``plan`` frames (batch size, local steps, push kind, codec with error feedback, data share,
-``pipeline``), answers a ``profile`` request by timing a few emulated steps before its first step,
-and computes when it holds parameters and has at most ``depth`` pushes unanswered (0, or 1 when
-its plan says ``pipeline``: the next step overlaps the push in flight, and pushes leave in order).
+follows ``plan`` frames by the rules of :mod:`hetd.protocol.plan` (batch size, local steps, push
+kind, codec with error feedback, data share, ``pipeline``), answers a ``profile`` request by
+timing a few emulated steps before its first step, and computes when it holds parameters and has at
+most ``depth`` pushes unanswered (0, or 1 when its plan says ``pipeline``: the next step overlaps
+the push in flight, and pushes leave in order). It imports nothing from ``workers/``.
 
 Times are virtual seconds from the scenario; nothing here reads a clock or touches the engine —
 :mod:`hetd.sim.loop` moves the clock and delivers what this module produces.
@@ -25,10 +26,10 @@ from hetd.codecs import registry as codecs
 from hetd.codecs.feedback import ErrorFeedback, encode_with_feedback
 from hetd.protocol import wire
 from hetd.protocol.params import Held, apply_params
+from hetd.protocol.plan import Plan, codec_for, data_range, local_steps_for
 from hetd.sim.compute import StepWork, Straggler
 from hetd.sim.scenario import Scenario
 from hetd.zoo.data import BatchSampler, Dataset, shard_indices
-from workers.client import codec_for, local_steps_for
 
 
 @dataclass(eq=False)
@@ -67,7 +68,7 @@ class EmuWorker:
     seed: int
     shapes: Mapping[str, tuple[int, ...]]  # the model's parameter shapes
     wid: int = 0
-    plan: dict[str, Any] = field(default_factory=dict)
+    plan: Plan = field(default_factory=Plan)  # the daemon's latest plan for this worker
     held: Held | None = None  # the parameters it holds
     in_flight: int = 0  # pushes not yet answered with parameters
     busy_until: float = 0.0  # s: the device computes (or, without pipeline, waits for a send)
@@ -103,7 +104,7 @@ class EmuWorker:
 
     def welcome(self, msg: wire.Message) -> None:
         """Plan and shard from the welcome (the shard as ``workers.loop.Trainer`` samples it)."""
-        self.plan = dict(msg["plan"])
+        self.plan = Plan.from_wire(msg["plan"])
         train = msg.get("train") or {}
         self.worker_lr = float(train.get("worker_lr") or self.sc.worker_lr)  # as workers.loop
         shard = msg["shard"]
@@ -115,20 +116,21 @@ class EmuWorker:
         seed = self.seed * 1000 + self._shard
         return BatchSampler(self.data.x_train, self.data.y_train, rows, seed=seed)
 
+    def follow_plan(self, plan: Mapping[str, Any]) -> None:
+        """A ``plan`` frame's plan (the whole plan, every time) replaces the one it follows."""
+        self.plan = Plan.from_wire(plan)
+
     def _follow_share(self) -> None:
         """A plan's ``data_share``/``data_offset``, as ``workers.loop.Trainer`` follows them."""
-        share = self.plan.get("data_share")
-        if not isinstance(share, int | float) or not 0 < share <= 1:
+        wanted = data_range(self.plan)
+        if wanted is None or self._share == wanted:
             return
-        offset = self.plan.get("data_offset", 0.0)
-        offset = float(offset) if isinstance(offset, int | float) and 0 <= offset < 1 else 0.0
-        if self._share == (offset, float(share)):
-            return
+        offset, share = wanted
         n = len(self.data.y_train)
         perm = np.random.default_rng(self.seed).permutation(n)
         lo = int(offset * n)
         self.sampler = self._sampler(perm[lo : max(lo + 1, min(n, int((offset + share) * n)))])
-        self._share = (offset, float(share))
+        self._share = wanted
 
     def receive(self, frames: list[wire.Message]) -> bool:
         """Apply one release's ``params`` frames in order; False if a delta did not fit what it
@@ -146,7 +148,7 @@ class EmuWorker:
     @property
     def depth(self) -> int:
         """Pushes that may be unanswered when a step starts."""
-        return 1 if self.plan.get("pipeline") else 0
+        return 1 if self.plan.pipeline else 0
 
     def ready(self, t: float) -> bool:
         """Whether a step may start at ``t``."""
@@ -161,17 +163,17 @@ class EmuWorker:
     def start(self, t: float) -> Started:
         """Start a step at ``t`` (after a profile run if one was asked for)."""
         assert self.held is not None and self.sampler is not None  # ready() and welcome()
-        sc, spec = self.sc, self.spec
+        spec = self.spec
         profile = None
         if self.profile is not None:
             profile = self._profile(t)
             t = profile[0] - spec.latency_s  # the step starts once the profile is done
         self._follow_share()
-        batch = max(1, int(self.plan.get("batch_size", sc.batch_per_worker)))
+        batch = max(1, self.plan.batch_size)
         k = local_steps_for(self.plan, self._step_s(batch, t))
-        delta = k > 1 or self.plan.get("push_kind", "grad") == "delta"
+        delta = k > 1 or self.plan.push_kind == "delta"
         rows = np.stack([self.sampler.next_indices(batch) for _ in range(k)]).astype(np.int32)
-        lr = self.worker_lr * float(self.plan.get("lr_scale", 1.0))
+        lr = self.worker_lr * self.plan.lr_scale
         work = StepWork(self.held.tensors, rows, lr, delta=delta)
         compute_s = self._step_s(batch * k, t)
         end = t + compute_s
@@ -202,7 +204,7 @@ class EmuWorker:
             t += dt
         kept = sorted(per_sample)[: max(1, steps - 1)]  # the client drops its slowest (compile)
         full = sum(4 * int(np.prod(s)) for s in self.shapes.values())
-        push = self._tensor_bytes(str(self.plan.get("codec", "none")), "grad")
+        push = self._tensor_bytes(self.plan.codec, "grad")
         link = self.spec
         result = {
             "sample_s": sum(kept) / len(kept),
@@ -244,14 +246,14 @@ class EmuWorker:
     def _estimate(self, p: InFlight) -> int:
         kind = "delta" if p.work.delta else "grad"
         envelope = len(self.frame(p, {}, 0.0)) - 1  # an empty map packs as one byte
-        return envelope + self._tensor_bytes(str(self.plan.get("codec", "none")), kind)
+        return envelope + self._tensor_bytes(self.plan.codec, kind)
 
     def encode(self, p: InFlight) -> int:
         """Encode ``p`` (its update computed) with the plan's codec and this worker's error
         feedback; returns the bytes beyond the estimate that timed it (0 for fixed-size codecs;
         the caller then delays the arrival by their transfer time)."""
         assert p.work.tensors is not None  # computed by the caller
-        spec = str(self.plan.get("codec", "none"))
+        spec = self.plan.codec
         wire_tensors = encode_with_feedback(
             self.feedback, p.work.tensors, codec_for(self.plan), self.rng
         )

@@ -188,7 +188,7 @@ class _Sim:
                 elif msg.type == "welcome":
                     w.welcome(msg)
                 elif msg.type == "plan":
-                    w.plan.update(msg["plan"])
+                    w.follow_plan(msg["plan"])
                 elif msg.type == "profile":
                     w.profile = dict(msg["spec"])
                 # acks need no action: the next params frame is what a worker waits for

@@ -18,7 +18,7 @@ import pytest
 
 from hetd.local.demo import stop_processes
 from hetd.server import checkpoint
-from policies.base import policy_names
+from policies.registry import policy_names
 from tests.conftest import ADMIN_TOKEN, WORKER_TOKEN, Cluster
 
 pytestmark = pytest.mark.slow

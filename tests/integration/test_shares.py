@@ -38,7 +38,7 @@ async def mean_idle(cluster, pipeline: bool) -> float:  # type: ignore[no-untype
     for w, (i0, p0) in start.items():
         idle += c.engine.stats[w].worker_idle_s - i0
         pushes += c.engine.stats[w].pushes - p0
-    assert all(c.engine.plans[w].extra.get("pipeline", False) == pipeline for w in c.engine.facts)
+    assert all(bool(c.engine.plans[w].pipeline) == pipeline for w in c.engine.facts)
     await stop_processes(c.procs)
     await c.daemon.stop()
     return idle / pushes

@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
-import policies.base
+import policies.registry
 from hetd.cli.bench import main as bench_main
 from hetd.sim.loop import run_sim
 from hetd.sim.results import PolicySpec
 from hetd.sim.scenario import Scenario, from_mapping, load_scenario
 from policies import ClusterView, Policy, make_policy
-from policies.base import Decision, Event, Push, Release
+from policies.types import Decision, Event, Push, Release
 
 DIGITS_S1: dict[str, Any] = {
     "name": "S1-digits",
@@ -130,7 +130,7 @@ def _recording_ssp(staleness: int = 1) -> Policy:
 
 
 def test_ssp_in_the_sim_releases_exactly_by_its_rule(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(policies.base._REGISTRY, "test-recording-ssp", _recording_ssp)
+    monkeypatch.setitem(policies.registry._REGISTRY, "test-recording-ssp", _recording_ssp)
     RECORDED.clear()
     run = run_sim(digits_s1(budget_s=2.0), PolicySpec("test-recording-ssp", (("staleness", 1),)))
     assert run.engine.max_release_gap == 1  # the bound holds, and the fast workers reach it

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from hetd.protocol.plan import local_steps_for
 from policies import PolicyError, make_policy
 from policies.adsp import (
     PROFILE,
@@ -29,9 +30,8 @@ from policies.adsp import (
     reward,
     search_step,
 )
-from policies.base import Apply, Join, Leave, Push, Release, SetPlan, SetStage, Tick
+from policies.types import Apply, Join, Leave, Plan, Push, Release, SetPlan, SetStage, Tick
 from tests.unit.test_ashl import Cluster, Run, fuzz, replanned, sets
-from workers.client import local_steps_for
 
 # --- the search ----------------------------------------------------------------------------------------
 
@@ -281,13 +281,18 @@ def test_time_mode_sends_the_time_budget() -> None:
         ({"local_steps": 4, "local_time_s": 0.5}, 0.2, 2),  # a slow one does fewer
         ({"local_steps": 4, "local_time_s": 0.5}, 2.0, 1),  # never fewer than one
         ({"local_steps": 4, "local_time_s": 0.0}, 0.01, 4),
-        ({"local_steps": 4, "local_time_s": True}, 0.01, 4),  # not a number of seconds
+        ({"local_steps": 0}, 0.01, 1),  # never fewer than one
     ],
 )
 def test_workers_turn_a_time_budget_into_local_steps(
     plan: dict[str, Any], step_s: float | None, steps: int
 ) -> None:
-    assert local_steps_for(plan, step_s) == steps
+    assert local_steps_for(Plan.from_wire(plan), step_s) == steps
+
+
+def test_a_time_budget_that_is_not_seconds_is_refused() -> None:
+    with pytest.raises(ValueError, match="local_time_s"):
+        Plan.from_wire({"local_steps": 4, "local_time_s": True})
 
 
 # --- a scripted run -----------------------------------------------------------------------------------

@@ -32,7 +32,9 @@ from policies.ashl import (
     plan_workers,
     switch_reason,
 )
-from policies.base import (
+from policies.compose import resolve
+from policies.profiling import Profile
+from policies.types import (
     Apply,
     Buffer,
     ClusterView,
@@ -50,7 +52,6 @@ from policies.base import (
     Tick,
     WorkerFacts,
 )
-from policies.profiling import Profile
 
 # --- the planner -------------------------------------------------------------------------------------
 
@@ -251,6 +252,7 @@ class Cluster:
             f = self.facts[event.worker]
             self.facts[event.worker] = dataclasses.replace(f, clock=f.clock + 1, waiting=True)
         decisions, self.state = self.policy.update(event, self.state, self.view())
+        resolve(decisions)  # the engine's rules: raises on a plan field a Plan does not have
         for d in decisions:
             if isinstance(d, Release):
                 assert self.facts[d.worker].waiting, "released a worker that was not waiting"

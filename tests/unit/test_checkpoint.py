@@ -18,8 +18,7 @@ from hetd.core.store import Store
 from hetd.protocol import wire
 from hetd.server import checkpoint
 from hetd.server.checkpoint import Checkpointer, CheckpointError
-from policies import make_policy
-from policies.base import ClusterView, Policy, WorkerFacts, policy_names, register
+from policies import ClusterView, Policy, WorkerFacts, make_policy, policy_names, register
 from tests.conftest import FakeClock, FakePeer
 
 

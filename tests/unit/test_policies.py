@@ -9,14 +9,25 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Mapping, Sequence
+from importlib.metadata import EntryPoint
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies import ClusterView, Policy, PolicyError, WorkerFacts, compose, make_policy
-from policies.base import (
+from policies import (
+    ClusterView,
+    Policy,
+    PolicyError,
+    WorkerFacts,
+    compose,
+    make_policy,
+    policy_names,
+    registry,
+)
+from policies.registry import register
+from policies.types import (
     Apply,
     Buffer,
     Decision,
@@ -29,7 +40,6 @@ from policies.base import (
     Push,
     Release,
     Tick,
-    register,
 )
 
 
@@ -379,9 +389,66 @@ def test_make_policy_records_params() -> None:
 
 
 def test_register_duplicate_name_raises() -> None:
-    with pytest.raises(ValueError, match="bsp"):
-        register("bsp")(lambda: make_policy("bsp"))
+    with pytest.raises(PolicyError, match="bsp") as info:
+        register("bsp")(toy_policy)
+    assert "policies.sync.bsp" in str(info.value)  # who holds the name
+    assert "toy_policy" in str(info.value)  # and who wanted it
     assert make_policy("bsp").name == "bsp"  # the original is still there
+
+
+def toy_policy() -> Policy:
+    """A policy for the entry-point tests: releases everyone."""
+    return Policy("toy", lambda view: None, lambda e, s, v: ([], s), {})
+
+
+def _entry_point(name: str, value: str = "tests.unit.test_policies:toy_policy") -> EntryPoint:
+    return EntryPoint(name=name, value=value, group=registry.GROUP)
+
+
+@pytest.fixture
+def fresh_registry(monkeypatch: pytest.MonkeyPatch) -> list[EntryPoint]:
+    """A copy of the registry with entry points not yet loaded; the list is what they are."""
+    eps: list[EntryPoint] = []
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(registry, "_ENTRY_POINTS_LOADED", False)
+    monkeypatch.setattr(registry, "entry_points", lambda group: list(eps))
+    return eps
+
+
+def test_entry_points_add_policies(fresh_registry: list[EntryPoint]) -> None:
+    fresh_registry.append(_entry_point("toy"))
+    fresh_registry.append(_entry_point("toy"))  # the same one twice (two installs): no clash
+    assert "toy" in policy_names()
+    assert make_policy("toy").name == "toy"
+
+
+@pytest.mark.parametrize(
+    ("names_values", "words"),
+    [
+        ([("bsp", None)], ["'bsp'", "policies.sync.bsp", "toy_policy"]),
+        ([("toy", None), ("toy", "tests.unit.test_policies:counter")], ["'toy'", "counter"]),
+        ([("ssp", None), ("asp", None)], ["'ssp'", "'asp'"]),  # every clash is listed
+    ],
+)
+def test_an_entry_point_clash_raises_and_lists_it(
+    fresh_registry: list[EntryPoint], names_values: list[tuple[str, str | None]], words: list[str]
+) -> None:
+    for name, value in names_values:
+        fresh_registry.append(_entry_point(name, value or "tests.unit.test_policies:toy_policy"))
+    with pytest.raises(PolicyError, match="clash") as info:
+        policy_names()
+    for word in words:
+        assert word in str(info.value)
+    assert registry._REGISTRY["bsp"].__module__ == "policies.sync"  # nothing was replaced
+    assert "toy" not in registry._REGISTRY
+
+
+def test_unknown_parameters_list_the_valid_ones() -> None:
+    with pytest.raises(PolicyError, match="bogus") as info:
+        make_policy("ssp", {"bogus": 1, "staleness": 2})
+    assert "staleness, weight" in str(info.value)
+    with pytest.raises(PolicyError, match="bsp takes no parameters"):
+        make_policy("bsp", {"staleness": 1})
 
 
 def counter(name: str, step: int) -> Policy:

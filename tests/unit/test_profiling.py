@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 
-from policies.base import ClusterView, Join, Leave, Push, Tick, WorkerFacts
 from policies.profiling import (
     Profile,
     ProfilingConfig,
@@ -27,6 +26,7 @@ from policies.profiling import (
     track,
     trimmed_mean,
 )
+from policies.types import ClusterView, Join, Leave, Push, Tick, WorkerFacts
 
 
 def facts(w: int, **kw: Any) -> WorkerFacts:

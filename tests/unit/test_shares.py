@@ -18,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies import ClusterView, Policy, PolicyError, WorkerFacts, make_policy
-from policies.base import (
+from policies.shares import BITS_CODECS, Timing, choose_bits, equal_finish, hps, lbbsp
+from policies.types import (
     Buffer,
     Decision,
     Event,
@@ -30,7 +31,6 @@ from policies.base import (
     SetPlan,
     Tick,
 )
-from policies.shares import BITS_CODECS, Timing, choose_bits, equal_finish, hps, lbbsp
 
 T, F = True, False
 MB = 1_000_000

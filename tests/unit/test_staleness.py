@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies import ClusterView, Policy, PolicyError, WorkerFacts, make_policy
-from policies.base import (
+from policies.staleness import DsspState, closest_stop, dssp, staleness_weight
+from policies.types import (
     Apply,
     Decision,
     Eval,
@@ -30,7 +31,6 @@ from policies.base import (
     Scale,
     Tick,
 )
-from policies.staleness import DsspState, closest_stop, dssp, staleness_weight
 
 T, F = True, False
 

@@ -1,21 +1,21 @@
-"""The policy interface: events in, decisions out, state replaced — no I/O, no clock, no jax.
+"""The policy interface's types: facts in, events in, decisions out, and the worker's :class:`Plan`.
 
 A policy is ``Policy(name, init, update)`` in the style of optax's ``GradientTransformation``:
 ``init(view) -> state`` builds a valid state from the engine's facts (so a hot-swapped policy starts
 between two events), and ``update(event, state, view) -> (decisions, state)`` is pure. Events carry
 their own time (``event.now``). The engine's facts about the cluster live in :class:`ClusterView`.
 
-This module also owns the policy registry (with the entry-point group ``hetd.policies``) and
-:func:`compose`, which chains concerns (a gate, a weight rule, a batch-share planner) like
-``optax.chain``.
+This module owns those records: :class:`WorkerFacts`, :class:`ClusterView`, the events, the
+decisions, :class:`Plan` (with its wire form) and :class:`Policy`. Combining policies and decisions
+is :mod:`policies.compose`; names are :mod:`policies.registry`. No I/O, no clock, no jax.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from importlib.metadata import entry_points
+from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 # --- facts -----------------------------------------------------------------------------------------
@@ -188,15 +188,9 @@ class Release:
 
 
 @dataclass(frozen=True, slots=True)
-class Hold:
-    """``worker`` must wait (recorded for wait-time metrics; waiting is the default)."""
-
-    worker: int
-
-
-@dataclass(frozen=True, slots=True)
 class SetPlan:
-    """Change some of ``worker``'s plan fields (see :class:`Plan`); sent with its next reply."""
+    """Change some of ``worker``'s plan fields (names and kinds of :class:`Plan`'s; a wrong one is
+    an error when the decisions are resolved); sent with its next reply."""
 
     worker: int
     fields: Mapping[str, Any]
@@ -209,37 +203,146 @@ class SetStage:
     stage: str
 
 
-Decision = Apply | Buffer | Flush | Drop | Scale | Release | Hold | SetPlan | SetStage
+Decision = Apply | Buffer | Flush | Drop | Scale | Release | SetPlan | SetStage
+PushDecision = Apply | Buffer | Drop  # what may become of the current push
+
+
+# --- the plan ------------------------------------------------------------------------------------------
+
+PushKind = Literal["grad", "delta"]
+PUSH_KINDS: tuple[PushKind, ...] = ("grad", "delta")
 
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """What a worker does next; piggy-backed on replies."""
+    """What a worker does next; piggy-backed on replies.
+
+    The first seven fields are always on the wire. The others only some policies set: their default
+    ``None`` means "not set" (the worker keeps its own default) and keeps them off the wire. Change a
+    plan with :meth:`merge` (a ``SetPlan``'s fields); read one off the wire with :meth:`from_wire`.
+    """
 
     batch_size: int = 32  # samples per step
     local_steps: int = 1  # > 1 means k local SGD steps pushed as a delta
-    codec: str = "none"  # codec for the worker's pushes
-    bits: int = 32
-    topk: float = 1.0  # kept fraction for sparsifying codecs
-    lr_scale: float = 1.0  # the worker's local learning-rate scale
-    stage: str = "main"
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    codec: str = "none"  # codec spec for the worker's pushes ("int8:block=1024", "topk", ...)
+    bits: int = 32  # bits per value the plan's codec stands for (H-PS); reported
+    topk: float = 1.0  # kept fraction for sparsifying codecs, in (0, 1]
+    lr_scale: float = 1.0  # multiplies the worker's local learning rate ([train] worker_lr)
+    stage: str = "main"  # the training stage the daemon is in
+    # The fraction of one seed-fixed permutation of the training set the worker samples, in (0, 1]
+    # (ASHL's p_i), and where it starts, in [0, 1). None: its shard; an offset of None: 0.
+    data_share: float | None = None
+    data_offset: float | None = None
+    local_time_s: float | None = None  # s of local steps per push (ADSP's time mode); None: steps
+    # "delta": push local SGD's delta even for one step; None: a gradient when local_steps == 1.
+    push_kind: PushKind | None = None
+    pipeline: bool | None = None  # True: the next step overlaps the push in flight (H-PS); None: no
+    commit_quota: int | None = None  # commits per check period (ADSP's m_i); reported
+    period_s: float | None = None  # s, ADSP's check period Γ; reported
+    staleness_bound: int | None = (
+        None  # commits it may run ahead of the slowest (ASHL SHL); reported
+    )
 
     def to_wire(self) -> dict[str, Any]:
-        """The plan as a plain map for the wire."""
-        return {
-            "batch_size": self.batch_size,
-            "local_steps": self.local_steps,
-            "codec": self.codec,
-            "bits": self.bits,
-            "topk": self.topk,
-            "lr_scale": self.lr_scale,
-            "stage": self.stage,
-            **dict(self.extra),
-        }
+        """The plan as a plain map for the wire: every core field, and each optional one that is
+        set (absent keys mean their defaults, as :meth:`from_wire` reads them)."""
+        out = {name: getattr(self, name) for name in CORE_PLAN_FIELDS}
+        for name in OPTIONAL_PLAN_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
+
+    @classmethod
+    def from_wire(cls, wire: Mapping[str, Any]) -> Plan:
+        """The plan a wire map describes: absent keys take their defaults and unknown keys are
+        ignored (a newer daemon may send more); a known key of the wrong type raises ValueError."""
+        if not isinstance(wire, Mapping):
+            raise ValueError(f"a plan must be a map, got {type(wire).__name__}")
+        return cls(**{k: _field_value(k, v) for k, v in wire.items() if k in _KINDS})
+
+    def merge(self, changes: Mapping[str, Any]) -> Plan:
+        """This plan with ``changes`` (a ``SetPlan``'s fields) applied. An unknown field name or a
+        value of the wrong type raises ValueError: a policy bug, never carried to the worker."""
+        return dataclasses.replace(self, **check_plan_fields(changes))
 
 
-PLAN_FIELDS = frozenset(Plan.__dataclass_fields__) - {"extra"}
+PLAN_FIELDS = frozenset(f.name for f in dataclasses.fields(Plan))
+CORE_PLAN_FIELDS: tuple[str, ...] = (
+    "batch_size",
+    "local_steps",
+    "codec",
+    "bits",
+    "topk",
+    "lr_scale",
+    "stage",
+)
+OPTIONAL_PLAN_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(Plan) if f.name not in CORE_PLAN_FIELDS
+)
+# What each field holds on the wire: a type (ints exclude bools; floats are finite and take ints),
+# or the allowed values. Optional fields also take None.
+_KINDS: Mapping[str, type | tuple[str, ...]] = {
+    "batch_size": int,
+    "local_steps": int,
+    "codec": str,
+    "bits": int,
+    "topk": float,
+    "lr_scale": float,
+    "stage": str,
+    "data_share": float,
+    "data_offset": float,
+    "local_time_s": float,
+    "push_kind": PUSH_KINDS,
+    "pipeline": bool,
+    "commit_quota": int,
+    "period_s": float,
+    "staleness_bound": int,
+}
+_KIND_WORDS: Mapping[type, str] = {
+    int: "an int",
+    float: "a finite number",
+    str: "a string",
+    bool: "a bool",
+}
+if set(_KINDS) != PLAN_FIELDS:  # a new Plan field needs its wire kind
+    raise TypeError(f"plan fields without a wire kind: {sorted(PLAN_FIELDS ^ set(_KINDS))}")
+
+
+def _field_value(name: str, value: Any) -> Any:
+    """``value`` checked against field ``name``'s kind (a float field's int becomes a float)."""
+    kind = _KINDS[name]
+    if value is None and name in OPTIONAL_PLAN_FIELDS:
+        return None
+    if kind is int and isinstance(value, int) and not isinstance(value, bool):
+        return int(value)
+    if (
+        kind is float
+        and isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+    ):
+        return float(value)
+    if kind is str and isinstance(value, str):
+        return value
+    if kind is bool and isinstance(value, bool):
+        return value
+    if isinstance(kind, tuple) and isinstance(value, str) and value in kind:
+        return value
+    wanted = " or ".join(map(repr, kind)) if isinstance(kind, tuple) else _KIND_WORDS[kind]
+    if name in OPTIONAL_PLAN_FIELDS:
+        wanted += " or None"
+    raise ValueError(f"plan field {name!r} must be {wanted}, got {value!r}")
+
+
+def check_plan_fields(changes: Mapping[str, Any]) -> dict[str, Any]:
+    """``changes`` to a plan, checked: every name a :class:`Plan` field and every value of its
+    kind (ints given for float fields become floats). Raises ValueError naming the problem."""
+    unknown = sorted(str(k) for k in changes if k not in PLAN_FIELDS)
+    if unknown:
+        known = ", ".join(f.name for f in dataclasses.fields(Plan))
+        raise ValueError(f"unknown plan field(s) {', '.join(unknown)}; a plan has {known}")
+    return {k: _field_value(k, v) for k, v in changes.items()}
 
 
 # --- the interface -----------------------------------------------------------------------------------
@@ -258,115 +361,3 @@ class Policy(NamedTuple):
     def describe(self) -> dict[str, Any]:
         """Name and parameters, for status pages."""
         return {"name": self.name, "params": dict(self.params)}
-
-
-def compose(*policies: Policy, name: str | None = None) -> Policy:
-    """Chain concerns: each sees every event; their decisions are concatenated in order.
-
-    The first is usually the gate (Apply/Buffer, Release); later ones add ``Scale`` (weights),
-    ``SetPlan`` (batch shares, codecs) or ``SetStage``. The state is the tuple of member states.
-    """
-    if not policies:
-        raise ValueError("compose needs at least one policy")
-
-    def init(view: ClusterView) -> tuple[Any, ...]:
-        return tuple(p.init(view) for p in policies)
-
-    def update(
-        event: Event, state: tuple[Any, ...], view: ClusterView
-    ) -> tuple[Sequence[Decision], tuple[Any, ...]]:
-        out: list[Decision] = []
-        new_states = []
-        for p, s in zip(policies, state, strict=True):
-            decisions, s2 = p.update(event, s, view)
-            out.extend(decisions)
-            new_states.append(s2)
-        return out, tuple(new_states)
-
-    params = {p.name: dict(p.params) for p in policies}
-    return Policy(name or "+".join(p.name for p in policies), init, update, params)
-
-
-def describe_state(state: Any, depth: int = 0) -> Any:
-    """A policy state as plain JSON values for status pages: its own ``describe()`` when it has one,
-    else its fields (mappings with string keys, sequences as lists)."""
-    if depth > 6:
-        return None
-    describe = getattr(state, "describe", None)
-    if callable(describe):
-        return describe()
-    if dataclasses.is_dataclass(state) and not isinstance(state, type):
-        return {
-            f.name: describe_state(getattr(state, f.name), depth + 1)
-            for f in dataclasses.fields(state)
-        }
-    if isinstance(state, Mapping):
-        return {str(k): describe_state(v, depth + 1) for k, v in state.items()}
-    if isinstance(state, list | tuple):
-        return [describe_state(v, depth + 1) for v in state]
-    if state is None or isinstance(state, bool | int | float | str):
-        return state
-    return repr(state)
-
-
-def release_waiting(view: ClusterView, may_proceed: Callable[[WorkerFacts], bool]) -> list[Release]:
-    """Release every waiting replica for which ``may_proceed`` holds."""
-    return [Release(w) for w, f in view.workers.items() if f.waiting and may_proceed(f)]
-
-
-# --- registry ----------------------------------------------------------------------------------------
-
-Factory = Callable[..., Policy]
-_REGISTRY: dict[str, Factory] = {}
-_ENTRY_POINTS_LOADED = False
-
-
-def register(name: str) -> Callable[[Factory], Factory]:
-    """Decorator: register a policy factory under ``name``; a duplicate name raises."""
-
-    def deco(factory: Factory) -> Factory:
-        if name in _REGISTRY:
-            raise ValueError(f"policy {name!r} is already registered")
-        _REGISTRY[name] = factory
-        return factory
-
-    return deco
-
-
-def _load_entry_points() -> None:
-    global _ENTRY_POINTS_LOADED
-    if _ENTRY_POINTS_LOADED:
-        return
-    _ENTRY_POINTS_LOADED = True
-    for ep in entry_points(group="hetd.policies"):
-        if ep.name not in _REGISTRY:
-            _REGISTRY[ep.name] = ep.load()
-
-
-def policy_names() -> list[str]:
-    """Every registered policy name, sorted."""
-    _load_entry_points()
-    return sorted(_REGISTRY)
-
-
-class PolicyError(ValueError):
-    """An unknown policy name or parameters its factory does not accept."""
-
-
-def make_policy(name: str, params: Mapping[str, Any] | None = None) -> Policy:
-    """Build policy ``name`` with ``params``; errors say what is valid."""
-    _load_entry_points()
-    try:
-        factory = _REGISTRY[name]
-    except KeyError:
-        raise PolicyError(
-            f"unknown policy {name!r}; known policies: {', '.join(sorted(_REGISTRY))}"
-        ) from None
-    try:
-        return factory(**dict(params or {}))
-    except TypeError as exc:
-        raise PolicyError(
-            f"policy {name!r}: bad parameters {dict(params or {})!r}: {exc}"
-        ) from None
-    except ValueError as exc:
-        raise PolicyError(f"policy {name!r}: {exc}") from None
