@@ -3,17 +3,17 @@ must be in place before the interpreter's first allocation, then run the real ``
 
 glibc reads ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` once, when the process starts,
 so setting them from Python is too late for the running process (``mallopt`` caps the mmap threshold
-at 32 MiB, below a 10M-parameter frame). Fresh memory is slow on these machines (page faults at
-≈ 1.4 GB/s, docs/benchmark.md): with big frames served from a heap that keeps its pages, large
-messages move 2–10x faster. So when a variable is missing, the entry point re-executes the same
-command line (``execve``: same PID, so systemd's ``Type=notify`` is unaffected) with it set. A value
-the user set is kept; ``HETD_MALLOC_ENV=0`` turns the re-exec off. Only the console scripts and
-``python -m hetd`` do this — calling ``hetd.cli.main.main(argv)`` from Python never re-executes.
+at 32 MiB, below a 10M-parameter frame). Fresh memory is slow (page faults), and big frames move
+several times faster from a heap that keeps its pages (docs/benchmark.md). So when a variable is
+missing, the entry point re-executes the same command line (``execve``: same PID, so systemd's
+``Type=notify`` is unaffected) with it set. A value the user set is kept; ``HETD_MALLOC_ENV=0``
+turns the re-exec off. Only the console scripts and ``python -m hetd`` do this — calling
+``hetd.cli.main.main(argv)`` from Python never re-executes.
 
 They also point JAX's persistent compilation cache at a directory of ours (``$CACHE_DIRECTORY``
 under systemd's ``CacheDirectory=``, else ``$XDG_CACHE_HOME/hetd/jax`` or ``~/.cache/hetd/jax``),
 caching every compilation however short: a restarted daemon or worker loads its jitted steps instead
-of compiling them (start-up to the first update with 4 local workers: 5.8 s cold, 4.5 s warm here).
+of compiling them (start-up with and without it: docs/benchmark.md, the system suite).
 ``JAX_COMPILATION_CACHE_DIR`` set by the user wins; ``HETD_JAX_CACHE=0`` turns it off.
 """
 

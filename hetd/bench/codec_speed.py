@@ -9,14 +9,14 @@ GB/s counts float32 bytes processed (``4 n``) per second; each time is the best 
 runs after a warm-up, the runs of all codecs and of memcpy interleaved round by round so that
 load from other processes hits them alike; memcpy is ``np.copyto`` of the same ``n`` floats
 timed in the same rounds as the codecs. Two more memcpy figures bracket it:
-``memcpy_hot_gbps`` runs back to back, both buffers staying in cache (an upper bound at n = 1M,
-where 8 MB fits in L3), and ``memcpy_large_gbps`` copies 400 MB, out of cache, the limit
+``memcpy_hot_gbps`` runs back to back, both buffers staying in cache (an upper bound for sizes
+that fit in the last-level cache), and ``memcpy_large_gbps`` copies 400 MB, out of cache, the limit
 docs/benchmark.md quotes. ``roundtrip`` is encode then decode
 (``4 n / (t_encode + t_decode)``). ``ratio`` is encoded payload bytes / float32 bytes and
 ``rel_error`` is ``||x - decode(encode(x))|| / ||x||`` on standard normal data. Decoding goes
 through :func:`hetd.codecs.registry.decode_tensor`, checks included, as the daemon runs it.
 
-Run ``python -m hetd.bench.codec_speed --out DIR``. Fresh memory is slow on these machines: run with
+Run ``python -m hetd.bench.codec_speed --out DIR``. Fresh memory is slow: run with
 ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` set as for the daemon (docs/benchmark.md),
 or the 10M rows measure page faults rather than codecs.
 """

@@ -8,7 +8,7 @@ The worker keeps one per connection for its pushes; the daemon keeps one per str
 
 Pure computation, no I/O. The residuals are the one piece of mutable state here: they are as big as
 the model, so :meth:`ErrorFeedback.update` writes into the previous residual's buffer instead of
-allocating a new one each step (fresh memory is slow on these machines, docs/benchmark.md).
+allocating a new one each step (fresh memory is slow, docs/benchmark.md).
 """
 
 from __future__ import annotations

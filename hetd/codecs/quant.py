@@ -18,8 +18,8 @@ All multi-byte numbers are little-endian. ``n`` is the element count of ``shape`
     meaning ``-scale`` and bit 0 ``+scale``; the padding bits of the last byte are 0.
 
 The kernels work in chunks of :data:`CHUNK` elements through one small float32 scratch buffer, so
-no temporary as big as the tensor is made: fresh memory is slow on these machines
-(docs/benchmark.md). Rounding to nearest uses the float32 "magic number" trick: adding 1.5 * 2**23
+no temporary as big as the tensor is made: fresh memory is slow (docs/benchmark.md).
+Rounding to nearest uses the float32 "magic number" trick: adding 1.5 * 2**23
 to a value below 2**22 in magnitude rounds it (half to even, like ``np.rint``) and leaves the
 integer in the low bits of the result, whose low byte is then the two's-complement int8 — one
 add and one narrowing cast instead of ``rint`` + a float-to-int cast.
@@ -162,7 +162,8 @@ def _quantize(
 def _uniform(rng: np.random.Generator, out: np.ndarray) -> None:
     """Fill float32 ``out`` with ``(r + 0.5) / 2**16`` for uniform 16-bit ``r``: mean exactly 1/2,
     so rounding stays unbiased to 2**-17 of a step, below float32's own rounding at 127. Four
-    values from each raw 64-bit draw: 3x faster than ``rng.random(dtype=np.float32)``."""
+    values from each raw 64-bit draw, faster than ``rng.random(dtype=np.float32)``
+    (docs/benchmark.md)."""
     raw = rng.bit_generator.random_raw(-(-out.size // 4)).view(np.uint16)
     np.copyto(out, raw[: out.size].reshape(out.shape))
     np.multiply(out, np.float32(2.0**-16), out=out)
@@ -252,7 +253,7 @@ def int4_decode(wire: Mapping[str, Any]) -> np.ndarray:
     if n % 2 and packed[-1] >> 4 != 8:
         raise CodecError("int4: the padding nibble of an odd-length tensor must be 8 (zero)")
     # Spread each byte's nibbles into the two bytes of a little-endian uint16 (low nibble first);
-    # whole-array uint16 ops are ~4x faster than strided uint8 writes.
+    # whole-array uint16 ops beat strided uint8 writes (docs/benchmark.md).
     pairs = packed.astype("<u2")
     high = np.left_shift(pairs, 4)
     np.bitwise_and(high, 0x0F00, out=high)
@@ -281,7 +282,7 @@ def _sign_encode(x: np.ndarray, rng: np.random.Generator | None = None) -> WireT
     with np.errstate(over="ignore"):  # an overflow is caught and redone just below
         for i in range(0, flat.size, CHUNK):
             part = np.abs(flat[i : i + CHUNK], out=scratch[: flat[i : i + CHUNK].size])
-            total += float(np.dot(part, _ONES[: part.size]))  # BLAS: ~4x np.sum's pairwise speed
+            total += float(np.dot(part, _ONES[: part.size]))  # BLAS, faster than np.sum
     if not math.isfinite(total) and np.isfinite(flat).all():
         # float32 accumulation overflowed near the float32 limit: redo it in float64 (rare).
         total = float(np.abs(flat).sum(dtype=np.float64))

@@ -119,7 +119,8 @@ def _fp16_decode(wire: Mapping[str, Any]) -> np.ndarray:
 def fp16_codec() -> Codec:
     """``fp16``: IEEE half. Bound: ``|err| <= 2**-11 |x|`` for ``2**-14 <= |x| <= 65504``,
     ``|err| <= 2**-25`` below; finite values beyond 65504 saturate to +-65504; NaN and +-inf
-    survive. numpy's cast runs at about 1.5-3 GB/s: prefer ``bf16`` where range matters more."""
+    survive. numpy's half-float cast is slow (docs/benchmark.md): prefer ``bf16`` where speed or
+    range matter more."""
     return Codec("fp16", _fp16_encode, _fp16_decode, 0.5)
 
 

@@ -10,8 +10,8 @@ count of ``shape``):
     ``values`` is a nested wire tensor of shape ``[count]`` in any dense codec (not ``topk``).
 
 The threshold comes from a random sample of |x| and candidates from one chunked compare and
-``np.flatnonzero``; only the few candidates are partitioned (docs/benchmark.md: a full
-``np.argpartition`` is ~7x slower). The nested values codec is resolved by :mod:`hetd.codecs.registry`,
+``np.flatnonzero``; only the few candidates are partitioned (a full ``np.argpartition`` is much
+slower, docs/benchmark.md). The nested values codec is resolved by :mod:`hetd.codecs.registry`,
 which hands this module the encoder and a checked decoder.
 """
 

@@ -11,8 +11,8 @@ reference: a delta is encoded once per (codec, base reference, version). A full 
 on join, after a reconnect, or when the worker's reference was evicted; its reference is the
 snapshot itself (shared, never copied).
 
-A delta costs the daemon CPU (subtract, quantize, replay: about 2 ms per million parameters here)
-to save bytes on the link. When the worker's measured link is so fast that the bytes saved take less
+A delta costs the daemon CPU (subtract, quantize, replay; docs/benchmark.md gives the figure) to
+save bytes on the link. When the worker's measured link is so fast that the bytes saved take less
 time than the encoding did (loopback, a worker on the head node), it gets the full frame instead,
 which is encoded once per version for everybody.
 
@@ -36,8 +36,7 @@ from hetd.protocol import wire
 
 MAX_REFS = 64
 MAX_REF_BYTES = 512 << 20
-# A delta's CPU cost per parameter on this machine (int8: subtract, quantize, replay), for callers
-# that must not depend on measured time (the simulator's runs are reproducible).
+# s per parameter of an int8 delta, for runs that must not depend on load (docs/benchmark.md)
 DELTA_S_PER_PARAM = 2.3e-9
 
 

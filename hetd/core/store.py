@@ -196,7 +196,7 @@ class Store:
             pending, self._pending = self._pending, []
             for kind, tensors, scale in pending:
                 # Host arrays go to the jitted step as they are: its C++ path moves them in
-                # one go, ~2x faster than a jnp.asarray per tensor from Python.
+                # one go, faster than a jnp.asarray per tensor from Python (docs/benchmark.md).
                 q = {k: v.q for k, v in tensors.items() if isinstance(v, Int8)}
                 if not q:
                     update = {k: tensors[k] for k in self._params}

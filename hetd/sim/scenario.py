@@ -1,11 +1,11 @@
 """Heterogeneity scenarios as data: load, validate and expand a TOML or JSON scenario file.
 
 Owns :class:`Scenario` (what is trained, by which emulated workers, for how long) and its parts,
-the packaged scenarios S1–S5 (``hetd/sim/scenarios/*.toml``, docs/benchmark.md), and
-:func:`load_scenario`, which takes a packaged name or a path. Validation is strict: an unknown key
-or a value of the wrong type raises :class:`ScenarioError` naming the file, the place and the key,
-and listing the valid keys. Both ``hetd sim``/``hetd bench --mode sim`` and ``--mode real`` read
-the same :class:`Scenario`.
+the packaged scenarios S1–S5, S3b and scale100 (``hetd/sim/scenarios/*.toml``,
+docs/benchmark.md), and :func:`load_scenario`, which takes a packaged name or a path. Validation is
+strict: an unknown key or a value of the wrong type raises :class:`ScenarioError` naming the file,
+the place and the key, and listing the valid keys. Both ``hetd sim``/``hetd bench --mode sim`` and
+``--mode real`` read the same :class:`Scenario`.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ def _split(
     name: str, x: npt.ArrayLike, y: npt.ArrayLike, num_classes: int, test_size: float | int
 ) -> Dataset:
     """A stratified train/test split that does not depend on the run's seed."""
-    from sklearn.model_selection import train_test_split  # slow import (~1 s): only when used
+    from sklearn.model_selection import train_test_split  # slow to import: only when used
 
     x_tr, x_te, y_tr, y_te = train_test_split(
         np.asarray(x, np.float32),

@@ -8,8 +8,8 @@ with the data-set registry so that loading data never imports JAX).
 Parameters are a flat ``dict`` from a ``/``-separated path (``"Dense_0/kernel"``) to an array,
 because the wire and the parameter store address parameters by path. The functions unflatten the
 dict themselves, so ``jax.grad(model.loss)`` returns a dict with exactly the same paths. We keep
-it a dict of arrays and never ravel to one vector inside ``jit``: on jax 0.10.2 on this CPU that
-was ~100x slower (docs/benchmark.md).
+it a dict of arrays and never ravel to one vector inside ``jit``: a flat gradient inside ``jit``
+was far slower (docs/benchmark.md, "Measured on the reference machine").
 """
 
 from __future__ import annotations

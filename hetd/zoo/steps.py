@@ -5,8 +5,8 @@ Every jitted call sees a batch of exactly ``micro_batch`` examples. A batch of `
 as ``ceil(b / micro_batch)`` calls whose per-example losses are summed under a mask (the last
 micro-batch padded with zeros and masked out), so a policy that changes a worker's batch every
 round changes how many calls it makes, never a compiled shape. Without this a new batch size
-cost a compilation (0.5–1.5 s on a small CPU) that the worker then reported as compute time, and
-batch-share policies chased their own compile times (docs/benchmark.md).
+cost a compilation that the worker then reported as compute time, and batch-share policies chased
+their own compile times (docs/benchmark.md).
 
 Local steps (a delta push) run the *inner* optimizer (:mod:`hetd.zoo.optim`) whose state this
 object keeps across rounds, as DiLoCo-style training does; its learning rate is an injected
