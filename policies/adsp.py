@@ -267,10 +267,44 @@ def describe_state(state: AdspState) -> dict[str, Any]:
 
 
 @register("adsp")
-def adsp(**params: Any) -> Policy:
+def adsp(
+    *,
+    period_s: float | None = None,
+    period_steps: int = 20,
+    cycle_periods: int = 20,
+    weight: float | None = None,
+    mode: str = "steps",
+    lr_decay: float = 0.9,
+    reward_window: float = 0.1,
+    overhead_window: int = 10,
+    max_local_steps: int = 10_000,
+    profile_pushes: int = 5,
+    trim: float = 0.2,
+    comm_factor: float = 1.0,
+    drift: float = 0.3,
+    drift_patience: int = 3,
+    alpha: float = 0.5,
+) -> Policy:
     """ADSP: no barriers; every worker commits about ``m`` times per period ``Γ`` with as many local
-    steps as fit; the common rate is searched online; see :class:`AdspConfig`."""
-    cfg = AdspConfig(**params)
+    steps as fit; the common rate is searched online. The parameters (units, defaults' sources)
+    are :class:`AdspConfig`'s."""
+    cfg = AdspConfig(
+        period_s=period_s,
+        period_steps=period_steps,
+        cycle_periods=cycle_periods,
+        weight=weight,
+        mode=mode,
+        lr_decay=lr_decay,
+        reward_window=reward_window,
+        overhead_window=overhead_window,
+        max_local_steps=max_local_steps,
+        profile_pushes=profile_pushes,
+        trim=trim,
+        comm_factor=comm_factor,
+        drift=drift,
+        drift_patience=drift_patience,
+        alpha=alpha,
+    )
     pcfg = cfg.profiling()
 
     def init(view: ClusterView) -> AdspState:

@@ -281,10 +281,64 @@ def _fields(stage: str, wp: WorkerPlan, commits: int, cfg: AshlConfig) -> dict[s
 
 
 @register("ashl")
-def ashl(**params: Any) -> Policy:
+def ashl(
+    *,
+    profile_pushes: int = 5,
+    trim: float = 0.2,
+    comm_factor: float = 1.0,
+    k_coarse: int = 8,
+    comm_ref: float | None = 1.0,
+    k_fine: int = 2,
+    topk: float = 0.25,
+    max_local_steps: int = 10_000,
+    staleness: int = 3,
+    switch_loss: float | None = 0.3,
+    plateau_evals: int = 3,
+    plateau_tol: float = 0.01,
+    profile_weight: float | None = None,
+    ahl_lr_scale: float = 1.0,
+    shl_lr_scale: float = 3.0,
+    warmup: int = 1,
+    lr_every: int = 6,
+    ahl_cosine: int = 200,
+    shl_rounds: int = 800,
+    lr_floor: float = 0.05,
+    stop_loss: float = 0.01,
+    stop_evals: int = 10,
+    drift: float = 0.3,
+    drift_patience: int = 3,
+    alpha: float = 0.5,
+) -> Policy:
     """ASHL: profile, then asynchronous coarse local SGD (AHL), then bounded-staleness fine local
-    SGD with per-worker top-k (SHL); see :class:`AshlConfig` for the parameters."""
-    cfg = AshlConfig(**params)
+    SGD with per-worker top-k (SHL). The parameters (units, defaults' sources) are
+    :class:`AshlConfig`'s."""
+    cfg = AshlConfig(
+        profile_pushes=profile_pushes,
+        trim=trim,
+        comm_factor=comm_factor,
+        k_coarse=k_coarse,
+        comm_ref=comm_ref,
+        k_fine=k_fine,
+        topk=topk,
+        max_local_steps=max_local_steps,
+        staleness=staleness,
+        switch_loss=switch_loss,
+        plateau_evals=plateau_evals,
+        plateau_tol=plateau_tol,
+        profile_weight=profile_weight,
+        ahl_lr_scale=ahl_lr_scale,
+        shl_lr_scale=shl_lr_scale,
+        warmup=warmup,
+        lr_every=lr_every,
+        ahl_cosine=ahl_cosine,
+        shl_rounds=shl_rounds,
+        lr_floor=lr_floor,
+        stop_loss=stop_loss,
+        stop_evals=stop_evals,
+        drift=drift,
+        drift_patience=drift_patience,
+        alpha=alpha,
+    )
     pcfg = cfg.profiling()
 
     def init(view: ClusterView) -> AshlState:

@@ -9,6 +9,7 @@ tiny engine used here too.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from typing import Any
 
@@ -22,6 +23,7 @@ from policies.adsp import (
     TRAIN,
     AdspConfig,
     Search,
+    adsp,
     auto_period,
     describe_state,
     local_steps,
@@ -293,6 +295,21 @@ def test_workers_turn_a_time_budget_into_local_steps(
 def test_a_time_budget_that_is_not_seconds_is_refused() -> None:
     with pytest.raises(ValueError, match="local_time_s"):
         Plan.from_wire({"local_steps": 4, "local_time_s": True})
+
+
+def test_factory_signature_matches_the_config() -> None:
+    """``adsp``'s keyword parameters are AdspConfig's fields, with the same defaults."""
+    sig = inspect.signature(adsp)
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in sig.parameters.values())
+    defaults = {n: p.default for n, p in sig.parameters.items()}
+    assert defaults == {f.name: f.default for f in dataclasses.fields(AdspConfig)}
+    assert make_policy("adsp").params == dataclasses.asdict(AdspConfig())
+
+
+def test_unknown_parameter_lists_the_valid_ones() -> None:
+    with pytest.raises(PolicyError, match="bogus") as info:
+        make_policy("adsp", {"bogus": 1})
+    assert "period_steps" in str(info.value) and "lr_decay" in str(info.value)
 
 
 # --- a scripted run -----------------------------------------------------------------------------------

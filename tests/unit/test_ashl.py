@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -27,6 +28,7 @@ from policies.ashl import (
     SHL,
     AshlConfig,
     AshlState,
+    ashl,
     describe_state,
     lr_scale,
     plan_workers,
@@ -466,6 +468,21 @@ def test_hot_swap_uses_the_engine_ewma_and_announces_plans() -> None:
 def test_bad_params_raise(params: dict[str, Any], word: str) -> None:
     with pytest.raises(PolicyError, match=word):
         ashl_fixed(params)
+
+
+def test_factory_signature_matches_the_config() -> None:
+    """``ashl``'s keyword parameters are AshlConfig's fields, with the same defaults."""
+    sig = inspect.signature(ashl)
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in sig.parameters.values())
+    defaults = {n: p.default for n, p in sig.parameters.items()}
+    assert defaults == {f.name: f.default for f in dataclasses.fields(AshlConfig)}
+    assert make_policy("ashl").params == dataclasses.asdict(AshlConfig())
+
+
+def test_unknown_parameter_lists_the_valid_ones() -> None:
+    with pytest.raises(PolicyError, match="bogus") as info:
+        make_policy("ashl", {"bogus": 1})
+    assert "k_coarse" in str(info.value) and "shl_lr_scale" in str(info.value)
 
 
 # --- a scripted run through every stage ----------------------------------------------------------------
