@@ -15,7 +15,7 @@ from typing import Any
 
 from policies.compose import compose
 from policies.registry import make_policy, register
-from policies.sync import _async_weight, _check_weight
+from policies.sync import async_weight, check_weight
 from policies.types import (
     Apply,
     ClusterView,
@@ -77,7 +77,7 @@ def dssp(s_lo: int = 3, r_max: int = 12, weight: float | None = None) -> Policy:
     for name, v in (("s_lo", s_lo), ("r_max", r_max)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ValueError(f"{name} must be an int >= 0, got {v!r}")
-    _check_weight(weight)
+    check_weight(weight)
 
     def init(view: ClusterView) -> DsspState:
         return DsspState(MappingProxyType({}))
@@ -91,7 +91,7 @@ def dssp(s_lo: int = 3, r_max: int = 12, weight: float | None = None) -> Policy:
             granted.pop(event.worker, None)
         lo = view.min_clock()
         if isinstance(event, Push) and event.worker in view.workers:
-            out.append(Apply(_async_weight(weight, view)))
+            out.append(Apply(async_weight(weight, view)))
             p = view.workers[event.worker]
             r = granted.get(p.worker, 0)
             if r > 0:

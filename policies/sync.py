@@ -26,14 +26,15 @@ from policies.types import (
 )
 
 
-def _async_weight(weight: float | None, view: ClusterView) -> float:
+def async_weight(weight: float | None, view: ClusterView) -> float:
     """λ for asynchronous application: ``weight`` if set, else ``1/N`` over active replicas."""
     if weight is not None:
         return weight
     return 1.0 / max(1, view.n)
 
 
-def _check_weight(weight: float | None) -> None:
+def check_weight(weight: float | None) -> None:
+    """Validate a gate's ``weight`` parameter: ``> 0``, or None for ``1/N``; raises ValueError."""
     if weight is not None and not weight > 0:
         raise ValueError(f"weight must be > 0 (or omitted for 1/N), got {weight!r}")
 
@@ -67,7 +68,7 @@ def bsp() -> Policy:
 @register("asp")
 def asp(weight: float | None = None) -> Policy:
     """Asynchronous: apply every push on arrival with λ = ``weight`` (default 1/N); never hold."""
-    _check_weight(weight)
+    check_weight(weight)
 
     def init(view: ClusterView) -> None:
         return None
@@ -75,7 +76,7 @@ def asp(weight: float | None = None) -> Policy:
     def update(event: Event, state: None, view: ClusterView) -> tuple[Sequence[Decision], None]:
         out: list[Decision] = []
         if isinstance(event, Push):
-            out.append(Apply(_async_weight(weight, view)))
+            out.append(Apply(async_weight(weight, view)))
         out.extend(release_waiting(view, lambda f: True))
         return out, None
 
@@ -91,7 +92,7 @@ def ssp_gate(staleness: int, weight: float | None) -> Policy:
     def update(event: Event, state: None, view: ClusterView) -> tuple[Sequence[Decision], None]:
         out: list[Decision] = []
         if isinstance(event, Push):
-            out.append(Apply(_async_weight(weight, view)))
+            out.append(Apply(async_weight(weight, view)))
         lo = view.min_clock()
         out.extend(release_waiting(view, lambda f: f.clock - lo <= staleness))
         return out, None
@@ -105,5 +106,5 @@ def ssp(staleness: int = 3, weight: float | None = None) -> Policy:
     while its clock is at most ``staleness`` ahead of the slowest active one."""
     if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
         raise ValueError(f"staleness must be an int >= 0, got {staleness!r}")
-    _check_weight(weight)
+    check_weight(weight)
     return ssp_gate(staleness, weight)
