@@ -11,7 +11,10 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hetd.bench.sweep import BenchOptions
 
 COMMANDS = ("sim", "bench")
 
@@ -92,20 +95,24 @@ def add_commands(sub: Any) -> None:
     _common(b)
     b.add_argument(
         "--suite",
-        choices=("policies", "codecs", "system"),
+        choices=("policies", "codecs", "system", "parity"),
         default="policies",
         help="policies: time-to-accuracy of --policies on --scenario (docs/benchmark.md, the "
         "default); codecs: codec GB/s vs memcpy, written to OUT/codecs.json (hetd.bench.codec_speed; "
         "its other options: python -m hetd.bench.codec_speed --help); system: the daemon's updates/s "
         "against the loopback websocket limit, engine latency and start-up, written to "
-        "OUT/system.json and OUT/system.md (hetd.bench.system; options below)",
+        "OUT/system.json and OUT/system.md (hetd.bench.system; options below); parity: the "
+        "policies suite in both modes (OUT/sim/, OUT/real/) compared: median TTA ratio real/sim, "
+        "ranks, a verdict, written to OUT/parity.json, OUT/parity.md and OUT/parity.png "
+        "(hetd.bench.parity; --mode is ignored; with --tune-lr the lrs are chosen in sim mode)",
     )
     b.add_argument(
         "--mode",
         choices=("sim", "real"),
         default="sim",
         help="sim: virtual-time simulation (deterministic, fast); real: a real daemon and real "
-        "hetd-worker processes on loopback slowed by emulation, for the budget in wall time",
+        "hetd-worker processes on loopback slowed by emulation, for the budget in wall time "
+        "(ignored by --suite parity, which runs both)",
     )
     b.add_argument("--policies", default="bsp,asp,ssp", help=POLICY_HELP + " (default bsp,asp,ssp)")
     b.add_argument("--seeds", type=int, default=3, help="run seeds 0..N-1 (default 3)")
@@ -225,6 +232,8 @@ def _bench(args: argparse.Namespace) -> int:
         quiet=args.quiet,
     )
     t0 = time.monotonic()
+    if args.suite == "parity":
+        return _parity(opts, t0)
     doc = run_bench(opts)
     wall = time.monotonic() - t0
     print(f"{len(doc['runs'])} runs in {wall:.0f} s ({args.mode} mode); wrote {args.out}/")
@@ -238,6 +247,32 @@ def _bench(args: argparse.Namespace) -> int:
             + ("" if ideal is None or tta is None else f"  TTA/ideal {tta / ideal:.1f}")
             + f"  final acc {row['final_accuracy_median']:.4f}"
         )
+    return 0
+
+
+def _parity(opts: BenchOptions, t0: float) -> int:
+    """``--suite parity``: both modes, then the comparison table and verdict on stdout."""
+    from hetd.bench.parity import run_parity
+
+    doc = run_parity(opts)
+    out = opts.out
+    print(
+        f"parity: {len(doc['policies'])} policies x {opts.seeds} seed(s) in sim and real mode in "
+        f"{time.monotonic() - t0:.0f} s; wrote {out}/parity.json, parity.md, parity.png, "
+        f"{out}/sim/ and {out}/real/"
+    )
+
+    def fmt(x: float | None, none: str = "never") -> str:
+        return none if x is None else f"{x:.2f}"
+
+    print(f"  {'policy':<22} {'sim TTA':>8} {'real TTA':>8} {'real/sim':>8}  rank sim/real")
+    for label, row in doc["policies"].items():
+        print(
+            f"  {label:<22} {fmt(row['sim']['tta_median_s']):>8} "
+            f"{fmt(row['real']['tta_median_s']):>8} {fmt(row['ratio'], '–'):>8}  "
+            f"{row['rank']['sim']}/{row['rank']['real']}"
+        )
+    print(doc["verdict"]["sentence"])
     return 0
 
 
