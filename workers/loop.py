@@ -1,4 +1,5 @@
-"""The worker's compute: a gradient on one batch, or k local SGD steps returned as a delta.
+"""The worker's compute: a gradient on one batch, or k local steps of the inner optimizer returned
+as a delta.
 
 ``Trainer`` is built from the daemon's welcome (model, data set, shard, seed) and is pure compute:
 parameters in, update out. It never talks to the network; ``workers.client`` does.
@@ -12,12 +13,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from hetd.protocol.plan import Plan, data_range
 from hetd.zoo.data import BatchSampler, load_dataset, shard_indices
 from hetd.zoo.models import get_model
+from hetd.zoo.optim import parse_optimizer
+from hetd.zoo.steps import Steps
+
+DEFAULT_MICRO_BATCH = 32  # examples per compiled call when the daemon does not say
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +83,8 @@ def host_free_memory() -> int | None:
 
 
 class Trainer:
-    """Model + this worker's shard, with jitted gradient and SGD steps."""
+    """Model + this worker's shard, with fixed-shape jitted gradients and inner-optimizer
+    local steps (:class:`hetd.zoo.steps.Steps`)."""
 
     def __init__(self, welcome: Mapping[str, Any], device: jax.Device) -> None:
         model_spec = welcome["model"]
@@ -98,17 +103,14 @@ class Trainer:
             self.data.x_train[idx], self.data.y_train[idx], seed=seed * 1000 + shard["index"]
         )
         self._share: tuple[float, float] | None = None  # (offset, share) the sampler covers
-        self.worker_lr = float(train.get("worker_lr", 0.05))
         self.device = device
-        self._grad = jax.jit(jax.value_and_grad(self.model.loss), device=device)
-
-        def sgd(
-            params: dict[str, jax.Array], x: jax.Array, y: jax.Array, lr: jax.Array
-        ) -> tuple[dict[str, jax.Array], jax.Array]:
-            loss, g = jax.value_and_grad(self.model.loss)(params, x, y)
-            return {k: params[k] - lr * g[k] for k in params}, loss
-
-        self._sgd = jax.jit(sgd, device=device)
+        # Fixed shapes: every jitted call takes micro_batch examples, so a plan that changes
+        # the batch never compiles (hetd.zoo.steps). Older daemons send neither key.
+        micro = int(train.get("micro_batch") or 0) or DEFAULT_MICRO_BATCH
+        inner = parse_optimizer(str(train.get("inner_optimizer") or "sgd")).with_default_lr(
+            float(train.get("worker_lr") or 0.05)
+        )
+        self.steps = Steps(self.model, micro, inner, device)
 
     def _follow_share(self, plan: Plan) -> None:
         """A plan with ``data_share`` (and ``data_offset``) moves this worker to that fraction of
@@ -131,21 +133,11 @@ class Trainer:
         batch = max(1, plan.batch_size)
         k = max(1, plan.local_steps)
         self._follow_share(plan)
-        dev = {name: jax.device_put(v, self.device) for name, v in params.items()}
         if k == 1 and plan.push_kind != "delta":
-            x, y = self.sampler.next(batch)
-            loss, grads = self._grad(dev, jnp.asarray(x), jnp.asarray(y))
-            tensors = {name: np.asarray(g, dtype=np.float32) for name, g in grads.items()}
-            return Update("grad", tensors, float(loss), batch, 1)
-        lr = jnp.float32(self.worker_lr * plan.lr_scale)
-        local = dev
-        losses = []
-        for _ in range(k):
-            x, y = self.sampler.next(batch)
-            local, loss = self._sgd(local, jnp.asarray(x), jnp.asarray(y), lr)
-            losses.append(loss)
-        delta = {name: np.asarray(local[name] - dev[name], dtype=np.float32) for name in dev}
-        return Update("delta", delta, float(np.mean([float(v) for v in losses])), batch * k, k)
+            r = self.steps.gradient(params, self.sampler.next, batch)
+        else:
+            r = self.steps.local_steps(params, self.sampler.next, batch, k, plan.lr_scale)
+        return Update(r.kind, r.tensors, r.loss, r.samples, r.steps)
 
 
 def quiet_xla_threads() -> None:

@@ -28,9 +28,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from hetd.zoo.optim import make_optimizer
+from hetd.zoo.optim import make_optimizer, parse_optimizer
 
-__all__ = ["Aggregator", "Int8", "Snapshot", "Store", "dense", "make_optimizer"]
+__all__ = [
+    "Aggregator",
+    "Int8",
+    "Snapshot",
+    "Store",
+    "dense",
+    "make_optimizer",
+    "make_outer",
+]
 
 
 class Int8(NamedTuple):
@@ -65,6 +73,15 @@ def _shape(x: Update) -> tuple[int, ...]:
 
 KINDS = ("grad", "delta")
 MAX_PENDING = 16  # queued steps that make apply() flush at once (bounds the memory they hold)
+
+
+def make_outer(spec: str) -> optax.GradientTransformation | None:
+    """The outer optimizer for deltas; None for plain ``sgd`` at lr 1, which adds a delta as it
+    is (the same values, without an optimizer state or a negation on the hot path)."""
+    parsed = parse_optimizer(spec).with_default_lr(1.0)
+    if parsed.name == "sgd" and parsed.lr == 1.0 and not dict(parsed.options).get("momentum"):
+        return None
+    return parsed.build()
 
 
 @dataclass(frozen=True, slots=True)

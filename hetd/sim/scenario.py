@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hetd.config import DOWNLINK_MODES
+from hetd.zoo.optim import parse_optimizer
 
 INF = math.inf
 
@@ -96,8 +97,11 @@ class Scenario:
     tick_s: float = 0.25  # s between engine ticks
     lr: float = 0.1  # the daemon optimizer's learning rate
     lr_grid: tuple[float, ...] = (0.05, 0.1, 0.2)  # candidates for --tune-lr
-    optimizer: str = "sgd"  # sgd | momentum | adam
-    worker_lr: float = 0.0  # local lr for local-step (delta) plans; 0: the run's lr
+    optimizer: str = "sgd"  # the daemon's, as [train] optimizer (a spec: sgd | momentum | adam ...)
+    worker_lr: float = 0.0  # the inner optimizer's lr when its spec names none; 0: the run's lr
+    inner_optimizer: str = ""  # local-step plans' optimizer, as [train]; "": optimizer's family
+    outer_optimizer: str = "sgd:lr=1"  # how deltas are applied, as [train]
+    micro_batch: int = 0  # examples per compiled call on workers; 0: batch_per_worker
     codec: str = "none"  # preferred codec
     downlink: str = "auto"  # lossy codecs' parameters: auto (by link speed), delta, full
     shifts: tuple[Shift, ...] = ()
@@ -134,6 +138,17 @@ def _int(x: Any) -> bool:
 
 Check = Callable[[Any], bool]
 
+OPTIMIZER_HELP = "an optimizer spec: sgd | momentum | nesterov | adam [:lr=..,momentum=..]"
+
+
+def _is_optimizer(spec: str) -> bool:
+    try:
+        parse_optimizer(spec)
+    except ValueError:
+        return False
+    return True
+
+
 # key -> (type test, type name, value test, value rule)
 _TOP: dict[str, tuple[Check, str, Check, str]] = {
     "name": (lambda v: isinstance(v, str), "string", lambda v: bool(v), "non-empty"),
@@ -156,11 +171,19 @@ _TOP: dict[str, tuple[Check, str, Check, str]] = {
         lambda v: len(v) > 0 and all(0 < x < INF for x in v),
         "non-empty, each > 0",
     ),
-    "optimizer": (
+    "optimizer": (lambda v: isinstance(v, str), "string", _is_optimizer, OPTIMIZER_HELP),
+    "inner_optimizer": (
         lambda v: isinstance(v, str),
         "string",
-        lambda v: v in ("sgd", "momentum", "adam"),
-        "one of sgd, momentum, adam",
+        lambda v: v == "" or _is_optimizer(v),
+        '"" or ' + OPTIMIZER_HELP,
+    ),
+    "outer_optimizer": (lambda v: isinstance(v, str), "string", _is_optimizer, OPTIMIZER_HELP),
+    "micro_batch": (
+        lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "integer",
+        lambda v: v >= 0,
+        ">= 0 (0: the per-worker batch)",
     ),
     "worker_lr": (_num, "number", lambda v: 0 <= v < INF, ">= 0 (0: the run's lr)"),
     "codec": (lambda v: isinstance(v, str), "string", lambda v: bool(v), "non-empty"),
