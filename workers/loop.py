@@ -111,6 +111,11 @@ class Trainer:
             float(train.get("worker_lr") or 0.05)
         )
         self.steps = Steps(self.model, micro, inner, device)
+        shapes = jax.eval_shape(
+            lambda key: self.model.init(key, self.data.input_shape), jax.random.PRNGKey(0)
+        )
+        zeros = {k: np.zeros(v.shape, v.dtype) for k, v in shapes.items()}
+        self.steps.warm(zeros, self.data.x_train[:1], self.data.y_train[:1])
 
     def _follow_share(self, plan: Plan) -> None:
         """A plan with ``data_share`` (and ``data_offset``) moves this worker to that fraction of

@@ -95,6 +95,29 @@ class Steps:
         self._more = jax.jit(more)
         self._apply = jax.jit(apply_inner)
 
+    def warm(
+        self, params: Mapping[str, np.ndarray], x_like: np.ndarray, y_like: np.ndarray
+    ) -> None:
+        """Compile every kernel now, on zeros shaped like ``params`` and one batch of data
+        (``x_like``, ``y_like``; only shapes past the first and dtypes count) (a worker does this before its first push): a
+        kernel first used later, when a plan first asks for more than one micro-batch or for
+        local steps, would count its compile time as compute and skew what policies measure."""
+        m = self.micro_batch
+        dev = {k: jax.device_put(np.zeros_like(v), self.device) for k, v in params.items()}
+        x = jax.device_put(np.zeros((m, *x_like.shape[1:]), x_like.dtype), self.device)
+        y = jax.device_put(np.zeros((m, *y_like.shape[1:]), y_like.dtype), self.device)
+        mask = jax.device_put(np.zeros(m, np.float32), self.device)
+        loss, acc = self._first(dev, x, y, mask)
+        loss, acc = self._more(dev, acc, loss, x, y, mask)
+        state = self._tx.init(dev)
+        one = jax.device_put(np.float32(0.0), self.device)
+        # Twice: a fresh state's learning rate is weakly typed, a returned one is not, and each
+        # is a signature of its own.
+        out, state = self._apply(dev, state, acc, one, one)
+        out, _ = self._apply(out, state, acc, one, one)
+        for leaf in out.values():
+            leaf.block_until_ready()
+
     def _grad_sum(self, params: Mapping[str, jax.Array], sample: Sample, b: int) -> Any:
         """Σ over ``b`` fresh examples of the per-example loss and its gradient."""
         m = self.micro_batch

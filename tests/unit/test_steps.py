@@ -44,9 +44,9 @@ def test_changing_the_batch_never_compiles_a_new_shape(setup) -> None:  # type: 
     data, model, params = setup
     steps = Steps(model, 8, parse_optimizer("adam:lr=0.01"), jax.devices()[0])
     sampler = _sampler(data)
-    steps.gradient(params, sampler.next, 20)
-    steps.local_steps(params, sampler.next, 20, 2, 1.0)
+    steps.warm(params, data.x_train[:1], data.y_train[:1])
     compiled = [f._cache_size() for f in (steps._first, steps._more, steps._apply)]
+    assert compiled[:2] == [1, 1]  # one shape each for the gradient kernels
     for b in (3, 8, 9, 31, 64, 5):
         steps.gradient(params, sampler.next, b)
         steps.local_steps(params, sampler.next, b, 3, 0.5)
