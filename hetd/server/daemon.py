@@ -20,7 +20,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from aiohttp import web
 
 from hetd import config as config_mod
@@ -327,8 +326,3 @@ async def serve(cfg: config_mod.Config, extra: Callable[[Daemon], Any] | None = 
         log.warning("stopping: saying bye to %d workers", len(daemon.engine.facts))
     finally:
         await daemon.stop()
-
-
-def to_host(params: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Host copies of a flat parameter map."""
-    return {k: np.asarray(v) for k, v in params.items()}
