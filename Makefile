@@ -37,4 +37,4 @@ typecheck: $(STAMP)
 check: lint typecheck test
 
 clean:
-	rm -rf $(VENV) demo-out .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) demo-out .pytest_cache .mypy_cache .ruff_cache .import_linter_cache
