@@ -56,6 +56,33 @@ class OptimizerSpec:
             rate, momentum=momentum or None, nesterov=self.name == "nesterov" and momentum > 0
         )
 
+    def injectable(self) -> optax.GradientTransformation:
+        """The transformation with its learning rate as an injected hyperparameter
+        (``state.hyperparams["learning_rate"]``), so one compiled step serves any rate."""
+        opts = dict(self.options)
+        if self.name == "adam":
+            return optax.inject_hyperparams(optax.adam)(
+                learning_rate=self.lr,
+                b1=opts.get("b1", 0.9),
+                b2=opts.get("b2", 0.999),
+                eps=opts.get("eps", 1e-8),
+            )
+        momentum = opts.get("momentum", _DEFAULT_MOMENTUM[self.name])
+        return optax.inject_hyperparams(optax.sgd, static_args=("momentum", "nesterov"))(
+            learning_rate=self.lr,
+            momentum=momentum or None,
+            nesterov=self.name == "nesterov" and momentum > 0,
+        )
+
+    @property
+    def plain_sgd(self) -> bool:
+        """Whether this is SGD without momentum (no optimizer state at all)."""
+        return self.name == "sgd" and not dict(self.options).get("momentum")
+
+    def without_lr(self) -> OptimizerSpec:
+        """The same family and options, the learning rate left open."""
+        return OptimizerSpec(self.name, None, self.options)
+
     def __str__(self) -> str:
         parts = ([f"lr={self.lr:g}"] if self.lr is not None else []) + [
             f"{k}={v:g}" for k, v in self.options

@@ -23,7 +23,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from hetd.zoo.models import Model
 from hetd.zoo.optim import OptimizerSpec
@@ -62,7 +61,7 @@ class Steps:
         self.inner = inner
         self.base_lr = inner.lr
         self.device = device
-        self._tx = _injectable(inner)
+        self._tx = inner.injectable()
         self._state: Any = None  # the inner optimizer's state, kept across rounds
 
         def masked_sum(params: Any, x: jax.Array, y: jax.Array, mask: jax.Array) -> jax.Array:
@@ -166,21 +165,3 @@ class Steps:
             total += float(loss)
         delta = {name: np.asarray(local[name] - start[name], dtype=np.float32) for name in start}
         return Result("delta", delta, total / (b * k), b * k, k)
-
-
-def _injectable(spec: OptimizerSpec) -> optax.GradientTransformation:
-    """``spec`` with its learning rate as an injected hyperparameter."""
-    opts = dict(spec.options)
-    if spec.name == "adam":
-        return optax.inject_hyperparams(optax.adam)(
-            learning_rate=spec.lr,
-            b1=opts.get("b1", 0.9),
-            b2=opts.get("b2", 0.999),
-            eps=opts.get("eps", 1e-8),
-        )
-    momentum = opts.get("momentum", {"sgd": 0.0, "momentum": 0.9, "nesterov": 0.9}[spec.name])
-    return optax.inject_hyperparams(optax.sgd, static_args=("momentum", "nesterov"))(
-        learning_rate=spec.lr,
-        momentum=momentum or None,
-        nesterov=spec.name == "nesterov" and momentum > 0,
-    )
