@@ -45,16 +45,22 @@ class FakeClock:
 
 
 class FakePeer:
-    """A session's outbox that keeps every frame the engine sends it."""
+    """A session's outbox that keeps what the engine sends it: its typed replies (``replies``,
+    :mod:`hetd.protocol.messages`) and its encoded ``params`` frames (``frames``)."""
 
     def __init__(self) -> None:
+        self.replies: list[Any] = []
         self.frames: list[bytes] = []
+        self.closed: str | None = None  # the reason the engine closed the session
 
-    def send(self, frame: bytes, *, params: bool = False, full: bool = False) -> None:
+    def send(self, reply: Any) -> None:
+        self.replies.append(reply)
+
+    def send_params(self, frame: bytes, *, full: bool) -> None:
         self.frames.append(frame)
 
     def close(self, reason: str) -> None:
-        pass
+        self.closed = reason
 
 
 # --- integration tests: a real daemon on loopback, real worker processes ---------------------------

@@ -1,10 +1,16 @@
 """The single writer: one asyncio task owns all training state and reads one queue of commands.
 
-Sessions put commands on the queue (join, push, pull, heartbeat, leave); the admin API sends others
-(swap policy, status, checkpoint). For each event the engine updates its facts, asks the policy for
-decisions, applies them to the store, and hands frames to per-session :class:`Peer` outboxes, which
-never block it. Time comes from an injected :class:`Clock`; the engine does not import aiohttp, so
-the simulator drives the same code under a virtual clock.
+Sessions put commands on the queue (join, push, pull, heartbeat, leave) with typed inputs
+(:class:`~hetd.protocol.messages.JoinIn`, :class:`~hetd.protocol.messages.PushIn`); the admin API
+sends others (swap policy, status, checkpoint). For each event the engine updates its facts, asks
+the policy for decisions, applies them to the store, and hands typed replies (welcome, ack, plan,
+profile request) and encoded parameter frames to per-session :class:`Peer` outboxes, which never
+block it. Time comes from an injected :class:`Clock`; the engine imports neither aiohttp nor the
+wire format, so the simulator drives the same code under a virtual clock.
+
+The engine owns one :class:`WorkerEntry` per worker (facts, counters, plan, peer, the parameters
+it holds), active or departed, and its whole training state as an :class:`EngineState`
+(:meth:`Engine.state` / :meth:`Engine.restore`; checkpoints store that).
 
 Under :meth:`Engine.run` (the daemon) a released worker's parameters are not encoded at once: the
 engine first takes whatever else is already queued (up to :data:`BATCH` commands), then *publishes*
@@ -23,19 +29,31 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from types import MappingProxyType
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
+import jax
 import numpy as np
 
 from hetd.codecs import registry as codecs
 from hetd.core.downlink import Downlink, Outgoing
 from hetd.core.rates import LatencyRecorder, RateMeter
-from hetd.core.store import Aggregator, Snapshot, Store, Tensors
-from hetd.protocol import wire
+from hetd.core.store import Aggregator, Snapshot, Store
+from hetd.protocol.messages import (
+    Ack,
+    AckStatus,
+    Bye,
+    JoinIn,
+    PlanUpdate,
+    ProfileRequest,
+    PushIn,
+    Reply,
+    Welcome,
+)
 from policies.compose import Resolved, describe_state, resolve
-from policies.registry import make_policy
+from policies.registry import PolicyError, make_policy
 from policies.types import (
     Apply,
     Buffer,
@@ -81,11 +99,20 @@ class MonotonicClock:
 
 
 class Peer(Protocol):
-    """A session's outbox as the engine sees it: ``send`` never blocks."""
+    """A session's outbox as the engine sees it; nothing here blocks."""
 
-    def send(self, frame: bytes, *, params: bool = False, full: bool = False) -> None: ...
+    def send(self, reply: Reply) -> None:
+        """Queue a control reply (the peer encodes it, or reads it as it is)."""
+        ...
 
-    def close(self, reason: str) -> None: ...
+    def send_params(self, frame: bytes, *, full: bool) -> None:
+        """Queue one encoded ``params`` frame of a release (``full``: it replaces every
+        parameter frame still queued)."""
+        ...
+
+    def close(self, reason: str) -> None:
+        """End the session after what is queued."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,27 +153,85 @@ class WorkerStats:
     slot: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class PushIn:
-    """A decoded, validated push from a session."""
+@dataclass(eq=False, slots=True)
+class WorkerEntry:
+    """Everything the engine keeps about one worker (engine-owned, mutable). ``facts`` is what
+    policies see (replaced, never mutated: the engine keeps its view index in step); ``peer`` is
+    None once the worker left."""
 
-    worker: int
-    id: int
-    base: int
-    kind: str
-    tensors: Tensors  # float32 arrays, or int8 ones the store's step dequantizes
-    samples: int
-    steps: int
-    compute_s: float
-    loss: float | None
-    free_mem: int | None
-    nbytes: int
-    transfer_s: float | None = None  # s from the worker's send to our receipt, when known
-    idle_s: float | None = None  # s the worker waited for parameters before this step
+    facts: WorkerFacts
+    stats: WorkerStats
+    plan: Plan
+    peer: Peer | None
+    held_ref: int | None = None  # the downlink reference it holds (its parameters' base)
+    same_host: bool = False  # it connected over loopback: parameters in full are cheaper
+
+
+@dataclass(frozen=True, slots=True)
+class SavedWorker:
+    """A worker as a restart remembers it: enough to give it its clock back when it returns."""
+
+    name: str
+    clock: int
+    samples: int = 0
+    idle_s: float = 0.0
+    batch_size: int = 32
+    codec: str = "none"
+    active: bool = False  # it was connected when the state was taken
+
+
+@dataclass(frozen=True, slots=True)
+class EngineState:
+    """Everything a restart needs (what a checkpoint stores), as host values.
+
+    ``policy_state`` is the policy's own state object; a checkpoint stores a serialised form of it
+    (or None: the restored policy's ``init`` rebuilds one), turned back by :meth:`Engine.restore`'s
+    ``revive``.
+    """
+
+    params: Mapping[str, np.ndarray]  # host copies
+    opt_state: Any  # the store's optimizer state (host pytree)
+    version: int
+    buffers: Mapping[int, Mapping[str, Any]]  # round -> Aggregator.state(), non-empty ones only
+    policy: str
+    policy_params: Mapping[str, Any]
+    policy_state: Any
+    stage: str
+    updates_applied: int
+    next_id: int  # the id the next new worker gets
+    workers: Mapping[int, SavedWorker]  # every worker known, active or departed
+
+
+_V = TypeVar("_V")
+
+
+class _Column(Mapping[int, _V], Generic[_V]):
+    """One field of the worker entries of some tables, by worker id: read-only and live."""
+
+    __slots__ = ("_attr", "_tables")
+
+    def __init__(self, attr: str, *tables: Mapping[int, WorkerEntry]) -> None:
+        self._attr = attr
+        self._tables = tables
+
+    def __getitem__(self, wid: int) -> _V:
+        for table in self._tables:
+            entry = table.get(wid)
+            if entry is not None:
+                value: _V = getattr(entry, self._attr)
+                return value
+        raise KeyError(wid)
+
+    def __iter__(self) -> Iterator[int]:
+        for table in self._tables:
+            yield from table
+
+    def __len__(self) -> int:
+        return sum(len(table) for table in self._tables)
 
 
 class Engine:
-    """Owns facts, policy state, the store and the aggregation buffer."""
+    """Owns the workers' entries, policy state, the store and the aggregation buffers."""
 
     def __init__(
         self,
@@ -161,11 +246,9 @@ class Engine:
         self.clock: Clock = clock or MonotonicClock()
         self.evaluator = evaluator
         self.policy = policy
-        self.facts: dict[int, WorkerFacts] = {}
-        self.stats: dict[int, WorkerStats] = {}
-        self.plans: dict[int, Plan] = {}
-        self.peers: dict[int, Peer] = {}
-        self.departed: dict[int, WorkerFacts] = {}
+        self._workers: dict[int, WorkerEntry] = {}  # active workers
+        self._departed: dict[int, WorkerEntry] = {}  # left (or known from a checkpoint)
+        self._facts: dict[int, WorkerFacts] = {}  # the active workers' facts: the policy's view
         self.departures: deque[tuple[float, int, str]] = deque(maxlen=64)  # (t, worker, reason)
         self.buffers: dict[int, Aggregator] = {}  # group (e.g. round) -> buffered updates
         self.stage = "main"
@@ -176,8 +259,6 @@ class Engine:
         self.stages: list[tuple[float, str]] = []  # (t since start, stage entered), each switch
         self._next_id = 1
         self.downlink = Downlink(s_per_param=config.delta_s_per_param)
-        self._held_refs: dict[int, int] = {}  # worker -> the downlink reference it holds
-        self._same_host: set[int] = set()  # workers on loopback: parameters in full are cheaper
         self.bytes_in = 0  # push bytes received, all workers, since start
         self.bytes_out = 0  # parameter bytes sent, all workers, since start
         self.latency = LatencyRecorder()  # s to decide one event: policy, bookkeeping, acks
@@ -191,6 +272,39 @@ class Engine:
         self._releases: dict[int, None] = {}  # workers released, not yet sent parameters (ordered)
         self.policy_state: Any = policy.init(self.view())
 
+    # --- the workers -----------------------------------------------------------------------------
+
+    @property
+    def entries(self) -> Mapping[int, WorkerEntry]:
+        """The active workers' entries, by id (read-only, live)."""
+        return MappingProxyType(self._workers)
+
+    @property
+    def facts(self) -> Mapping[int, WorkerFacts]:
+        """The active workers' facts, by id (read-only, live)."""
+        return MappingProxyType(self._facts)
+
+    @property
+    def departed(self) -> Mapping[int, WorkerFacts]:
+        """The facts of workers that left (or that a restored checkpoint knows), by id: each gets
+        its clock back when it reconnects (read-only, live)."""
+        return _Column("facts", self._departed)
+
+    @property
+    def stats(self) -> Mapping[int, WorkerStats]:
+        """Every worker's counters, active or departed, by id (read-only, live)."""
+        return _Column("stats", self._workers, self._departed)
+
+    @property
+    def plans(self) -> Mapping[int, Plan]:
+        """The active workers' plans, by id (read-only, live)."""
+        return _Column("plan", self._workers)
+
+    def _put(self, entry: WorkerEntry, facts: WorkerFacts) -> None:
+        """Replace an active worker's facts (in its entry and in the policy's view)."""
+        entry.facts = facts
+        self._facts[facts.worker] = facts
+
     # --- the view --------------------------------------------------------------------------------
 
     def view(self) -> ClusterView:
@@ -198,7 +312,7 @@ class Engine:
         return ClusterView(
             now=self.clock.now(),
             version=self.store.version,
-            workers=self.facts,
+            workers=self._facts,
             global_batch=self.config.global_batch,
             buffered=self.buffered(),
             stage=self.stage,
@@ -270,15 +384,9 @@ class Engine:
         """Run queued steps and encode the released workers' frames (off the loop for big
         models, the engine task awaiting), then hand the frames to their outboxes."""
         wants = [
-            (
-                wid,
-                self.facts[wid].codec,
-                self.facts[wid].version,
-                self._held_refs.get(wid),
-                self._link(wid),
-            )
+            (wid, entry.facts.codec, entry.facts.version, entry.held_ref, self._link(entry))
             for wid in self._releases
-            if wid in self.facts and wid in self.peers
+            if (entry := self._workers.get(wid)) is not None
         ]
         self._releases = {}
         try:
@@ -291,9 +399,11 @@ class Engine:
             # drop their sessions; they reconnect as themselves and get parameters in full.
             log.exception("publishing parameters failed; dropping %d session(s)", len(wants))
             for wid, *_ in wants:
-                peer = self.peers.get(wid)
-                if peer is not None:
-                    peer.close("the daemon could not encode parameters for this worker; reconnect")
+                entry = self._workers.get(wid)
+                if entry is not None and entry.peer is not None:
+                    entry.peer.close(
+                        "the daemon could not encode parameters for this worker; reconnect"
+                    )
             return
         for wid, *_ in wants:
             self._send_params(wid, frames[wid])
@@ -323,87 +433,91 @@ class Engine:
 
     # --- commands (run on the engine task only) -----------------------------------------------------
 
-    def join(self, hello: wire.Message, peer: Peer, same_host: bool = False) -> int:
-        """Admit a worker: facts, plan, welcome; the policy decides when it may start.
-        ``same_host``: it connected over loopback (no link worth compressing parameters for)."""
+    def join(self, hello: JoinIn, peer: Peer) -> int:
+        """Admit a worker: facts, plan, welcome; the policy decides when it may start. A worker
+        that says it is a departed one (``resume_id``) gets its id and clock back."""
         now = self.clock.now()
-        resume = hello.get("resume") or {}
-        old_id = resume.get("worker_id")
-        offered = [c for c in hello["codecs"] if isinstance(c, str)]
-        codec = codecs.negotiate(offered, self.config.codec)  # raises before anything changes
+        codec = codecs.negotiate(list(hello.codecs), self.config.codec)  # raises before any change
         saved: WorkerFacts | None = None
-        if isinstance(old_id, int) and old_id in self.departed and old_id not in self.facts:
-            wid = old_id
-            saved = self.departed.pop(wid)
+        if hello.resume_id is not None and hello.resume_id in self._departed:
+            wid = hello.resume_id
+            saved = self._departed.pop(wid).facts
         else:
             wid = self._next_id
             self._next_id += 1
-        start_clock = self.view().min_clock() if self.facts else 0
+        start_clock = self.view().min_clock() if self._workers else 0
         if saved is not None:  # a returning worker keeps its clock, never below the slowest
-            start_clock = max(saved.clock, start_clock) if self.facts else saved.clock
-        used = {s.slot for w, s in self.stats.items() if w in self.facts}
+            start_clock = max(saved.clock, start_clock) if self._workers else saved.clock
+        used = {e.stats.slot for e in self._workers.values()}
         slot = next(i for i in range(len(used) + 1) if i not in used)
-        device = hello["device"]
-        free_mem = device.get("free_memory") if isinstance(device.get("free_memory"), int) else None
-        self.facts[wid] = WorkerFacts(
+        facts = WorkerFacts(
             worker=wid,
-            name=hello["name"],
+            name=hello.name,
             clock=start_clock,
             version=-1,  # holds nothing yet: its first parameters go in full
             waiting=True,
             joined_at=now,
             batch_size=self.config.batch_size,
-            free_mem=free_mem,
+            free_mem=hello.free_mem,
             codec=codec,
             waiting_since=now,
         )
-        self.stats[wid] = WorkerStats(last_seen=now, device=dict(device), slot=slot)
-        self.plans[wid] = Plan(batch_size=self.config.batch_size, codec=codec, stage=self.stage)
-        self.peers[wid] = peer
-        if same_host:
-            self._same_host.add(wid)
+        entry = WorkerEntry(
+            facts=facts,
+            stats=WorkerStats(last_seen=now, device=dict(hello.device), slot=slot),
+            plan=Plan(batch_size=self.config.batch_size, codec=codec, stage=self.stage),
+            peer=peer,
+            same_host=hello.same_host,
+        )
+        self._workers[wid] = entry
+        self._facts[wid] = facts
         # Automatic shards are disjoint for up to 4 workers (fewer workers leave some data unused:
         # set [train] shards to their number). Overlapping shares (the first worker on everything,
         # the k-th on 1/k) covered all data but trained the 4-worker demo ~30 % slower.
-        shards = self.config.shards or max(4, len(self.facts))
+        shards = self.config.shards or max(4, len(self._workers))
         peer.send(
-            wire.encode(
-                "welcome",
-                hello.id,
+            Welcome(
+                id=hello.id,
                 worker_id=wid,
-                plan=self.plans[wid].to_wire(),
+                plan=entry.plan,
                 heartbeat_s=self.config.heartbeat_s,
-                shard={"index": slot % shards, "count": shards},
-                **self.config.welcome,
+                shard=slot % shards,
+                shards=shards,
+                setup=self.config.welcome,
             )
         )
         if self.config.profile_steps > 0:
-            spec = {"steps": self.config.profile_steps, "batch_size": self.config.batch_size}
-            peer.send(wire.encode("profile", 0, spec=spec))
-        log.info("worker %d (%s) joined on slot %d, codec %s", wid, hello["name"], slot, codec)
+            peer.send(ProfileRequest(self.config.profile_steps, self.config.batch_size))
+        log.info("worker %d (%s) joined on slot %d, codec %s", wid, hello.name, slot, codec)
         self._dispatch(Join(now, wid))
         return wid
 
     def leave(self, wid: int, reason: str) -> None:
-        """A worker left; it leaves every barrier at once."""
-        facts = self.facts.pop(wid, None)
-        if facts is None:
+        """A worker left; it leaves every barrier at once (its entry is kept as departed)."""
+        entry = self._workers.pop(wid, None)
+        if entry is None:
             return
-        self.departed[wid] = facts
-        self._held_refs.pop(wid, None)
-        self._same_host.discard(wid)
-        peer = self.peers.pop(wid, None)
+        del self._facts[wid]
+        peer, entry.peer, entry.held_ref, entry.same_host = entry.peer, None, None, False
+        self._departed[wid] = entry
         if peer is not None:
             peer.close(reason)
         self.departures.append((self.clock.now() - self.started_at, wid, reason))
         log.info("worker %d left: %s", wid, reason)
         self._dispatch(Leave(self.clock.now(), wid, reason))
 
+    def bye_all(self, reason: str) -> None:
+        """Say bye to every worker and let it leave (they may reconnect later)."""
+        for wid, entry in list(self._workers.items()):
+            if entry.peer is not None:
+                entry.peer.send(Bye(reason))
+            self.leave(wid, reason)
+
     def profile_result(self, wid: int, result: Mapping[str, Any]) -> None:
         """A worker's profile run: finite, non-negative seconds for the known keys go into its
         facts (anything else is ignored); policies see it with the next event."""
-        facts = self.facts.get(wid)
-        if facts is None:
+        entry = self._workers.get(wid)
+        if entry is None:
             return
         clean = {
             k: float(v)
@@ -414,37 +528,43 @@ class Engine:
             and math.isfinite(v)
             and v >= 0
         }
-        self.facts[wid] = dataclasses.replace(facts, profile=clean)
-        self.stats[wid].last_seen = self.clock.now()
+        self._put(entry, dataclasses.replace(entry.facts, profile=clean))
+        entry.stats.last_seen = self.clock.now()
         log.info("worker %d profile: %s", wid, clean)
         self._dispatch(Tick(self.clock.now()))
 
     def heartbeat(self, wid: int) -> None:
         """A sign of life."""
-        if wid in self.stats:
-            self.stats[wid].last_seen = self.clock.now()
+        entry = self._workers.get(wid)
+        if entry is not None:
+            entry.stats.last_seen = self.clock.now()
 
     def pull(self, wid: int, have: int | None = None) -> None:
         """A worker asks for parameters (``have``: the version it holds; None: send them in full);
         the gate decides when it gets them."""
-        facts = self.facts.get(wid)
-        if facts is None:
+        entry = self._workers.get(wid)
+        if entry is None:
             return
+        facts = entry.facts
         now = self.clock.now()
-        self.stats[wid].last_seen = now
+        entry.stats.last_seen = now
         held = facts.version if have is not None and have == facts.version else -1
-        self.facts[wid] = dataclasses.replace(
-            facts, waiting=True, waiting_since=facts.waiting_since or now, version=held
+        self._put(
+            entry,
+            dataclasses.replace(
+                facts, waiting=True, waiting_since=facts.waiting_since or now, version=held
+            ),
         )
         self._dispatch(Pull(now, wid))
 
     def push(self, p: PushIn) -> None:
         """One validated update: facts, policy, store, ack."""
-        facts = self.facts.get(p.worker)
-        if facts is None:
+        entry = self._workers.get(p.worker)
+        if entry is None:
             return
+        facts = entry.facts
         now = self.clock.now()
-        st = self.stats[p.worker]
+        st = entry.stats
         st.last_seen = now
         st.pushes += 1
         st.bytes_in += p.nbytes
@@ -458,7 +578,7 @@ class Engine:
         def ewma(old: float | None, new: float) -> float:
             return new if old is None else EWMA * new + (1 - EWMA) * old
 
-        self.facts[p.worker] = dataclasses.replace(
+        new = dataclasses.replace(
             facts,
             clock=facts.clock + 1,
             waiting=True,
@@ -476,6 +596,7 @@ class Engine:
             samples=facts.samples + p.samples,
             free_mem=p.free_mem if p.free_mem is not None else facts.free_mem,
         )
+        self._put(entry, new)
         kind: Literal["grad", "delta"] = "grad" if p.kind == "grad" else "delta"
         event = Push(now, p.worker, p.base, kind, p.samples, p.steps, p.compute_s, p.loss)
         if p.base > self.store.version or staleness > self.config.max_staleness:
@@ -502,8 +623,8 @@ class Engine:
         """Time passes: heartbeats, evaluation, and a chance for gates to open."""
         now = self.clock.now()
         self.rates.sample(now, self.updates_applied, self.bytes_in, self.bytes_out)
-        for wid, st in list(self.stats.items()):
-            if wid in self.facts and now - st.last_seen > self.config.heartbeat_timeout_s:
+        for wid, entry in list(self._workers.items()):
+            if now - entry.stats.last_seen > self.config.heartbeat_timeout_s:
                 self.leave(wid, "heartbeat timeout")
         if (
             self.evaluator is not None
@@ -600,19 +721,22 @@ class Engine:
             self.updates_applied += 1
 
     def _release(self, wid: int) -> None:
-        facts = self.facts.get(wid)
-        peer = self.peers.get(wid)
-        if facts is None or peer is None or not facts.waiting:
+        entry = self._workers.get(wid)
+        if entry is None or not entry.facts.waiting:
             return
+        facts = entry.facts
         now = self.clock.now()
-        gap = facts.clock - min(f.clock for f in self.facts.values())
+        gap = facts.clock - min(f.clock for f in self._facts.values())
         self.max_release_gap = max(self.max_release_gap, gap)
         idle = now - facts.waiting_since if facts.waiting_since is not None else 0.0
-        self.facts[wid] = dataclasses.replace(
-            facts,
-            waiting=False,
-            waiting_since=None,
-            idle_s=facts.idle_s + idle,
+        self._put(
+            entry,
+            dataclasses.replace(
+                facts,
+                waiting=False,
+                waiting_since=None,
+                idle_s=facts.idle_s + idle,
+            ),
         )
         if self._deferred:
             self._releases[wid] = None
@@ -621,44 +745,43 @@ class Engine:
             facts.codec,
             facts.version,
             self.store.snapshot(),
-            self._held_refs.get(wid),
-            self._link(wid),
+            entry.held_ref,
+            self._link(entry),
         )
         self._send_params(wid, release)
 
-    def _link(self, wid: int) -> float | None:
+    def _link(self, entry: WorkerEntry) -> float | None:
         """The worker's link in bytes/s for the downlink's choice: unbounded for loopback or
         ``downlink = "full"``, unknown (deltas) for ``"delta"``."""
         mode = self.config.downlink
-        if mode == "full" or (mode == "auto" and wid in self._same_host):
+        if mode == "full" or (mode == "auto" and entry.same_host):
             return math.inf
-        return None if mode == "delta" else self.facts[wid].link_bps
+        return None if mode == "delta" else entry.facts.link_bps
 
     def _send_params(self, wid: int, release: Outgoing) -> None:
-        facts, peer = self.facts.get(wid), self.peers.get(wid)
-        if facts is None or peer is None:
+        entry = self._workers.get(wid)
+        if entry is None or entry.peer is None:
             return
-        self.facts[wid] = dataclasses.replace(facts, version=release.version)
-        if release.ref is None:
-            self._held_refs.pop(wid, None)
-        else:
-            self._held_refs[wid] = release.ref
-        self.stats[wid].releases += 1
+        self._put(entry, dataclasses.replace(entry.facts, version=release.version))
+        entry.held_ref = release.ref
+        entry.stats.releases += 1
         for frame in release.frames:
-            self.stats[wid].bytes_out += len(frame)
+            entry.stats.bytes_out += len(frame)
             self.bytes_out += len(frame)
-            peer.send(frame, params=True, full=release.full)
+            entry.peer.send_params(frame, full=release.full)
 
     def _set_plan(self, wid: int, fields: Mapping[str, Any]) -> None:
-        plan = self.plans.get(wid)
-        if plan is None:
+        entry = self._workers.get(wid)
+        if entry is None:
             return
+        plan = entry.plan
         new = plan.merge(fields)  # checked: resolve() raised on unknown fields already
         if new == plan:
             return
-        self.plans[wid] = new
-        self.facts[wid] = dataclasses.replace(self.facts[wid], batch_size=new.batch_size)
-        self.peers[wid].send(wire.encode("plan", 0, plan=new.to_wire()))
+        entry.plan = new
+        self._put(entry, dataclasses.replace(entry.facts, batch_size=new.batch_size))
+        if entry.peer is not None:
+            entry.peer.send(PlanUpdate(new))
 
     def _set_stage(self, stage: str) -> None:
         if stage == self.stage:
@@ -667,15 +790,94 @@ class Engine:
         log.info("stage %s -> %s at %.2f s", self.stage, stage, at)
         self.stage = stage
         self.stages.append((at, stage))
-        for wid in list(self.plans):
+        for wid in list(self._workers):
             self._set_plan(wid, {"stage": stage})
 
-    def _ack(self, p: PushIn, status: str, reason: str | None = None) -> None:
-        peer = self.peers.get(p.worker)
-        if peer is not None:
-            peer.send(
-                wire.encode("ack", p.id, version=self.store.version, status=status, reason=reason)
+    def _ack(self, p: PushIn, status: AckStatus, reason: str | None = None) -> None:
+        entry = self._workers.get(p.worker)
+        if entry is not None and entry.peer is not None:
+            entry.peer.send(Ack(p.id, self.store.version, status, reason))
+
+    # --- the whole state (checkpoints) -------------------------------------------------------------
+
+    def state(self) -> EngineState:
+        """Everything a restart needs, as host copies: parameters, optimizer state and version,
+        the non-empty aggregation buffers (a half-finished round is not lost), the policy's name,
+        parameters and state, the stage, the counters, and every worker's clock by id and name,
+        departed or active (so a reconnecting worker gets its clock back). Run on the engine task.
+        """
+        params, opt_state, version = self.store.state()
+        workers: dict[int, SavedWorker] = {}
+        for active, table in ((False, self._departed), (True, self._workers)):
+            for wid, entry in table.items():
+                f = entry.facts
+                workers[wid] = SavedWorker(
+                    name=f.name,
+                    clock=f.clock,
+                    samples=f.samples,
+                    idle_s=f.idle_s,
+                    batch_size=f.batch_size,
+                    codec=f.codec,
+                    active=active,
+                )
+        return EngineState(
+            params={k: np.array(v, copy=True) for k, v in params.items()},
+            # the next step may donate (reuse) the buffers a host view would share
+            opt_state=jax.tree.map(lambda x: np.array(x, copy=True), opt_state),
+            version=version,
+            buffers={g: agg.state() for g, agg in self.buffers.items() if agg.count},
+            policy=self.policy.name,
+            policy_params=dict(self.policy.params),
+            policy_state=self.policy_state,
+            stage=self.stage,
+            updates_applied=self.updates_applied,
+            next_id=self._next_id,
+            workers=workers,
+        )
+
+    def restore(self, state: EngineState, revive: Callable[[Any, Any], Any] | None = None) -> None:
+        """Put a saved state into this engine before it serves anyone. Every saved worker is
+        known as departed (it gets its id and clock back when it reconnects).
+
+        Raises ValueError, before anything changes, when the parameters do not fit the store's
+        model. A saved policy that cannot be made here (:class:`policies.PolicyError`: a plug-in
+        went missing) leaves the current one in place, with a warning. ``revive(fresh, saved)``
+        turns a saved policy state back into the policy's own (``fresh``: the restored policy's
+        ``init``); without it the saved state is taken as it is; a saved None means ``fresh``.
+        """
+        self.store.restore(state.params, state.opt_state, state.version)
+        self.buffers = {int(g): Aggregator.from_state(b) for g, b in state.buffers.items()}
+        self.stage = state.stage
+        self.updates_applied = state.updates_applied
+        now = self.clock.now()
+        for wid, w in state.workers.items():
+            facts = WorkerFacts(
+                worker=wid,
+                name=w.name,
+                clock=w.clock,
+                version=self.store.version,
+                waiting=True,
+                joined_at=now,
+                samples=w.samples,
+                batch_size=w.batch_size,
+                codec=w.codec,
+                idle_s=w.idle_s,
             )
+            plan = Plan(batch_size=w.batch_size, codec=w.codec, stage=self.stage)
+            self._departed[wid] = WorkerEntry(facts, WorkerStats(), plan, peer=None)
+        self._next_id = max([self._next_id, state.next_id, *(w + 1 for w in state.workers)])
+        try:
+            policy = make_policy(state.policy, state.policy_params)
+        except PolicyError as exc:
+            log.warning("saved policy not restored (%s); keeping %s", exc, self.policy.name)
+            return
+        fresh = policy.init(self.view())
+        policy_state = fresh
+        if state.policy_state is not None:
+            policy_state = (
+                state.policy_state if revive is None else revive(fresh, state.policy_state)
+            )
+        self.policy, self.policy_state = policy, policy_state
 
     # --- read-only summaries (call through ``call`` from other tasks) ----------------------------
 
@@ -689,7 +891,7 @@ class Engine:
             "policy": self.policy.describe(),
             "policy_state": describe_state(self.policy_state),
             "uptime_s": self.clock.now() - self.started_at,
-            "workers": len(self.facts),
+            "workers": len(self._workers),
             "updates_applied": self.updates_applied,
             "max_release_gap": self.max_release_gap,
             "accuracy": None if last is None else last[2],
@@ -704,8 +906,9 @@ class Engine:
         """One row per active worker."""
         now = self.clock.now()
         rows = []
-        for wid, f in sorted(self.facts.items()):
-            st = self.stats[wid]
+        for wid in sorted(self._workers):
+            entry = self._workers[wid]
+            f, st = entry.facts, entry.stats
             alive = max(1e-9, now - f.joined_at)
             rows.append(
                 {
@@ -717,7 +920,7 @@ class Engine:
                     "samples_per_s": f.samples / alive,
                     "compute_s": f.compute_s,
                     "batch_size": f.batch_size,
-                    "codec": self.plans[wid].codec,  # what its pushes use (the plan's)
+                    "codec": entry.plan.codec,  # what its pushes use (the plan's)
                     "params_codec": f.codec,  # what its parameters come in (negotiated)
                     "pushes": st.pushes,
                     "applied": st.applied,
@@ -734,7 +937,7 @@ class Engine:
                     "bytes_per_pull": st.bytes_out / max(1, st.releases),
                     "pull_ratio": st.bytes_out / max(1, st.releases) / (4 * self.store.n_params),
                     "last_seen_s": now - st.last_seen,
-                    "plan": self.plans[wid].to_wire(),
+                    "plan": entry.plan.to_wire(),
                 }
             )
         return rows

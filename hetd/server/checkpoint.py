@@ -17,8 +17,10 @@ is skipped with a warning naming it and the reason; with none left it starts fre
 :class:`CheckpointError` instead — silently training a different model from scratch over an operator's
 state directory would be worse.
 
-Engine hooks: :func:`engine_state` and :func:`restore_engine` read and write the
-engine's attributes (the engine itself resumes a returning worker's clock in ``join``).
+Engine hooks: :func:`engine_state` and :func:`restore_engine` turn the engine's typed
+:class:`~hetd.core.engine.EngineState` (:meth:`Engine.state <hetd.core.engine.Engine.state>`,
+:meth:`Engine.restore <hetd.core.engine.Engine.restore>`) into the file's plain tree and back (the
+engine itself resumes a returning worker's clock in ``join``).
 """
 
 from __future__ import annotations
@@ -34,15 +36,14 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from flax import serialization
 
-from hetd.core.engine import Engine
-from hetd.core.store import Aggregator
-from policies import PolicyError, WorkerFacts, make_policy
+from hetd.core.engine import Engine, EngineState, SavedWorker
 
 log = logging.getLogger("hetd.server.checkpoint")
 
@@ -73,34 +74,35 @@ class CheckpointInfo:
 # --- capture and restore (engine hooks; run on the engine task) -------------------------------------
 
 
-def _plain(tree: Any) -> Any:
-    """Host numpy copies of every array leaf (buffers may be donated by the next step)."""
+def _plain(tree: Any, copy: bool = True) -> Any:
+    """A plain tree (str keys, lists) with host numpy leaves: copies, unless ``copy`` is False (the
+    leaves are copies already: the file is written off the engine task, after its next steps)."""
     if isinstance(tree, Mapping):
-        return {str(k): _plain(v) for k, v in tree.items()}
+        return {str(k): _plain(v, copy) for k, v in tree.items()}
     if isinstance(tree, list | tuple):
-        return [_plain(v) for v in tree]
+        return [_plain(v, copy) for v in tree]
     if hasattr(tree, "shape") and hasattr(tree, "dtype"):
-        return np.array(tree, copy=True)
+        return np.array(tree, copy=True) if copy else np.asarray(tree)
     return tree
 
 
 _WARNED: set[str] = set()  # policies whose unserialisable state was reported once
 
 
-def _policy_state(engine: Engine) -> Any:
-    """The policy's state as a msgpack-able state dict, or None (it is then rebuilt by init)."""
+def _policy_state(name: str, state: Any) -> Any:
+    """A policy's state as a msgpack-able state dict, or None (it is then rebuilt by init)."""
     try:
-        tree = _plain(serialization.to_state_dict(engine.policy_state))
+        tree = _plain(serialization.to_state_dict(state))
         serialization.msgpack_serialize({"s": tree})
     except Exception as exc:
         # flax serialises dicts, tuples, NamedTuples, arrays and flax.struct dataclasses; for any
         # other state, init(view) rebuilds a valid one from the restored clocks (as on a swap).
-        if engine.policy.name not in _WARNED:
-            _WARNED.add(engine.policy.name)
+        if name not in _WARNED:
+            _WARNED.add(name)
             log.warning(
                 "policy %s: its state is not serialisable (%s); a restore rebuilds it with "
                 "init(view)",
-                engine.policy.name,
+                name,
                 exc,
             )
         return None
@@ -108,104 +110,97 @@ def _policy_state(engine: Engine) -> Any:
 
 
 def engine_state(engine: Engine) -> dict[str, Any]:
-    """Everything a restart needs, as a plain tree of host values. Run on the engine task.
-
-    Parameters, optimizer state and version; the aggregation buffers (so a half-finished BSP round
-    is not lost); the policy's name, parameters and state; the stage; and every worker's clock, by id and
-    name, active or departed (so a reconnecting worker gets its clock back).
-    """
-    params, opt_state, version = engine.store.state()
-    workers: dict[str, dict[str, Any]] = {}
-    for active, table in ((False, engine.departed), (True, engine.facts)):
-        for wid, f in table.items():
-            workers[str(wid)] = {
-                "name": f.name,
-                "clock": f.clock,
-                "samples": f.samples,
-                "idle_s": f.idle_s,
-                "batch_size": f.batch_size,
-                "codec": f.codec,
-                "active": active,
-            }
+    """Everything a restart needs (:meth:`Engine.state <hetd.core.engine.Engine.state>`) as the
+    file's plain tree of host values. Run on the engine task."""
+    st = engine.state()
+    workers = {
+        str(wid): {
+            "name": w.name,
+            "clock": w.clock,
+            "samples": w.samples,
+            "idle_s": w.idle_s,
+            "batch_size": w.batch_size,
+            "codec": w.codec,
+            "active": w.active,
+        }
+        for wid, w in st.workers.items()
+    }
     return {
         "created_unix": time.time(),
         "model": _plain(dict(engine.config.welcome.get("model", {}))),
-        "version": version,
-        "params": {k: np.array(v, copy=True) for k, v in params.items()},
-        "opt_state": _plain(serialization.to_state_dict(opt_state)),
-        "buffers": {
-            str(group): _plain(agg.state()) for group, agg in engine.buffers.items() if agg.count
-        },
+        "version": st.version,
+        "params": dict(st.params),
+        "opt_state": _plain(serialization.to_state_dict(st.opt_state), copy=False),
+        "buffers": {str(group): _plain(buf, copy=False) for group, buf in st.buffers.items()},
         "policy": {
-            "name": engine.policy.name,
-            "params": _plain(dict(engine.policy.params)),
-            "state": _policy_state(engine),
+            "name": st.policy,
+            "params": _plain(dict(st.policy_params)),
+            "state": _policy_state(st.policy, st.policy_state),
         },
-        "stage": engine.stage,
-        "updates_applied": engine.updates_applied,
-        "next_id": engine._next_id,
+        "stage": st.stage,
+        "updates_applied": st.updates_applied,
+        "next_id": st.next_id,
         "workers": workers,
     }
 
 
+def _revive_policy_state(name: str, fresh: Any, saved: Any) -> Any:
+    """Policy ``name``'s saved state dict as its own state (``fresh``, its init's, is the
+    template); on any mismatch (a changed policy version) ``fresh``, with a warning."""
+    if fresh is None:
+        return fresh
+    try:
+        restored = serialization.from_state_dict(fresh, saved)
+        if type(restored) is not type(fresh):
+            raise TypeError(f"{type(restored).__name__} is not {type(fresh).__name__}")
+    except Exception as exc:  # a changed policy version: its init rebuilds a valid state
+        log.warning("policy %s: saved state not restored (%s); rebuilt by init", name, exc)
+        return fresh
+    return restored
+
+
 def restore_engine(engine: Engine, state: Mapping[str, Any]) -> None:
-    """Put a checkpoint's state into a fresh engine (before it serves anyone).
+    """Put a checkpoint's tree into a fresh engine (before it serves anyone) through
+    :meth:`Engine.restore <hetd.core.engine.Engine.restore>`.
 
     Raises :class:`CheckpointError` when the checkpoint does not fit the engine's model or optimizer.
     A saved policy that cannot be rebuilt here (unknown name: a plug-in went missing) leaves the
     configured one in place, with a warning.
     """
+    batch = engine.config.batch_size
     try:
-        params = {k: np.asarray(v, np.float32) for k, v in state["params"].items()}
         _, target, _ = engine.store.state()
-        opt_state = serialization.from_state_dict(target, state["opt_state"])
-        engine.store.restore(params, opt_state, int(state["version"]))
+        saved = state.get("policy") or {}
+        typed = EngineState(
+            params={k: np.asarray(v, np.float32) for k, v in state["params"].items()},
+            opt_state=serialization.from_state_dict(target, state["opt_state"]),
+            version=int(state["version"]),
+            buffers={int(g): buf for g, buf in (state.get("buffers") or {}).items()},
+            policy=str(saved.get("name", "")),
+            policy_params=dict(saved.get("params") or {}),
+            policy_state=saved.get("state"),
+            stage=str(state.get("stage", engine.stage)),
+            updates_applied=int(state.get("updates_applied", 0)),
+            next_id=int(state.get("next_id", 1)),
+            workers={
+                int(key): SavedWorker(
+                    name=str(w["name"]),
+                    clock=int(w["clock"]),
+                    samples=int(w.get("samples", 0)),
+                    idle_s=float(w.get("idle_s", 0.0)),
+                    batch_size=int(w.get("batch_size", batch)),
+                    codec=str(w.get("codec", "none")),
+                    active=bool(w.get("active", False)),
+                )
+                for key, w in (state.get("workers") or {}).items()
+            },
+        )
+        engine.restore(typed, revive=partial(_revive_policy_state, typed.policy))
     except (KeyError, ValueError, TypeError, AttributeError) as exc:
         raise CheckpointError(
             f"the checkpoint does not fit the configured model/optimizer "
             f"(saved model {state.get('model')!r}): {exc}"
         ) from None
-    engine.buffers = {}
-    for group, buf in (state.get("buffers") or {}).items():
-        engine.buffers[int(group)] = Aggregator.from_state(buf)
-    engine.stage = str(state.get("stage", engine.stage))
-    engine.updates_applied = int(state.get("updates_applied", 0))
-    now = engine.clock.now()
-    ids = []
-    for key, w in (state.get("workers") or {}).items():
-        wid = int(key)
-        ids.append(wid)
-        engine.departed[wid] = WorkerFacts(
-            worker=wid,
-            name=str(w["name"]),
-            clock=int(w["clock"]),
-            version=engine.store.version,
-            waiting=True,
-            joined_at=now,
-            samples=int(w.get("samples", 0)),
-            batch_size=int(w.get("batch_size", engine.config.batch_size)),
-            codec=str(w.get("codec", "none")),
-            idle_s=float(w.get("idle_s", 0.0)),
-        )
-    engine._next_id = max([engine._next_id, int(state.get("next_id", 1)), *(i + 1 for i in ids)])
-    saved = state.get("policy") or {}
-    name, params = str(saved.get("name", "")), dict(saved.get("params") or {})
-    try:
-        policy = make_policy(name, params)
-    except PolicyError as exc:
-        log.warning("checkpoint policy not restored (%s); keeping %s", exc, engine.policy.name)
-        return
-    fresh = policy.init(engine.view())
-    policy_state = fresh
-    if saved.get("state") is not None and fresh is not None:
-        try:
-            restored = serialization.from_state_dict(fresh, saved["state"])
-            if type(restored) is not type(fresh):
-                raise TypeError(f"{type(restored).__name__} is not {type(fresh).__name__}")
-            policy_state = restored
-        except Exception as exc:  # a changed policy version: its init rebuilds a valid state
-            log.warning("policy %s: saved state not restored (%s); rebuilt by init", name, exc)
-    engine.policy, engine.policy_state = policy, policy_state
 
 
 # --- the file format ----------------------------------------------------------------------------------

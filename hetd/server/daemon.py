@@ -26,7 +26,6 @@ from hetd import config as config_mod
 from hetd.codecs import registry as codecs
 from hetd.core.engine import Clock, Engine, EngineConfig
 from hetd.core.store import Snapshot, Store, make_optimizer
-from hetd.protocol import wire
 from hetd.server import admin, checkpoint, sessions
 from hetd.server.metrics import Metrics
 from hetd.zoo.data import Dataset, load_dataset
@@ -267,9 +266,7 @@ class Daemon:
 
 def _drain(engine: Engine, capture: bool) -> dict[str, Any] | None:
     """Say bye to every worker (they reconnect later) and capture the state to checkpoint."""
-    for wid, peer in list(engine.peers.items()):
-        peer.send(wire.encode("bye", 0, reason="daemon stopping"))
-        engine.leave(wid, "daemon stopping")
+    engine.bye_all("daemon stopping")
     return checkpoint.engine_state(engine) if capture else None
 
 

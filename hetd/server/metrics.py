@@ -108,8 +108,10 @@ class Metrics:
             "extra": self._extra() if self._extra is not None else {},
         }
         rows = []
-        for wid, f in sorted(e.facts.items()):
-            st = e.stats[wid]
+        entries = e.entries
+        for wid in sorted(entries):
+            entry = entries[wid]
+            f, st = entry.facts, entry.stats
             h = self._hist.setdefault(wid, _Histogram())
             new = st.pushes - h.seen
             if new > 0:
@@ -133,12 +135,12 @@ class Metrics:
                     idle_fraction=min(1.0, (f.idle_s + waiting) / alive),
                     compute_s=f.compute_s,
                     batch_size=f.batch_size,
-                    plan=e.plans[wid].to_wire() if wid in e.plans else {},
+                    plan=entry.plan.to_wire(),
                     staleness=h.buckets(),
                     staleness_sum=h.total,
                 )
             )
-        for wid in set(self._hist) - set(e.facts) - set(e.departed):
+        for wid in set(self._hist) - set(entries) - set(e.departed):
             del self._hist[wid]
         self._workers = rows
 

@@ -2,8 +2,10 @@
 bounded outbox so that a slow worker never stalls the engine or the others.
 
 Everything a worker sends is checked here before it reaches the engine: the frame (wire.decode),
-the tensors' paths, shapes and codecs (codecs.decode_tree) and their finiteness. A bad frame gets an
-``error`` reply and is forgotten; nothing of it is applied.
+then a hello or a push as the engine's typed input (:mod:`hetd.core.ingest`: the tensors' paths,
+shapes and codecs and their finiteness). A bad frame gets an ``error`` reply and is forgotten;
+nothing of it is applied. The session's :class:`Outbox` is the engine's peer: it encodes the
+engine's typed replies into frames.
 """
 
 from __future__ import annotations
@@ -12,33 +14,21 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import time
 from collections import deque
-from collections.abc import Mapping
 from functools import partial
-from typing import Any
 
-import numpy as np
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from hetd.codecs import registry as codecs
-from hetd.codecs.tensor import (
-    check_fields,
-    read_bytes,
-    read_choice,
-    read_scales,
-    read_shape,
-    size_of,
-)
 from hetd.config import is_loopback
-from hetd.core.engine import Engine, PushIn
-from hetd.core.store import Int8, Update
+from hetd.core.engine import Engine
+from hetd.core.ingest import decode_hello, decode_push
 from hetd.protocol import wire
+from hetd.protocol.messages import PushIn, Reply
 
 log = logging.getLogger("hetd.server.sessions")
 
 OFF_LOOP_BYTES = 256 * 1024  # frames larger than this are decoded in a worker thread
-MAX_INT8_SCALE = float(np.finfo(np.float32).max) / 128  # above it, q * scale may overflow
 
 
 def authorized(request: web.Request, token: str) -> bool:
@@ -50,8 +40,9 @@ def authorized(request: web.Request, token: str) -> bool:
 
 
 class Outbox:
-    """Frames waiting for one worker. A full ``params`` frame replaces the parameter frames queued
-    before it; too many frames mean the worker is stuck."""
+    """Frames waiting for one worker: the engine's :class:`hetd.core.engine.Peer` for its session.
+    A full ``params`` frame replaces the parameter frames queued before it; too many frames mean
+    the worker is stuck."""
 
     def __init__(self, ws: web.WebSocketResponse, limit: int) -> None:
         self._ws = ws
@@ -60,9 +51,21 @@ class Outbox:
         self._wake = asyncio.Event()
         self.closing: str | None = None
 
-    def send(self, frame: bytes, *, params: bool = False, full: bool = False) -> None:
-        """Queue a frame; never blocks. A ``full`` parameter frame makes every parameter frame
-        still queued before it useless, so they are dropped (deltas must all arrive, in order)."""
+    def send(self, reply: Reply) -> None:
+        """Queue a control reply, encoded now; never blocks."""
+        self._put(reply.encode(), params=False, full=False)
+
+    def send_params(self, frame: bytes, *, full: bool) -> None:
+        """Queue an encoded ``params`` frame; never blocks. A ``full`` one makes every parameter
+        frame still queued before it useless, so they are dropped (deltas must all arrive, in
+        order)."""
+        self._put(frame, params=True, full=full)
+
+    def send_error(self, code: str, message: str, id_: int = 0) -> None:
+        """Queue an ``error`` reply to a frame the session refused."""
+        self._put(wire.error_frame(code, message, id_), params=False, full=False)
+
+    def _put(self, frame: bytes, *, params: bool, full: bool) -> None:
         if self.closing is not None:
             return
         if full:
@@ -93,89 +96,12 @@ class Outbox:
                 return
 
 
-def decode_push(
-    engine: Engine, wid: int, msg: wire.Message, nbytes: int, *, fused: bool = False
-) -> PushIn:
-    """Validate a push's tensors against the model; raises ProtocolError saying what is wrong.
-
-    ``fused`` (the daemon's sessions): an ``int8`` tensor with one scale is checked as strictly
-    as :func:`hetd.codecs.registry.decode_tensor` would, but kept as :class:`hetd.core.store.Int8` (a view of
-    the frame) for the jitted step to dequantize: no float32 copy is written or scanned.
-    """
-    wire_tensors = msg["tensors"]
-    shapes = engine.store.shapes
-    tensors: dict[str, Update] = {}
-    try:
-        if fused and isinstance(wire_tensors, dict) and set(wire_tensors) == set(shapes):
-            for path, t in wire_tensors.items():
-                view = int8_view(t, path, shapes[path])
-                if view is not None:
-                    tensors[path] = view
-        rest = {p: t for p, t in wire_tensors.items() if p not in tensors}
-        decoded = codecs.decode_tree(rest, {p: shapes[p] for p in shapes if p not in tensors})
-    except codecs.CodecError as exc:
-        raise wire.ProtocolError("bad_tensor", str(exc)) from None
-    for path, t in decoded.items():
-        if not np.isfinite(t).all():
-            raise wire.ProtocolError("not_finite", f"tensor {path!r} holds NaN or Inf; not applied")
-    tensors.update(decoded)
-    return PushIn(
-        worker=wid,
-        id=msg.id,
-        base=msg["base"],
-        kind=msg["kind"],
-        tensors=tensors,
-        samples=msg["samples"],
-        steps=msg["steps"],
-        compute_s=float(msg["compute_s"]),
-        loss=None if msg.get("loss") is None else float(msg["loss"]),
-        free_mem=msg.get("free_mem"),
-        nbytes=nbytes,
-        transfer_s=_transfer_s(msg.get("sent_at")),
-        idle_s=None if msg.get("idle_s") is None else float(msg["idle_s"]),
-    )
-
-
-def int8_view(t: Any, path: str, shape: tuple[int, ...]) -> Int8 | None:
-    """``t`` as :class:`Int8` when it is an ``int8`` tensor with one scale (``block`` 0), checked
-    field by field like the ``int8`` decoder; None for any other codec or block (decoded as
-    usual). A scale that would make ``127 * scale`` overflow is refused as non-finite."""
-    if not isinstance(t, Mapping) or t.get("codec") != "int8" or type(t.get("block")) is not int:
-        return None
-    if t["block"] != 0:
-        return None
-    try:
-        check_fields(t, "int8", ("bits", "block", "scales", "data"))
-        if t.get("dtype") != "float32":
-            raise codecs.CodecError(f"dtype {t.get('dtype')!r} is not 'float32'")
-        got = read_shape(t)
-        if got != tuple(shape):
-            raise codecs.CodecError(f"shape {list(got)} does not match the expected {list(shape)}")
-        read_choice(t, "bits", "int8", (8,))
-        scale = read_scales(t, "int8", 1)[0]
-        data = read_bytes(t, "data", "int8", size_of(got))
-    except codecs.CodecError as exc:
-        raise codecs.CodecError(f"tensor {path!r}: {exc}") from None
-    if not scale <= MAX_INT8_SCALE:
-        raise wire.ProtocolError("not_finite", f"tensor {path!r} holds NaN or Inf; not applied")
-    return Int8(np.frombuffer(data, dtype=np.int8).reshape(got), np.float32(scale))
-
-
-def _transfer_s(sent_at: float | None) -> float | None:
-    """Send-to-receipt seconds from the worker's wall-clock stamp; None when the clocks disagree
-    too much to trust it (workers on other hosts without synchronised clocks)."""
-    if sent_at is None:
-        return None
-    dt = time.time() - sent_at
-    return dt if 0.0 < dt < 60.0 else None
-
-
 def _decode(engine: Engine, wid: int | None, data: bytes, cap: int) -> wire.Message | PushIn:
     """A frame as a message, or as a validated push once the worker is known."""
     msg = wire.decode(data, cap)
     if msg.type == "push" and wid is not None:
         try:
-            return decode_push(engine, wid, msg, len(data), fused=True)
+            return decode_push(engine.store.shapes, wid, msg, len(data), fused=True)
         except wire.ProtocolError as exc:
             raise wire.ProtocolError(exc.code, exc.message, msg.id) from None
         except Exception as exc:  # whatever else a hostile frame provokes: refused, not fatal
@@ -207,7 +133,7 @@ async def handle(
                 )
                 break
             if frame.type != WSMsgType.BINARY:
-                outbox.send(wire.error_frame("malformed", "send binary msgpack frames only"))
+                outbox.send_error("malformed", "send binary msgpack frames only")
                 continue
             data: bytes = frame.data
             try:
@@ -217,7 +143,7 @@ async def handle(
                     item = _decode(engine, wid, data, cap)
             except wire.ProtocolError as exc:
                 log.info("worker %s: %s: %s", wid, exc.code, exc.message)
-                outbox.send(wire.error_frame(exc.code, exc.message, exc.id))
+                outbox.send_error(exc.code, exc.message, exc.id)
                 continue
             if isinstance(item, PushIn):
                 engine.submit(partial(engine.push, item))
@@ -225,14 +151,13 @@ async def handle(
             msg = item
             if wid is None:
                 if msg.type != "hello":
-                    outbox.send(wire.error_frame("no_hello", "send hello first", msg.id))
+                    outbox.send_error("no_hello", "send hello first", msg.id)
                     continue
                 try:
-                    wid = await engine.call(
-                        partial(engine.join, msg, outbox, is_loopback(request.remote))
-                    )
+                    hello = decode_hello(msg, same_host=is_loopback(request.remote))
+                    wid = await engine.call(partial(engine.join, hello, outbox))
                 except codecs.CodecError as exc:
-                    outbox.send(wire.error_frame("no_codec", str(exc), msg.id))
+                    outbox.send_error("no_codec", str(exc), msg.id)
                     reason = "no usable codec"
                     break
                 continue
@@ -246,13 +171,9 @@ async def handle(
             elif msg.type == "profile_result":
                 engine.submit(partial(engine.profile_result, wid, msg["result"]))
             elif msg.type == "hello":
-                outbox.send(wire.error_frame("malformed", "hello was already received", msg.id))
+                outbox.send_error("malformed", "hello was already received", msg.id)
             else:
-                outbox.send(
-                    wire.error_frame(
-                        "unexpected", f"{msg.type} is a daemon-to-worker message", msg.id
-                    )
-                )
+                outbox.send_error("unexpected", f"{msg.type} is a daemon-to-worker message", msg.id)
     finally:
         reason = outbox.closing or reason  # the daemon's own reason, when it closed first
         if wid is not None:

@@ -3,9 +3,10 @@
 Owns :class:`VirtualClock`, :class:`SimPeer` and :func:`run_sim`. The
 :class:`~hetd.core.engine.Engine` gets the fields ``hetd.server.daemon.build_engine`` sets and is called
 directly (``join``, ``push``, ``pull``, ``profile_result``, ``tick``, ``record_eval``). Emulated
-workers (:mod:`hetd.sim.agent`) are in-memory peers that get the engine's real frames (decoded with
-:func:`hetd.protocol.wire.decode`) and send real push frames, checked by the sessions' own
-:func:`hetd.server.sessions.decode_push`. Time charged (docs/benchmark.md)::
+workers (:mod:`hetd.sim.agent`) are in-memory peers: they get the engine's typed replies as they
+are, and its real ``params`` frames (decoded with :func:`hetd.protocol.wire.decode`), and send
+real hello and push frames, ingested as the daemon's sessions do (:mod:`hetd.core.ingest`). Time
+charged (docs/benchmark.md)::
 
     pull  = latency + bytes of the release's params frames / bandwidth
     step  = base_step_s × samples / base_batch × slowdown(t) × straggle   (samples = batch × k)
@@ -30,9 +31,10 @@ import jax
 from hetd.config import TrainConfig
 from hetd.core.downlink import DELTA_S_PER_PARAM
 from hetd.core.engine import Engine, EngineConfig
+from hetd.core.ingest import decode_hello, decode_push
 from hetd.core.store import Store, make_optimizer
 from hetd.protocol import wire
-from hetd.server.sessions import decode_push
+from hetd.protocol.messages import PlanUpdate, ProfileRequest, Reply, Welcome
 from hetd.sim.agent import EmuWorker, InFlight
 from hetd.sim.compute import StepWork, scenario_compute
 from hetd.sim.results import PolicySpec, RunResult, Trace, first_reach, staleness_stats
@@ -54,17 +56,24 @@ class VirtualClock:
 
 
 class SimPeer:
-    """An emulated worker's outbox as the engine sees it: frames go to the simulator's queue."""
+    """An emulated worker's outbox as the engine sees it: typed replies and encoded parameter
+    frames go to the simulator's queue."""
 
-    def __init__(self, worker: int, inbox: list[tuple[int, bytes]]) -> None:
+    def __init__(self, worker: int, inbox: list[tuple[int, Reply | bytes]]) -> None:
         self.worker = worker
         self._inbox = inbox
         self.closed: str | None = None
 
-    def send(self, frame: bytes, *, params: bool = False, full: bool = False) -> None:
+    def send(self, reply: Reply) -> None:
+        """Queue a control reply for the worker."""
+        self._inbox.append((self.worker, reply))
+
+    def send_params(self, frame: bytes, *, full: bool) -> None:
+        """Queue one ``params`` frame for the worker."""
         self._inbox.append((self.worker, frame))
 
     def close(self, reason: str) -> None:
+        """Remember why the engine ended the session."""
         self.closed = reason
 
 
@@ -120,7 +129,7 @@ class _Sim:
         self.engine = Engine(
             store, make_policy(policy.name, policy.build_params()), config, clock=self.clock
         )
-        self.inbox: list[tuple[int, bytes]] = []
+        self.inbox: list[tuple[int, Reply | bytes]] = []
         self.workers = [EmuWorker(i, sc, data, seed, dict(store.shapes)) for i in range(sc.n)]
         self.heap: list[tuple[float, int, int, Any]] = []
         self.seq = 0
@@ -137,7 +146,7 @@ class _Sim:
     def run(self) -> SimRun:
         sc = self.sc
         for w in self.workers:
-            w.wid = self.engine.join(w.hello(), SimPeer(w.index, self.inbox))
+            w.wid = self.engine.join(decode_hello(w.hello()), SimPeer(w.index, self.inbox))
         self._drain()
         # evaluations at k × interval, and always one at the budget (the final accuracy)
         n_evals = math.ceil(sc.budget_s / sc.eval_interval_s)
@@ -174,23 +183,22 @@ class _Sim:
         return SimRun(self._result(), self.engine, self.pushes, self.clock.t)
 
     def _drain(self) -> None:
-        """Hand the frames the engine sent to their workers: control frames at once, each
-        release's ``params`` frames after the time they take on the worker's link."""
+        """Hand what the engine sent to its workers: replies at once, each release's ``params``
+        frames after the time they take on the worker's link."""
         while self.inbox:
             batch, self.inbox[:] = list(self.inbox), []
             releases: dict[int, tuple[list[wire.Message], int]] = {}
-            for index, frame in batch:
-                msg = wire.decode(frame)
+            for index, item in batch:
                 w = self.workers[index]
-                if msg.type == "params":
+                if isinstance(item, bytes):
                     frames, nbytes = releases.get(index, ([], 0))
-                    releases[index] = ([*frames, msg], nbytes + len(frame))
-                elif msg.type == "welcome":
-                    w.welcome(msg)
-                elif msg.type == "plan":
-                    w.follow_plan(msg["plan"])
-                elif msg.type == "profile":
-                    w.profile = dict(msg["spec"])
+                    releases[index] = ([*frames, wire.decode(item)], nbytes + len(item))
+                elif isinstance(item, Welcome):
+                    w.welcome(item.message())
+                elif isinstance(item, PlanUpdate):
+                    w.follow_plan(item.plan.to_wire())
+                elif isinstance(item, ProfileRequest):
+                    w.profile = item.spec()
                 # acks need no action: the next params frame is what a worker waits for
             now = self.clock.t
             for index, (frames, nbytes) in releases.items():
@@ -235,7 +243,8 @@ class _Sim:
                 self.schedule(p.arrive, _ARRIVE, p)
                 return
         assert p.frame is not None  # encoded above
-        push_in = decode_push(self.engine, w.wid, wire.decode(p.frame), len(p.frame))
+        shapes = self.engine.store.shapes
+        push_in = decode_push(shapes, w.wid, wire.decode(p.frame), len(p.frame))
         # the transfer time the engine would measure from the worker's stamp, in virtual time
         push_in = dataclasses.replace(push_in, transfer_s=p.arrive - p.sent_at)
         w.staleness.append(max(0, self.engine.store.version - p.base))

@@ -13,12 +13,14 @@ import optax
 import pytest
 
 from hetd import config
-from hetd.core.engine import Engine, EngineConfig
-from hetd.core.store import Store
+from hetd.core.engine import Engine, EngineConfig, SavedWorker
+from hetd.core.ingest import decode_hello
+from hetd.core.store import Aggregator, Store
 from hetd.protocol import wire
+from hetd.protocol.messages import JoinIn
 from hetd.server import checkpoint
 from hetd.server.checkpoint import Checkpointer, CheckpointError
-from policies import ClusterView, Policy, WorkerFacts, make_policy, policy_names, register
+from policies import ClusterView, Policy, make_policy, policy_names, register
 from tests.conftest import FakeClock, FakePeer
 
 
@@ -34,25 +36,41 @@ def grads(engine: Engine, value: float) -> dict[str, np.ndarray]:
     return {k: np.full(s, value, np.float32) for k, s in engine.store.shapes.items()}
 
 
+def hello(resume: int | None, name: str = "w") -> JoinIn:
+    fields: dict[str, Any] = {"name": name, "device": {"platform": "cpu"}, "codecs": ["none"]}
+    if resume is not None:
+        fields["resume"] = {"worker_id": resume}
+    return decode_hello(wire.decode(wire.encode("hello", 1, **fields)))
+
+
+def know(e: Engine, workers: dict[int, tuple[str, int]], next_id: int, **changes: Any) -> None:
+    """Give ``e`` departed workers (id -> name, clock), the next id and other state ``changes``,
+    through its own state and restore."""
+    saved = {wid: SavedWorker(name, clock) for wid, (name, clock) in workers.items()}
+    e.restore(dataclasses.replace(e.state(), workers=saved, next_id=next_id, **changes))
+
+
 def trained_engine() -> Engine:
     """An engine with history: updates, workers active and departed, a half-full buffer, a
     swapped policy and another stage."""
     e = make_engine()
     for i in range(5):
         e.store.apply("grad", grads(e, 0.1 * (i + 1)), 0.5)
-    e.updates_applied = 5
-    e.facts[1] = WorkerFacts(worker=1, name="fast", clock=12, version=5, waiting=False, joined_at=0)
-    e.departed[2] = WorkerFacts(
-        worker=2, name="slow", clock=7, version=3, waiting=True, joined_at=0
-    )
-    e._next_id = 3
-    from hetd.core.store import Aggregator
-
     agg = Aggregator()
     agg.add("grad", grads(e, 2.0), 0.25)
-    e.buffers[4] = agg
-    e.policy = make_policy("ssp", {"staleness": 5})
-    e.stage = "shl"
+    know(
+        e,
+        {1: ("fast", 12), 2: ("slow", 7)},
+        next_id=3,
+        updates_applied=5,
+        buffers={4: agg.state()},
+        policy="ssp",
+        policy_params={"staleness": 5},
+        policy_state=None,
+        stage="shl",
+    )
+    assert e.join(hello(1, "fast"), FakePeer()) == 1  # the fast one is back: active again, clock 12
+    assert e.facts[1].clock == 12 and set(e.departed) == {2}
     return e
 
 
@@ -82,7 +100,7 @@ def test_engine_state_round_trips_through_the_file_format() -> None:
         1: ("fast", 12),
         2: ("slow", 7),
     }
-    assert not fresh.facts and fresh._next_id == 3
+    assert not fresh.facts and fresh.state().next_id == 3
     assert fresh.buffered() == 1
     ((kind, sums),) = fresh.buffers[4].take(normalize=True)
     assert kind == "grad"
@@ -180,18 +198,9 @@ def test_an_unknown_saved_policy_keeps_the_configured_one(
     assert "gone-plugin" in caplog.text
 
 
-def hello(resume: int | None) -> wire.Message:
-    fields: dict[str, Any] = {"name": "w", "device": {"platform": "cpu"}, "codecs": ["none"]}
-    if resume is not None:
-        fields["resume"] = {"worker_id": resume}
-    return wire.decode(wire.encode("hello", 1, **fields))
-
-
 def test_a_returning_worker_gets_its_clock_back_never_below_the_slowest() -> None:
     e = make_engine()
-    e.departed[4] = WorkerFacts(worker=4, name="w", clock=9, version=0, waiting=True, joined_at=0)
-    e.departed[5] = WorkerFacts(worker=5, name="v", clock=2, version=0, waiting=True, joined_at=0)
-    e._next_id = 6
+    know(e, {4: ("w", 9), 5: ("v", 2)}, next_id=6)
     assert e.join(hello(4), FakePeer()) == 4
     assert e.facts[4].clock == 9  # alone: exactly its saved clock
     assert e.join(hello(5), FakePeer()) == 5

@@ -10,9 +10,9 @@ import pytest
 
 from hetd.codecs import registry as codecs
 from hetd.core.engine import Engine, EngineConfig
+from hetd.core.ingest import decode_push
 from hetd.core.store import Aggregator, Int8, Store, dense, make_optimizer
 from hetd.protocol import wire
-from hetd.server.sessions import decode_push
 from policies import make_policy
 
 SHAPES = {"dense/w": (64, 48), "dense/b": (48,)}
@@ -45,8 +45,8 @@ def test_int8_with_one_scale_stays_int8_and_means_what_the_decoder_says() -> Non
         "dense/w": codecs.get_codec("int8").encode(g["dense/w"], None),
         "dense/b": codecs.get_codec("int8", block=16).encode(g["dense/b"], None),
     }
-    fused = decode_push(engine, 1, push(tensors), 100, fused=True).tensors
-    plain = decode_push(engine, 1, push(tensors), 100).tensors
+    fused = decode_push(engine.store.shapes, 1, push(tensors), 100, fused=True).tensors
+    plain = decode_push(engine.store.shapes, 1, push(tensors), 100).tensors
     assert isinstance(fused["dense/w"], Int8)
     assert not isinstance(fused["dense/b"], Int8)  # blocks: decoded on the host as before
     for k in SHAPES:
@@ -74,7 +74,7 @@ def test_a_bad_int8_tensor_is_refused_as_the_decoder_would(
     tensors = {k: codecs.get_codec("int8").encode(v, None) for k, v in g.items()}
     tensors["dense/w"] = {**tensors["dense/w"], **change}
     with pytest.raises(wire.ProtocolError) as fused:
-        decode_push(engine, 1, push(tensors), 100, fused=True)
+        decode_push(engine.store.shapes, 1, push(tensors), 100, fused=True)
     assert fused.value.code == code
 
 

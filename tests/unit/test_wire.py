@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 from hetd.codecs import registry as codecs
 from hetd.codecs.registry import CodecError
 from hetd.protocol import wire
+from hetd.protocol.messages import Ack, Bye, PlanUpdate, ProfileRequest, Welcome
 from hetd.protocol.wire import ProtocolError
+from policies import Plan
 
 # --- helpers -------------------------------------------------------------------------------------
 
@@ -416,3 +418,41 @@ def test_decode_tree_rejects_bad_tensor_naming_it(mutate: Any, words: list[str])
 def test_decode_tree_rejects_a_non_map() -> None:
     with pytest.raises(CodecError, match="map"):
         codecs.decode_tree([1, 2], SHAPES)
+
+
+# --- the engine's typed replies -------------------------------------------------------------------
+
+
+def test_typed_replies_encode_exactly_the_v1_frames() -> None:
+    """Each reply of :mod:`hetd.protocol.messages` is the frame the engine wrote by hand before,
+    byte for byte, and ``message()`` is what decoding that frame gives."""
+    plan = Plan(batch_size=16, codec="int8", stage="shl", lr_scale=0.5)
+    setup = {"model": {"spec": "mlp"}, "dataset": {"spec": "digits"}, "train": {"seed": 0}}
+    cases = [
+        (
+            Welcome(3, 2, plan, 0.5, 1, 4, setup),
+            wire.encode(
+                "welcome",
+                3,
+                worker_id=2,
+                plan=plan.to_wire(),
+                heartbeat_s=0.5,
+                shard={"index": 1, "count": 4},
+                **setup,
+            ),
+        ),
+        (
+            Ack(9, 12, "dropped", "too stale"),
+            wire.encode("ack", 9, version=12, status="dropped", reason="too stale"),
+        ),
+        (Ack(9, 12, "applied"), wire.encode("ack", 9, version=12, status="applied", reason=None)),
+        (PlanUpdate(plan), wire.encode("plan", 0, plan=plan.to_wire())),
+        (
+            ProfileRequest(3, 32),
+            wire.encode("profile", 0, spec={"steps": 3, "batch_size": 32}),
+        ),
+        (Bye("daemon stopping"), wire.encode("bye", 0, reason="daemon stopping")),
+    ]
+    for reply, frame in cases:
+        assert reply.encode() == frame, reply
+        assert reply.message() == wire.decode(frame), reply

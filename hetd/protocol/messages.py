@@ -1,0 +1,182 @@
+"""Typed messages across the engine boundary: what a session (or the simulator) hands the engine,
+and the control replies the engine sends back through its :class:`hetd.core.engine.Peer`.
+
+Owns the inputs :class:`JoinIn` and :class:`PushIn` (built and validated from worker frames by
+:mod:`hetd.core.ingest`) and the replies :class:`Welcome`, :class:`Ack`, :class:`PlanUpdate`,
+:class:`ProfileRequest` and :class:`Bye`. Each reply's :meth:`~ReplyBase.encode` gives exactly its
+protocol v1 frame (:func:`hetd.protocol.wire.encode`); :meth:`~ReplyBase.message` gives the same
+message as :func:`hetd.protocol.wire.decode` would return it, without the bytes (the simulator's
+emulated workers read it). Parameter frames are not here: the downlink encodes them once for every
+worker holding the same version, and peers take them as bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from hetd.protocol import wire
+from policies import Plan
+
+if TYPE_CHECKING:
+    from hetd.core.store import Tensors
+
+AckStatus = Literal["applied", "buffered", "dropped"]  # wire.ACK_STATUSES
+
+
+# --- worker -> engine ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class JoinIn:
+    """A validated ``hello``: who the worker is, what it runs on, which codecs it decodes."""
+
+    id: int  # the hello's request id (the welcome answers it)
+    name: str
+    device: Mapping[str, Any]  # short names to plain values (wire-checked)
+    codecs: tuple[str, ...]  # codec names the worker offers
+    resume_id: int | None = None  # the id it had before a reconnect, if it says so
+    free_mem: int | None = None  # bytes, the device's ``free_memory`` when it reports one
+    same_host: bool = False  # it connected over loopback (parameters in full are cheaper)
+
+
+@dataclass(frozen=True, slots=True)
+class PushIn:
+    """A decoded, validated push from a session."""
+
+    worker: int
+    id: int
+    base: int
+    kind: str
+    tensors: Tensors  # float32 arrays, or int8 ones the store's step dequantizes
+    samples: int
+    steps: int
+    compute_s: float
+    loss: float | None
+    free_mem: int | None
+    nbytes: int
+    transfer_s: float | None = None  # s from the worker's send to our receipt, when known
+    idle_s: float | None = None  # s the worker waited for parameters before this step
+
+
+# --- engine -> worker ------------------------------------------------------------------------------
+
+
+class ReplyBase:
+    """What every reply shares: a wire type, a request id and the wire fields."""
+
+    __slots__ = ()
+    type: ClassVar[str]
+
+    @property
+    def request_id(self) -> int:
+        """The request id the frame carries (0 unless it answers a request)."""
+        return 0
+
+    def fields(self) -> dict[str, Any]:
+        """The message's wire fields, in frame order."""
+        raise NotImplementedError
+
+    def message(self) -> wire.Message:
+        """The message as :func:`hetd.protocol.wire.decode` returns it, without encoding."""
+        return wire.Message(self.type, self.request_id, self.fields())
+
+    def encode(self) -> bytes:
+        """The protocol v1 frame."""
+        return wire.encode(self.type, self.request_id, **self.fields())
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome(ReplyBase):
+    """The answer to a hello: the worker's id, plan, heartbeat period and data shard, plus the
+    model, dataset and training settings (``setup``: the engine config's ``welcome``)."""
+
+    type: ClassVar[str] = "welcome"
+    id: int  # the hello's request id
+    worker_id: int
+    plan: Plan
+    heartbeat_s: float
+    shard: int  # this worker's shard index
+    shards: int  # how many shards the data is cut into
+    setup: Mapping[str, Any]
+
+    @property
+    def request_id(self) -> int:
+        """The hello's request id."""
+        return self.id
+
+    def fields(self) -> dict[str, Any]:
+        """The welcome's wire fields."""
+        return {
+            "worker_id": self.worker_id,
+            "plan": self.plan.to_wire(),
+            "heartbeat_s": self.heartbeat_s,
+            "shard": {"index": self.shard, "count": self.shards},
+            **self.setup,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Ack(ReplyBase):
+    """What became of a push, with the version after it."""
+
+    type: ClassVar[str] = "ack"
+    id: int  # the push's request id
+    version: int
+    status: AckStatus
+    reason: str | None = None
+
+    @property
+    def request_id(self) -> int:
+        """The push's request id."""
+        return self.id
+
+    def fields(self) -> dict[str, Any]:
+        """The ack's wire fields (``reason`` always present, None when there is none)."""
+        return {"version": self.version, "status": self.status, "reason": self.reason}
+
+
+@dataclass(frozen=True, slots=True)
+class PlanUpdate(ReplyBase):
+    """A worker's plan changed: it follows the new one from its next step."""
+
+    type: ClassVar[str] = "plan"
+    plan: Plan
+
+    def fields(self) -> dict[str, Any]:
+        """The plan message's wire fields."""
+        return {"plan": self.plan.to_wire()}
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileRequest(ReplyBase):
+    """Ask a joining worker to time ``steps`` steps of ``batch_size`` samples."""
+
+    type: ClassVar[str] = "profile"
+    steps: int
+    batch_size: int
+
+    def spec(self) -> dict[str, int]:
+        """The request's ``spec`` map."""
+        return {"steps": self.steps, "batch_size": self.batch_size}
+
+    def fields(self) -> dict[str, Any]:
+        """The profile message's wire fields."""
+        return {"spec": self.spec()}
+
+
+@dataclass(frozen=True, slots=True)
+class Bye(ReplyBase):
+    """The daemon ends the session (the worker may reconnect later)."""
+
+    type: ClassVar[str] = "bye"
+    reason: str
+
+    def fields(self) -> dict[str, Any]:
+        """The bye's wire fields."""
+        return {"reason": self.reason}
+
+
+Reply = Welcome | Ack | PlanUpdate | ProfileRequest | Bye
+"""A control message the engine sends a worker."""
