@@ -1,0 +1,338 @@
+"""The engine as a table of events -> what each worker is sent, and the version after.
+
+A real :class:`~hetd.core.engine.Engine` and :class:`~hetd.core.store.Store` (a two-tensor model,
+plain SGD) under a fake clock; each worker's peer records the engine's typed replies
+(:mod:`hetd.protocol.messages`), the versions of the parameter frames it is sent, and why its
+session was closed. A row is ``(event, {worker: what it got}, version)``; events are ``join a``,
+``join a resume 1``, ``push a``, ``push a base 5``, ``pull a``, ``leave a``, ``tick +11`` (the
+clock moves 11 s first) and ``swap asp``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import optax
+import pytest
+
+from hetd.core.engine import Engine, EngineConfig, EngineState, SavedWorker
+from hetd.core.ingest import decode_hello
+from hetd.core.store import Store
+from hetd.protocol import wire
+from hetd.protocol.messages import (
+    Ack,
+    Bye,
+    JoinIn,
+    PlanUpdate,
+    ProfileRequest,
+    PushIn,
+    Welcome,
+)
+from policies import ClusterView, Policy, make_policy
+from policies.types import Event, Join, SetPlan
+from tests.conftest import FakeClock
+
+SHAPES = {"dense/w": (3, 2), "dense/b": (2,)}
+CONFIG = EngineConfig(batch_size=8, profile_steps=0, heartbeat_timeout_s=10.0, max_staleness=4)
+
+
+class RecordingPeer:
+    """A worker's outbox that keeps, in order, a short line per thing the engine sends it."""
+
+    def __init__(self) -> None:
+        self.got: list[str] = []
+        self.replies: list[Any] = []
+
+    def send(self, reply: Any) -> None:
+        self.replies.append(reply)
+        if isinstance(reply, Welcome):
+            self.got.append(f"welcome {reply.worker_id}")
+        elif isinstance(reply, Ack):
+            self.got.append(f"ack {reply.status}" + (f": {reply.reason}" if reply.reason else ""))
+        elif isinstance(reply, PlanUpdate):
+            self.got.append(f"plan batch {reply.plan.batch_size}")
+        elif isinstance(reply, ProfileRequest):
+            self.got.append(f"profile {reply.steps}")
+        elif isinstance(reply, Bye):
+            self.got.append(f"bye: {reply.reason}")
+        else:
+            raise AssertionError(f"not a reply: {reply!r}")
+
+    def send_params(self, frame: bytes, *, full: bool) -> None:
+        msg = wire.decode(frame)
+        assert msg.type == "params" and msg["full"] == full
+        self.got.append(f"params v{msg['version']}")
+
+    def close(self, reason: str) -> None:
+        self.got.append(f"closed: {reason}")
+
+
+def hello(name: str, resume: int | None = None) -> JoinIn:
+    fields: dict[str, Any] = {"name": name, "device": {"platform": "cpu"}, "codecs": ["none"]}
+    if resume is not None:
+        fields["resume"] = {"worker_id": resume}
+    return decode_hello(wire.decode(wire.encode("hello", 7, **fields)))
+
+
+@dataclass
+class Harness:
+    """An engine and its workers by name."""
+
+    engine: Engine
+    clock: FakeClock
+    peers: dict[str, RecordingPeer]
+    ids: dict[str, int]
+
+    @classmethod
+    def of(cls, policy: Policy, config: EngineConfig = CONFIG) -> Harness:
+        params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+        clock = FakeClock()
+        engine = Engine(Store(params, optax.sgd(1.0)), policy, config, clock)
+        return cls(engine, clock, {}, {})
+
+    def run(self, event: str) -> dict[str, list[str]]:
+        """Do one event; what each worker got meanwhile (workers that got nothing left out)."""
+        for peer in self.peers.values():
+            peer.got.clear()
+        verb, name, *rest = event.split()
+        e = self.engine
+        if verb == "join":
+            self.peers[name] = RecordingPeer()
+            resume = int(rest[1]) if rest[:1] == ["resume"] else None
+            self.ids[name] = e.join(hello(name, resume), self.peers[name])
+        elif verb == "push":
+            wid = self.ids[name]
+            base = int(rest[1]) if rest[:1] == ["base"] else e.facts[wid].version
+            grads = {k: np.full(s, 0.5, np.float32) for k, s in SHAPES.items()}
+            e.push(PushIn(wid, 3, base, "grad", grads, 8, 1, 0.1, None, None, 100))
+        elif verb == "pull":
+            e.pull(self.ids[name], e.facts[self.ids[name]].version)
+        elif verb == "leave":
+            e.leave(self.ids[name], "bye")
+        elif verb == "tick":
+            self.clock.t += float(name)
+            e.tick()
+        elif verb == "swap":
+            e.swap_policy(name)
+        else:
+            raise AssertionError(f"unknown event {event!r}")
+        return {n: list(p.got) for n, p in self.peers.items() if p.got}
+
+
+def plan_on_join(batch: int) -> Policy:
+    """ASP that gives every joiner a plan of ``batch`` samples."""
+    asp = make_policy("asp")
+
+    def update(event: Event, state: Any, view: ClusterView) -> tuple[Sequence[Any], Any]:
+        out, state = asp.update(event, state, view)
+        if isinstance(event, Join):
+            out = [SetPlan(event.worker, {"batch_size": batch}), *out]
+        return out, state
+
+    return Policy("plan-on-join", asp.init, update, {})
+
+
+Row = tuple[str, dict[str, list[str]], int]
+
+TABLES: dict[str, tuple[Policy, list[Row]]] = {
+    "asp: a joiner is welcomed and released; each push is applied and answered": (
+        make_policy("asp"),
+        [
+            ("join a", {"a": ["welcome 1", "params v0"]}, 0),
+            ("push a", {"a": ["ack applied", "params v1"]}, 1),
+            ("push a", {"a": ["ack applied", "params v2"]}, 2),
+        ],
+    ),
+    "bsp: the first push of a round waits in the buffer, the second applies both": (
+        make_policy("bsp"),
+        [
+            ("join a", {"a": ["welcome 1", "params v0"]}, 0),
+            ("join b", {"b": ["welcome 2", "params v0"]}, 0),
+            ("push a", {"a": ["ack buffered"]}, 0),
+            ("pull a", {}, 0),  # a pull before the round is done: nothing yet
+            ("push b", {"a": ["params v1"], "b": ["ack buffered", "params v1"]}, 1),
+            ("push b", {"b": ["ack buffered"]}, 1),
+            ("push a", {"a": ["ack buffered", "params v2"], "b": ["params v2"]}, 2),
+        ],
+    ),
+    "bsp: a leaver leaves the barrier; the round completes without it": (
+        make_policy("bsp"),
+        [
+            ("join a", {"a": ["welcome 1", "params v0"]}, 0),
+            ("join b", {"b": ["welcome 2", "params v0"]}, 0),
+            ("push a", {"a": ["ack buffered"]}, 0),
+            ("leave b", {"a": ["params v1"], "b": ["closed: bye"]}, 1),
+            ("push a", {"a": ["ack buffered", "params v2"]}, 2),
+        ],
+    ),
+    "a push from the future or too stale is dropped with the reason": (
+        make_policy("asp"),
+        [
+            ("join a", {"a": ["welcome 1", "params v0"]}, 0),
+            ("push a base 5", {"a": ["ack dropped: base version from the future", "params v0"]}, 0),
+            ("push a", {"a": ["ack applied", "params v1"]}, 1),
+            ("push a", {"a": ["ack applied", "params v2"]}, 2),
+            ("push a base -3", {"a": ["ack dropped: too stale", "params v2"]}, 2),
+        ],
+    ),
+    "ssp: a worker more than `staleness` ahead waits for the slowest": (
+        make_policy("ssp", {"staleness": 1}),
+        [
+            ("join a", {"a": ["welcome 1", "params v0"]}, 0),
+            ("join b", {"b": ["welcome 2", "params v0"]}, 0),
+            ("push a", {"a": ["ack applied", "params v1"]}, 1),  # 1 ahead: allowed
+            ("push a", {"a": ["ack applied"]}, 2),  # 2 ahead: held
+            ("pull a", {}, 2),
+            ("push b", {"a": ["params v3"], "b": ["ack applied", "params v3"]}, 3),
+        ],
+    ),
+    "a silent worker times out and leaves; a returning one gets its id and clock back": (
+        make_policy("bsp"),
+        [
+            ("join a", {"a": ["welcome 1", "params v0"]}, 0),
+            ("join b", {"b": ["welcome 2", "params v0"]}, 0),
+            ("push a", {"a": ["ack buffered"]}, 0),
+            (
+                "tick +11",
+                {"a": ["closed: heartbeat timeout"], "b": ["closed: heartbeat timeout"]},
+                1,
+            ),
+            ("join b resume 2", {"b": ["welcome 2", "params v1"]}, 1),
+            ("join a resume 1", {"a": ["welcome 1"]}, 1),  # its clock 1 is a round ahead
+            ("push b", {"a": ["params v2"], "b": ["ack buffered", "params v2"]}, 2),
+        ],
+    ),
+    "a policy's plan goes out as a plan reply before the worker's parameters": (
+        plan_on_join(16),
+        [
+            ("join a", {"a": ["welcome 1", "plan batch 16", "params v0"]}, 0),
+            ("push a", {"a": ["ack applied", "params v1"]}, 1),
+        ],
+    ),
+    "a swap keeps buffered pushes: they are applied before the new policy takes over": (
+        make_policy("bsp"),
+        [
+            ("join a", {"a": ["welcome 1", "params v0"]}, 0),
+            ("join b", {"b": ["welcome 2", "params v0"]}, 0),
+            ("push a", {"a": ["ack buffered"]}, 0),
+            ("swap asp", {"a": ["params v1"]}, 1),
+            ("push b", {"b": ["ack applied", "params v2"]}, 2),
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(TABLES))
+def test_event_table(name: str) -> None:
+    policy, rows = TABLES[name]
+    h = Harness.of(policy)
+    for i, (event, replies, version) in enumerate(rows):
+        got = h.run(event)
+        assert (got, h.engine.store.version) == (replies, version), f"row {i}: {event}"
+
+
+def test_a_join_is_welcomed_with_the_plan_shard_and_setup_and_asked_for_a_profile() -> None:
+    setup = {"model": {"spec": "mlp"}, "dataset": {"spec": "digits"}, "train": {"seed": 1}}
+    config = EngineConfig(batch_size=8, profile_steps=3, shards=2, welcome=setup)
+    h = Harness.of(make_policy("bsp"), config)
+    h.run("join a")
+    h.run("join b")
+    welcome, profile = h.peers["b"].replies
+    assert isinstance(welcome, Welcome) and isinstance(profile, ProfileRequest)
+    assert (welcome.id, welcome.worker_id, welcome.shard, welcome.shards) == (7, 2, 1, 2)
+    assert welcome.plan.batch_size == 8 and welcome.setup == setup
+    assert profile.spec() == {"steps": 3, "batch_size": 8}
+    h.engine.profile_result(2, {"sample_s": 0.01, "push_s": -1.0, "bogus": 3.0})
+    assert h.engine.facts[2].profile == {"sample_s": 0.01}  # negative and unknown keys dropped
+
+
+def test_a_departed_worker_keeps_its_entry_out_of_the_view() -> None:
+    h = Harness.of(make_policy("asp"))
+    h.run("join a")
+    h.run("join b")
+    h.run("push b")
+    h.run("leave b")
+    e = h.engine
+    assert set(e.facts) == set(e.entries) == set(e.plans) == {1}
+    assert set(e.departed) == {2} and e.departed[2].clock == 1
+    assert set(e.stats) == {1, 2} and e.stats[2].pushes == 1  # its counters stay counted
+    assert e.view().workers == {1: e.facts[1]}
+    assert [row["worker"] for row in e.workers()] == [1] and e.status()["workers"] == 1
+
+
+def test_bye_all_says_bye_and_lets_everyone_leave() -> None:
+    h = Harness.of(make_policy("asp"))
+    h.run("join a")
+    h.run("join b")
+    h.engine.bye_all("daemon stopping")
+    for name in "ab":
+        assert h.peers[name].got[-2:] == ["bye: daemon stopping", "closed: daemon stopping"]
+    assert not h.engine.facts and set(h.engine.departed) == {1, 2}
+
+
+def test_state_and_restore_round_trip_in_memory() -> None:
+    h = Harness.of(make_policy("bsp"))
+    for event in ("join a", "join b", "push a", "push b", "push a", "leave b"):
+        h.run(event)
+    st = h.engine.state()
+    assert isinstance(st, EngineState)
+    assert (st.version, st.updates_applied, st.next_id, st.policy) == (2, 2, 3, "bsp")
+    assert st.workers == {
+        2: SavedWorker("b", 1, samples=8, batch_size=8, active=False),
+        1: SavedWorker("a", 2, samples=16, batch_size=8, active=True),
+    }
+    assert not st.buffers  # the leave completed a's round
+    fresh = Harness.of(make_policy("asp"))
+    fresh.engine.restore(st)
+    e = fresh.engine
+    assert (e.store.version, e.updates_applied, e.policy.name) == (2, 2, "bsp")
+    assert not e.facts and {w: f.clock for w, f in e.departed.items()} == {1: 2, 2: 1}
+    for k, v in h.engine.store.snapshot().tensors.items():
+        np.testing.assert_array_equal(e.store.snapshot().tensors[k], v)
+    assert fresh.run("join x") == {"x": ["welcome 3", "params v2"]}  # new ids after the saved
+
+
+def test_restore_refuses_parameters_of_another_model_before_changing_anything() -> None:
+    h = Harness.of(make_policy("asp"))
+    st = h.engine.state()
+    other = {"dense/w": np.zeros((4, 2), np.float32), "dense/b": np.zeros(2, np.float32)}
+    bad = EngineState(**{**{f: getattr(st, f) for f in st.__slots__}, "params": other})
+    with pytest.raises(ValueError, match="do not match"):
+        h.engine.restore(bad)
+    assert h.engine.stage == "main" and h.engine.policy.name == "asp"
+
+
+def test_decode_hello_reads_what_the_engine_needs() -> None:
+    msg = wire.decode(
+        wire.encode(
+            "hello",
+            9,
+            name="w",
+            device={"platform": "gpu", "free_memory": 1 << 30},
+            codecs=["int8", "none"],
+            resume={"worker_id": 4},
+        )
+    )
+    assert decode_hello(msg, same_host=True) == JoinIn(
+        id=9,
+        name="w",
+        device={"platform": "gpu", "free_memory": 1 << 30},
+        codecs=("int8", "none"),
+        resume_id=4,
+        free_mem=1 << 30,
+        same_host=True,
+    )
+    odd = wire.decode(
+        wire.encode(
+            "hello",
+            1,
+            name="w",
+            device={"free_memory": "lots"},
+            codecs=["none"],
+            resume={"worker_id": "x"},
+        )
+    )
+    assert (decode_hello(odd).resume_id, decode_hello(odd).free_mem) == (None, None)
