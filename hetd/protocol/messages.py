@@ -14,13 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from hetd.protocol import wire
 from policies import Plan
-
-if TYPE_CHECKING:
-    from hetd.core.store import Tensors
 
 AckStatus = Literal["applied", "buffered", "dropped"]  # wire.ACK_STATUSES
 
@@ -49,7 +46,9 @@ class PushIn:
     id: int
     base: int
     kind: str
-    tensors: Tensors  # float32 arrays, or int8 ones the store's step dequantizes
+    # path -> float32 array, or hetd.core.store.Int8 (an int8 view the store's step dequantizes);
+    # typed loosely: the protocol layer sits below the core
+    tensors: Mapping[str, Any]
     samples: int
     steps: int
     compute_s: float
