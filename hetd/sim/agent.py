@@ -30,6 +30,7 @@ from hetd.protocol.plan import Plan, codec_for, data_range, local_steps_for
 from hetd.sim.compute import StepWork, Straggler
 from hetd.sim.scenario import Scenario
 from hetd.zoo.data import BatchSampler, Dataset, shard_indices
+from hetd.zoo.optim import parse_optimizer
 
 
 @dataclass(eq=False)
@@ -81,6 +82,8 @@ class EmuWorker:
     _shard: int = 0
     _share: tuple[float, float] | None = None
     worker_lr: float = 0.0  # the local lr of delta plans, from the welcome
+    inner: str = "sgd"  # the inner optimizer's spec without its lr, from the welcome
+    last_delta: StepWork | None = None  # the previous local-step work (its inner state)
     _sizes: dict[tuple[str, str], int] = field(default_factory=dict)  # tensor bytes per codec/kind
 
     def __post_init__(self) -> None:
@@ -107,6 +110,9 @@ class EmuWorker:
         self.plan = Plan.from_wire(msg["plan"])
         train = msg.get("train") or {}
         self.worker_lr = float(train.get("worker_lr") or self.sc.worker_lr)  # as workers.loop
+        inner = parse_optimizer(str(train.get("inner_optimizer") or "sgd"))
+        self.worker_lr = inner.lr or self.worker_lr  # a spec's own lr wins, as on a worker
+        self.inner = str(inner.without_lr())
         shard = msg["shard"]
         self._shard = int(shard["index"])
         rows = shard_indices(len(self.data.y_train), shard["index"], shard["count"], self.seed)
@@ -174,7 +180,11 @@ class EmuWorker:
         delta = k > 1 or self.plan.push_kind == "delta"
         rows = np.stack([self.sampler.next_indices(batch) for _ in range(k)]).astype(np.int32)
         lr = self.worker_lr * self.plan.lr_scale
-        work = StepWork(self.held.tensors, rows, lr, delta=delta)
+        work = StepWork(
+            self.held.tensors, rows, lr, delta=delta, inner=self.inner, prev=self.last_delta
+        )
+        if delta and not parse_optimizer(self.inner).plain_sgd:
+            self.last_delta = work
         compute_s = self._step_s(batch * k, t)
         end = t + compute_s
         idle_s, self.idle_from = t - self.idle_from, end

@@ -28,6 +28,7 @@ from hetd.core.store import make_optimizer
 from hetd.sim.scenario import Scenario, Stragglers
 from hetd.zoo.data import BatchSampler, Dataset, load_dataset
 from hetd.zoo.models import Model, get_model
+from hetd.zoo.optim import parse_optimizer
 
 Tensors = Mapping[str, np.ndarray]
 
@@ -62,6 +63,12 @@ class StepWork:
     delta: bool = False  # push the change after local SGD steps, not the gradient
     tensors: dict[str, np.ndarray] | None = None  # the update, once computed
     loss: float = 0.0
+    # Local steps run this inner optimizer (a spec without lr; plain "sgd" has no state). Its
+    # state comes from the worker's previous delta step (``prev``, computed first if it has not
+    # been), as a real worker keeps it across rounds; ``state_out`` once computed.
+    inner: str = "sgd"
+    prev: StepWork | None = None
+    state_out: Any = None
 
 
 def _bucket(n: int) -> int:
@@ -154,13 +161,61 @@ class Compute:
 
     def run(self, steps: Sequence[StepWork]) -> None:
         """Compute every step's update: one jitted call per (local steps, batch bucket)."""
-        groups: dict[tuple[bool, int, int], list[StepWork]] = {}
+        waiting = [s.prev for s in steps if s.prev is not None and s.prev.tensors is None]
+        if waiting:  # an inner optimizer's state comes from the step before
+            self.run(waiting)
+        groups: dict[tuple[bool, str, int, int], list[StepWork]] = {}
         for s in steps:
+            if s.tensors is not None:
+                continue
             k, b = s.indices.shape
-            groups.setdefault((s.delta, int(k), _batch_bucket(int(b))), []).append(s)
-        for (delta, k, bucket), group in sorted(groups.items()):
+            inner = s.inner if s.delta else ""
+            groups.setdefault((s.delta, inner, int(k), _batch_bucket(int(b))), []).append(s)
+        for (delta, inner, k, bucket), group in sorted(groups.items()):
             widths = {int(s.indices.shape[1]) for s in group}
-            self._run_group(group, delta, k, widths.pop() if len(widths) == 1 else bucket)
+            width = widths.pop() if len(widths) == 1 else bucket
+            if delta and not parse_optimizer(inner).plain_sgd:
+                self._run_inner(group, inner, k, width)
+            else:
+                self._run_group(group, delta, k, width)
+
+    def _padded_rows(
+        self, padded: list[StepWork], k: int, width: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        idx = np.zeros((len(padded), k, width), np.int32)
+        mask = np.zeros((len(padded), k, width), np.float32)
+        for i, s in enumerate(padded):
+            b = s.indices.shape[1]
+            idx[i, :, :b] = s.indices
+            mask[i, :, :b] = 1.0
+        return idx, mask
+
+    def _run_inner(self, group: list[StepWork], inner: str, k: int, width: int) -> None:
+        """Local steps through a stateful inner optimizer, each worker's state carried on."""
+        key = (id(self.kernels), inner)
+        kernel = _INNER.get(key)
+        tx = parse_optimizer(inner).with_default_lr(1.0).injectable()
+        if kernel is None:
+            kernel = _INNER[key] = make_inner_kernel(self.model, tx)
+        size = _bucket(len(group))
+        padded = group + [group[0]] * (size - len(group))
+        params = {p: np.stack([s.params[p] for s in padded]) for p in group[0].params}
+        states = []
+        for s in padded:
+            prev = s.prev.state_out if s.prev is not None else None
+            states.append(prev if prev is not None else tx.init(dict(s.params)))
+        state = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *states)
+        idx, mask = self._padded_rows(padded, k, width)
+        lr = np.array([s.lr for s in padded], np.float32)
+        losses, out, new_state = kernel(params, state, self.x_train, self.y_train, idx, mask, lr)
+        host = {p: np.asarray(v, dtype=np.float32) for p, v in out.items()}
+        host_state = jax.device_get(new_state)
+        loss_host = np.asarray(losses)
+        for i, s in enumerate(group):
+            s.tensors = {p: v[i] for p, v in host.items()}
+            s.loss = float(loss_host[i])
+            s.state_out = jax.tree.map(lambda v, i=i: v[i], host_state)
+            s.prev = None  # its state is taken: let the chain go
 
     def _run_group(self, group: list[StepWork], delta: bool, k: int, width: int) -> None:
         n = len(group)
@@ -171,12 +226,7 @@ class Compute:
         if not delta and all(s.indices.shape[1] == width for s in group):
             losses, out = self.kernels.grad(params, x, y, np.stack([s.indices for s in padded]))
         else:
-            idx = np.zeros((size, k, width), np.int32)
-            mask = np.zeros((size, k, width), np.float32)
-            for i, s in enumerate(padded):
-                b = s.indices.shape[1]
-                idx[i, :, :b] = s.indices
-                mask[i, :, :b] = 1.0
+            idx, mask = self._padded_rows(padded, k, width)
             if not delta:
                 losses, out = self.kernels.grad_masked(params, x, y, idx, mask)
             else:
@@ -189,6 +239,42 @@ class Compute:
             s.loss = float(loss_host[i])
 
 
+def make_inner_kernel(model: Model, tx: optax.GradientTransformation) -> Callable[..., Any]:
+    """Local steps through ``tx`` (its learning rate injected per worker), vmapped over
+    workers: ``(params[n], state[n], x, y, idx, mask, lr[n]) -> (loss[n], delta[n], state[n])``.
+    Each step is the masked mean gradient of its rows, as a real worker's micro-batches give."""
+
+    def masked_loss(params: Any, x: jax.Array, y: jax.Array, mask: jax.Array) -> jax.Array:
+        per = jax.vmap(lambda xi, yi: model.loss(params, xi[None], yi[None]))(x, y)
+        return jnp.sum(per * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+    grad = jax.value_and_grad(masked_loss)
+
+    def local(
+        params: Any,
+        state: Any,
+        x_all: jax.Array,
+        y_all: jax.Array,
+        idx: jax.Array,
+        mask: jax.Array,
+        lr: jax.Array,
+    ) -> Any:
+        state.hyperparams["learning_rate"] = lr
+
+        def body(carry: Any, step: tuple[jax.Array, jax.Array]) -> tuple[Any, jax.Array]:
+            p, st = carry
+            rows, m = step
+            loss, g = grad(p, x_all[rows], y_all[rows], m)
+            updates, st = tx.update(g, st, p)
+            return ({k: p[k] + updates[k] for k in p}, st), loss
+
+        (final, state), losses = jax.lax.scan(body, (params, state), (idx, mask))
+        return jnp.mean(losses), {k: final[k] - params[k] for k in params}, state
+
+    return jax.jit(jax.vmap(local, in_axes=(0, 0, None, None, 0, 0, 0)))
+
+
+_INNER: dict[Hashable, Callable[..., Any]] = {}  # (kernels, inner spec) -> inner-step kernel
 _KERNELS: dict[Hashable, Kernels] = {}
 _COMPUTE: dict[Hashable, Compute] = {}
 

@@ -154,7 +154,7 @@ def test_policy_specs_parse_names_and_parameters() -> None:
     [
         ("bsp,nope", PolicyError, "unknown policy .nope.; known policies: .*bsp"),
         ("ssp:staleness=-1", PolicyError, "staleness must be an int >= 0"),
-        ("ssp:stalenes=3", PolicyError, "bad parameters"),
+        ("ssp:stalenes=3", PolicyError, "unknown parameter"),
         ("staleness=3", ValueError, "before any policy name"),
         ("ssp:staleness", ValueError, "must look like key=value"),
         ("bsp,bsp", ValueError, "listed twice"),
