@@ -25,7 +25,7 @@ from aiohttp import web
 from hetd import config as config_mod
 from hetd.codecs import registry as codecs
 from hetd.core.engine import Clock, Engine, EngineConfig
-from hetd.core.store import Snapshot, Store, make_optimizer
+from hetd.core.store import Snapshot, Store, make_optimizer, make_outer
 from hetd.server import admin, checkpoint, sessions
 from hetd.server.metrics import Metrics
 from hetd.zoo.data import Dataset, load_dataset
@@ -60,7 +60,10 @@ def build_engine(cfg: config_mod.Config, clock: Clock | None = None) -> Engine:
     model = get_model(t.model, data.num_classes, **dict(t.model_kwargs))
     # One jitted init compiles once; flax's eager init compiles op by op (~2x slower start-up).
     params = jax.jit(model.init, static_argnums=1)(jax.random.PRNGKey(t.seed), data.input_shape)
-    store = Store(params, make_optimizer(t.optimizer, t.lr))
+    daemon_opt, inner_opt, outer_opt = config_mod.optimizers(
+        t.optimizer, t.lr, t.inner_optimizer, t.worker_lr, t.outer_optimizer
+    )
+    store = Store(params, make_optimizer(daemon_opt), outer=make_outer(outer_opt))
     policy = make_policy(cfg.policy.name, cfg.policy.params)
     econf = EngineConfig(
         global_batch=t.global_batch,
@@ -76,7 +79,12 @@ def build_engine(cfg: config_mod.Config, clock: Clock | None = None) -> Engine:
         welcome={
             "model": {"spec": t.model, "kwargs": dict(t.model_kwargs)},
             "dataset": {"spec": t.dataset, "kwargs": dict(t.dataset_kwargs), "seed": t.seed},
-            "train": {"worker_lr": t.worker_lr or t.lr, "seed": t.seed},
+            "train": {
+                "worker_lr": t.worker_lr or t.lr,
+                "seed": t.seed,
+                "inner_optimizer": inner_opt,
+                "micro_batch": t.micro_batch or t.batch_size,
+            },
         },
     )
     return Engine(store, policy, econf, clock=clock, evaluator=make_evaluator(model, data))

@@ -28,11 +28,12 @@ from typing import Any
 
 import jax
 
+from hetd import config as config_mod
 from hetd.config import TrainConfig
 from hetd.core.downlink import DELTA_S_PER_PARAM
 from hetd.core.engine import Engine, EngineConfig
 from hetd.core.ingest import decode_hello, decode_push
-from hetd.core.store import Store, make_optimizer
+from hetd.core.store import Store, make_optimizer, make_outer
 from hetd.protocol import wire
 from hetd.protocol.messages import PlanUpdate, ProfileRequest, Reply, Welcome
 from hetd.sim.agent import EmuWorker, InFlight
@@ -101,7 +102,10 @@ class _Sim:
         self.sc, self.seed, self.lr, self.on_time, self.policy = sc, seed, lr, on_time, policy
         data, model, self.compute = scenario_compute(sc, seed)
         init = model.init(jax.random.PRNGKey(seed), data.input_shape)
-        store = Store(init, make_optimizer(sc.optimizer, lr))
+        daemon_opt, inner_opt, outer_opt = config_mod.optimizers(
+            sc.optimizer, lr, sc.inner_optimizer, sc.worker_lr, sc.outer_optimizer
+        )
+        store = Store(init, make_optimizer(daemon_opt), outer=make_outer(outer_opt))
         self.clock = VirtualClock()
         defaults = TrainConfig()  # what the daemon uses unless configured
         config = EngineConfig(
@@ -121,7 +125,12 @@ class _Sim:
             welcome={
                 "model": {"spec": sc.model, "kwargs": dict(sc.model_kwargs)},
                 "dataset": {"spec": sc.dataset, "kwargs": dict(sc.dataset_kwargs), "seed": seed},
-                "train": {"worker_lr": sc.worker_lr or lr, "seed": seed},
+                "train": {
+                    "worker_lr": sc.worker_lr or lr,
+                    "seed": seed,
+                    "inner_optimizer": inner_opt,
+                    "micro_batch": sc.micro_batch or sc.batch_per_worker,
+                },
             },
         )
         # No evaluator: the loop evaluates at exact virtual times k × interval and hands the result
