@@ -147,7 +147,19 @@ def decode(frame: bytes | bytearray | memoryview, max_size: int = DEFAULT_MAX_FR
 
 
 def validate(raw: Mapping[str, Any]) -> Message:
-    """Check the envelope and fields of an unpacked message."""
+    """Check the envelope and fields of an unpacked message. A :class:`ProtocolError` carries the
+    message's request id whenever the id itself is an int (0 otherwise)."""
+    id_ = raw.get("id")
+    readable = isinstance(id_, int) and not isinstance(id_, bool)
+    try:
+        return _validate(raw)
+    except ProtocolError as exc:
+        if readable and not exc.id:
+            raise ProtocolError(exc.code, exc.message, id_) from None
+        raise
+
+
+def _validate(raw: Mapping[str, Any]) -> Message:
     version = raw.get("v")
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(

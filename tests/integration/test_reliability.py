@@ -1,0 +1,92 @@
+"""Fault injection on a real daemon: errors name the frame they answer, a hot swap is all or
+nothing, and a plug-in factory that raises stops ``hetd serve`` with one line and exit 2."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import numpy as np
+import pytest
+
+from hetd.codecs import registry as codecs
+from hetd.protocol import wire
+from tests.conftest import WORKER_TOKEN
+
+AUTH = {"Authorization": f"Bearer {WORKER_TOKEN}"}
+
+
+async def recv(ws: aiohttp.ClientWebSocketResponse, type_: str) -> wire.Message:
+    """The next message of ``type_`` (skipping the others)."""
+    while True:
+        frame = await ws.receive(timeout=20)
+        assert frame.type == aiohttp.WSMsgType.BINARY, frame
+        msg = wire.decode(frame.data)
+        if msg.type == type_:
+            return msg
+
+
+def hello() -> bytes:
+    return wire.encode("hello", 1, name="raw", device={"platform": "cpu"}, codecs=["none"])
+
+
+def push_fields(params: dict[str, np.ndarray], base: int, **overrides: Any) -> dict[str, Any]:
+    tensors = codecs.encode_tree(params, codecs.get_codec("none"))
+    fields = dict(base=base, kind="grad", tensors=tensors, samples=8, steps=1, compute_s=0.01)
+    fields.update(overrides)
+    return fields
+
+
+# --- every error carries the id of the frame it answers ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "code"),
+    [
+        ({"v": 1, "type": "push", "id": 41, "base": 0}, "malformed"),  # missing fields
+        ({"v": 1, "type": "pull", "id": 42, "have": "x"}, "malformed"),  # a wrong type
+        ({"v": 1, "type": "heartbeat", "id": 43, "colour": 1}, "malformed"),  # unknown field
+        ({"v": 2, "type": "push", "id": 44}, "bad_version"),
+        ({"v": 1, "type": "teleport", "id": 45}, "unknown_type"),
+        ({"v": 1, "type": "hello", "id": 46, "name": "", "device": {}, "codecs": []}, "malformed"),
+    ],
+)
+def test_a_refused_frame_names_its_request_id(raw: dict[str, Any], code: str) -> None:
+    import msgpack
+
+    with pytest.raises(wire.ProtocolError) as info:
+        wire.decode(msgpack.packb(raw))
+    assert (info.value.code, info.value.id) == (code, raw["id"])
+
+
+def test_an_id_that_cannot_be_read_is_zero() -> None:
+    import msgpack
+
+    with pytest.raises(wire.ProtocolError) as info:
+        wire.decode(msgpack.packb({"v": 1, "type": "push", "id": "seven"}))
+    assert info.value.id == 0
+
+
+async def test_a_malformed_push_is_answered_with_its_own_id(cluster) -> None:  # type: ignore[no-untyped-def]
+    c = await cluster("asp")
+    async with aiohttp.ClientSession() as http:
+        ws = await http.ws_connect(c.url + "/v1/ws", headers=AUTH)
+        await ws.send_bytes(hello())
+        await recv(ws, "welcome")
+        params = codecs.decode_tree((await recv(ws, "params"))["tensors"])
+        zeros = {k: np.zeros_like(v) for k, v in params.items()}
+        version = c.engine.store.version
+        cases: list[tuple[int, dict[str, Any]]] = [
+            (11, {"samples": -5}),
+            (12, {"steps": 0}),
+            (13, {"kind": "hessian"}),
+            (14, {"loss": float("nan")}),
+        ]
+        for request_id, bad in cases:
+            await ws.send_bytes(
+                wire.encode("push", request_id, **push_fields(zeros, version, **bad))
+            )
+            err = await recv(ws, "error")
+            assert (err["code"], err.id) == ("malformed", request_id), err.body
+        assert c.engine.store.version == version
+        await ws.close()
