@@ -242,7 +242,7 @@ def _load(spec: str, seed: int, kwargs: dict[str, Any]) -> Dataset:
                 f"unknown data set {spec!r}; known data sets: {dataset_names()} "
                 "(or give your own as 'pkg.module:attr')"
             )
-        return _checked(spec, loader(seed=seed, **kwargs))
+        return _checked(spec, _call(spec, loader, {"seed": seed, **kwargs}))
     target = resolve_spec(spec)
     if isinstance(target, Dataset):
         if kwargs:
@@ -252,7 +252,17 @@ def _load(spec: str, seed: int, kwargs: dict[str, Any]) -> Dataset:
         raise ValueError(f"{spec!r} is neither a hetd.zoo.data.Dataset nor a factory returning one")
     if accepts_keyword(target, "seed"):
         kwargs = {"seed": seed, **kwargs}
-    return _checked(spec, target(**kwargs))
+    return _checked(spec, _call(spec, target, kwargs))
+
+
+def _call(spec: str, factory: Callable[..., object], kwargs: dict[str, Any]) -> object:
+    """``factory(**kwargs)``; whatever it raises becomes one ValueError naming the spec
+    (``hetd serve`` prints it as one line and exits 2)."""
+    try:
+        return factory(**kwargs)
+    except Exception as exc:
+        why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        raise ValueError(f"data set factory {spec!r} failed: {why}") from exc
 
 
 def _checked(spec: str, data: object) -> Dataset:

@@ -169,7 +169,7 @@ def get_model(spec: str, num_classes: int, **kwargs: Any) -> Model:
                 f"unknown model {spec!r}; known models: {model_names()} "
                 "(or give your own as 'pkg.module:attr')"
             )
-        return factory(num_classes=num_classes, **kwargs)
+        return _built(spec, factory, {"num_classes": num_classes, **kwargs})
     target = resolve_spec(spec)
     if isinstance(target, Model):
         if kwargs:
@@ -179,7 +179,17 @@ def get_model(spec: str, num_classes: int, **kwargs: Any) -> Model:
         raise ValueError(f"{spec!r} is neither a hetd.zoo.models.Model nor a factory returning one")
     if accepts_keyword(target, "num_classes"):
         kwargs = {"num_classes": num_classes, **kwargs}
-    model = target(**kwargs)
+    return _built(spec, target, kwargs)
+
+
+def _built(spec: str, factory: Callable[..., object], kwargs: dict[str, Any]) -> Model:
+    """``factory(**kwargs)`` checked to be a :class:`Model`; whatever the factory raises becomes
+    one ValueError naming the spec (``hetd serve`` prints it as one line and exits 2)."""
+    try:
+        model = factory(**kwargs)
+    except Exception as exc:
+        why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        raise ValueError(f"model factory {spec!r} failed: {why}") from exc
     if not isinstance(model, Model):
         raise ValueError(f"factory {spec!r} returned {type(model).__name__}, not a Model")
     return model

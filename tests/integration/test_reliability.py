@@ -90,3 +90,54 @@ async def test_a_malformed_push_is_answered_with_its_own_id(cluster) -> None:  #
             assert (err["code"], err.id) == ("malformed", request_id), err.body
         assert c.engine.store.version == version
         await ws.close()
+
+
+# --- a plug-in factory that raises stops `hetd serve` with one line and exit 2 -------------------
+
+
+def raising_model(num_classes: int) -> Any:
+    """A model plug-in whose factory fails (what `--model pkg.mod:factory` may point at)."""
+    raise TypeError("raising_model() got an unexpected keyword argument 'width'")
+
+
+def raising_dataset(seed: int = 0) -> Any:
+    """A data set plug-in whose factory fails."""
+    raise RuntimeError("the data share is not mounted")
+
+
+@pytest.mark.parametrize(
+    ("option", "spec", "words"),
+    [
+        ("--model", f"{__name__}:raising_model", ["raising_model", "TypeError", "width"]),
+        ("--dataset", f"{__name__}:raising_dataset", ["raising_dataset", "not mounted"]),
+    ],
+)
+async def test_a_plug_in_factory_that_raises_exits_2_with_one_line(
+    option: str, spec: str, words: list[str]
+) -> None:
+    import asyncio
+    import os
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    args = ["serve", "--port", "0", "--admin-port", "-1", "--dataset", "digits", option, spec]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HETD_")}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "hetd",
+        *args,
+        cwd=root,
+        env={**env, "JAX_PLATFORMS": "cpu"},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    text = err.decode()
+    assert proc.returncode == 2, text
+    assert "Traceback" not in text, text
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("hetd: "), text
+    for word in words:
+        assert word in lines[0], text
