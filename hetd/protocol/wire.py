@@ -150,11 +150,10 @@ def validate(raw: Mapping[str, Any]) -> Message:
     """Check the envelope and fields of an unpacked message. A :class:`ProtocolError` carries the
     message's request id whenever the id itself is an int (0 otherwise)."""
     id_ = raw.get("id")
-    readable = isinstance(id_, int) and not isinstance(id_, bool)
     try:
         return _validate(raw)
     except ProtocolError as exc:
-        if readable and not exc.id:
+        if isinstance(id_, int) and not isinstance(id_, bool) and not exc.id:
             raise ProtocolError(exc.code, exc.message, id_) from None
         raise
 
