@@ -1,7 +1,7 @@
 """Checkpoints: the whole training state in one file, written atomically, read back with care.
 
-This module owns the on-disk format, the state directory (names, keep-the-newest-K rotation, picking
-the newest *valid* file) and how an engine's state is captured and put back.
+This module owns the on-disk format, the state directory (names, a rotation that keeps the newest K
+*valid* files, picking the newest valid file) and how an engine's state is captured and put back.
 
 Format: the state is a plain tree (dicts, numbers, strings, numpy arrays) made with
 ``flax.serialization.to_state_dict`` and serialised with ``flax.serialization.msgpack_serialize``:
@@ -270,9 +270,10 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def write(directory: Path, state: Mapping[str, Any], keep: int) -> CheckpointInfo:
-    """Write ``state`` atomically as the newest checkpoint and delete all but the newest ``keep``.
+    """Write ``state`` atomically as the newest checkpoint, then rotate: keep the newest ``keep``
+    *valid* checkpoints (this one included) and delete the rest, invalid ones too.
 
-    Blocking (serialising and fsync take a while): call it in a thread.
+    Blocking (serialising, fsync and verifying older files take a while): call it in a thread.
     """
     directory.mkdir(parents=True, exist_ok=True)
     data = encode(state)
@@ -292,11 +293,30 @@ def write(directory: Path, state: Mapping[str, Any], keep: int) -> CheckpointInf
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    for _, old in list_checkpoints(directory)[keep:]:
-        with contextlib.suppress(OSError):
-            old.unlink()
+    _rotate(directory, keep, final)
     created = float(state.get("created_unix", time.time()))
     return CheckpointInfo(str(final), seq, version, len(data), created)
+
+
+def _rotate(directory: Path, keep: int, written: Path) -> None:
+    """Keep the newest ``keep`` checkpoints that verify (``written``, just written, counts as one
+    without being read back); delete every other, an invalid one with a warning. Files older than
+    the ``keep``-th valid one are deleted unread."""
+    kept = 0
+    for _, path in list_checkpoints(directory):
+        if kept < keep:
+            if path == written:
+                kept += 1
+                continue
+            try:
+                decode(path.read_bytes())
+            except (OSError, CheckpointError) as exc:
+                log.warning("deleting checkpoint %s: it does not verify (%s)", path, exc)
+            else:
+                kept += 1
+                continue
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def load_newest(directory: Path) -> tuple[CheckpointInfo, dict[str, Any]] | None:
