@@ -8,15 +8,45 @@ import logging
 import os
 import socket
 import sys
+import threading
+import time
 import tomllib
+from collections.abc import Callable
+from typing import NoReturn
 
-from workers.emulate import Emulation, parse_rate
+from workers.emulate import (
+    Emulation,
+    ScheduleClock,
+    origin_from_wall,
+    parse_origin,
+    parse_rate,
+    parse_shift,
+)
 from workers.loop import quiet_xla_threads
+
+log = logging.getLogger("hetd.worker")
+
+ORIGIN_HELP = (
+    "time 0 of --emulate-shift and of straggle episodes: first-step (default: the start of this "
+    "worker's first step, right after its welcome), a Unix time in seconds (workers on several "
+    "machines then share one origin, as far as their clocks agree), or stdin (the first line read "
+    "on standard input is that Unix time; hetd bench --mode real writes it to every worker at the "
+    "run's t = 0, which is only known once all workers have joined and compiled, so that all "
+    "share the simulator's origin). Before the origin the worker runs at --emulate-slowdown, "
+    "with no shift and no straggle episode"
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors in one line (and exit status 2), like the errors of bad values found later."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def parser() -> argparse.ArgumentParser:
     """The command line of ``hetd-worker``."""
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="hetd-worker",
         description="Join a hetd daemon and train. The worker token comes from HETD_WORKER_TOKEN "
         "or from a config file (--config, key [worker] token), never from the command line.",
@@ -70,11 +100,47 @@ def parser() -> argparse.ArgumentParser:
         help="cap the link both ways (pushes and parameters), e.g. 20MB/s",
     )
     p.add_argument(
+        "--emulate-latency",
+        default="0",
+        metavar="SECONDS",
+        help="add this to every message on the link, both ways (each push and each parameter "
+        "frame), as a scenario's latency_s",
+    )
+    p.add_argument(
+        "--emulate-shift",
+        action="append",
+        default=[],
+        metavar="T:X",
+        help="regime shift: from T seconds after the origin (--emulate-origin) on, act X times "
+        "slower than this hardware instead of --emulate-slowdown (X >= 1); repeatable, the last "
+        "shift at or before a step's start applies",
+    )
+    p.add_argument(
+        "--emulate-origin",
+        default="first-step",
+        metavar="WHEN",
+        help=ORIGIN_HELP,
+    )
+    p.add_argument(
         "--emulate-stragglers",
         type=float,
         default=0.0,
         metavar="P",
-        help="chance per step of a x5 slow episode (mean 10 steps)",
+        help="chance per step (outside an episode) that a slow episode begins: "
+        "--emulate-straggle-factor times slower for a geometric number of steps with mean "
+        "--emulate-straggle-mean",
+    )
+    p.add_argument(
+        "--emulate-straggle-factor",
+        default="5",
+        metavar="F",
+        help="how much slower a straggle episode's steps are (F >= 1, default 5)",
+    )
+    p.add_argument(
+        "--emulate-straggle-mean",
+        default="10",
+        metavar="STEPS",
+        help="mean length of a straggle episode in steps (>= 1, default 10)",
     )
     p.add_argument(
         "--emulate-memory",
@@ -91,7 +157,14 @@ def parser() -> argparse.ArgumentParser:
         help="fault injection: chance that a push carries NaN (the daemon refuses it; after 5 "
         "refusals in a row the worker gives up)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed for the emulated stragglers")
+    p.add_argument(
+        "--emulate-seed",
+        "--seed",
+        dest="emulate_seed",
+        type=int,
+        default=0,
+        help="seed of the straggle episodes (and of --emulate-bad-pushes); --seed is the old name",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log every connection event")
     return p
 
@@ -112,6 +185,67 @@ def read_token(path: str | None) -> str:
     return token
 
 
+def _number(text: str, flag: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{flag} must be a number, got {text!r}") from None
+
+
+def build_emulation(
+    args: argparse.Namespace,
+    monotonic: Callable[[], float] = time.monotonic,
+    wall: Callable[[], float] = time.time,
+) -> Emulation:
+    """The emulation the ``--emulate-*`` flags ask for; a bad value raises ValueError naming it.
+    With ``--emulate-origin stdin`` the origin is left unknown (see :func:`follow_stdin`)."""
+    origin = parse_origin(args.emulate_origin)
+    clock = ScheduleClock(monotonic, first_step=origin == "first-step")
+    if isinstance(origin, float):
+        clock.set_origin(origin_from_wall(origin, wall(), monotonic()))
+    return Emulation(
+        slowdown=args.emulate_slowdown,
+        base_step_s=args.emulate_base_step,
+        memory=args.emulate_memory,
+        bandwidth=parse_rate(args.emulate_bandwidth) if args.emulate_bandwidth else None,
+        latency_s=_number(args.emulate_latency, "--emulate-latency"),
+        stragglers=args.emulate_stragglers,
+        straggle_factor=_number(args.emulate_straggle_factor, "--emulate-straggle-factor"),
+        straggle_mean=_number(args.emulate_straggle_mean, "--emulate-straggle-mean"),
+        shifts=[parse_shift(s) for s in args.emulate_shift],
+        bad_pushes=args.emulate_bad_pushes,
+        seed=args.emulate_seed,
+        clock=clock,
+    )
+
+
+def follow_stdin(clock: ScheduleClock, fd: int = 0) -> None:
+    """Read lines from ``fd`` until one is a Unix time, and make it ``clock``'s origin. Runs in
+    a daemon thread; reads the raw descriptor, so no lock of ``sys.stdin`` is held at exit."""
+    buf = b""
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError as exc:
+            log.warning("cannot read the schedule's origin from standard input: %s", exc)
+            return
+        if not chunk:
+            log.warning("standard input closed before the origin: no shift or straggle applies")
+            return
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            text = line.decode(errors="replace").strip()
+            try:
+                epoch = parse_origin(text)
+            except ValueError:
+                epoch = text
+            if isinstance(epoch, float):
+                clock.set_origin(origin_from_wall(epoch, time.time(), time.monotonic()))
+                return
+            log.warning("ignored %r on standard input: the origin is a Unix time", text)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hetd-worker``."""
     args = parser().parse_args(argv)
@@ -119,21 +253,19 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    try:  # before anything is built or connected: a bad flag is reported at once
+        emulation = build_emulation(args)
+    except ValueError as exc:
+        print(f"hetd-worker: {exc}", file=sys.stderr)
+        return 2
+    if args.emulate_origin == "stdin" and emulation.clock is not None:
+        threading.Thread(target=follow_stdin, args=(emulation.clock,), daemon=True).start()
     quiet_xla_threads()
     # Imported after the XLA flags are set.
     from workers.client import FatalError, WorkerOptions, run_worker
     from workers.loop import pick_device
 
     try:
-        emulation = Emulation(
-            slowdown=args.emulate_slowdown,
-            base_step_s=args.emulate_base_step,
-            memory=args.emulate_memory,
-            bandwidth=parse_rate(args.emulate_bandwidth) if args.emulate_bandwidth else None,
-            stragglers=args.emulate_stragglers,
-            bad_pushes=args.emulate_bad_pushes,
-            seed=args.seed,
-        )
         opts = WorkerOptions(
             url=args.url,
             token=read_token(args.config),

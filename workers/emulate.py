@@ -1,9 +1,31 @@
-"""Heterogeneity emulation: make a fast box act like a slow one (slow-down, bandwidth cap,
-transient stragglers). Pure arithmetic on measured times; the caller does the sleeping."""
+"""Heterogeneity emulation: make a fast box act like a slow one (slow-down, regime shifts, transient
+stragglers, link bandwidth and latency). Pure arithmetic on measured times; time is injected (a
+``now`` argument, or a :class:`ScheduleClock` built on a clock the caller gives) and the caller does
+the sleeping.
+
+The rules are the simulator's (``hetd.sim.agent``, ``hetd.sim.compute.Straggler``), so that a real
+run of a scenario charges what a simulated one does:
+
+* a step over ``samples`` samples that starts at schedule time ``t`` lasts
+  ``max(real compute, base_step_s × samples / base_batch) × slowdown(t) × straggle``, where
+  ``slowdown(t)`` is the initial slow-down or that of the last shift at or before ``t`` (shifts at
+  the same time apply in the order given) and ``straggle`` is ``straggle_factor`` inside a slow
+  episode and 1 outside it;
+* each step outside an episode starts one with probability ``stragglers``; an episode lasts a
+  geometric number of steps with mean ``straggle_mean`` (the step that starts it included);
+* every message on the link (a push one way, a parameter frame the other) takes
+  ``latency_s + bytes / bandwidth`` more.
+
+Schedule time is seconds since the schedule's *origin*. Before the origin is known, or before it
+arrives, the worker runs at its initial slow-down with no shift and no straggle episode: the
+schedule begins at its origin, as the simulator's begins at its t = 0.
+"""
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,6 +41,9 @@ _UNITS = {
     "gib": 1024.0**3,
 }
 
+BEFORE = -math.inf  # schedule time before the origin (or while it is not known)
+ORIGIN_MODES = ("first-step", "stdin")  # besides a Unix time
+
 
 def parse_rate(text: str) -> float:
     """``"20MB/s"``, ``"500kB/s"``, ``"1e6"`` -> bytes per second; bad text raises ValueError."""
@@ -31,14 +56,97 @@ def parse_rate(text: str) -> float:
     return rate
 
 
+def _number(text: str, what: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{what} must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{what} must be finite, got {text!r}")
+    return value
+
+
+def parse_shift(text: str) -> tuple[float, float]:
+    """``"T:X"`` -> ``(T, X)``: from ``T`` s of schedule time on the slow-down is ``X`` (T >= 0,
+    X >= 1); bad text raises ValueError."""
+    t, sep, x = text.partition(":")
+    if not sep:
+        raise ValueError(
+            f"bad shift {text!r}: use T:X (seconds from the origin, slow-down), e.g. 10:3"
+        )
+    at = _number(t.strip(), f"shift {text!r}: the time")
+    slowdown = _number(x.strip(), f"shift {text!r}: the slow-down")
+    if at < 0:
+        raise ValueError(f"shift {text!r}: the time must be >= 0 s")
+    if slowdown < 1:
+        raise ValueError(f"shift {text!r}: the slow-down must be >= 1")
+    return at, slowdown
+
+
+def parse_origin(text: str) -> str | float:
+    """``"first-step"``, ``"stdin"`` or a Unix time (seconds since the epoch, >= 0)."""
+    if text in ORIGIN_MODES:
+        return text
+    try:
+        epoch = float(text)
+    except ValueError:
+        epoch = math.nan
+    if not (math.isfinite(epoch) and epoch >= 0):
+        raise ValueError(
+            f"bad origin {text!r}: use first-step, stdin or a Unix time in seconds, e.g. 1700000000"
+        )
+    return epoch
+
+
+def origin_from_wall(epoch: float, wall_now: float, mono_now: float) -> float:
+    """The reading of a monotonic clock that showed ``mono_now`` when the wall clock showed
+    ``wall_now``, at the wall-clock instant ``epoch``."""
+    return mono_now - (wall_now - epoch)
+
+
+class ScheduleClock:
+    """Schedule time: seconds since the origin, on the injected monotonic clock ``monotonic``.
+
+    ``origin`` is the reading of ``monotonic`` that is time 0, or None while it is not known (it
+    may be set later with :meth:`set_origin`, from another thread: one float assignment). With
+    ``first_step`` an unknown origin becomes the start of the first step that asks."""
+
+    def __init__(
+        self,
+        monotonic: Callable[[], float],
+        origin: float | None = None,
+        first_step: bool = False,
+    ) -> None:
+        self._monotonic = monotonic
+        self.origin = origin
+        self.first_step = first_step
+
+    def set_origin(self, at: float) -> None:
+        """Time 0 is the reading ``at`` of the monotonic clock."""
+        self.origin = at
+
+    def started(self, elapsed: float) -> float:
+        """Schedule time at which an interval of ``elapsed`` s that ends now began
+        (:data:`BEFORE` while the origin is not known)."""
+        began = self._monotonic() - elapsed
+        if self.origin is None:
+            if not self.first_step:
+                return BEFORE
+            self.origin = began
+        return began - self.origin
+
+
 @dataclass
 class Emulation:
     """How much slower than the hardware this worker should behave.
 
     ``slowdown`` multiplies every step's compute time (padded to at least ``base_step_s``, so
-    that emulated time dominates real contention on a small machine); ``bandwidth`` (bytes/s) caps the link;
+    that emulated time dominates real contention on a small machine) until a regime shift in
+    ``shifts`` (``(t, slowdown)``: from schedule time ``t`` on) replaces it; ``bandwidth``
+    (bytes/s) caps the link and ``latency_s`` is added to every message on it, both ways;
     ``stragglers`` is the chance per step that a slow episode (``straggle_factor`` ×, geometric
-    length with mean ``straggle_mean`` steps) begins (docs/benchmark.md, scenario S2);
+    length with mean ``straggle_mean`` steps) begins (docs/benchmark.md, scenario S2); ``seed``
+    fixes the episodes; ``clock`` gives a step's schedule time when the caller does not;
     ``bad_pushes`` injects faults: the chance that a push carries NaN, which the daemon refuses.
     """
 
@@ -47,24 +155,40 @@ class Emulation:
     base_batch: int = 32
     memory: int | None = None  # bytes of free memory to report instead of the real figure
     bandwidth: float | None = None
+    latency_s: float = 0.0  # s added to each message's transfer, both directions
     stragglers: float = 0.0
     straggle_factor: float = 5.0
     straggle_mean: float = 10.0
+    shifts: Sequence[tuple[float, float]] = ()  # (schedule time s, slow-down from then on)
     bad_pushes: float = 0.0  # chance that a push carries NaN (fault injection: refused, not fatal)
     seed: int = 0
+    clock: ScheduleClock | None = None  # None: every step is before the origin unless told
     _left: int = 0  # steps left in the current slow episode
     _rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     _fault_rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
 
     def __post_init__(self) -> None:
-        if self.slowdown < 1.0:
+        if not 1.0 <= self.slowdown < math.inf:
             raise ValueError(f"slowdown must be >= 1, got {self.slowdown}")
-        if self.base_step_s < 0:
+        if not 0.0 <= self.base_step_s < math.inf:
             raise ValueError(f"base step time must be >= 0, got {self.base_step_s}")
         if not 0.0 <= self.stragglers <= 1.0:
             raise ValueError(f"stragglers must be a probability, got {self.stragglers}")
+        if not 1.0 <= self.straggle_factor < math.inf:
+            raise ValueError(f"straggle factor must be >= 1, got {self.straggle_factor}")
+        if not 1.0 <= self.straggle_mean < math.inf:
+            raise ValueError(f"straggle mean must be >= 1 step, got {self.straggle_mean}")
+        if not 0.0 <= self.latency_s < math.inf:
+            raise ValueError(f"latency must be >= 0 s, got {self.latency_s}")
         if not 0.0 <= self.bad_pushes <= 1.0:
             raise ValueError(f"bad pushes must be a probability, got {self.bad_pushes}")
+        for at, slowdown in self.shifts:
+            if not (0.0 <= at < math.inf and 1.0 <= slowdown < math.inf):
+                raise ValueError(
+                    f"a shift needs a time >= 0 and a slow-down >= 1, got {at}:{slowdown}"
+                )
+        # Stable: shifts at the same time apply in the order given (the simulator's rule).
+        self.shifts = tuple(sorted(self.shifts, key=lambda s: s[0]))
         self._rng = np.random.default_rng(self.seed)
         self._fault_rng = np.random.default_rng([self.seed, 1])
 
@@ -73,18 +197,39 @@ class Emulation:
         the straggler pattern)."""
         return self.bad_pushes > 0 and bool(self._fault_rng.random() < self.bad_pushes)
 
-    def step_seconds(self, compute_s: float, samples: int | None = None) -> float:
-        """The emulated duration of a step over ``samples`` that really took ``compute_s``: at
-        least ``base_step_s × samples/base_batch``, times the slow-down and any straggle."""
-        factor = self.slowdown
+    def slowdown_at(self, t: float) -> float:
+        """The slow-down at schedule time ``t`` (:data:`BEFORE`: the initial one)."""
+        value = self.slowdown
+        for at, slowdown in self.shifts:
+            if at <= t:
+                value = slowdown
+        return value
+
+    def _straggle(self, t: float) -> float:
+        """The next step's straggle multiplier; one draw per step from the origin on."""
+        if t < 0:  # before the origin (BEFORE included)
+            return 1.0
         if self._left == 0 and self.stragglers > 0 and self._rng.random() < self.stragglers:
             self._left = int(self._rng.geometric(1.0 / self.straggle_mean))
         if self._left > 0:
             self._left -= 1
-            factor *= self.straggle_factor
+            return self.straggle_factor
+        return 1.0
+
+    def step_seconds(
+        self, compute_s: float, samples: int | None = None, now: float | None = None
+    ) -> float:
+        """The emulated duration of a step over ``samples`` that really took ``compute_s``: at
+        least ``base_step_s × samples/base_batch``, times the slow-down at ``now`` and any
+        straggle. ``now`` is the step's start in schedule time; None asks ``clock`` (the step
+        ended just now); a negative time (:data:`BEFORE` with no clock) is before the origin."""
+        if now is None:
+            now = self.clock.started(compute_s) if self.clock is not None else BEFORE
+        factor = self.slowdown_at(now) * self._straggle(now)
         base = self.base_step_s * (samples if samples is not None else self.base_batch)
         return max(compute_s, base / self.base_batch) * factor
 
     def transfer_seconds(self, nbytes: int) -> float:
-        """Extra seconds to move ``nbytes`` over the capped link (0 without a cap)."""
-        return 0.0 if self.bandwidth is None else nbytes / self.bandwidth
+        """Extra seconds to move one message of ``nbytes`` over the emulated link: its latency
+        plus the bytes over the bandwidth cap (0 with neither)."""
+        return self.latency_s + (0.0 if self.bandwidth is None else nbytes / self.bandwidth)

@@ -2,15 +2,34 @@
 
 Owns :func:`run_real`. It starts :class:`hetd.server.daemon.Daemon` on a free loopback port and one
 ``hetd-worker`` process per scenario worker, slowed with the emulation flags (as ``hetd demo``
-does), waits until every worker has joined and pushed once (its jit compiled), trains for ``budget_s`` wall seconds while sampling the
-engine's events (through a recording wrapper around the policy) and batch sizes for the plots, then stops everything it started and returns
-the same :class:`~hetd.sim.results.RunResult` as the simulator. Latency is loopback's own; regime
-shifts cannot be emulated by ``hetd-worker`` and are refused.
+does), waits until every worker has joined and pushed once (its jit compiled), trains for
+``budget_s`` wall seconds while sampling the engine's events (through a recording wrapper around
+the policy) and batch sizes for the plots, then stops everything it started and returns the same
+:class:`~hetd.sim.results.RunResult` as the simulator.
+
+Every scenario the simulator runs runs here too: each worker gets its slow-down, regime shifts
+(``--emulate-shift T:X``; a shift given as ``at_fraction`` is resolved against the run's budget),
+stragglers (``--emulate-stragglers`` with the scenario's factor and mean length), link bandwidth and
+latency (charged per message both ways, as the simulator charges ``latency_s`` per pull and per
+push) and memory.
+
+**The time origin.** The simulator's t = 0 is the start of the run, and so is the real run's: the
+moment every worker has joined and pushed once, from which the budget and every curve count. That
+moment is not known when the worker processes start (importing JAX, loading data and compiling take
+seconds to minutes on a loaded machine, and differently for each worker), so no start time can go on
+their command line, and counting from each worker's own welcome would give each its own origin,
+seconds apart. Each worker is therefore started with ``--emulate-origin stdin`` and, at t = 0, the
+bench writes the wall-clock time of t = 0 to every worker's standard input; a worker converts it to
+its own monotonic clock, so the origin does not depend on when the line arrives, and all workers
+share it up to the host's clock (one host: exactly). Before it (while the slowest worker still
+compiles) workers run at their initial slow-down with no shift and no straggle episode; shift
+times and straggle episodes count from it, as in the simulator.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import secrets
 import sys
@@ -72,19 +91,11 @@ class Recorder:
 
 
 def check_real(sc: Scenario) -> None:
-    """Raise ValueError if ``hetd-worker``'s emulation flags cannot express ``sc``."""
-    if sc.shifts:
-        raise ValueError(
-            f"scenario {sc.name} has regime shifts; hetd-worker cannot change its speed mid-run, "
-            "so run it with --mode sim"
-        )
-    for i, w in enumerate(sc.workers):
-        s = w.stragglers
-        if s.p > 0 and (s.factor != 5.0 or s.mean_len != 10.0):
-            raise ValueError(
-                f"workers[{i}]: hetd-worker --emulate-stragglers has a fixed x5 factor and mean "
-                f"10 steps; this scenario asks for x{s.factor:g}, mean {s.mean_len:g}"
-            )
+    """Raise ValueError if ``hetd-worker``'s emulation flags cannot express ``sc``. Every
+    scenario the simulator accepts can be expressed today; this builds each worker's flags, so a
+    caller learns of a problem before a long simulated sweep rather than after it."""
+    for i in range(sc.n):
+        _worker_args(sc, i, 0)
 
 
 def _config(sc: Scenario, policy: PolicySpec, seed: int, lr: float) -> config_mod.Config:
@@ -126,11 +137,13 @@ def _config(sc: Scenario, policy: PolicySpec, seed: int, lr: float) -> config_mo
 
 
 def _worker_args(sc: Scenario, i: int, seed: int) -> list[str]:
-    """Emulation flags for worker ``i``. ``--emulate-slowdown`` must be >= 1, so slow-downs are
-    relative to the fastest worker, whose speed goes into ``--emulate-base-step`` (seconds per 32
-    samples; the worker scales it by its batch)."""
+    """Emulation flags for worker ``i``. ``--emulate-slowdown`` and a shift's slow-down must be
+    >= 1, so slow-downs are relative to the fastest worker at any time (regime shifts included),
+    whose speed goes into ``--emulate-base-step`` (seconds per 32 samples; the worker scales it
+    by its batch). Shift times are seconds from the run's t = 0 (written to the worker's standard
+    input, see the module docstring)."""
     w = sc.workers[i]
-    fastest = min(x.slowdown for x in sc.workers)
+    fastest = min([x.slowdown for x in sc.workers] + [s.slowdown for s in sc.shifts])
     per_32 = sc.base_step_s * 32 / sc.base_batch * fastest
     args = [
         "--name",
@@ -139,18 +152,46 @@ def _worker_args(sc: Scenario, i: int, seed: int) -> list[str]:
         repr(w.slowdown / fastest),
         "--emulate-base-step",
         repr(per_32),
-        "--emulate-stragglers",
-        repr(w.stragglers.p),
-        "--seed",
+        "--emulate-origin",
+        "stdin",
+        "--emulate-seed",
         str(seed * 1000 + i),
         "--max-retries",
         "3",
     ]
+    shifts = sorted((s for s in sc.shifts if s.worker == i), key=lambda s: s.time(sc.budget_s))
+    for s in shifts:  # sorted stably: at one time, the scenario's last shift wins, as in sim
+        args += ["--emulate-shift", f"{s.time(sc.budget_s)!r}:{s.slowdown / fastest!r}"]
+    st = w.stragglers
+    if st.p > 0:
+        args += [
+            "--emulate-stragglers",
+            repr(st.p),
+            "--emulate-straggle-factor",
+            repr(st.factor),
+            "--emulate-straggle-mean",
+            repr(st.mean_len),
+        ]
     if math.isfinite(w.bandwidth):
         args += ["--emulate-bandwidth", repr(w.bandwidth)]
+    if w.latency_s > 0:
+        args += ["--emulate-latency", repr(w.latency_s)]
     if w.memory is not None:
         args += ["--emulate-memory", str(w.memory)]
     return args
+
+
+async def _start_schedules(procs: Sequence[asyncio.subprocess.Process], wall_t0: float) -> None:
+    """Tell every worker the wall-clock time of t = 0 (``--emulate-origin stdin``), then close
+    its standard input (it reads nothing more)."""
+    line = f"{wall_t0!r}\n".encode()
+    for p in procs:
+        if p.stdin is None or p.stdin.is_closing():
+            continue
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # it died: noticed later
+            p.stdin.write(line)
+            await p.stdin.drain()
+        p.stdin.close()
 
 
 async def _run(
@@ -176,6 +217,7 @@ async def _run(
                     url,
                     *_worker_args(sc, i, seed),
                     env=env,
+                    stdin=asyncio.subprocess.PIPE,
                     stdout=asyncio.subprocess.DEVNULL,
                     stderr=asyncio.subprocess.PIPE,
                 )
@@ -195,8 +237,11 @@ async def _run(
                     f"{JOIN_TIMEOUT_S:g} s; worker errors: {errors}"
                 )
             await asyncio.sleep(0.05)
-        return await _measure(sc, policy, seed, lr, daemon, recorder, on_time)
+        return await _measure(sc, policy, seed, lr, daemon, recorder, on_time, procs)
     finally:
+        for p in procs:
+            if p.stdin is not None:
+                p.stdin.close()
         await stop_processes(procs)
         await daemon.stop()
 
@@ -209,14 +254,17 @@ async def _measure(
     daemon: Daemon,
     recorder: Recorder,
     on_time: Callable[[float], None],
+    procs: Sequence[asyncio.subprocess.Process] = (),
 ) -> RunResult:
-    """Train for the budget from the moment every worker has joined, sampling the engine."""
+    """Train for the budget from the moment every worker has joined, sampling the engine; the
+    workers' emulation schedules start at the same moment."""
     engine = daemon.engine
     evaluate = engine.evaluator
     assert evaluate is not None  # build_engine always sets one
     by_name = {f.name: wid for wid, f in engine.facts.items()}
     wids = {str(i): by_name[f"w{i}"] for i in range(sc.n)}
     start = engine.clock.now()
+    await _start_schedules(procs, time.time() - (engine.clock.now() - start))
     offset = start - engine.started_at
     idle0 = {w: engine.facts[wid].idle_s for w, wid in wids.items()}
     samples0 = sum(engine.facts[wid].samples for wid in wids.values())
