@@ -66,6 +66,10 @@ class TrainConfig:
     eval_interval_s: float = 1.0  # the daemon evaluates the global model this often
     target_accuracy: float = 0.0  # > 0: log when reached
     max_staleness_drop: int = 1000  # pushes staler than this are dropped
+    # The update guard: a push whose norm is over guard_factor x the median norm of the accepted
+    # pushes of its kind (grad or delta) is refused (error out_of_range); 0 turns it off.
+    guard_factor: float = 100.0
+    guard_warmup: int = 20  # pushes of a kind accepted unjudged before the guard starts
     profile_steps: int = 3  # steps a joining worker times for its profile (0: no profiling)
 
 
@@ -197,6 +201,8 @@ _RANGES: dict[tuple[str, str], tuple[float, float | None, str]] = {
     ("train", "shards"): (0, None, "0 (automatic) or more"),
     ("train", "eval_interval_s"): (0, None, "not negative"),
     ("train", "max_staleness_drop"): (0, None, "not negative"),
+    ("train", "guard_factor"): (0, None, "0 (off) or a positive factor, e.g. 100"),
+    ("train", "guard_warmup"): (0, None, "not negative"),
     ("train", "profile_steps"): (0, 20, "0 (no profiling) to 20 steps"),
     ("store", "interval_s"): (0, None, "0 (no timer) or positive seconds"),
     ("store", "keep"): (1, None, "at least 1"),

@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
@@ -39,12 +40,14 @@ import numpy as np
 
 from hetd.codecs import registry as codecs
 from hetd.core.downlink import Downlink, Outgoing
+from hetd.core.ingest import update_norm
 from hetd.core.rates import LatencyRecorder, RateMeter
 from hetd.core.store import Aggregator, Snapshot, Store
 from hetd.protocol.messages import (
     Ack,
     AckStatus,
     Bye,
+    ErrorReply,
     JoinIn,
     PlanUpdate,
     ProfileRequest,
@@ -83,6 +86,8 @@ OFF_LOOP_PARAMS = (
 )
 PROFILE_KEYS = frozenset({"sample_s", "push_s", "pull_s", "compress_s"})
 EWMA = 0.5  # smoothing of per-worker timing facts (docs/policies.md)
+GUARD_WINDOW = 256  # accepted pushes' norms per kind the update guard takes its median over
+MAX_NORM = math.sqrt(float(np.finfo(np.float32).max))  # a larger norm's square overflows float32
 
 
 class Clock(Protocol):
@@ -132,6 +137,12 @@ class EngineConfig:
     shards: int = 0  # 0: max(4, workers present), fixed per worker at its join
     profile_steps: int = 3  # steps a joining worker times for its profile (0: no profile)
     eval_inline: bool = False  # evaluate inside tick() (the simulator: virtual time, no threads)
+    # The update guard ([train] guard_factor, guard_warmup): refuse a push whose norm is over
+    # guard_factor x the median norm of the accepted pushes of its kind, once guard_warmup of them
+    # were accepted. 0: off (the default here: the simulator's emulated workers do not take an
+    # ``error`` reply; the daemon sets it from its config).
+    guard_factor: float = 0.0
+    guard_warmup: int = 20
     welcome: Mapping[str, Any] = field(default_factory=dict)  # model/dataset/train for the welcome
 
 
@@ -143,6 +154,7 @@ class WorkerStats:
     applied: int = 0
     buffered: int = 0
     dropped: int = 0
+    refused: int = 0  # pushes the update guard refused (not counted in ``pushes``)
     bytes_in: int = 0
     bytes_out: int = 0
     releases: int = 0  # parameter sends (a full set or a delta, however many frames)
@@ -265,6 +277,8 @@ class Engine:
         self.publish_latency = LatencyRecorder()  # s per publish: steps, snapshot, param frames
         self.wait = LatencyRecorder()  # s a command waited in the queue
         self.rates = RateMeter()  # updates/s and MB/s over the last seconds, sampled on ticks
+        # the update guard's window: kind -> the norms of its last accepted pushes, newest last
+        self.guard_norms: dict[str, deque[float]] = {}
         self._queue: asyncio.Queue[tuple[float, Callable[[], Any]]] = asyncio.Queue()
         self._last_eval = -math.inf
         self._eval_task: asyncio.Task[None] | None = None
@@ -566,6 +580,13 @@ class Engine:
         now = self.clock.now()
         st = entry.stats
         st.last_seen = now
+        refusal = self._guard(p)
+        if refusal is not None:  # nothing of it counts: the worker goes on from what it holds
+            st.refused += 1
+            log.warning("worker %d: push %d refused: %s", p.worker, p.id, refusal)
+            if entry.peer is not None:
+                entry.peer.send(ErrorReply(p.id, "out_of_range", refusal))
+            return
         st.pushes += 1
         st.bytes_in += p.nbytes
         self.bytes_in += p.nbytes
@@ -606,6 +627,31 @@ class Engine:
             self._dispatch(Tick(now))  # the clock moved: gates may open
             return
         self._dispatch(event, p)
+
+    def _guard(self, p: PushIn) -> str | None:
+        """Why the update guard refuses push ``p`` (None: it passes, and its norm joins the
+        median window of its kind). A norm whose square overflows float32 is refused whenever the
+        guard is on, warm-up included."""
+        factor = self.config.guard_factor
+        if factor <= 0:
+            return None
+        norm = p.norm if p.norm is not None else update_norm(p.tensors)
+        if not norm < MAX_NORM:
+            return f"update norm {norm:.3g} is out of range for a float32 model; not applied"
+        window = self.guard_norms.get(p.kind)
+        if window is None:
+            window = self.guard_norms[p.kind] = deque(
+                maxlen=max(GUARD_WINDOW, self.config.guard_warmup)
+            )
+        if window and len(window) >= self.config.guard_warmup:
+            median = statistics.median(window)
+            if median > 0 and norm > factor * median:
+                return (
+                    f"update norm {norm:.3g} is over {factor:g} x the median {median:.3g} of the "
+                    f"last {len(window)} accepted {p.kind} pushes; not applied"
+                )
+        window.append(norm)
+        return None
 
     def swap_policy(self, name: str, params: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Replace the policy between two events; on any error the old one stays."""
@@ -925,6 +971,7 @@ class Engine:
                     "pushes": st.pushes,
                     "applied": st.applied,
                     "dropped": st.dropped,
+                    "refused": st.refused,
                     "staleness_mean": float(np.mean(st.staleness)) if st.staleness else 0.0,
                     "idle_fraction": min(1.0, f.idle_s / alive),
                     "worker_idle_s": st.worker_idle_s,

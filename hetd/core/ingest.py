@@ -3,14 +3,16 @@ typed inputs, checked strictly.
 
 Owns :func:`decode_hello` (a hello as a :class:`~hetd.protocol.messages.JoinIn`) and
 :func:`decode_push` (a push's tensors checked against the model's paths and shapes, their codecs
-and their finiteness, as a :class:`~hetd.protocol.messages.PushIn`). Nothing here trusts its
-input or crashes on it: what is wrong raises :class:`hetd.protocol.wire.ProtocolError` with a code
-and a message saying what, and nothing of a refused push reaches the store. The daemon's sessions
-and the simulator both ingest through this module.
+and their finiteness, as a :class:`~hetd.protocol.messages.PushIn` with the update's norm,
+measured in the same pass, for the engine's update guard). Nothing here trusts its input or crashes
+on it: what is wrong raises :class:`hetd.protocol.wire.ProtocolError` with a code and a message
+saying what, and nothing of a refused push reaches the store. The daemon's sessions and the
+simulator both ingest through this module.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -78,9 +80,14 @@ def decode_push(
         decoded = codecs.decode_tree(rest, {p: shapes[p] for p in shapes if p not in tensors})
     except codecs.CodecError as exc:
         raise wire.ProtocolError("bad_tensor", str(exc)) from None
+    sq = 0.0  # the update's squared norm: one pass per tensor, which also checks finiteness
     for path, t in decoded.items():
-        if not np.isfinite(t).all():
+        s = _sq_dense(t)
+        if not math.isfinite(s) and not np.isfinite(t).all():  # else finite, its square overflows
             raise wire.ProtocolError("not_finite", f"tensor {path!r} holds NaN or Inf; not applied")
+        sq += s
+    for t in tensors.values():
+        sq += _sq(t)
     tensors.update(decoded)
     return PushIn(
         worker=wid,
@@ -96,7 +103,37 @@ def decode_push(
         nbytes=nbytes,
         transfer_s=_transfer_s(msg.get("sent_at")),
         idle_s=None if msg.get("idle_s") is None else float(msg["idle_s"]),
+        norm=math.sqrt(sq),
     )
+
+
+def update_norm(tensors: Mapping[str, Update]) -> float:
+    """The L2 norm of an update over all its tensors (float32 arrays or :class:`Int8` views), as
+    :func:`decode_push` measures it: each tensor's squares accumulated in float32 (inf when they
+    overflow float32: a step no float32 model survives; NaN when a value is NaN)."""
+    return math.sqrt(sum(_sq(t) for t in tensors.values()))
+
+
+_CHUNK = 1 << 16  # int8 values widened to float32 at a time (no copy of the whole tensor)
+
+
+def _sq_dense(t: np.ndarray) -> float:
+    """Sum of squares of a float32 array: one BLAS pass, no temporary; NaN or inf when a value is
+    not finite (or the sum overflows float32)."""
+    flat = t.reshape(-1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return float(np.dot(flat, flat))
+
+
+def _sq(t: Update) -> float:
+    if not isinstance(t, Int8):
+        return _sq_dense(np.asarray(t, np.float32))
+    q = t.q.reshape(-1)
+    total = 0.0
+    for i in range(0, q.size, _CHUNK):
+        part = q[i : i + _CHUNK].astype(np.float32)
+        total += float(np.dot(part, part))
+    return total * float(t.scale) ** 2
 
 
 def int8_view(t: Any, path: str, shape: tuple[int, ...]) -> Int8 | None:

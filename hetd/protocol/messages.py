@@ -2,11 +2,11 @@
 and the control replies the engine sends back through its :class:`hetd.core.engine.Peer`.
 
 Owns the inputs :class:`JoinIn` and :class:`PushIn` (built and validated from worker frames by
-:mod:`hetd.core.ingest`) and the replies :class:`Welcome`, :class:`Ack`, :class:`PlanUpdate`,
-:class:`ProfileRequest` and :class:`Bye`. Each reply's :meth:`~ReplyBase.encode` gives exactly its
-protocol v1 frame (:func:`hetd.protocol.wire.encode`); :meth:`~ReplyBase.message` gives the same
-message as :func:`hetd.protocol.wire.decode` would return it, without the bytes (the simulator's
-emulated workers read it). Parameter frames are not here: the downlink encodes them once for every
+:mod:`hetd.core.ingest`) and the replies :class:`Welcome`, :class:`Ack`, :class:`ErrorReply`,
+:class:`PlanUpdate`, :class:`ProfileRequest` and :class:`Bye`. Each reply's
+:meth:`~ReplyBase.encode` gives exactly its protocol v1 frame (:func:`hetd.protocol.wire.encode`);
+:meth:`~ReplyBase.message` gives the same message as :func:`hetd.protocol.wire.decode` would return
+it, without the bytes (the simulator's emulated workers read it). Parameter frames are not here: the downlink encodes them once for every
 worker holding the same version, and peers take them as bytes.
 """
 
@@ -57,6 +57,9 @@ class PushIn:
     nbytes: int
     transfer_s: float | None = None  # s from the worker's send to our receipt, when known
     idle_s: float | None = None  # s the worker waited for parameters before this step
+    # the L2 norm of the update over all its tensors as decoded (measured by ingest while it
+    # checks finiteness; inf when its square overflows float32); None: not measured
+    norm: float | None = None
 
 
 # --- engine -> worker ------------------------------------------------------------------------------
@@ -137,6 +140,25 @@ class Ack(ReplyBase):
 
 
 @dataclass(frozen=True, slots=True)
+class ErrorReply(ReplyBase):
+    """A frame the engine refuses (e.g. a push out of range): nothing of it was applied."""
+
+    type: ClassVar[str] = "error"
+    id: int  # the refused frame's request id
+    code: str
+    text: str  # the wire's ``message``: what was wrong
+
+    @property
+    def request_id(self) -> int:
+        """The refused frame's request id."""
+        return self.id
+
+    def fields(self) -> dict[str, Any]:
+        """The error's wire fields."""
+        return {"code": self.code, "message": self.text}
+
+
+@dataclass(frozen=True, slots=True)
 class PlanUpdate(ReplyBase):
     """A worker's plan changed: it follows the new one from its next step."""
 
@@ -177,5 +199,5 @@ class Bye(ReplyBase):
         return {"reason": self.reason}
 
 
-Reply = Welcome | Ack | PlanUpdate | ProfileRequest | Bye
+Reply = Welcome | Ack | ErrorReply | PlanUpdate | ProfileRequest | Bye
 """A control message the engine sends a worker."""

@@ -63,6 +63,7 @@ class _WorkerSample:
     applied: int
     buffered: int
     dropped: int
+    refused: int
     bytes_in: int
     bytes_out: int
     wait_s: float  # total time waiting for releases, the current wait included
@@ -129,6 +130,7 @@ class Metrics:
                     applied=st.applied,
                     buffered=st.buffered,
                     dropped=st.dropped,
+                    refused=st.refused,
                     bytes_in=st.bytes_in,
                     bytes_out=st.bytes_out,
                     wait_s=f.idle_s + waiting,
@@ -292,6 +294,12 @@ class _Collector:
         )
         yield family(
             c, "hetd_worker_updates_dropped", "The worker's pushes dropped.", lambda r: r.dropped
+        )
+        yield family(
+            c,
+            "hetd_worker_updates_refused",
+            "The worker's pushes refused by the update guard (norm out of range).",
+            lambda r: r.refused,
         )
         yield family(
             c,

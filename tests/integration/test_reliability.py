@@ -133,7 +133,7 @@ async def test_a_plug_in_factory_that_raises_exits_2_with_one_line(
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    _, err = await asyncio.wait_for(proc.communicate(), 120)
     text = err.decode()
     assert proc.returncode == 2, text
     assert "Traceback" not in text, text
@@ -141,3 +141,41 @@ async def test_a_plug_in_factory_that_raises_exits_2_with_one_line(
     assert len(lines) == 1 and lines[0].startswith("hetd: "), text
     for word in words:
         assert word in lines[0], text
+
+
+# --- the update guard: a poisoned push is refused, the model survives ----------------------------
+
+
+async def test_a_poisoned_push_is_refused_by_the_daemon(cluster) -> None:  # type: ignore[no-untyped-def]
+    from tests.conftest import ADMIN_TOKEN
+
+    c = await cluster("asp")
+    assert c.engine.config.guard_factor == 100.0  # [train] guard_factor's default
+    async with aiohttp.ClientSession() as http:
+        ws = await http.ws_connect(c.url + "/v1/ws", headers=AUTH)
+        await ws.send_bytes(hello())
+        wid = (await recv(ws, "welcome"))["worker_id"]
+        params = codecs.decode_tree((await recv(ws, "params"))["tensors"])
+        rng = np.random.default_rng(0)
+        for i in range(25):
+            grads = {
+                k: rng.standard_normal(v.shape).astype(np.float32) * 1e-3 for k, v in params.items()
+            }
+            fields = push_fields(grads, c.engine.store.version)
+            await ws.send_bytes(wire.encode("push", 100 + i, **fields))
+            assert (await recv(ws, "ack"))["status"] == "applied"
+        version = c.engine.store.version
+        before = {k: np.array(v) for k, v in c.engine.store.snapshot().tensors.items()}
+        poison = {k: np.full(v.shape, 1e30, np.float32) for k, v in params.items()}
+        await ws.send_bytes(wire.encode("push", 500, **push_fields(poison, version)))
+        err = await recv(ws, "error")
+        assert (err["code"], err.id) == ("out_of_range", 500), err.body
+        assert c.engine.store.version == version
+        for k, v in c.engine.store.snapshot().tensors.items():
+            np.testing.assert_array_equal(v, before[k])
+        async with http.get(
+            c.admin_url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        ) as resp:
+            text = await resp.text()
+        assert f'hetd_worker_updates_refused_total{{name="raw",worker="{wid}"}} 1.0' in text
+        await ws.close()
