@@ -63,6 +63,7 @@ class Steps:
         self.device = device
         self._tx = inner.injectable()
         self._state: Any = None  # the inner optimizer's state, kept across rounds
+        self.traces = {"accumulate": 0, "apply": 0}  # times JAX traced (and so compiled) each
 
         def masked_sum(params: Any, x: jax.Array, y: jax.Array, mask: jax.Array) -> jax.Array:
             # Model.loss is a mean over examples, so per-example losses are loss(x[i:i+1]).
@@ -71,18 +72,17 @@ class Steps:
 
         grad_sum = jax.value_and_grad(masked_sum)
 
-        def first(params: Any, x: jax.Array, y: jax.Array, mask: jax.Array) -> Any:
-            return grad_sum(params, x, y, mask)
-
-        def more(
+        def accumulate(
             params: Any, acc: Any, loss: jax.Array, x: jax.Array, y: jax.Array, mask: jax.Array
         ) -> Any:
+            self.traces["accumulate"] += 1  # runs only while JAX traces: a new signature
             part_loss, part = grad_sum(params, x, y, mask)
             return loss + part_loss, {k: acc[k] + part[k] for k in acc}
 
         def apply_inner(
             params: Any, state: Any, g_sum: Any, inv_n: jax.Array, lr: jax.Array
         ) -> tuple[Any, Any]:
+            self.traces["apply"] += 1
             state.hyperparams["learning_rate"] = lr
             grads = {k: g_sum[k] * inv_n for k in g_sum}
             updates, state = self._tx.update(grads, state, params)
@@ -90,32 +90,47 @@ class Steps:
 
         # Inputs are placed on ``device`` (jit's own device argument is deprecated): the
         # computation follows its operands.
-        self._first = jax.jit(first)
-        self._more = jax.jit(more)
+        # One kernel per job: accumulating a micro-batch (from zeros for the first) and an
+        # inner-optimizer step; each compiles once.
+        self._accumulate = jax.jit(accumulate)
         self._apply = jax.jit(apply_inner)
+        self._zeros: tuple[Any, Any] | None = None  # (loss, grads) zeros on the device, reused
 
     def warm(
         self, params: Mapping[str, np.ndarray], x_like: np.ndarray, y_like: np.ndarray
     ) -> None:
-        """Compile every kernel now, on zeros shaped like ``params`` and one batch of data
-        (``x_like``, ``y_like``; only shapes past the first and dtypes count) (a worker does this before its first push): a
-        kernel first used later, when a plan first asks for more than one micro-batch or for
-        local steps, would count its compile time as compute and skew what policies measure."""
+        """Compile both kernels now, on zeros shaped like ``params`` and a batch like ``x_like``,
+        ``y_like`` (shapes past the first, and dtypes). A worker does this before its first
+        push: a kernel first compiled when a plan first asks for local steps would count its
+        compile time as compute and skew what policies measure."""
         m = self.micro_batch
         dev = {k: jax.device_put(np.zeros_like(v), self.device) for k, v in params.items()}
         x = jax.device_put(np.zeros((m, *x_like.shape[1:]), x_like.dtype), self.device)
         y = jax.device_put(np.zeros((m, *y_like.shape[1:]), y_like.dtype), self.device)
         mask = jax.device_put(np.zeros(m, np.float32), self.device)
-        loss, acc = self._first(dev, x, y, mask)
-        loss, acc = self._more(dev, acc, loss, x, y, mask)
-        state = self._tx.init(dev)
+        zero, grads = self._zeros_like(dev)
+        _, acc = self._accumulate(dev, grads, zero, x, y, mask)
         one = jax.device_put(np.float32(0.0), self.device)
-        # Twice: a fresh state's learning rate is weakly typed, a returned one is not, and each
-        # is a signature of its own.
-        out, state = self._apply(dev, state, acc, one, one)
-        out, _ = self._apply(out, state, acc, one, one)
+        out, _ = self._apply(dev, self._init_state(dev), acc, one, one)
         for leaf in out.values():
             leaf.block_until_ready()
+
+    def _zeros_like(self, params: Mapping[str, jax.Array]) -> tuple[Any, Any]:
+        if self._zeros is None:
+            zero = jax.device_put(np.float32(0.0), self.device)
+            grads = {
+                k: jax.device_put(np.zeros(v.shape, np.float32), self.device)
+                for k, v in params.items()
+            }
+            self._zeros = (zero, grads)
+        return self._zeros
+
+    def _init_state(self, params: Mapping[str, jax.Array]) -> Any:
+        """A fresh inner state whose learning rate is a float32 array like every later one (a
+        weakly typed Python float would be a second compiled signature)."""
+        state = self._tx.init(params)
+        state.hyperparams["learning_rate"] = jax.device_put(np.float32(self.base_lr), self.device)
+        return state
 
     def _grad_sum(self, params: Mapping[str, jax.Array], sample: Sample, b: int) -> Any:
         """Σ over ``b`` fresh examples of the per-example loss and its gradient."""
@@ -134,9 +149,9 @@ class Steps:
             s = slice(i * m, (i + 1) * m)  # host slices, one transfer each
             return tuple(jax.device_put(a[s], self.device) for a in (x, y, mask_host))
 
-        loss, acc = self._first(params, *part(0))
-        for i in range(1, calls):
-            loss, acc = self._more(params, acc, loss, *part(i))
+        loss, acc = self._zeros_like(params)
+        for i in range(calls):
+            loss, acc = self._accumulate(params, acc, loss, *part(i))
         return loss, acc
 
     def gradient(self, params: Mapping[str, np.ndarray], sample: Sample, b: int) -> Result:
@@ -153,7 +168,7 @@ class Steps:
         """``k`` inner-optimizer steps of ``b`` examples each; the change as a delta."""
         start = {k_: jax.device_put(v, self.device) for k_, v in params.items()}
         if self._state is None:
-            self._state = self._tx.init(start)
+            self._state = self._init_state(start)
         lr = jnp.float32(self.base_lr * lr_scale)
         inv = jax.device_put(np.float32(1.0 / b), self.device)
         lr = jax.device_put(lr, self.device)

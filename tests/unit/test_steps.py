@@ -45,12 +45,12 @@ def test_changing_the_batch_never_compiles_a_new_shape(setup) -> None:  # type: 
     steps = Steps(model, 8, parse_optimizer("adam:lr=0.01"), jax.devices()[0])
     sampler = _sampler(data)
     steps.warm(params, data.x_train[:1], data.y_train[:1])
-    compiled = [f._cache_size() for f in (steps._first, steps._more, steps._apply)]
-    assert compiled[:2] == [1, 1]  # one shape each for the gradient kernels
+    compiled = dict(steps.traces)
+    assert compiled == {"accumulate": 1, "apply": 1}  # warm compiled each kernel once
     for b in (3, 8, 9, 31, 64, 5):
         steps.gradient(params, sampler.next, b)
         steps.local_steps(params, sampler.next, b, 3, 0.5)
-    assert [f._cache_size() for f in (steps._first, steps._more, steps._apply)] == compiled
+    assert steps.traces == compiled  # no batch size traced (compiled) anything again
 
 
 def test_local_sgd_steps_match_plain_sgd(setup) -> None:  # type: ignore[no-untyped-def]
