@@ -28,6 +28,7 @@ from workers.loop import Trainer, device_info, host_free_memory
 log = logging.getLogger("hetd.worker")
 
 MAX_REFUSED = 5  # pushes refused in a row before the worker gives up (a diverging worker)
+MAX_UNACKED = 8  # unanswered pushes kept to send again after a reconnect (the oldest go first)
 
 
 class FatalError(RuntimeError):
@@ -64,6 +65,20 @@ class WorkerState:
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     rtt_s: float = 0.0  # s from hello to welcome, a round trip with little work in it
     local_step_s: float | None = None  # s per local step as charged (emulation included), EWMA
+    # Exactly-once pushes: request ids increase for the whole process (a reconnect resumes the
+    # same worker, whose daemon acks an id it has seen as ``duplicate`` and never applies it
+    # twice), and pushes not yet answered are kept, in id order, to be sent again after a
+    # reconnect: one the daemon did not see is not lost, one it did see is not applied twice.
+    push_id: int = 0  # the request id of the last push made
+    unacked: dict[int, bytes] = field(default_factory=dict)  # request id -> push frame
+
+    def keep_unacked(self, push_id: int, frame: bytes) -> None:
+        """Remember a push until the daemon answers it (at most :data:`MAX_UNACKED`)."""
+        self.unacked[push_id] = frame
+        while len(self.unacked) > MAX_UNACKED:
+            oldest = min(self.unacked)
+            del self.unacked[oldest]
+            log.warning("push %d still unanswered: no longer kept for a resend", oldest)
 
 
 async def run_worker(opts: WorkerOptions) -> int:
@@ -104,6 +119,7 @@ class Inbox:
         self.profile: dict[str, Any] | None = None  # a pending ``profile`` request
         self.closed: BaseException | None = None
         self.pushes: set[int] = set()  # request ids of pushes the daemon has not answered
+        self.resent: set[int] = set()  # ... of earlier sessions' pushes sent again (not in flight)
         self.rejected_in_a_row = 0  # pushes the daemon refused with ``error`` since one went in
 
     def deliver(self, held: Held) -> None:
@@ -112,15 +128,24 @@ class Inbox:
         self.in_flight = max(0, self.in_flight - 1)
         self.changed.set()
 
-    def answered(self, push_id: int) -> None:
-        """The daemon acknowledged push ``push_id`` (applied, buffered or dropped)."""
+    def answered(self, push_id: int, status: str = "applied") -> None:
+        """The daemon acknowledged push ``push_id`` (applied, buffered, dropped or duplicate). No
+        parameters follow a ``duplicate`` of a push in flight: the next step may start."""
+        if push_id in self.pushes and status == "duplicate":
+            self.in_flight = max(0, self.in_flight - 1)
+            self.changed.set()
         self.pushes.discard(push_id)
+        self.resent.discard(push_id)
         self.rejected_in_a_row = 0
 
     def refused(self, push_id: int) -> bool:
         """The daemon refused push ``push_id`` with an ``error``: nothing of it counts and no
         parameters follow, so the next step starts from the parameters held. False when the id
         is no push of ours in flight."""
+        if push_id in self.resent:  # sent again after a reconnect: never counted in flight
+            self.resent.discard(push_id)
+            self.rejected_in_a_row += 1
+            return True
         if push_id not in self.pushes:
             return False
         self.pushes.discard(push_id)
@@ -183,6 +208,11 @@ async def _session(http: aiohttp.ClientSession, opts: WorkerOptions, state: Work
                     raise ConnectionError("daemon closed the connection before welcome")
                 if beat is None:
                     beat = asyncio.create_task(_heartbeats(ws, state.heartbeat_s))
+            for push_id in sorted(state.unacked):  # what the last session left unanswered
+                inbox.resent.add(push_id)
+                await _send(ws, _restamped(state.unacked[push_id]), opts)
+            if state.unacked:
+                log.info("sent %d unanswered pushes again", len(state.unacked))
             sending: asyncio.Task[None] | None = None
             idle_from = time.perf_counter()
             while not opts.max_steps or state.steps < opts.max_steps:
@@ -198,7 +228,8 @@ async def _session(http: aiohttp.ClientSession, opts: WorkerOptions, state: Work
                 if sending is not None:  # pushes leave in order
                     await sending
                 inbox.in_flight += 1
-                inbox.pushes.add(state.steps)  # the push's request id
+                inbox.pushes.add(state.push_id)  # the push's request id
+                state.keep_unacked(state.push_id, frame)
                 sending = asyncio.create_task(_send(ws, frame, opts))
                 if not pipeline:  # the device waits while the push travels
                     await sending
@@ -247,13 +278,15 @@ async def _read(
                 else:
                     inbox.deliver(held)
             elif msg.type == "ack":
-                inbox.answered(msg.id)
-                if msg["status"] == "dropped":
-                    log.info("push dropped: %s", msg.get("reason"))
+                state.unacked.pop(msg.id, None)
+                inbox.answered(msg.id, msg["status"])
+                if msg["status"] in ("dropped", "duplicate"):
+                    log.info("push %d %s: %s", msg.id, msg["status"], msg.get("reason"))
             elif msg.type == "error":
                 log.warning("daemon error %s: %s", msg["code"], msg["message"])
                 if msg["code"] == "no_codec":
                     raise FatalError(msg["message"])
+                state.unacked.pop(msg.id, None)  # a refused push is not sent again
                 if inbox.refused(msg.id) and inbox.rejected_in_a_row >= MAX_REFUSED:
                     # Leaving frees every barrier this worker holds; the operator sees why.
                     raise FatalError(
@@ -299,6 +332,7 @@ async def _compute(msg: Held, opts: WorkerOptions, state: WorkerState, idle_s: f
     codec = codec_for(state.plan)
     free = opts.emulation.memory if opts.emulation.memory is not None else host_free_memory()
     state.steps += 1
+    state.push_id += 1
     tensors = encode_with_feedback(state.feedback, update.tensors, codec, state.rng)
     if opts.emulation.corrupt_push():  # after encoding: the residual stays clean
         first = next(iter(update.tensors))
@@ -306,7 +340,7 @@ async def _compute(msg: Held, opts: WorkerOptions, state: WorkerState, idle_s: f
         tensors[first] = codecs.get_codec("none").encode(bad, None)
     return wire.encode(
         "push",
-        state.steps,
+        state.push_id,
         base=msg.version,
         kind=update.kind,
         tensors=tensors,
@@ -318,6 +352,14 @@ async def _compute(msg: Held, opts: WorkerOptions, state: WorkerState, idle_s: f
         sent_at=time.time(),
         idle_s=idle_s,
     )
+
+
+def _restamped(frame: bytes) -> bytes:
+    """A kept push frame to send again: the same request id and update, without the ``sent_at``
+    stamp (the daemon would take the time since the first send for the link's)."""
+    msg = wire.decode(frame, max_size=len(frame))
+    fields = {k: v for k, v in msg.body.items() if k != "sent_at"}
+    return wire.encode("push", msg.id, **fields)
 
 
 async def _profile(

@@ -155,6 +155,7 @@ class WorkerStats:
     buffered: int = 0
     dropped: int = 0
     refused: int = 0  # pushes the update guard refused (not counted in ``pushes``)
+    duplicates: int = 0  # pushes acked ``duplicate``: seen before, never applied twice (ditto)
     bytes_in: int = 0
     bytes_out: int = 0
     releases: int = 0  # parameter sends (a full set or a delta, however many frames)
@@ -177,6 +178,10 @@ class WorkerEntry:
     peer: Peer | None
     held_ref: int | None = None  # the downlink reference it holds (its parameters' base)
     same_host: bool = False  # it connected over loopback: parameters in full are cheaper
+    # the request id of the last push the engine answered with an ack (applied, buffered or
+    # dropped); a push with this id or an older one is a duplicate. Kept across reconnects and in
+    # checkpoints: a worker's push ids increase for as long as it is that worker.
+    last_push: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +195,7 @@ class SavedWorker:
     batch_size: int = 32
     codec: str = "none"
     active: bool = False  # it was connected when the state was taken
+    last_push: int = 0  # the request id of its last push answered (exactly-once)
 
 
 @dataclass(frozen=True, slots=True)
@@ -453,9 +459,11 @@ class Engine:
         now = self.clock.now()
         codec = codecs.negotiate(list(hello.codecs), self.config.codec)  # raises before any change
         saved: WorkerFacts | None = None
+        last_push = 0
         if hello.resume_id is not None and hello.resume_id in self._departed:
             wid = hello.resume_id
-            saved = self._departed.pop(wid).facts
+            old = self._departed.pop(wid)
+            saved, last_push = old.facts, old.last_push
         else:
             wid = self._next_id
             self._next_id += 1
@@ -482,6 +490,7 @@ class Engine:
             plan=Plan(batch_size=self.config.batch_size, codec=codec, stage=self.stage),
             peer=peer,
             same_host=hello.same_host,
+            last_push=last_push,
         )
         self._workers[wid] = entry
         self._facts[wid] = facts
@@ -580,6 +589,13 @@ class Engine:
         now = self.clock.now()
         st = entry.stats
         st.last_seen = now
+        if p.id <= entry.last_push:  # seen before (sent again, or after a reconnect): never twice
+            st.duplicates += 1
+            why = (
+                f"push {p.id} was received before (last push {entry.last_push}); not applied again"
+            )
+            self._ack(p, "duplicate", why)
+            return
         refusal = self._guard(p)
         if refusal is not None:  # nothing of it counts: the worker goes on from what it holds
             st.refused += 1
@@ -587,6 +603,7 @@ class Engine:
             if entry.peer is not None:
                 entry.peer.send(ErrorReply(p.id, "out_of_range", refusal))
             return
+        entry.last_push = p.id  # from here on, this push is answered with an ack
         st.pushes += 1
         st.bytes_in += p.nbytes
         self.bytes_in += p.nbytes
@@ -865,6 +882,7 @@ class Engine:
                     batch_size=f.batch_size,
                     codec=f.codec,
                     active=active,
+                    last_push=entry.last_push,
                 )
         return EngineState(
             params={k: np.array(v, copy=True) for k, v in params.items()},
@@ -910,7 +928,9 @@ class Engine:
                 idle_s=w.idle_s,
             )
             plan = Plan(batch_size=w.batch_size, codec=w.codec, stage=self.stage)
-            self._departed[wid] = WorkerEntry(facts, WorkerStats(), plan, peer=None)
+            self._departed[wid] = WorkerEntry(
+                facts, WorkerStats(), plan, peer=None, last_push=w.last_push
+            )
         self._next_id = max([self._next_id, state.next_id, *(w + 1 for w in state.workers)])
         try:
             policy = make_policy(state.policy, state.policy_params)
@@ -972,6 +992,7 @@ class Engine:
                     "applied": st.applied,
                     "dropped": st.dropped,
                     "refused": st.refused,
+                    "duplicates": st.duplicates,
                     "staleness_mean": float(np.mean(st.staleness)) if st.staleness else 0.0,
                     "idle_fraction": min(1.0, f.idle_s / alive),
                     "worker_idle_s": st.worker_idle_s,

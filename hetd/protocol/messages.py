@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Literal
 from hetd.protocol import wire
 from policies import Plan
 
-AckStatus = Literal["applied", "buffered", "dropped"]  # wire.ACK_STATUSES
+AckStatus = Literal["applied", "buffered", "dropped", "duplicate"]  # wire.ACK_STATUSES
 
 
 # --- worker -> engine ------------------------------------------------------------------------------

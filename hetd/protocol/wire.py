@@ -90,7 +90,7 @@ SCHEMA: Final[dict[str, dict[str, tuple[tuple[type, ...], bool]]]] = {
     "error": {"code": ((str,), True), "message": ((str,), True)},
 }
 
-ACK_STATUSES: Final = ("applied", "buffered", "dropped")
+ACK_STATUSES: Final = ("applied", "buffered", "dropped", "duplicate")
 PUSH_KINDS: Final = ("grad", "delta")
 
 

@@ -122,6 +122,7 @@ def engine_state(engine: Engine) -> dict[str, Any]:
             "batch_size": w.batch_size,
             "codec": w.codec,
             "active": w.active,
+            "last_push": w.last_push,
         }
         for wid, w in st.workers.items()
     }
@@ -191,6 +192,7 @@ def restore_engine(engine: Engine, state: Mapping[str, Any]) -> None:
                     batch_size=int(w.get("batch_size", batch)),
                     codec=str(w.get("codec", "none")),
                     active=bool(w.get("active", False)),
+                    last_push=int(w.get("last_push", 0)),
                 )
                 for key, w in (state.get("workers") or {}).items()
             },

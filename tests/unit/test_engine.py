@@ -85,6 +85,7 @@ class Harness:
     clock: FakeClock
     peers: dict[str, RecordingPeer]
     ids: dict[str, int]
+    pushes: int = 0  # request ids of pushes, increasing (a repeated id is a duplicate)
 
     @classmethod
     def of(cls, policy: Policy, config: EngineConfig = CONFIG) -> Harness:
@@ -107,7 +108,8 @@ class Harness:
             wid = self.ids[name]
             base = int(rest[1]) if rest[:1] == ["base"] else e.facts[wid].version
             grads = {k: np.full(s, 0.5, np.float32) for k, s in SHAPES.items()}
-            e.push(PushIn(wid, 3, base, "grad", grads, 8, 1, 0.1, None, None, 100))
+            self.pushes += 1
+            e.push(PushIn(wid, self.pushes, base, "grad", grads, 8, 1, 0.1, None, None, 100))
         elif verb == "pull":
             e.pull(self.ids[name], e.facts[self.ids[name]].version)
         elif verb == "leave":
@@ -281,8 +283,8 @@ def test_state_and_restore_round_trip_in_memory() -> None:
     assert isinstance(st, EngineState)
     assert (st.version, st.updates_applied, st.next_id, st.policy) == (2, 2, 3, "bsp")
     assert st.workers == {
-        2: SavedWorker("b", 1, samples=8, batch_size=8, active=False),
-        1: SavedWorker("a", 2, samples=16, batch_size=8, active=True),
+        2: SavedWorker("b", 1, samples=8, batch_size=8, active=False, last_push=2),
+        1: SavedWorker("a", 2, samples=16, batch_size=8, active=True, last_push=3),
     }
     assert not st.buffers  # the leave completed a's round
     fresh = Harness.of(make_policy("asp"))
