@@ -56,6 +56,7 @@ class WorkerState:
     """What survives a reconnect."""
 
     worker_id: int | None = None
+    secret: str | None = None  # the welcome's: shown to resume worker_id after a reconnect
     steps: int = 0
     trainer: Trainer | None = None
     trainer_key: str = ""
@@ -187,7 +188,11 @@ async def _session(http: aiohttp.ClientSession, opts: WorkerOptions, state: Work
         info["free_memory"] = opts.emulation.memory
     inbox = Inbox()
     async with ws:
-        resume = {"worker_id": state.worker_id} if state.worker_id is not None else None
+        resume = (
+            {"worker_id": state.worker_id, "secret": state.secret}
+            if state.worker_id is not None
+            else None
+        )
         await ws.send_bytes(
             wire.encode(
                 "hello", 1, name=opts.name, device=info, codecs=codecs.names(), resume=resume
@@ -302,6 +307,7 @@ async def _read(
 
 def _welcome(msg: wire.Message, state: WorkerState, device: jax.Device) -> None:
     state.worker_id = msg["worker_id"]
+    state.secret = msg.get("secret")
     state.plan = Plan.from_wire(msg["plan"])
     state.heartbeat_s = float(msg["heartbeat_s"])
     key = repr((msg["model"], msg["dataset"], msg["shard"], msg["train"]))

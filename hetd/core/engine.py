@@ -25,8 +25,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import logging
 import math
+import secrets
 import statistics
 import time
 from collections import deque
@@ -182,6 +184,9 @@ class WorkerEntry:
     # dropped); a push with this id or an older one is a duplicate. Kept across reconnects and in
     # checkpoints: a worker's push ids increase for as long as it is that worker.
     last_push: int = 0
+    # what the worker must show to resume this id (its welcome gave it; "" from an old
+    # checkpoint: nobody can resume it)
+    secret: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +201,7 @@ class SavedWorker:
     codec: str = "none"
     active: bool = False  # it was connected when the state was taken
     last_push: int = 0  # the request id of its last push answered (exactly-once)
+    secret: str = ""  # what it must show to resume its id ("": nobody can)
 
 
 @dataclass(frozen=True, slots=True)
@@ -454,19 +460,28 @@ class Engine:
     # --- commands (run on the engine task only) -----------------------------------------------------
 
     def join(self, hello: JoinIn, peer: Peer) -> int:
-        """Admit a worker: facts, plan, welcome; the policy decides when it may start. A worker
-        that says it is a departed one (``resume_id``) gets its id and clock back."""
+        """Admit a worker: facts, plan, welcome with a new random secret; the policy decides when
+        it may start. A worker that says it is a known one (``resume_id``) and shows that worker's
+        secret gets its id, clock, last push id and secret back (an active one's old session
+        leaves first: it reconnected before its old socket was seen to die); a wrong or missing
+        secret makes it a new worker."""
         now = self.clock.now()
         codec = codecs.negotiate(list(hello.codecs), self.config.codec)  # raises before any change
         saved: WorkerFacts | None = None
         last_push = 0
-        if hello.resume_id is not None and hello.resume_id in self._departed:
-            wid = hello.resume_id
-            old = self._departed.pop(wid)
-            saved, last_push = old.facts, old.last_push
+        secret = ""
+        rid = hello.resume_id
+        if rid is not None and self._may_resume(rid, hello.resume_secret):
+            if rid in self._workers:
+                self.leave(rid, "resumed on a new connection")
+            old = self._departed.pop(rid)
+            wid, saved, last_push, secret = rid, old.facts, old.last_push, old.secret
         else:
+            if rid is not None:
+                log.warning("worker %s: resume refused (wrong or no secret); a new id", rid)
             wid = self._next_id
             self._next_id += 1
+        secret = secret or secrets.token_urlsafe(32)
         start_clock = self.view().min_clock() if self._workers else 0
         if saved is not None:  # a returning worker keeps its clock, never below the slowest
             start_clock = max(saved.clock, start_clock) if self._workers else saved.clock
@@ -491,6 +506,7 @@ class Engine:
             peer=peer,
             same_host=hello.same_host,
             last_push=last_push,
+            secret=secret,
         )
         self._workers[wid] = entry
         self._facts[wid] = facts
@@ -507,6 +523,7 @@ class Engine:
                 shard=slot % shards,
                 shards=shards,
                 setup=self.config.welcome,
+                secret=secret,
             )
         )
         if self.config.profile_steps > 0:
@@ -515,11 +532,21 @@ class Engine:
         self._dispatch(Join(now, wid))
         return wid
 
-    def leave(self, wid: int, reason: str) -> None:
-        """A worker left; it leaves every barrier at once (its entry is kept as departed)."""
-        entry = self._workers.pop(wid, None)
-        if entry is None:
+    def _may_resume(self, wid: int, secret: str | None) -> bool:
+        """Whether ``secret`` is known worker ``wid``'s (compared in constant time)."""
+        entry = self._workers.get(wid) or self._departed.get(wid)
+        if entry is None or not entry.secret or not secret:
+            return False
+        return hmac.compare_digest(secret.encode(), entry.secret.encode())
+
+    def leave(self, wid: int, reason: str, peer: Peer | None = None) -> None:
+        """A worker left; it leaves every barrier at once (its entry is kept as departed).
+        ``peer``: the session that ended; nothing happens when the worker is now on another one
+        (it resumed on a new connection first)."""
+        entry = self._workers.get(wid)
+        if entry is None or (peer is not None and entry.peer is not peer):
             return
+        del self._workers[wid]
         del self._facts[wid]
         peer, entry.peer, entry.held_ref, entry.same_host = entry.peer, None, None, False
         self._departed[wid] = entry
@@ -883,6 +910,7 @@ class Engine:
                     codec=f.codec,
                     active=active,
                     last_push=entry.last_push,
+                    secret=entry.secret,
                 )
         return EngineState(
             params={k: np.array(v, copy=True) for k, v in params.items()},
@@ -929,7 +957,7 @@ class Engine:
             )
             plan = Plan(batch_size=w.batch_size, codec=w.codec, stage=self.stage)
             self._departed[wid] = WorkerEntry(
-                facts, WorkerStats(), plan, peer=None, last_push=w.last_push
+                facts, WorkerStats(), plan, peer=None, last_push=w.last_push, secret=w.secret
             )
         self._next_id = max([self._next_id, state.next_id, *(w + 1 for w in state.workers)])
         try:

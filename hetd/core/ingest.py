@@ -40,6 +40,7 @@ def decode_hello(msg: wire.Message, same_host: bool = False) -> JoinIn:
     the worker connected over loopback."""
     resume = msg.get("resume") or {}
     old_id = resume.get("worker_id")
+    secret = resume.get("secret")
     device = msg["device"]
     free_mem = device.get("free_memory")
     return JoinIn(
@@ -47,7 +48,8 @@ def decode_hello(msg: wire.Message, same_host: bool = False) -> JoinIn:
         name=msg["name"],
         device=dict(device),
         codecs=tuple(c for c in msg["codecs"] if isinstance(c, str)),
-        resume_id=old_id if isinstance(old_id, int) else None,
+        resume_id=old_id if isinstance(old_id, int) and not isinstance(old_id, bool) else None,
+        resume_secret=secret if isinstance(secret, str) and 0 < len(secret) <= 200 else None,
         free_mem=free_mem if isinstance(free_mem, int) else None,
         same_host=same_host,
     )

@@ -34,6 +34,7 @@ class JoinIn:
     device: Mapping[str, Any]  # short names to plain values (wire-checked)
     codecs: tuple[str, ...]  # codec names the worker offers
     resume_id: int | None = None  # the id it had before a reconnect, if it says so
+    resume_secret: str | None = None  # ... and the secret its welcome gave it, to prove it
     free_mem: int | None = None  # bytes, the device's ``free_memory`` when it reports one
     same_host: bool = False  # it connected over loopback (parameters in full are cheaper)
 
@@ -102,6 +103,7 @@ class Welcome(ReplyBase):
     shard: int  # this worker's shard index
     shards: int  # how many shards the data is cut into
     setup: Mapping[str, Any]
+    secret: str | None = None  # what the worker shows to resume this id (``hello.resume.secret``)
 
     @property
     def request_id(self) -> int:
@@ -116,6 +118,7 @@ class Welcome(ReplyBase):
             "heartbeat_s": self.heartbeat_s,
             "shard": {"index": self.shard, "count": self.shards},
             **self.setup,
+            **({} if self.secret is None else {"secret": self.secret}),
         }
 
 

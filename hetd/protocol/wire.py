@@ -71,6 +71,7 @@ SCHEMA: Final[dict[str, dict[str, tuple[tuple[type, ...], bool]]]] = {
         "plan": ((dict,), True),
         "heartbeat_s": (_NUM, True),
         "train": ((dict,), True),
+        "secret": (_OPT_STR, False),
     },
     "params": {
         "version": ((int,), True),

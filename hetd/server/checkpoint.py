@@ -123,6 +123,7 @@ def engine_state(engine: Engine) -> dict[str, Any]:
             "codec": w.codec,
             "active": w.active,
             "last_push": w.last_push,
+            "secret": w.secret,
         }
         for wid, w in st.workers.items()
     }
@@ -193,6 +194,7 @@ def restore_engine(engine: Engine, state: Mapping[str, Any]) -> None:
                     codec=str(w.get("codec", "none")),
                     active=bool(w.get("active", False)),
                     last_push=int(w.get("last_push", 0)),
+                    secret=str(w.get("secret", "")),
                 )
                 for key, w in (state.get("workers") or {}).items()
             },

@@ -64,6 +64,7 @@ class _WorkerSample:
     buffered: int
     dropped: int
     refused: int
+    duplicates: int
     bytes_in: int
     bytes_out: int
     wait_s: float  # total time waiting for releases, the current wait included
@@ -131,6 +132,7 @@ class Metrics:
                     buffered=st.buffered,
                     dropped=st.dropped,
                     refused=st.refused,
+                    duplicates=st.duplicates,
                     bytes_in=st.bytes_in,
                     bytes_out=st.bytes_out,
                     wait_s=f.idle_s + waiting,
@@ -300,6 +302,12 @@ class _Collector:
             "hetd_worker_updates_refused",
             "The worker's pushes refused by the update guard (norm out of range).",
             lambda r: r.refused,
+        )
+        yield family(
+            c,
+            "hetd_worker_updates_duplicate",
+            "The worker's pushes received again (same request id) and not applied again.",
+            lambda r: r.duplicates,
         )
         yield family(
             c,

@@ -177,7 +177,7 @@ async def handle(
     finally:
         reason = outbox.closing or reason  # the daemon's own reason, when it closed first
         if wid is not None:
-            engine.submit(partial(engine.leave, wid, reason))
+            engine.submit(partial(engine.leave, wid, reason, outbox))
         outbox.close(reason)
         with contextlib.suppress(asyncio.TimeoutError, Exception):
             await asyncio.wait_for(writer, 2.0)

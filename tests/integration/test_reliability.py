@@ -179,3 +179,40 @@ async def test_a_poisoned_push_is_refused_by_the_daemon(cluster) -> None:  # typ
             text = await resp.text()
         assert f'hetd_worker_updates_refused_total{{name="raw",worker="{wid}"}} 1.0' in text
         await ws.close()
+
+
+# --- identity: resuming a worker's id needs the secret its welcome gave it ------------------------
+
+
+async def test_a_departed_id_is_not_taken_over_with_the_token_alone(cluster) -> None:  # type: ignore[no-untyped-def]
+    c = await cluster("asp")
+    async with aiohttp.ClientSession() as http:
+        ws = await http.ws_connect(c.url + "/v1/ws", headers=AUTH)
+        await ws.send_bytes(hello())
+        welcome = await recv(ws, "welcome")
+        wid, secret = welcome["worker_id"], welcome["secret"]
+        assert isinstance(secret, str) and len(secret) >= 32
+        await ws.close()
+        await c.wait_for(lambda: wid in c.engine.departed, 10, "the worker to leave")
+        for resume in ({"worker_id": wid}, {"worker_id": wid, "secret": "guess"}):
+            thief = await http.ws_connect(c.url + "/v1/ws", headers=AUTH)
+            await thief.send_bytes(
+                wire.encode("hello", 1, name="thief", device={}, codecs=["none"], resume=resume)
+            )
+            other = await recv(thief, "welcome")
+            assert other["worker_id"] != wid and other["secret"] != secret
+            await thief.close()
+        assert wid in c.engine.departed
+        ws = await http.ws_connect(c.url + "/v1/ws", headers=AUTH)
+        await ws.send_bytes(
+            wire.encode(
+                "hello",
+                1,
+                name="raw",
+                device={},
+                codecs=["none"],
+                resume={"worker_id": wid, "secret": secret},
+            )
+        )
+        assert (await recv(ws, "welcome"))["worker_id"] == wid
+        await ws.close()

@@ -37,16 +37,20 @@ def grads(engine: Engine, value: float) -> dict[str, np.ndarray]:
 
 
 def hello(resume: int | None, name: str = "w") -> JoinIn:
+    """A hello; a resuming one shows the secret :func:`know` gave that worker."""
     fields: dict[str, Any] = {"name": name, "device": {"platform": "cpu"}, "codecs": ["none"]}
     if resume is not None:
-        fields["resume"] = {"worker_id": resume}
+        fields["resume"] = {"worker_id": resume, "secret": f"secret-{resume}"}
     return decode_hello(wire.decode(wire.encode("hello", 1, **fields)))
 
 
 def know(e: Engine, workers: dict[int, tuple[str, int]], next_id: int, **changes: Any) -> None:
     """Give ``e`` departed workers (id -> name, clock), the next id and other state ``changes``,
     through its own state and restore."""
-    saved = {wid: SavedWorker(name, clock) for wid, (name, clock) in workers.items()}
+    saved = {
+        wid: SavedWorker(name, clock, secret=f"secret-{wid}")
+        for wid, (name, clock) in workers.items()
+    }
     e.restore(dataclasses.replace(e.state(), workers=saved, next_id=next_id, **changes))
 
 

@@ -10,6 +10,7 @@ clock moves 11 s first) and ``swap asp``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -70,10 +71,10 @@ class RecordingPeer:
         self.got.append(f"closed: {reason}")
 
 
-def hello(name: str, resume: int | None = None) -> JoinIn:
+def hello(name: str, resume: int | None = None, secret: str | None = None) -> JoinIn:
     fields: dict[str, Any] = {"name": name, "device": {"platform": "cpu"}, "codecs": ["none"]}
     if resume is not None:
-        fields["resume"] = {"worker_id": resume}
+        fields["resume"] = {"worker_id": resume, "secret": secret}
     return decode_hello(wire.decode(wire.encode("hello", 7, **fields)))
 
 
@@ -101,9 +102,13 @@ class Harness:
         verb, name, *rest = event.split()
         e = self.engine
         if verb == "join":
+            old = self.peers.get(name)
             self.peers[name] = RecordingPeer()
             resume = int(rest[1]) if rest[:1] == ["resume"] else None
-            self.ids[name] = e.join(hello(name, resume), self.peers[name])
+            # a resuming worker shows the secret its last welcome gave it
+            welcomes = [r for r in old.replies if isinstance(r, Welcome)] if old else []
+            secret = welcomes[-1].secret if welcomes else None
+            self.ids[name] = e.join(hello(name, resume, secret), self.peers[name])
         elif verb == "push":
             wid = self.ids[name]
             base = int(rest[1]) if rest[:1] == ["base"] else e.facts[wid].version
@@ -282,7 +287,8 @@ def test_state_and_restore_round_trip_in_memory() -> None:
     st = h.engine.state()
     assert isinstance(st, EngineState)
     assert (st.version, st.updates_applied, st.next_id, st.policy) == (2, 2, 3, "bsp")
-    assert st.workers == {
+    assert all(w.secret for w in st.workers.values())  # each its own random secret
+    assert {wid: dataclasses.replace(w, secret="") for wid, w in st.workers.items()} == {
         2: SavedWorker("b", 1, samples=8, batch_size=8, active=False, last_push=2),
         1: SavedWorker("a", 2, samples=16, batch_size=8, active=True, last_push=3),
     }

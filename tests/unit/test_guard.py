@@ -126,6 +126,7 @@ def test_refusals_are_counted_per_worker_in_metrics() -> None:
     text = m.render().decode()
     assert f'hetd_worker_updates_refused_total{{name="b",worker="{b.wid}"}} 2.0' in text
     assert f'hetd_worker_updates_refused_total{{name="a",worker="{a.wid}"}} 0.0' in text
+    assert f'hetd_worker_updates_duplicate_total{{name="a",worker="{a.wid}"}} 0.0' in text
 
 
 def frame(tensors: dict[str, object]) -> wire.Message:
