@@ -502,7 +502,7 @@ class Engine:
         entry = WorkerEntry(
             facts=facts,
             stats=WorkerStats(last_seen=now, device=dict(hello.device), slot=slot),
-            plan=Plan(batch_size=self.config.batch_size, codec=codec, stage=self.stage),
+            plan=self._default_plan(facts, self.stage),
             peer=peer,
             same_host=hello.same_host,
             last_push=last_push,
@@ -698,16 +698,70 @@ class Engine:
         return None
 
     def swap_policy(self, name: str, params: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Replace the policy between two events; on any error the old one stays."""
+        """Replace the policy between two events, all or nothing.
+
+        The new policy is built, initialised and asked for its first decisions (a ``Tick``) on a
+        trial view in which every active worker's plan is back at its defaults (a join's plan),
+        the stage is ``"main"`` and nothing is buffered; its plans and stage are worked out from
+        those decisions. Any error on the way raises :class:`PolicyError` and nothing has changed:
+        the old policy, its state, the stage and every plan stay. Then the swap is carried out:
+        buffered pushes are applied (never lost), the policy, its state, the stage and the plans
+        change together (each worker whose plan changed is told once), and the first decisions'
+        releases and flushes are carried out.
+        """
         new = make_policy(name, params)
-        state = new.init(self.view())
+        now = self.clock.now()
+        plans = {wid: self._default_plan(e.facts, "main") for wid, e in self._workers.items()}
+        trial = ClusterView(
+            now=now,
+            version=self.store.version,
+            workers={
+                wid: dataclasses.replace(e.facts, batch_size=plans[wid].batch_size)
+                for wid, e in self._workers.items()
+            },
+            global_batch=self.config.global_batch,
+            buffered=0,
+            stage="main",
+        )
+        stage = "main"
+        try:
+            decisions, state = new.update(Tick(now), new.init(trial), trial)
+            first = resolve(decisions)  # raises on an unknown plan field or a wrong value
+            for d in first.plans:
+                if isinstance(d, SetStage):
+                    stage = d.stage
+                    plans = {wid: plan.merge({"stage": stage}) for wid, plan in plans.items()}
+                elif d.worker in plans:
+                    plans[d.worker] = plans[d.worker].merge(d.fields)
+        except Exception as exc:
+            raise PolicyError(
+                f"policy {name!r} failed to start: {type(exc).__name__}: {exc}"
+            ) from exc
+        # Nothing below refuses: the swap happens as a whole.
         if self.buffered():  # never lose buffered updates: apply them before the change
             self._flush(Flush(normalize=True))
         old = self.policy.name
         self.policy, self.policy_state = new, state
+        if stage != self.stage:
+            at = now - self.started_at
+            log.info("stage %s -> %s at %.2f s (policy swap)", self.stage, stage, at)
+            self.stage = stage
+            self.stages.append((at, stage))
+        for wid, plan in plans.items():
+            entry = self._workers[wid]
+            if plan != entry.plan:
+                entry.plan = plan
+                self._put(entry, dataclasses.replace(entry.facts, batch_size=plan.batch_size))
+                if entry.peer is not None:
+                    entry.peer.send(PlanUpdate(plan))
         log.info("policy swapped: %s -> %s %s", old, new.name, dict(new.params))
-        self._dispatch(Tick(self.clock.now()))
+        self._execute(Resolved((), first.scale, first.actions), None)
         return new.describe()
+
+    def _default_plan(self, facts: WorkerFacts, stage: str) -> Plan:
+        """A worker's plan before any policy changes it: the configured batch, pushes in the
+        codec its parameters come in, nothing else set."""
+        return Plan(batch_size=self.config.batch_size, codec=facts.codec, stage=stage)
 
     def tick(self) -> None:
         """Time passes: heartbeats, evaluation, and a chance for gates to open."""

@@ -216,3 +216,59 @@ async def test_a_departed_id_is_not_taken_over_with_the_token_alone(cluster) -> 
         )
         assert (await recv(ws, "welcome"))["worker_id"] == wid
         await ws.close()
+
+
+# --- a hot swap is all or nothing ------------------------------------------------------------------
+
+
+async def test_a_hot_swap_is_all_or_nothing(cluster) -> None:  # type: ignore[no-untyped-def]
+    """ashl with 3 real workers (one departed) in SHL; refused swaps (an unknown name, bad
+    parameters, a policy whose first decision raises) change nothing; a swap to asp puts every
+    plan back to its defaults."""
+    from hetd.local.demo import stop_processes
+    from policies import Plan
+    from tests.conftest import ADMIN_TOKEN
+    from tests.unit.test_swap import exploding  # registers test-explodes
+
+    assert exploding
+    c = await cluster("ashl", {"switch_loss": 10.0}, batch_size=16)
+    for slowdown in (1, 1.5, 2):
+        await c.spawn(slowdown, 0.01)
+    await c.wait_for(lambda: c.engine.stage == "SHL" and len(c.engine.facts) == 3, 90, "SHL")
+    await stop_processes(c.procs[-1:])
+    await c.wait_for(lambda: len(c.engine.departed) == 1, 30, "one worker to leave")
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+    def snapshot() -> tuple[Any, ...]:
+        e = c.engine
+        return (e.policy.describe(), e.policy_state, e.stage, dict(e.plans))
+
+    async with aiohttp.ClientSession() as http:
+        before = snapshot()
+        assert any(p.codec == "topk" for p in before[3].values())
+        for body in (
+            {"name": "nope"},
+            {"name": "asp", "params": {"weight": "x"}},
+            {"name": "ssp", "params": {"stalenes": 2}},
+            {"name": "test-explodes"},
+        ):
+            async with http.put(c.admin_url + "/v1/policy", json=body, headers=admin) as resp:
+                reply = await resp.json()
+                assert (resp.status, reply["error"]) == (400, "bad_policy"), reply
+                assert reply["policy"] == before[0]
+            after = snapshot()
+            assert after[0] == before[0] and after[1] is before[1] and after[2] == before[2]
+            # the plans may only have moved by ashl's own decisions (an lr schedule step)
+            assert {w: p.codec for w, p in after[3].items()} == {
+                w: p.codec for w, p in before[3].items()
+            }
+        async with http.put(
+            c.admin_url + "/v1/policy", json={"name": "asp"}, headers=admin
+        ) as resp:
+            assert resp.status == 200, await resp.text()
+        assert c.engine.policy.name == "asp" and c.engine.stage == "main"
+        for wid, plan in c.engine.plans.items():
+            codec = c.engine.facts[wid].codec
+            assert plan == Plan(batch_size=16, codec=codec, stage="main"), (wid, plan)
+        version = c.engine.store.version
+        await c.wait_for(lambda: c.engine.store.version >= version + 10, 60, "asp to train on")

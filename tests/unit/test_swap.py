@@ -1,0 +1,113 @@
+"""A policy hot swap is all or nothing: either the new policy runs with every plan rebuilt from
+its first decisions (fields it does not set back at their defaults), or the swap is refused and
+the old policy, its state, the stage and every plan are untouched."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import optax
+import pytest
+
+from hetd.core.engine import Engine, EngineConfig
+from hetd.core.store import Store
+from hetd.protocol.messages import JoinIn, PlanUpdate, PushIn
+from policies import ClusterView, Plan, Policy, PolicyError, make_policy, policy_names, register
+from tests.conftest import FakeClock, FakePeer
+
+SHAPES = {"dense/w": (3, 2), "dense/b": (2,)}
+CONFIG = EngineConfig(batch_size=16, profile_steps=0)
+
+
+def exploding() -> Policy:
+    """A policy whose first decision raises (a plug-in bug)."""
+
+    def init(view: ClusterView) -> None:
+        return None
+
+    def update(event: Any, state: None, view: ClusterView) -> tuple[list[Any], None]:
+        raise RuntimeError("boom")
+
+    return Policy("test-explodes", init, update, {})
+
+
+def exploding_init() -> Policy:
+    def init(view: ClusterView) -> None:
+        raise RuntimeError("no init")
+
+    return Policy("test-explodes-init", init, lambda e, s, v: ([], s), {})
+
+
+if "test-explodes" not in policy_names():
+    register("test-explodes")(exploding)
+    register("test-explodes-init")(exploding_init)
+
+
+def ashl_in_shl() -> tuple[Engine, dict[int, FakePeer]]:
+    """ashl with three profiled workers, one of them departed, in its SHL stage: local steps,
+    top-k pushes, lr scales and data shares in every plan."""
+    params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    clock = FakeClock()
+    policy = make_policy("ashl", {"switch_loss": 10.0})
+    e = Engine(Store(params, optax.sgd(0.1)), policy, CONFIG, clock)
+    peers: dict[int, FakePeer] = {}
+    for i, sample_s in enumerate((0.001, 0.002, 0.004)):
+        peer = FakePeer()
+        wid = e.join(JoinIn(1, f"w{i}", {}, ("none",)), peer)
+        peers[wid] = peer
+        profile = {"sample_s": sample_s, "push_s": 0.01, "pull_s": 0.01, "compress_s": 0.001}
+        e.profile_result(wid, profile)
+    for n, wid in enumerate(peers, start=1):
+        tensors = {k: np.full(s, 0.01, np.float32) for k, s in SHAPES.items()}
+        e.push(PushIn(wid, n, e.store.version, "delta", tensors, 8, 2, 0.1, None, None, 1))
+    clock.t += 1
+    e.record_eval(1.0, 0.5)  # below switch_loss: AHL -> SHL
+    e.leave(max(peers), "gone")
+    assert e.stage == "SHL" and len(e.facts) == 2 and len(e.departed) == 1
+    assert all(p.codec == "topk" and p.local_steps >= 1 for p in e.plans.values())
+    assert all(p.data_share is not None and p.lr_scale != 1.0 for p in e.plans.values())
+    return e, peers
+
+
+def test_a_swap_to_asp_puts_every_plan_back_to_its_defaults() -> None:
+    e, peers = ashl_in_shl()
+    for p in peers.values():
+        p.replies.clear()
+    e.swap_policy("asp")
+    assert e.policy.name == "asp" and e.stage == "main"
+    for wid, plan in e.plans.items():
+        assert plan == Plan(batch_size=16, codec="none", stage="main"), (wid, plan)
+        assert e.facts[wid].batch_size == 16
+        updates = [r for r in peers[wid].replies if isinstance(r, PlanUpdate)]
+        assert [u.plan for u in updates] == [plan]  # told once, the whole new plan
+    assert [at_stage for _, at_stage in e.stages][-1] == "main"
+
+
+def test_a_swap_to_ashl_again_starts_it_over_from_its_own_plans() -> None:
+    e, _ = ashl_in_shl()
+    e.swap_policy("ashl", {"staleness": 2})
+    assert e.stage in ("profile", "AHL")  # its init's stage, announced by its first decisions
+    assert all(p.codec == "none" and p.topk == 1.0 for p in e.plans.values())
+
+
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [
+        ("nope", None),
+        ("ssp", {"staleness": -1}),
+        ("ssp", {"stalenes": 2}),
+        ("test-explodes", None),
+        ("test-explodes-init", None),
+    ],
+)
+def test_a_refused_swap_changes_nothing(name: str, params: dict[str, Any] | None) -> None:
+    e, peers = ashl_in_shl()
+    before = (e.policy, e.policy_state, e.stage, dict(e.plans), dict(e.facts), e.store.version)
+    sent = {wid: len(p.replies) for wid, p in peers.items()}
+    with pytest.raises(PolicyError):
+        e.swap_policy(name, params)
+    after = (e.policy, e.policy_state, e.stage, dict(e.plans), dict(e.facts), e.store.version)
+    assert after == before
+    assert e.policy_state is before[1]
+    assert {wid: len(p.replies) for wid, p in peers.items()} == sent  # nothing sent to anyone
