@@ -218,6 +218,19 @@ class AdspState:
         """Same as :func:`describe_state`."""
         return describe_state(self)
 
+    def shifted(self, dt: float) -> AdspState:
+        """The same state with every engine-clock time moved by ``dt`` s (a checkpoint restored
+        under another clock: times stay as long before now as they were before the checkpoint)."""
+        return replace(
+            self,
+            tracks=prof.shift_tracks(self.tracks, dt),
+            transitions=tuple((stage, t + dt) for stage, t in self.transitions),
+            losses=freeze({w: tuple((t + dt, x) for t, x in xs) for w, xs in self.losses.items()}),
+            last_push=freeze({w: t + dt for w, t in self.last_push.items()}),
+            period_start=self.period_start + dt,
+            history=tuple((t + dt, r, action) for t, r, action in self.history),
+        )
+
 
 def _step_s(st: AdspState, w: int, view: ClusterView) -> float:
     p = st.tracks[w].profile

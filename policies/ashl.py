@@ -232,6 +232,16 @@ class AshlState:
         """Same as :func:`describe_state`."""
         return describe_state(self)
 
+    def shifted(self, dt: float) -> AshlState:
+        """The same state with every engine-clock time moved by ``dt`` s (a checkpoint restored
+        under another clock: times stay as long before now as they were before the checkpoint)."""
+        return replace(
+            self,
+            tracks=prof.shift_tracks(self.tracks, dt),
+            transitions=tuple((stage, t + dt) for stage, t in self.transitions),
+            replans=tuple((t + dt, why) for t, why in self.replans),
+        )
+
 
 def describe_state(state: AshlState) -> dict[str, Any]:
     """Stage, transition times, re-plans and every worker's H, rho and share, as plain values."""

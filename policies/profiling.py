@@ -74,6 +74,11 @@ class Profile:
         """Seconds of compute for one local step of ``batch`` samples."""
         return self.sample_s * max(1, batch)
 
+    def shifted(self, dt: float) -> Profile:
+        """The same profile with its engine-clock time moved by ``dt`` s (a checkpoint restored
+        under another clock)."""
+        return replace(self, at=self.at + dt)
+
 
 def drifted(old: float | Profile, new: float | Profile, threshold: float = 0.3) -> bool:
     """True when the per-sample time moved by more than ``threshold`` (relative) from ``old``."""
@@ -143,6 +148,16 @@ class WorkerTrack:
     profile: Profile | None = None  # None while it is being profiled
     speed: SpeedTracker = field(default_factory=SpeedTracker)
     pushes: int = 0  # pushes observed since it joined
+
+    def shifted(self, dt: float) -> WorkerTrack:
+        """The same track with its engine-clock times moved by ``dt`` s."""
+        return self if self.profile is None else replace(self, profile=self.profile.shifted(dt))
+
+
+def shift_tracks(tracks: Mapping[int, WorkerTrack], dt: float) -> Mapping[int, WorkerTrack]:
+    """Tracks with their engine-clock times moved by ``dt`` s (a checkpoint restored under another
+    clock: times stay as long before now as they were before the checkpoint)."""
+    return freeze({w: t.shifted(dt) for w, t in tracks.items()})
 
 
 @dataclass(frozen=True, slots=True)

@@ -187,7 +187,8 @@ async def get_policy(request: web.Request) -> web.Response:
 
 
 async def _swap(ctx: AdminContext, build: Callable[[], tuple[str, dict[str, Any]]]) -> web.Response:
-    """Swap on the engine task; on any error the old policy stays and the reply says why."""
+    """Swap on the engine task; on any error the old policy stays and the reply says why. With a
+    state directory a checkpoint is written at once (its info in the reply's ``checkpoint``)."""
     engine = ctx.engine
 
     def swap() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -212,7 +213,14 @@ async def _swap(ctx: AdminContext, build: Callable[[], tuple[str, dict[str, Any]
             policy=current,
         ) from None
     log.warning("admin: policy %s -> %s", old, new)
-    return web.json_response({**new, "previous": old})
+    body: dict[str, Any] = {**new, "previous": old}
+    if ctx.checkpoint is not None:  # durable at once: a crash now must not undo the change
+        try:
+            body["checkpoint"] = (await ctx.checkpoint()).to_json()
+        except Exception as exc:  # the swap stands; the reply says it is not on disk yet
+            log.exception("the checkpoint after a policy change failed")
+            body["checkpoint_error"] = f"{type(exc).__name__}: {exc}"
+    return web.json_response(body)
 
 
 async def put_policy(request: web.Request) -> web.Response:

@@ -272,3 +272,40 @@ async def test_a_hot_swap_is_all_or_nothing(cluster) -> None:  # type: ignore[no
             assert plan == Plan(batch_size=16, codec=codec, stage="main"), (wid, plan)
         version = c.engine.store.version
         await c.wait_for(lambda: c.engine.store.version >= version + 10, 60, "asp to train on")
+
+
+# --- a policy swap or patch is durable at once ------------------------------------------------------
+
+
+async def test_a_policy_change_is_checkpointed_at_once(cluster, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from hetd.server import checkpoint
+    from hetd.server.daemon import Daemon
+    from tests.conftest import ADMIN_TOKEN
+
+    store = {"dir": str(tmp_path), "interval_s": 0.0}
+    c = await cluster("ssp", {"staleness": 3}, store=store)
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    async with aiohttp.ClientSession() as http:
+        async with http.put(
+            c.admin_url + "/v1/policy", json={"name": "dssp", "params": {"s_lo": 2}}, headers=admin
+        ) as resp:
+            reply = await resp.json()
+            assert resp.status == 200, reply
+        found = checkpoint.load_newest(tmp_path)
+        assert found is not None and reply["checkpoint"]["path"] == found[0].path
+        assert found[1]["policy"]["name"] == "dssp"
+        async with http.patch(
+            c.admin_url + "/v1/policy", json={"params": {"r_max": 5}}, headers=admin
+        ) as resp:
+            assert resp.status == 200, await resp.text()
+    # a crash now (no final checkpoint): the restarted daemon runs the operator's policy
+    await c.daemon.stop(final_checkpoint=False)
+    again = Daemon(c.daemon.cfg)
+    try:
+        await again.start()
+        assert again.engine.policy.describe() == {
+            "name": "dssp",
+            "params": {"s_lo": 2, "r_max": 5, "weight": None},
+        }
+    finally:
+        await again.stop(final_checkpoint=False)
