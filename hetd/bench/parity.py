@@ -30,6 +30,7 @@ import numpy as np
 from hetd.bench.sweep import BenchOptions, Runner, run_bench, runner_for
 from hetd.sim.results import PolicySpec, RunResult
 from hetd.sim.scenario import Scenario
+from hetd.sim.scenario import replace as replace_scenario
 
 BAND = 1.3  # real/sim TTA ratios within [1/BAND, BAND] count as agreeing
 MAX_SWAPS = 1  # Kendall tau distance allowed between the two modes' rankings
@@ -201,6 +202,24 @@ def parity_markdown(doc: Mapping[str, Any]) -> str:
             f"| {_fmt(s['speedup_vs_bsp'], none='–')} / {_fmt(r['speedup_vs_bsp'], none='–')} "
             f"| {x['rank']['sim']} / {x['rank']['real']} |"
         )
+    costs = doc.get("costs")
+    if costs:
+        c = costs["costs"]
+
+        def none(table: str) -> float:
+            return float(c[table].get("none", 0.0)) * 1e9
+
+        lines += [
+            "",
+            f"The sim runs charged the cost profile `{costs['file']}` (docs/benchmark.md): "
+            f"message {c['message_s'] * 1e3:.3f} ms, apply (grad) "
+            f"{c['apply_s'].get('grad', 0.0) * 1e3:.3f} ms, evaluation {c['eval_s'] * 1e3:.2f} "
+            f"ms, worker step overhead {c['worker_step_s'] * 1e3:.3f} ms; per parameter (none): "
+            f"push decode {none('push_decode_s_per_param'):.2f} ns, publish "
+            f"{none('publish_s_per_param'):.2f} ns, worker encode "
+            f"{none('worker_encode_s_per_param'):.2f} ns, worker decode "
+            f"{none('worker_decode_s_per_param'):.2f} ns.",
+        ]
     lines += [
         "",
         f"**Verdict.** {v['sentence']}",
@@ -267,21 +286,37 @@ def _real_runner(lrs: Mapping[str, float]) -> Runner:
     return run
 
 
-def run_parity(opts: BenchOptions) -> dict[str, Any]:
+def run_parity(opts: BenchOptions, calibrate: bool = False) -> dict[str, Any]:
     """Sweep ``opts`` in sim mode into ``opts.out/sim`` and in real mode into ``opts.out/real``
     (``opts.mode`` is ignored; with ``tune_lr`` the lrs are chosen in sim and reused in real),
-    write ``parity.json``, ``parity.md`` and ``parity.png`` to ``opts.out``; return the document."""
+    write ``parity.json``, ``parity.md`` and ``parity.png`` to ``opts.out``; return the document.
+
+    ``calibrate``: first measure this machine's cost profile for the scenario
+    (:mod:`hetd.bench.calibrate`, written to ``OUT/costs.json``) and charge it in the sim runs.
+    The profile the sim runs charged (that one, or the scenario's ``costs``) is in
+    ``parity.json`` under ``costs``."""
     from hetd.bench.real import check_real
 
     try:
         check_real(opts.scenario)  # refuse before the sim sweep, not after it
     except ValueError as exc:
         raise ValueError(f"--suite parity also runs --mode real, which cannot: {exc}") from None
-    sim = run_bench(dataclasses.replace(opts, mode="sim", out=opts.out / "sim"))
+    sc = opts.scenario
+    if calibrate:
+        from hetd.bench.calibrate import calibrate_scenario
+
+        path = opts.out / "costs.json"
+        calibrate_scenario(sc, path, quiet=opts.quiet)
+        sc = replace_scenario(sc, costs=str(path))
+    sim = run_bench(dataclasses.replace(opts, scenario=sc, mode="sim", out=opts.out / "sim"))
     lrs = {r["policy"]: r["lr"] for r in sim["runs"]}
     real_opts = dataclasses.replace(opts, mode="real", out=opts.out / "real", tune_lr=False)
     real = run_bench(real_opts, _real_runner(lrs))
     doc = compare(sim, real, opts.scenario, opts.seeds)
+    if sc.costs:
+        from hetd.sim.costs import load_costs
+
+        doc["costs"] = {"file": sc.costs, **load_costs(sc.costs).to_json()}
     write_parity(opts.out, doc)
     return doc
 

@@ -30,11 +30,15 @@ scenario files (TOML or JSON; an unknown key is an error that names it):
   name, description, dataset, dataset_kwargs, model, model_kwargs, global_batch,
   base_batch, base_step_s, target_accuracy, budget_s, eval_interval_s, tick_s, lr,
   lr_grid, optimizer (sgd|momentum|adam), worker_lr, codec, downlink (auto|delta|full),
+  costs (a cost profile file, relative to the scenario; as --costs),
   [[workers]]: slowdown, bandwidth (bytes/s), latency_s, memory (bytes), count,
                stragglers = { p, factor, mean_len }
   [[shifts]]:  worker (index), slowdown, and at_s or at_fraction (of the budget)
 time charged per step: base_step_s x batch/base_batch x slowdown x straggle
                        + 2 x latency_s + (params bytes + push bytes) / bandwidth
+                       + with a cost profile (--costs, hetd calibrate): the worker's encode,
+                         decode and fixed overhead, and the daemon's queue (decode, apply,
+                         publish, per message); evaluations recorded eval_s late
 """
 
 
@@ -61,6 +65,13 @@ def _common(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="the daemon's learning rate for every policy (default: the scenario's lr)",
+    )
+    p.add_argument(
+        "--costs",
+        default=None,
+        metavar="FILE",
+        help="the simulator charges this cost profile (written by hetd calibrate; overrides the "
+        "scenario's costs key); default: the scenario's, else none (docs/benchmark.md)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -129,6 +140,12 @@ def add_commands(sub: Any) -> None:
         metavar="LR,LR,...",
         help="candidates for --tune-lr (default: the scenario's lr_grid, 0.05,0.1,0.2)",
     )
+    b.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="--suite parity: run hetd calibrate first (OUT/costs.json) and charge that cost "
+        "profile in the sim runs; parity.json records it",
+    )
     from hetd.bench.system_options import add_options
 
     add_options(b)
@@ -150,6 +167,11 @@ def _scenario(args: argparse.Namespace) -> Any:
     sc = load_scenario(args.scenario)
     if args.budget is not None:
         sc = replace(sc, budget_s=args.budget)
+    if args.costs is not None:
+        from hetd.sim.costs import load_costs
+
+        load_costs(args.costs)  # a bad profile is refused now, not after the first run
+        sc = replace(sc, costs=args.costs)
     return sc
 
 
@@ -219,6 +241,12 @@ def _bench(args: argparse.Namespace) -> int:
 
     if args.seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
+    if args.calibrate and args.suite != "parity":
+        raise ValueError("--calibrate belongs to --suite parity (else run hetd calibrate)")
+    if args.calibrate and args.costs is not None:
+        raise ValueError("--calibrate measures a cost profile; do not give --costs as well")
+    if args.costs is not None and args.suite == "policies" and args.mode == "real":
+        raise ValueError("--costs is for the simulator; --mode real pays the real costs")
     sc = _scenario(args)
     opts = BenchOptions(
         scenario=sc,
@@ -233,7 +261,7 @@ def _bench(args: argparse.Namespace) -> int:
     )
     t0 = time.monotonic()
     if args.suite == "parity":
-        return _parity(opts, t0)
+        return _parity(opts, t0, args.calibrate)
     doc = run_bench(opts)
     wall = time.monotonic() - t0
     print(f"{len(doc['runs'])} runs in {wall:.0f} s ({args.mode} mode); wrote {args.out}/")
@@ -250,11 +278,11 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parity(opts: BenchOptions, t0: float) -> int:
+def _parity(opts: BenchOptions, t0: float, calibrate: bool = False) -> int:
     """``--suite parity``: both modes, then the comparison table and verdict on stdout."""
     from hetd.bench.parity import run_parity
 
-    doc = run_parity(opts)
+    doc = run_parity(opts, calibrate=calibrate)
     out = opts.out
     print(
         f"parity: {len(doc['policies'])} policies x {opts.seeds} seed(s) in sim and real mode in "

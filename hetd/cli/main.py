@@ -1,6 +1,7 @@
 """``hetd``: the daemon's command line. The logic lives in the library modules.
 
-* ``serve`` runs the daemon, ``demo`` the embedded demo;
+* ``serve`` runs the daemon, ``demo`` the embedded demo, ``calibrate`` measures the simulator's
+  cost profile;
 * ``status``, ``workers``, ``policy get|set|patch`` and ``checkpoint`` talk to a running daemon's
   admin API (URL from ``--admin-url``, ``HETD_ADMIN_URL`` or the config file; the admin token from
   ``HETD_ADMIN_TOKEN`` or the config file — never from the command line).
@@ -72,6 +73,7 @@ def parser() -> argparse.ArgumentParser:
     _add_workers(sub, client)
     _add_policy(sub, client)
     _add_checkpoint(sub, client)
+    _add_calibrate(sub)
     from hetd.cli import bench as bench_cli
 
     bench_cli.add_commands(sub)
@@ -138,6 +140,30 @@ def _add_demo(sub: Sub) -> None:
     d.add_argument("--lr", type=float, default=0.2, help="the daemon's SGD learning rate")
     d.add_argument("--quiet", action="store_true", help="no progress bar")
     d.set_defaults(run=_demo)
+
+
+def _add_calibrate(sub: Sub) -> None:
+    c = sub.add_parser(
+        "calibrate",
+        help="measure this machine's costs for the simulator (a cost profile, JSON)",
+        description="Time, with the real code paths, what a real run pays that the simulator "
+        "charges from a cost profile: decoding and applying pushes, publishing parameters, the "
+        "workers' encode and decode, evaluations, the profile exchange, a fixed cost per message "
+        "(docs/benchmark.md, 'The cost profile'). Use it with hetd sim/bench --costs FILE.",
+    )
+    c.add_argument("--out", required=True, help="the JSON file to write")
+    c.add_argument("--scenario", default=None, help="measure for this scenario's model and run")
+    c.add_argument("--model", default=None, help="or this model (default: [train] model's)")
+    c.add_argument("--dataset", default=None, help="and data set (default: [train] dataset's)")
+    c.add_argument("--repeats", type=int, default=15, help="timed runs per figure (median)")
+    c.add_argument("--quiet", action="store_true", help="no progress lines")
+    c.set_defaults(run=_calibrate)
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from hetd.bench.calibrate import run_command
+
+    return run_command(args)
 
 
 def _client_flags() -> argparse.ArgumentParser:

@@ -9,7 +9,9 @@ timing a few emulated steps before its first step, and computes when it holds pa
 most ``depth`` pushes unanswered (0, or 1 when its plan says ``pipeline``: the next step overlaps
 the push in flight, and pushes leave in order). It imports nothing from ``workers/``.
 
-Times are virtual seconds from the scenario; nothing here reads a clock or touches the engine —
+Times are virtual seconds from the scenario and the cost profile (:mod:`hetd.sim.costs`: encoding a
+push and a fixed overhead add to each step, decoding parameters to their delivery, and a calibrated
+profile exchange takes the time measured for it); nothing here reads a clock or touches the engine —
 :mod:`hetd.sim.loop` moves the clock and delivers what this module produces.
 """
 
@@ -28,6 +30,7 @@ from hetd.protocol import wire
 from hetd.protocol.params import Held, apply_params
 from hetd.protocol.plan import Plan, codec_for, data_range, local_steps_for
 from hetd.sim.compute import StepWork, Straggler
+from hetd.sim.costs import CostProfile
 from hetd.sim.scenario import Scenario
 from hetd.zoo.data import BatchSampler, Dataset, shard_indices
 from hetd.zoo.optim import parse_optimizer
@@ -49,6 +52,7 @@ class InFlight:
     arrive: float  # s, when it reaches the daemon
     frame: bytes | None = None  # encoded once the update is known
     begin: float = 0.0  # s, when its compute began
+    encode_s: float = 0.0  # s after the compute before it can leave (encoding, step overhead)
 
 
 @dataclass
@@ -85,10 +89,12 @@ class EmuWorker:
     inner: str = "sgd"  # the inner optimizer's spec without its lr, from the welcome
     last_delta: StepWork | None = None  # the previous local-step work (its inner state)
     _sizes: dict[tuple[str, str], int] = field(default_factory=dict)  # tensor bytes per codec/kind
+    costs: CostProfile = field(default_factory=CostProfile)  # codecs' and overheads' time
 
     def __post_init__(self) -> None:
         spec = self.sc.workers[self.index]
         self.spec = spec
+        self.n_params = sum(int(np.prod(s)) for s in self.shapes.values())
         self.straggler = Straggler(
             spec.stragglers, np.random.default_rng([self.seed, self.index, 7])
         )
@@ -149,6 +155,17 @@ class EmuWorker:
         self.in_flight = max(0, self.in_flight - 1)
         return True
 
+    def decode_s(self, frames: list[wire.Message]) -> float:
+        """Seconds to decode one release's ``params`` frames and apply them (an empty delta,
+        "go on with what you have", costs nothing)."""
+        total = 0.0
+        for msg in frames:
+            tensors = msg["tensors"]
+            if tensors:
+                codec = str(next(iter(tensors.values()))["codec"])
+                total += self.costs.worker_decode(codec, self.n_params)
+        return total
+
     # --- steps -----------------------------------------------------------------------------------
 
     @property
@@ -186,7 +203,12 @@ class EmuWorker:
         if delta and not parse_optimizer(self.inner).plain_sgd:
             self.last_delta = work
         compute_s = self._step_s(batch * k, t)
-        end = t + compute_s
+        # the push is encoded after the compute, and the step's fixed overhead paid, before it
+        # can leave; the device is busy meanwhile (as in workers.client._compute)
+        encode_s = self.costs.worker_encode(self.plan.codec, self.n_params) + (
+            self.costs.worker_step_s
+        )
+        end = t + compute_s + encode_s
         idle_s, self.idle_from = t - self.idle_from, end
         self.steps += 1
         self.in_flight += 1
@@ -195,6 +217,7 @@ class EmuWorker:
             self, work, self.steps, self.held.version, batch * k, compute_s, send, idle_s, 0, 0.0
         )
         p.begin = t
+        p.encode_s = encode_s
         p.nbytes = self._estimate(p)
         p.arrive = self.sending_until = send + spec.latency_s + p.nbytes / spec.bandwidth
         self.busy_until = end if self.depth else p.arrive  # without pipeline it waits for the send
@@ -202,16 +225,21 @@ class EmuWorker:
 
     def _profile(self, t: float) -> tuple[float, dict[str, float]]:
         """Time the requested profile steps as the real client does; (arrival at the daemon,
-        result). Communication is estimated from the link; encoding costs no virtual time."""
+        result). Communication is estimated from the link. The exchange takes the emulated
+        steps' time, or with a calibrated ``profile_s`` that time: a real worker reports its
+        steps as emulated but never sleeps them."""
         spec = self.profile or {}
         self.profile = None
         steps = max(1, min(20, int(spec.get("steps", 3))))
         batch = int(spec.get("batch_size", 32))
         per_sample = []
+        start = t
         for _ in range(steps):
             dt = self._step_s(batch, t)
             per_sample.append(dt / batch)
             t += dt
+        if self.costs.profile_s is not None:
+            t = start + self.costs.profile_s
         kept = sorted(per_sample)[: max(1, steps - 1)]  # the client drops its slowest (compile)
         full = sum(4 * int(np.prod(s)) for s in self.shapes.values())
         push = self._tensor_bytes(self.plan.codec, "grad")
@@ -220,7 +248,7 @@ class EmuWorker:
             "sample_s": sum(kept) / len(kept),
             "push_s": link.latency_s + push / link.bandwidth,
             "pull_s": link.latency_s + full / link.bandwidth,
-            "compress_s": 0.0,
+            "compress_s": self.costs.worker_encode(self.plan.codec, self.n_params),
         }
         return t + link.latency_s, result
 

@@ -8,12 +8,25 @@ are, and its real ``params`` frames (decoded with :func:`hetd.protocol.wire.deco
 real hello and push frames, ingested as the daemon's sessions do (:mod:`hetd.core.ingest`). Time
 charged (docs/benchmark.md)::
 
-    pull  = latency + bytes of the release's params frames / bandwidth
+    pull  = latency + bytes of the release's params frames / bandwidth + worker decode
     step  = base_step_s × samples / base_batch × slowdown(t) × straggle   (samples = batch × k)
+            + worker encode + worker_step_s
     push  = latency + len(push frame) / bandwidth
 
+and, from the cost profile (:mod:`hetd.sim.costs`), the daemon's work: the engine is one *server*
+in virtual time, as the daemon's engine is a single writer. Every engine command (a join, a push,
+a pull, a profile result, a tick, an evaluation's result) waits for it; when it is free it takes
+what is waiting (up to :data:`hetd.core.engine.BATCH` commands), runs them, then "publishes", and is
+busy for the batch's cost: each worker message's ``message_s`` (plus the push's decode when the
+daemon decodes it on its loop; bigger frames are decoded in a thread before they queue), each
+optimizer step (``apply_s``), each buffered push, and each new parameter frame (``publish``, once
+per frame as the downlink shares it). The batch's parameter frames leave when it is done. An
+evaluation's accuracy is recorded ``eval_s`` after its snapshot (it runs in a thread and stalls
+nothing). With the default profile every cost is zero, nothing waits, and the results are exactly
+those of the simulator before profiles (tests/golden).
+
 Gradients are real and computed lazily in batches (:mod:`hetd.sim.compute`). Nothing sleeps and
-nothing reads the wall clock: the same scenario, policy, lr and seed give the same
+nothing reads the wall clock: the same scenario, policy, lr, seed and cost profile give the same
 :class:`~hetd.sim.results.RunResult`, curve included.
 """
 
@@ -22,7 +35,8 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,19 +45,24 @@ import jax
 from hetd import config as config_mod
 from hetd.config import TrainConfig
 from hetd.core.downlink import DELTA_S_PER_PARAM
-from hetd.core.engine import Engine, EngineConfig
+from hetd.core.engine import BATCH, Engine, EngineConfig
 from hetd.core.ingest import decode_hello, decode_push
-from hetd.core.store import Store, make_optimizer, make_outer
+from hetd.core.store import Store, Tensors, make_optimizer, make_outer
 from hetd.protocol import wire
 from hetd.protocol.messages import PlanUpdate, ProfileRequest, Reply, Welcome
 from hetd.sim.agent import EmuWorker, InFlight
 from hetd.sim.compute import StepWork, scenario_compute
+from hetd.sim.costs import CostProfile, load_costs
 from hetd.sim.results import PolicySpec, RunResult, Trace, first_reach, staleness_stats
 from hetd.sim.scenario import Scenario
 from policies import make_policy
 
-# event kinds, in the order they win a tie at the same virtual time
-_DELIVER, _ARRIVE, _PROFILE, _PULL, _WAKE, _TICK, _EVAL = range(7)
+# event kinds (events at the same virtual time run in the order they were scheduled)
+_DELIVER, _ARRIVE, _PROFILE, _PULL, _WAKE, _TICK, _EVAL, _DECODED, _FREE, _RECORD = range(10)
+
+Command = Callable[[], float]
+"""An engine command for the daemon's queue: runs it, returns its own cost in seconds (before the
+optimizer steps and frames it caused, which the batch adds)."""
 
 
 class VirtualClock:
@@ -78,6 +97,18 @@ class SimPeer:
         self.closed = reason
 
 
+class _RecordingStore(Store):
+    """The store, noting each update queued (kind, tensors) so that its cost can be charged."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.queued: list[tuple[str, Tensors]] = []
+
+    def apply(self, kind: str, tensors: Tensors, scale: float) -> int:
+        self.queued.append((kind, tensors))
+        return super().apply(kind, tensors, scale)
+
+
 @dataclass
 class SimRun:
     """A finished simulation: the result, plus the engine for tests that inspect it."""
@@ -98,14 +129,18 @@ class _Sim:
         seed: int,
         lr: float,
         on_time: Callable[[float], None] | None,
+        costs: CostProfile,
     ) -> None:
         self.sc, self.seed, self.lr, self.on_time, self.policy = sc, seed, lr, on_time, policy
+        self.costs = costs
         data, model, self.compute = scenario_compute(sc, seed)
         init = model.init(jax.random.PRNGKey(seed), data.input_shape)
         daemon_opt, inner_opt, outer_opt = config_mod.optimizers(
             sc.optimizer, lr, sc.inner_optimizer, sc.worker_lr, sc.outer_optimizer
         )
-        store = Store(init, make_optimizer(daemon_opt), outer=make_outer(outer_opt))
+        store = _RecordingStore(init, make_optimizer(daemon_opt), outer=make_outer(outer_opt))
+        self.store = store
+        self.n_params = store.n_params
         self.clock = VirtualClock()
         defaults = TrainConfig()  # what the daemon uses unless configured
         config = EngineConfig(
@@ -139,12 +174,20 @@ class _Sim:
             store, make_policy(policy.name, policy.build_params()), config, clock=self.clock
         )
         self.inbox: list[tuple[int, Reply | bytes]] = []
-        self.workers = [EmuWorker(i, sc, data, seed, dict(store.shapes)) for i in range(sc.n)]
+        self.workers = [
+            EmuWorker(i, sc, data, seed, dict(store.shapes), costs=costs) for i in range(sc.n)
+        ]
         self.heap: list[tuple[float, int, int, Any]] = []
         self.seq = 0
         self.pending: list[StepWork] = []  # started steps whose update is not computed yet
         self.trace = Trace(timeline={str(i): [] for i in range(sc.n)})
         self.pushes = 0
+        # the daemon as one server: commands waiting, and when it is free again
+        self.waiting: deque[Command] = deque()
+        self.server_free = 0.0
+        self._fused: list[Tensors] = []  # this batch's pushes that the daemon applies as int8
+        self._encoded: set[tuple[Any, ...]] = set()  # parameter frames already paid for
+        self._encoded_version = -1
 
     # --- events -------------------------------------------------------------------------------
 
@@ -155,8 +198,8 @@ class _Sim:
     def run(self) -> SimRun:
         sc = self.sc
         for w in self.workers:
-            w.wid = self.engine.join(decode_hello(w.hello()), SimPeer(w.index, self.inbox))
-        self._drain()
+            self.waiting.append(self._join_command(w))
+        self._serve()
         # evaluations at k × interval, and always one at the budget (the final accuracy)
         n_evals = math.ceil(sc.budget_s / sc.eval_interval_s)
         times = [k * sc.eval_interval_s for k in range(n_evals)]
@@ -176,24 +219,130 @@ class _Sim:
                     self.schedule(t + w.spec.latency_s, _PULL, w)
             elif kind == _ARRIVE:
                 self._arrive(payload)
+            elif kind == _DECODED:
+                pushed, msg = payload
+                self._submit(self._push_command(pushed, msg, on_loop_s=0.0))
             elif kind == _PROFILE:
-                self.engine.profile_result(payload[0].wid, payload[1])
+                self._submit(self._message(self.engine.profile_result, payload[0].wid, payload[1]))
             elif kind == _PULL:
-                self.engine.pull(payload.wid, None)
+                self._submit(self._message(self.engine.pull, payload.wid, None))
             elif kind == _WAKE:
                 self._try_start(payload)
             elif kind == _TICK:
-                self.engine.tick()
+                self._submit(self._tick_command)
                 self.schedule((payload + 1) * sc.tick_s, _TICK, payload + 1)
+            elif kind == _FREE:
+                self._serve()
+            elif kind == _RECORD:
+                self._submit(self._record_command(*payload))
             else:
                 self._evaluate()
-            self._drain()
         self.clock.t = sc.budget_s
         return SimRun(self._result(), self.engine, self.pushes, self.clock.t)
 
-    def _drain(self) -> None:
+    # --- the daemon: one server in virtual time -------------------------------------------------
+
+    def _submit(self, command: Command) -> None:
+        """Queue an engine command; it runs now if the daemon is free."""
+        self.waiting.append(command)
+        self._serve()
+
+    def _serve(self) -> None:
+        """While the daemon is free and commands wait: run a batch of them (up to BATCH) at this
+        time, and charge it: each command's own cost, each optimizer step and buffered push it
+        caused, each new parameter frame. The batch's frames leave when it is done, and the
+        daemon takes the next batch then."""
+        while self.waiting and self.server_free <= self.clock.t:
+            now = self.clock.t
+            self.store.queued.clear()
+            buffered = self._buffered() if self.costs.buffer_s_per_param else 0
+            cost = 0.0
+            for _ in range(min(len(self.waiting), BATCH)):
+                cost += self.waiting.popleft()()
+            for kind, tensors in self.store.queued:
+                cost += self.costs.apply(kind, int8=any(tensors is f for f in self._fused))
+            self.store.queued.clear()
+            self._fused.clear()
+            if self.costs.buffer_s_per_param:
+                added = max(0, self._buffered() - buffered)
+                cost += added * self.costs.buffer_s_per_param * self.n_params
+            cost = self._drain(cost)
+            self.server_free = now + cost
+            if cost > 0:
+                self.schedule(self.server_free, _FREE)
+
+    def _buffered(self) -> int:
+        return sum(s.buffered for s in self.engine.stats.values())
+
+    def _message(self, method: Callable[..., Any], *args: Any) -> Command:
+        """A worker message the engine handles (costs ``message_s``)."""
+
+        def command() -> float:
+            method(*args)
+            return self.costs.message_s
+
+        return command
+
+    def _join_command(self, w: EmuWorker) -> Command:
+        def command() -> float:
+            w.wid = self.engine.join(decode_hello(w.hello()), SimPeer(w.index, self.inbox))
+            return self.costs.message_s
+
+        return command
+
+    def _tick_command(self) -> float:
+        self.engine.tick()
+        return 0.0
+
+    def _record_command(self, loss: float, acc: float) -> Command:
+        def command() -> float:
+            self.engine.record_eval(loss, acc)
+            return 0.0
+
+        return command
+
+    def _push_command(self, p: InFlight, msg: wire.Message, on_loop_s: float) -> Command:
+        """The engine takes a decoded push (``on_loop_s``: its decode, when the daemon decodes it
+        on the engine's loop)."""
+
+        def command() -> float:
+            w = p.worker
+            assert p.frame is not None  # encoded before it was queued
+            push_in = decode_push(self.engine.store.shapes, w.wid, msg, len(p.frame))
+            # the transfer time the engine would measure from the worker's stamp, in virtual time
+            push_in = dataclasses.replace(push_in, transfer_s=p.arrive - p.sent_at)
+            if self.costs.apply_s and _fused_int8(msg["tensors"]):
+                self._fused.append(push_in.tensors)
+            w.staleness.append(max(0, self.engine.store.version - p.base))
+            self.engine.push(push_in)
+            self.pushes += 1
+            return self.costs.message_s + on_loop_s
+
+        return command
+
+    def _frame_cost(self, msg: wire.Message, batch: set[tuple[Any, ...]]) -> float:
+        """What encoding this ``params`` frame cost the daemon: once per frame (the downlink
+        shares it), and once per batch for frames alike but for their version (the daemon
+        publishes one snapshot per batch)."""
+        tensors = msg["tensors"]
+        if not tensors:
+            return 0.0
+        codec = str(next(iter(tensors.values()))["codec"])
+        key = (bool(msg["full"]), codec, None if msg["full"] else msg.get("base"))
+        version = int(msg["version"])
+        if version != self._encoded_version:
+            self._encoded, self._encoded_version = set(), version
+        if key in batch or key in self._encoded:
+            return 0.0
+        batch.add(key)
+        self._encoded.add(key)
+        return self.costs.publish(codec, self.n_params)
+
+    def _drain(self, cost: float = 0.0) -> float:
         """Hand what the engine sent to its workers: replies at once, each release's ``params``
-        frames after the time they take on the worker's link."""
+        frames when the daemon is done (``cost`` s from now, plus the cost of encoding them,
+        which this returns with ``cost``) and after the time they take on the worker's link
+        and to decode."""
         while self.inbox:
             batch, self.inbox[:] = list(self.inbox), []
             releases: dict[int, tuple[list[wire.Message], int]] = {}
@@ -209,12 +358,17 @@ class _Sim:
                 elif isinstance(item, ProfileRequest):
                     w.profile = item.spec()
                 # acks need no action: the next params frame is what a worker waits for
-            now = self.clock.t
+            if self.costs.publish_s_per_param:
+                alike: set[tuple[Any, ...]] = set()
+                for frames, _ in releases.values():
+                    cost += sum(self._frame_cost(msg, alike) for msg in frames)
+            depart = self.clock.t + cost
             for index, (frames, nbytes) in releases.items():
                 w = self.workers[index]
-                arrive = now + w.spec.latency_s + nbytes / w.spec.bandwidth
-                self.trace.timeline[str(index)].append((now, arrive, "comm"))
+                arrive = depart + w.spec.latency_s + nbytes / w.spec.bandwidth + w.decode_s(frames)
+                self.trace.timeline[str(index)].append((depart, arrive, "comm"))
                 self.schedule(arrive, _DELIVER, (w, frames))
+        return cost
 
     # --- steps --------------------------------------------------------------------------------
 
@@ -230,14 +384,15 @@ class _Sim:
             at, result = started.profile
             line.append((now, at - w.spec.latency_s, "compute"))
             self.schedule(at, _PROFILE, (w, result))
-        line.append((p.begin, p.begin + p.compute_s, "compute"))
+        line.append((p.begin, p.begin + p.compute_s + p.encode_s, "compute"))
         line.append((p.sent_at, p.arrive, "comm"))
         self.schedule(p.arrive, _ARRIVE, p)
         if w.busy_until < p.arrive:  # pipelined: it may start again before the push lands
             self.schedule(w.busy_until, _WAKE, w)
 
     def _arrive(self, p: InFlight) -> None:
-        """The push reaches the daemon: compute it (with everything pending), encode, deliver."""
+        """The push reaches the daemon: compute it (with everything pending), encode, and queue it
+        for the engine (once decoded, when the daemon decodes it in a thread)."""
         w = p.worker
         if p.frame is None:
             if p.work.tensors is None:
@@ -252,17 +407,29 @@ class _Sim:
                 self.schedule(p.arrive, _ARRIVE, p)
                 return
         assert p.frame is not None  # encoded above
-        shapes = self.engine.store.shapes
-        push_in = decode_push(shapes, w.wid, wire.decode(p.frame), len(p.frame))
-        # the transfer time the engine would measure from the worker's stamp, in virtual time
-        push_in = dataclasses.replace(push_in, transfer_s=p.arrive - p.sent_at)
-        w.staleness.append(max(0, self.engine.store.version - p.base))
-        self.engine.push(push_in)
-        self.pushes += 1
+        msg = wire.decode(p.frame)
+        tensors = msg["tensors"]
+        codec = str(next(iter(tensors.values()))["codec"]) if tensors else "none"
+        decode_s = self.costs.push_decode(codec, self.n_params)
+        if decode_s > 0 and len(p.frame) > self.costs.off_loop_bytes:
+            self.schedule(self.clock.t + decode_s, _DECODED, (p, msg))  # in a thread: no queue
+            return
+        self._submit(self._push_command(p, msg, on_loop_s=decode_s))
 
     def _evaluate(self) -> None:
+        """An evaluation at its virtual time. Its accuracy reaches the engine ``eval_s`` later,
+        through the daemon's queue, as the daemon's evaluation thread hands it back; the first
+        and the last are recorded at their times (a real benchmark measures those two itself)."""
         loss, acc = self.compute.evaluate(self.engine.store.snapshot().tensors)
-        self.engine.record_eval(loss, acc)
+        t = self.clock.t
+        if 0 < t < self.sc.budget_s:
+            if self.costs.eval_s > 0:
+                self.schedule(t + self.costs.eval_s, _RECORD, (loss, acc))
+            else:
+                self._submit(self._record_command(loss, acc))
+        else:
+            self._record_command(loss, acc)()
+            self._drain()
         sizes = {
             str(w.index): f.batch_size for w in self.workers if (f := self.engine.facts.get(w.wid))
         }
@@ -308,16 +475,29 @@ class _Sim:
         )
 
 
+def _fused_int8(tensors: Mapping[str, Any]) -> bool:
+    """Whether the daemon applies this push as int8 inside its jitted step (every tensor int8
+    with one scale, as :func:`hetd.core.ingest.decode_push` with ``fused`` keeps it)."""
+    return bool(tensors) and all(
+        isinstance(t, Mapping) and t.get("codec") == "int8" and t.get("block") == 0
+        for t in tensors.values()
+    )
+
+
 def run_sim(
     sc: Scenario,
     policy: PolicySpec,
     seed: int = 0,
     lr: float | None = None,
     on_time: Callable[[float], None] | None = None,
+    costs: CostProfile | None = None,
 ) -> SimRun:
     """Simulate ``policy`` on ``sc`` for ``sc.budget_s`` virtual seconds.
 
     ``lr`` overrides the scenario's learning rate; ``on_time(t)`` is called after each evaluation
-    with the virtual time (for progress bars).
+    with the virtual time (for progress bars). ``costs``: the cost profile to charge (None: the
+    scenario's ``costs`` file if it names one, else the default, which charges nothing).
     """
-    return _Sim(sc, policy, seed, sc.lr if lr is None else lr, on_time).run()
+    if costs is None:
+        costs = load_costs(sc.costs) if sc.costs else CostProfile()
+    return _Sim(sc, policy, seed, sc.lr if lr is None else lr, on_time, costs).run()

@@ -105,6 +105,7 @@ class Scenario:
     codec: str = "none"  # preferred codec
     downlink: str = "auto"  # lossy codecs' parameters: auto (by link speed), delta, full
     shifts: tuple[Shift, ...] = ()
+    costs: str = ""  # a cost profile file for the simulator (hetd calibrate); "": charge none
 
     @property
     def n(self) -> int:
@@ -200,6 +201,12 @@ _TOP: dict[str, tuple[Check, str, Check, str]] = {
         "non-empty",
     ),
     "shifts": (lambda v: isinstance(v, list), "array of tables", lambda v: True, ""),
+    "costs": (
+        lambda v: isinstance(v, str),
+        "string",
+        lambda v: True,
+        "the path of a cost profile (hetd calibrate), relative to the scenario file",
+    ),
 }
 _REQUIRED = ("name", "dataset", "model", "workers")
 
@@ -334,7 +341,10 @@ def load_file(path: str | Path) -> Scenario:
         text = p.read_bytes()
     except OSError as exc:
         raise ScenarioError(f"cannot read scenario {p}: {exc.strerror}") from None
-    return _parse(text, p.name, p.suffix.lower() == ".json")
+    sc = _parse(text, p.name, p.suffix.lower() == ".json")
+    if sc.costs and not Path(sc.costs).is_absolute():  # a profile beside the scenario file
+        sc = dataclasses.replace(sc, costs=str(p.parent / sc.costs))
+    return sc
 
 
 def _parse(text: bytes, source: str, is_json: bool) -> Scenario:
