@@ -178,10 +178,14 @@ class EmuWorker:
         return self.held is not None and t >= self.busy_until and self.in_flight <= self.depth
 
     def _step_s(self, samples: int, t: float) -> float:
-        """Emulated seconds of one step over ``samples`` samples starting at ``t``."""
+        """Emulated seconds of one step over ``samples`` samples starting at ``t``: one straggle
+        draw per step, as ``workers.emulate`` draws once per step it emulates."""
+        return self._nominal_s(samples, t) * self.straggler.factor()
+
+    def _nominal_s(self, samples: int, t: float) -> float:
+        """The same without a straggle (no draw)."""
         sc = self.sc
-        per_sample = sc.base_step_s / sc.base_batch * sc.slowdown_at(self.index, t)
-        return per_sample * samples * self.straggler.factor()
+        return sc.base_step_s / sc.base_batch * sc.slowdown_at(self.index, t) * samples
 
     def start(self, t: float) -> Started:
         """Start a step at ``t`` (after a profile run if one was asked for)."""
@@ -193,7 +197,8 @@ class EmuWorker:
             t = profile[0] - spec.latency_s  # the step starts once the profile is done
         self._follow_share()
         batch = max(1, self.plan.batch_size)
-        k = local_steps_for(self.plan, self._step_s(batch, t))
+        # A real worker sizes a time-budgeted plan by its last measured step; no draw here.
+        k = local_steps_for(self.plan, self._nominal_s(batch, t))
         delta = k > 1 or self.plan.push_kind == "delta"
         rows = np.stack([self.sampler.next_indices(batch) for _ in range(k)]).astype(np.int32)
         lr = self.worker_lr * self.plan.lr_scale
