@@ -246,8 +246,10 @@ async def test_hot_swap_under_load_loses_no_update(cluster) -> None:  # type: ig
             assert 0 <= r["idle_fraction"] <= 1 and r["last_seen_s"] < 5
             assert r["staleness_mean"] >= 0
 
+        pushes_before = sum(c.engine.stats[w].pushes for w in ids)
         status, text = await call(http, c, "GET", "/metrics")
         assert status == 200
+        pushes_after = sum(c.engine.stats[w].pushes for w in ids)  # workers are still pushing
         fams = metric_families(text)
         assert fams["hetd_version"].samples[0].value >= version + 10
         assert fams["hetd_workers"].samples[0].value == 3
@@ -271,7 +273,7 @@ async def test_hot_swap_under_load_loses_no_update(cluster) -> None:  # type: ig
         assert codecs_shown == {(n, "none") for n in names}
         stale = [s for s in fams["hetd_worker_staleness"].samples if s.name.endswith("_count")]
         assert {s.labels["name"] for s in stale} == names
-        assert sum(s.value for s in stale) == sum(c.engine.stats[w].pushes for w in ids)
+        assert pushes_before <= sum(s.value for s in stale) <= pushes_after
         assert any(s.labels.get("name") == "ssp" for s in fams["hetd_policy"].samples)
 
     code, out, err = await hetd_cli("status", "--admin-url", c.admin_url)
