@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from hetd.protocol.plan import Plan, data_range
-from hetd.zoo.data import BatchSampler, load_dataset, shard_indices
+from hetd.zoo.data import BatchSampler, load_dataset, shard_indices, share_indices
 from hetd.zoo.models import get_model
 from hetd.zoo.optim import parse_optimizer
 from hetd.zoo.steps import Steps
@@ -123,11 +123,7 @@ class Trainer:
         wanted = data_range(plan)
         if wanted is None or self._share == wanted:
             return
-        offset, share = wanted
-        n = len(self.data.y_train)
-        perm = np.random.default_rng(self.seed).permutation(n)
-        lo = int(offset * n)
-        idx = perm[lo : max(lo + 1, min(n, int((offset + share) * n)))]
+        idx = share_indices(len(self.data.y_train), *wanted, self.seed)
         self.sampler = BatchSampler(
             self.data.x_train[idx], self.data.y_train[idx], seed=self.seed * 1000 + self.shard_index
         )

@@ -32,7 +32,7 @@ from hetd.protocol.plan import Plan, codec_for, data_range, local_steps_for
 from hetd.sim.compute import StepWork, Straggler
 from hetd.sim.costs import CostProfile
 from hetd.sim.scenario import Scenario
-from hetd.zoo.data import BatchSampler, Dataset, shard_indices
+from hetd.zoo.data import BatchSampler, Dataset, shard_indices, share_indices
 from hetd.zoo.optim import parse_optimizer
 
 
@@ -137,11 +137,7 @@ class EmuWorker:
         wanted = data_range(self.plan)
         if wanted is None or self._share == wanted:
             return
-        offset, share = wanted
-        n = len(self.data.y_train)
-        perm = np.random.default_rng(self.seed).permutation(n)
-        lo = int(offset * n)
-        self.sampler = self._sampler(perm[lo : max(lo + 1, min(n, int((offset + share) * n)))])
+        self.sampler = self._sampler(share_indices(len(self.data.y_train), *wanted, self.seed))
         self._share = wanted
 
     def receive(self, frames: list[wire.Message]) -> bool:

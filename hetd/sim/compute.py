@@ -96,14 +96,21 @@ class Kernels(NamedTuple):
     metrics: Callable[..., Any]  # (params, x, y) -> (loss, accuracy)
 
 
+def _masked_mean_loss(model: Model) -> Callable[..., jax.Array]:
+    """``(params, x, y, mask) -> loss`` of the unpadded rows: model.loss is a mean over examples
+    (hetd.zoo.models.Model), so the masked mean of per-example losses is the unpadded batch's."""
+
+    def masked_loss(params: Any, x: jax.Array, y: jax.Array, mask: jax.Array) -> jax.Array:
+        per = jax.vmap(lambda xi, yi: model.loss(params, xi[None], yi[None]))(x, y)
+        return jnp.sum(per * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+    return masked_loss
+
+
 def make_kernels(model: Model) -> Kernels:
     """Gradient and local-SGD kernels for ``model``, vmapped over workers."""
 
-    def masked_loss(params: Any, x: jax.Array, y: jax.Array, mask: jax.Array) -> jax.Array:
-        # model.loss is a mean over examples (hetd.zoo.models.Model), so the masked mean of
-        # per-example losses is the loss of the unpadded batch.
-        per = jax.vmap(lambda xi, yi: model.loss(params, xi[None], yi[None]))(x, y)
-        return jnp.sum(per * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    masked_loss = _masked_mean_loss(model)
 
     plain_grad = jax.value_and_grad(model.loss)
     masked_grad = jax.value_and_grad(masked_loss)
@@ -244,11 +251,7 @@ def make_inner_kernel(model: Model, tx: optax.GradientTransformation) -> Callabl
     workers: ``(params[n], state[n], x, y, idx, mask, lr[n]) -> (loss[n], delta[n], state[n])``.
     Each step is the masked mean gradient of its rows, as a real worker's micro-batches give."""
 
-    def masked_loss(params: Any, x: jax.Array, y: jax.Array, mask: jax.Array) -> jax.Array:
-        per = jax.vmap(lambda xi, yi: model.loss(params, xi[None], yi[None]))(x, y)
-        return jnp.sum(per * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-
-    grad = jax.value_and_grad(masked_loss)
+    grad = jax.value_and_grad(_masked_mean_loss(model))
 
     def local(
         params: Any,

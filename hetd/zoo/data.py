@@ -320,6 +320,15 @@ def accepts_keyword(func: Callable[..., object], name: str) -> bool:
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
+def share_indices(n: int, offset: float, share: float, seed: int) -> npt.NDArray[np.int64]:
+    """The rows ``[offset, offset + share)`` (fractions of ``n``) of one seeded permutation of
+    ``n``, at least one: a data share as ASHL plans it, the same on every worker and in the
+    simulator."""
+    perm = np.random.default_rng(seed).permutation(n)
+    lo = int(offset * n)
+    return perm[lo : max(lo + 1, min(n, int((offset + share) * n)))]
+
+
 def shard_indices(n: int, index: int, count: int, seed: int) -> npt.NDArray[np.int64]:
     """Part ``index`` of ``count`` near-equal contiguous parts of a seeded permutation of ``n``.
 
