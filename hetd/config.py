@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import os
+import ssl
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -37,6 +38,10 @@ class ServerConfig:
     worker_token: str = ""  # empty: no worker token required
     admin_token: str = ""  # empty: admin API refuses every call but /healthz
     stop_timeout_s: float = 10.0  # bound on each step of a graceful stop (bye, checkpoint, close)
+    # TLS: PEM certificate (chain) and private key; both empty = plain ws:// and http://. Set, the
+    # worker endpoint is wss:// and the admin API https://, both with this one certificate.
+    tls_cert: str = ""
+    tls_key: str = ""
 
 
 @dataclass(frozen=True)
@@ -217,6 +222,44 @@ def check_serving(cfg: Config) -> None:
             f"[server] worker_token is empty while host = {cfg.server.host!r} admits other "
             "machines: set HETD_WORKER_TOKEN (or worker_token in the file)"
         )
+    server_ssl_context(cfg.server)  # the certificate and key are readable and match
+
+
+def server_ssl_context(server: ServerConfig) -> ssl.SSLContext | None:
+    """The daemon's TLS context from ``[server] tls_cert`` / ``tls_key`` (None: both empty, plain).
+    A file that cannot be read, is not PEM, or a key that does not match the certificate raises
+    :class:`ConfigError` in one line."""
+    if not server.tls_cert:
+        return None
+    for key in ("tls_cert", "tls_key"):
+        path = getattr(server, key)
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as exc:
+            raise ConfigError(
+                f"[server] {key} = {path!r}: cannot read it: {exc.strerror}"
+            ) from None
+
+    def no_passphrase() -> bytes:
+        raise ConfigError(
+            f"[server] tls_key = {server.tls_key!r} is encrypted: give an unencrypted PEM key"
+        )
+
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(server.tls_cert, server.tls_key, password=no_passphrase)
+    except ssl.SSLError as exc:
+        if "KEY_VALUES_MISMATCH" in str(exc) or exc.reason == "KEY_VALUES_MISMATCH":
+            raise ConfigError(
+                f"[server] tls_key = {server.tls_key!r} does not match the certificate in "
+                f"tls_cert = {server.tls_cert!r}"
+            ) from None
+        raise ConfigError(
+            f"[server] tls_cert = {server.tls_cert!r} / tls_key = {server.tls_key!r}: not a PEM "
+            f"certificate and its private key ({exc.reason or exc})"
+        ) from None
+    return ctx
 
 
 def _checked(cfg: Config) -> Config:
@@ -224,6 +267,10 @@ def _checked(cfg: Config) -> Config:
         value = getattr(getattr(cfg, section), key)
         if value < low or (high is not None and value > high) or value != value:  # NaN
             raise ConfigError(f"[{section}] {key} = {value!r} is out of range: {why}")
+    if bool(cfg.server.tls_cert) != bool(cfg.server.tls_key):
+        raise ConfigError(
+            "[server] tls_cert and tls_key go together: set both (PEM files) or neither (plain)"
+        )
     if cfg.server.worker_token and cfg.server.worker_token == cfg.server.admin_token:
         raise ConfigError("the worker token and the admin token must differ")
     # here, not at the top: codecs and optax are heavier than a config needs

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -51,7 +52,16 @@ def parser() -> argparse.ArgumentParser:
         description="Join a hetd daemon and train. The worker token comes from HETD_WORKER_TOKEN "
         "or from a config file (--config, key [worker] token), never from the command line.",
     )
-    p.add_argument("url", help="the daemon's worker endpoint, e.g. ws://head:7070")
+    p.add_argument(
+        "url", help="the daemon's worker endpoint, e.g. ws://head:7070 or wss://head:7070 (TLS)"
+    )
+    p.add_argument(
+        "--ca",
+        default=None,
+        metavar="FILE",
+        help="wss:// only: verify the daemon's certificate against this PEM CA file (default: "
+        "the system's trust store)",
+    )
     p.add_argument("--name", default=None, help="a name shown in status (default: host-pid)")
     p.add_argument("--config", default=None, help="TOML file with [worker] token = '...'")
     p.add_argument(
@@ -185,6 +195,20 @@ def read_token(path: str | None) -> str:
     return token
 
 
+def tls_context(url: str, ca: str | None) -> ssl.SSLContext | None:
+    """The context that verifies a ``wss://`` daemon: against ``ca`` (a PEM file) or the system's
+    trust store; None for ``ws://``. A bad ``--ca`` raises ValueError naming it."""
+    if not url.startswith("wss://"):
+        if ca is not None:
+            raise ValueError(f"--ca is for wss:// URLs; {url!r} is not TLS")
+        return None
+    try:
+        return ssl.create_default_context(cafile=ca)
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        reason = getattr(exc, "strerror", None) or getattr(exc, "reason", None) or exc
+        raise ValueError(f"--ca {ca}: not a readable PEM CA file ({reason})") from None
+
+
 def _number(text: str, flag: str) -> float:
     try:
         return float(text)
@@ -255,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:  # before anything is built or connected: a bad flag is reported at once
         emulation = build_emulation(args)
+        ssl_context = tls_context(args.url, args.ca)
     except ValueError as exc:
         print(f"hetd-worker: {exc}", file=sys.stderr)
         return 2
@@ -276,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             max_steps=args.steps,
             max_retries=args.max_retries,
             backoff_max_s=max(0.5, args.retry_max_delay),
+            ssl_context=ssl_context,
         )
         steps = asyncio.run(run_worker(opts))
     except (ValueError, OSError, FatalError) as exc:

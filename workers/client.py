@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import logging
 import random
+import ssl
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ class WorkerOptions:
     max_retries: int = -1  # -1: retry forever
     backoff_s: float = 0.5
     backoff_max_s: float = 10.0
+    # wss:// URLs: verify the daemon's certificate with this (None: the system's trust store)
+    ssl_context: ssl.SSLContext | None = None
 
 
 @dataclass
@@ -177,7 +180,13 @@ async def _session(http: aiohttp.ClientSession, opts: WorkerOptions, state: Work
             max_msg_size=opts.max_frame_bytes,
             compress=0,
             autoping=True,
+            ssl=opts.ssl_context if opts.ssl_context is not None else True,
         )
+    except aiohttp.ClientConnectorCertificateError as exc:  # retrying will not help
+        raise FatalError(
+            f"the daemon's TLS certificate was not accepted: {exc.certificate_error} "
+            "(pass --ca FILE with the CA that signed it)"
+        ) from None
     except aiohttp.WSServerHandshakeError as exc:
         if exc.status == 401:
             raise FatalError("the daemon refused our token (401): set HETD_WORKER_TOKEN") from None

@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import os
+import ssl
 import sys
 import urllib.error
 import urllib.request
@@ -181,6 +182,13 @@ def _client_flags() -> argparse.ArgumentParser:
         default=None,
         help="the daemon's TOML config: admin URL and [server] admin_token "
         "(HETD_ADMIN_TOKEN overrides the token)",
+    )
+    g.add_argument(
+        "--ca",
+        default=None,
+        metavar="FILE",
+        help="https:// admin URLs: verify the daemon's certificate against this PEM CA file "
+        "(default: the system's trust store)",
     )
     g.add_argument(
         "--timeout", type=float, default=15.0, help="seconds to wait for the daemon (default 15)"
@@ -384,7 +392,8 @@ def admin_target(args: argparse.Namespace) -> tuple[str, str]:
         if cfg is not None and cfg.server.admin_port > 0:
             host = cfg.server.admin_host
             host = "127.0.0.1" if host in ("0.0.0.0", "") else "[::1]" if host == "::" else host
-            url = f"http://{host}:{cfg.server.admin_port}"
+            scheme = "https" if cfg.server.tls_cert else "http"
+            url = f"{scheme}://{host}:{cfg.server.admin_port}"
         else:
             url = DEFAULT_ADMIN_URL
     token = cfg.server.admin_token if cfg is not None else os.environ.get("HETD_ADMIN_TOKEN", "")
@@ -404,8 +413,9 @@ def admin_request(
         data = json.dumps(body).encode()
         headers["Content-Type"] = "application/json"
     req = urllib.request.Request(url + path, data=data, method=method, headers=headers)
+    tls = _tls_context(url, getattr(args, "ca", None))
     try:
-        with urllib.request.urlopen(req, timeout=args.timeout) as resp:
+        with urllib.request.urlopen(req, timeout=args.timeout, context=tls) as resp:
             return json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         raw = exc.read()
@@ -419,11 +429,30 @@ def admin_request(
         raise AdminError(EXIT_REFUSED, message) from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
+        if isinstance(reason, ssl.SSLCertVerificationError):
+            raise AdminError(
+                EXIT_UNREACHABLE,
+                f"the admin API's TLS certificate at {url} was not accepted: "
+                f"{reason.verify_message or reason} (pass --ca FILE with the CA that signed it)",
+            ) from None
         raise AdminError(
             EXIT_UNREACHABLE,
             f"cannot reach the admin API at {url}: {reason} (is 'hetd serve' running? "
             "see --admin-url)",
         ) from None
+
+
+def _tls_context(url: str, ca: str | None) -> ssl.SSLContext | None:
+    """How an ``https://`` admin URL is verified: against ``--ca`` or the system's trust store."""
+    if not url.startswith("https://"):
+        if ca is not None:
+            raise AdminError(EXIT_USAGE, f"--ca is for https:// admin URLs; {url} is not TLS")
+        return None
+    try:
+        return ssl.create_default_context(cafile=ca)
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        reason = getattr(exc, "strerror", None) or getattr(exc, "reason", None) or exc
+        raise AdminError(EXIT_USAGE, f"--ca {ca}: not a readable PEM CA file ({reason})") from None
 
 
 def _client(fn: Callable[[argparse.Namespace], Any]) -> Callable[[argparse.Namespace], int]:

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 from collections.abc import Callable
 from typing import Any
 
@@ -122,6 +123,8 @@ class Daemon:
     def __init__(self, cfg: config_mod.Config, engine: Engine | None = None) -> None:
         config_mod.check_serving(cfg)  # before anything is built: a refused start changes nothing
         self.cfg = cfg
+        # [server] tls_cert / tls_key: both endpoints serve TLS (wss://, https://); None: plain
+        self.ssl_context: ssl.SSLContext | None = config_mod.server_ssl_context(cfg.server)
         self.engine = engine or build_engine(cfg)
         store = cfg.store
         self.checkpointer = checkpoint.Checkpointer(store.dir, store.keep) if store.dir else None
@@ -168,7 +171,13 @@ class Daemon:
         worker_app = make_worker_app(self.engine, self.cfg)
         self.port, site = await self._listen(worker_app, server.host, server.port)
         self._worker_sites.append(site)
-        log.info("hetd listening for workers on %s:%d", server.host, self.port)
+        tls = self.ssl_context is not None
+        log.info(
+            "hetd listening for workers on %s://%s:%d",
+            "wss" if tls else "ws",
+            server.host,
+            self.port,
+        )
         if server.admin_port >= 0:
             ctx = admin.AdminContext(
                 engine=self.engine,
@@ -182,7 +191,12 @@ class Daemon:
             self.admin_port, _ = await self._listen(
                 self.admin_app, server.admin_host, server.admin_port
             )
-            log.info("admin API on http://%s:%d", server.admin_host, self.admin_port)
+            log.info(
+                "admin API on %s://%s:%d",
+                "https" if tls else "http",
+                server.admin_host,
+                self.admin_port,
+            )
             if not server.admin_token:
                 log.warning("no admin token configured: the admin API refuses every call")
 
@@ -190,7 +204,7 @@ class Daemon:
         runner = web.AppRunner(app, handle_signals=False)
         await runner.setup()
         self._runners.append(runner)
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, host, port, ssl_context=self.ssl_context)
         await site.start()
         sockets = getattr(site._server, "sockets", None) or []
         bound: int = sockets[0].getsockname()[1] if sockets else port
