@@ -106,7 +106,7 @@ def add_commands(sub: Any) -> None:
     _common(b)
     b.add_argument(
         "--suite",
-        choices=("policies", "codecs", "system", "parity"),
+        choices=("policies", "codecs", "system", "parity", "chaos"),
         default="policies",
         help="policies: time-to-accuracy of --policies on --scenario (docs/benchmark.md, the "
         "default); codecs: codec GB/s vs memcpy, written to OUT/codecs.json (hetd.bench.codec_speed; "
@@ -115,7 +115,11 @@ def add_commands(sub: Any) -> None:
         "OUT/system.json and OUT/system.md (hetd.bench.system; options below); parity: the "
         "policies suite in both modes (OUT/sim/, OUT/real/) compared: median TTA ratio real/sim, "
         "ranks, a verdict, written to OUT/parity.json, OUT/parity.md and OUT/parity.png "
-        "(hetd.bench.parity; --mode is ignored; with --tune-lr the lrs are chosen in sim mode)",
+        "(hetd.bench.parity; --mode is ignored; with --tune-lr the lrs are chosen in sim mode); "
+        "chaos: a real daemon subprocess and hetd-worker processes under a seeded fault schedule "
+        "(worker SIGKILL, stall, cut, one daemon SIGKILL and restart) against a fault-free run: "
+        "goodput, duplicate applies, versions lost, recovery times, written to OUT/chaos.json and "
+        "OUT/chaos.md (hetd.bench.chaos; options below)",
     )
     b.add_argument(
         "--mode",
@@ -149,6 +153,17 @@ def add_commands(sub: Any) -> None:
     from hetd.bench.system_options import add_options
 
     add_options(b)
+    _chaos_options(b)
+
+
+def _chaos_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("--suite chaos")
+    g.add_argument("--workers", type=int, default=4, help="hetd-worker processes (default 4)")
+    g.add_argument("--minutes", type=float, default=3.0, help="length of each run (default 3)")
+    g.add_argument(
+        "--fault-every", type=float, default=30.0, metavar="S", help="one fault every S s (30)"
+    )
+    g.add_argument("--seed", type=int, default=0, help="the fault schedule's seed (default 0)")
 
 
 def _floats(text: str, what: str) -> tuple[float, ...]:
@@ -238,6 +253,8 @@ def _bench(args: argparse.Namespace) -> int:
         from hetd.bench import system as bench_system
 
         return bench_system.run_main(bench_system.options_from(args))
+    if args.suite == "chaos":
+        return _chaos(args)
 
     if args.seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
@@ -274,6 +291,31 @@ def _bench(args: argparse.Namespace) -> int:
             + ("" if speed is None else f"  x{speed:.2f} vs BSP")
             + ("" if ideal is None or tta is None else f"  TTA/ideal {tta / ideal:.1f}")
             + f"  final acc {row['final_accuracy_median']:.4f}"
+        )
+    return 0
+
+
+def _chaos(args: argparse.Namespace) -> int:
+    """``--suite chaos``: the table on stdout; OUT/chaos.json and OUT/chaos.md."""
+    from hetd.bench.chaos import ChaosOptions, run_chaos
+    from hetd.sim.results import parse_policies
+
+    opts = ChaosOptions(
+        policies=tuple(parse_policies(args.policies)),
+        out=Path(args.out),
+        workers=args.workers,
+        minutes=args.minutes,
+        fault_every=args.fault_every,
+        seed=args.seed,
+        quiet=args.quiet,
+    )
+    doc = run_chaos(opts)
+    print(f"chaos: wrote {args.out}/chaos.json and chaos.md")
+    for p in doc["policies"]:
+        print(
+            f"  {p['policy']:<22} goodput {p['goodput']}  dup/partial applies "
+            f"{p['duplicate_or_partial_applies']}  versions lost {p['versions_lost']} "
+            f"(bound {p['lost_bound']})  daemon restarted {p['daemon_restarted']}"
         )
     return 0
 
