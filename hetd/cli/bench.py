@@ -106,7 +106,7 @@ def add_commands(sub: Any) -> None:
     _common(b)
     b.add_argument(
         "--suite",
-        choices=("policies", "codecs", "system", "parity", "chaos"),
+        choices=("policies", "codecs", "system", "parity", "chaos", "soak"),
         default="policies",
         help="policies: time-to-accuracy of --policies on --scenario (docs/benchmark.md, the "
         "default); codecs: codec GB/s vs memcpy, written to OUT/codecs.json (hetd.bench.codec_speed; "
@@ -119,7 +119,10 @@ def add_commands(sub: Any) -> None:
         "chaos: a real daemon subprocess and hetd-worker processes under a seeded fault schedule "
         "(worker SIGKILL, stall, cut, one daemon SIGKILL and restart) against a fault-free run: "
         "goodput, duplicate applies, versions lost, recovery times, written to OUT/chaos.json and "
-        "OUT/chaos.md (hetd.bench.chaos; options below)",
+        "OUT/chaos.md (hetd.bench.chaos; options below); soak: a real daemon and --workers "
+        "light protocol-v1 workers (no compute, no JAX) for --minutes: the daemon's memory "
+        "growth after the first minute and every error, written to OUT/soak.json and OUT/soak.md "
+        "(hetd.bench.soak)",
     )
     b.add_argument(
         "--mode",
@@ -157,9 +160,13 @@ def add_commands(sub: Any) -> None:
 
 
 def _chaos_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("--suite chaos")
-    g.add_argument("--workers", type=int, default=4, help="hetd-worker processes (default 4)")
-    g.add_argument("--minutes", type=float, default=3.0, help="length of each run (default 3)")
+    g = p.add_argument_group("--suite chaos and --suite soak")
+    g.add_argument(
+        "--workers", type=int, default=None, help="worker processes (chaos: 4, soak: 64)"
+    )
+    g.add_argument(
+        "--minutes", type=float, default=None, help="length of each run (chaos: 3, soak: 10)"
+    )
     g.add_argument(
         "--fault-every", type=float, default=30.0, metavar="S", help="one fault every S s (30)"
     )
@@ -255,6 +262,8 @@ def _bench(args: argparse.Namespace) -> int:
         return bench_system.run_main(bench_system.options_from(args))
     if args.suite == "chaos":
         return _chaos(args)
+    if args.suite == "soak":
+        return _soak(args)
 
     if args.seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
@@ -295,6 +304,22 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _soak(args: argparse.Namespace) -> int:
+    """``--suite soak``: OUT/soak.json and OUT/soak.md; the table on stdout."""
+    import asyncio
+
+    from hetd.bench.soak import SoakOptions, markdown, run_soak
+
+    workers = 64 if args.workers is None else args.workers
+    minutes = 10.0 if args.minutes is None else args.minutes
+    if workers < 1 or not minutes > 0:
+        raise ValueError(f"--workers must be >= 1 and --minutes > 0, got {workers}, {minutes}")
+    doc = asyncio.run(run_soak(SoakOptions(out=Path(args.out), workers=workers, minutes=minutes)))
+    print(markdown(doc))
+    print(f"soak: wrote {args.out}/soak.json and soak.md")
+    return 0
+
+
 def _chaos(args: argparse.Namespace) -> int:
     """``--suite chaos``: the table on stdout; OUT/chaos.json and OUT/chaos.md."""
     from hetd.bench.chaos import ChaosOptions, run_chaos
@@ -303,8 +328,8 @@ def _chaos(args: argparse.Namespace) -> int:
     opts = ChaosOptions(
         policies=tuple(parse_policies(args.policies)),
         out=Path(args.out),
-        workers=args.workers,
-        minutes=args.minutes,
+        workers=4 if args.workers is None else args.workers,
+        minutes=3.0 if args.minutes is None else args.minutes,
         fault_every=args.fault_every,
         seed=args.seed,
         quiet=args.quiet,

@@ -30,3 +30,10 @@ def test_a_short_soak_loses_nothing_and_writes_its_report(tmp_path: Path) -> Non
     assert len(doc["samples"]) >= 2 and all(s["rss_bytes"] > 0 for s in doc["samples"])
     assert json.loads((tmp_path / "soak.json").read_text())["workers"] == 3
     assert "RSS growth" in (tmp_path / "soak.md").read_text()
+
+
+def test_the_cli_refuses_a_soak_without_workers(capsys) -> None:  # type: ignore[no-untyped-def]
+    from hetd.cli.bench import main
+
+    assert main(["bench", "--suite", "soak", "--workers", "0", "--out", "unused"]) == 2
+    assert "--workers must be >= 1" in capsys.readouterr().err
