@@ -21,7 +21,7 @@ import numpy as np
 from hetd.codecs import registry as codecs
 from hetd.codecs.feedback import ErrorFeedback, encode_with_feedback
 from hetd.protocol import wire
-from hetd.protocol.params import Held, apply_params
+from hetd.protocol.params import Held, apply_params, hash_matches
 from hetd.protocol.plan import Plan, codec_for, local_steps_for
 from workers.emulate import Emulation
 from workers.loop import Trainer, device_info, host_free_memory
@@ -61,6 +61,8 @@ class WorkerState:
     worker_id: int | None = None
     secret: str | None = None  # the welcome's: shown to resume worker_id after a reconnect
     steps: int = 0
+    hash_mismatches: int = 0  # full pulls whose parameters did not match the frame's hash
+    hash_checked: bool = False  # a verified full pull was logged (since the last mismatch)
     trainer: Trainer | None = None
     trainer_key: str = ""
     plan: Plan = field(default_factory=Plan)  # the daemon's latest plan for this worker
@@ -287,6 +289,25 @@ async def _read(
                 if delay:  # the emulated link carries parameters too, as the simulator charges
                     await asyncio.sleep(delay)
                 held = await asyncio.to_thread(apply_params, inbox.params, msg)
+                if held is not None and msg["full"] and msg.get("hash") is not None:
+                    if not await asyncio.to_thread(hash_matches, held, msg):
+                        # Never train on parameters known to be wrong: ask for all of them again.
+                        state.hash_mismatches += 1
+                        log.warning(
+                            "params hash mismatch: version %d is not what the daemon published "
+                            "(hash_mismatches=%d); pulling again",
+                            msg["version"],
+                            state.hash_mismatches,
+                        )
+                        held = None
+                        state.hash_checked = False  # log the next verified pull: recovered
+                    elif not state.hash_checked:
+                        state.hash_checked = True
+                        log.info(
+                            "params hash verified: version %d (hash_mismatches=%d)",
+                            msg["version"],
+                            state.hash_mismatches,
+                        )
                 if held is None:  # a delta against parameters we do not hold: ask for all
                     await ws.send_bytes(wire.encode("pull", 0, have=None))
                 else:

@@ -9,7 +9,9 @@ same float32 addition the worker does) and the worker now holds ``R'``. What the
 and never accumulates. Every worker holding the same reference shares the frame and the new
 reference: a delta is encoded once per (codec, base reference, version). A full frame (lossless) goes
 on join, after a reconnect, or when the worker's reference was evicted; its reference is the
-snapshot itself (shared, never copied).
+snapshot itself (shared, never copied). A full frame carries the snapshot's hash
+(:func:`hetd.protocol.params.param_hash`, computed once per version by the store) for the worker to
+check; deltas carry none (they are lossy by design).
 
 A delta costs the daemon CPU (subtract, quantize, replay; docs/benchmark.md gives the figure) to
 save bytes on the link. When the worker's measured link is so fast that the bytes saved take less
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -70,8 +71,14 @@ class Downlink:
         max_refs: int = MAX_REFS,
         max_bytes: int = MAX_REF_BYTES,
         s_per_param: float | None = None,
+        hashes: bool | None = None,
     ) -> None:
-        """``s_per_param``: a fixed delta cost per parameter instead of the measured one."""
+        """``s_per_param``: a fixed delta cost per parameter instead of the measured one.
+        ``hashes``: full frames carry the snapshot's hash; None: when the delta cost is measured
+        (a live daemon). A fixed cost marks a run that must not depend on this machine (the
+        simulator), whose frames stay as they were, so that its byte counts and golden runs do
+        not change (22 bytes per full frame)."""
+        self.hashes = s_per_param is None if hashes is None else hashes
         self.max_refs = max(2, max_refs)
         self.s_per_param = s_per_param
         self.max_bytes = max_bytes
@@ -108,9 +115,7 @@ class Downlink:
         ``link_bps``: the worker's measured link (None: unknown, deltas are worth it)."""
         codec = self._codec(spec)
         if codec.lossless:
-            return Outgoing(
-                [self._full_frame(snap.version, snap.tensors, spec)], snap.version, True
-            )
+            return Outgoing([self._full_frame(snap, spec)], snap.version, True)
         self._forget_older(snap.version)
         base = self._refs.get(ref) if ref is not None else None
         if base is None or held is None or base.version != held or held > snap.version:
@@ -175,7 +180,7 @@ class Downlink:
                 _Reference(snap.version, tensors, self._tick)
             )
         self._refs[ref].used = self._tick
-        frame = self._full_frame(snap.version, snap.tensors, "none")
+        frame = self._full_frame(snap, "none")
         return Outgoing([frame], snap.version, True, ref)
 
     def _add(self, reference: _Reference) -> int:
@@ -202,16 +207,21 @@ class Downlink:
         """A delta of nothing: the worker may go on with what it has."""
         return wire.encode("params", 0, version=version, full=False, base=version, tensors={})
 
-    def _full_frame(self, version: int, tensors: Mapping[str, np.ndarray], spec: str) -> bytes:
+    def _full_frame(self, snap: Snapshot, spec: str) -> bytes:
+        """The full frame of ``snap`` in lossless codec ``spec``, with the snapshot's hash (the
+        worker checks it after applying the frame)."""
+        version = snap.version
         key = (version, spec)
         frame = self._full.get(key)
         if frame is None:
+            extra = {"hash": snap.hash} if self.hashes and snap.hash is not None else {}
             frame = wire.encode(
                 "params",
                 0,
                 version=version,
                 full=True,
-                tensors=codecs.encode_tree(tensors, self._codec(spec)),
+                tensors=codecs.encode_tree(snap.tensors, self._codec(spec)),
+                **extra,
             )
             self._full = {k: v for k, v in self._full.items() if k[0] == version}
             self._full[key] = frame

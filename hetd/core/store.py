@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from hetd.protocol.params import param_hash
 from hetd.zoo.optim import make_optimizer, parse_optimizer
 
 __all__ = [
@@ -90,6 +91,7 @@ class Snapshot:
 
     version: int
     tensors: Mapping[str, np.ndarray]
+    hash: str | None = None  # protocol.params.param_hash of the tensors (None: not computed)
 
 
 class Store:
@@ -250,7 +252,7 @@ class Store:
                 }
                 for arr in host.values():
                     arr.flags.writeable = False
-                self._snapshot = Snapshot(self.version, host)
+                self._snapshot = Snapshot(self.version, host, param_hash(host))
             return self._snapshot
 
     def state(self) -> tuple[dict[str, np.ndarray], Any, int]:

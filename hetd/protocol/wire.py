@@ -79,6 +79,7 @@ SCHEMA: Final[dict[str, dict[str, tuple[tuple[type, ...], bool]]]] = {
         "base": (_OPT_INT, False),
         "tensors": ((dict,), True),
         "plan": (_OPT_MAP, False),
+        "hash": (_OPT_STR, False),  # full frames: the version's hash (protocol.params)
     },
     "ack": {
         "version": ((int,), True),
