@@ -71,14 +71,11 @@ class Downlink:
         max_refs: int = MAX_REFS,
         max_bytes: int = MAX_REF_BYTES,
         s_per_param: float | None = None,
-        hashes: bool | None = None,
+        hashes: bool = True,
     ) -> None:
         """``s_per_param``: a fixed delta cost per parameter instead of the measured one.
-        ``hashes``: full frames carry the snapshot's hash; None: when the delta cost is measured
-        (a live daemon). A fixed cost marks a run that must not depend on this machine (the
-        simulator), whose frames stay as they were, so that its byte counts and golden runs do
-        not change (22 bytes per full frame)."""
-        self.hashes = s_per_param is None if hashes is None else hashes
+        ``hashes``: full frames carry the snapshot's hash (22 bytes a frame)."""
+        self.hashes = hashes
         self.max_refs = max(2, max_refs)
         self.s_per_param = s_per_param
         self.max_bytes = max_bytes

@@ -131,6 +131,7 @@ class EngineConfig:
     codec: str = "none"  # preferred codec
     downlink: str = "auto"  # lossy codecs' parameters: auto (by link speed), delta, full
     delta_s_per_param: float | None = None  # fixed delta cost for "auto" (None: measured)
+    param_hashes: bool = True  # full params frames carry the version's hash (workers verify)
     heartbeat_s: float = 2.0
     heartbeat_timeout_s: float = 10.0
     tick_s: float = 0.25
@@ -282,7 +283,7 @@ class Engine:
         self.evals: list[tuple[float, float, float]] = []  # (t since start, loss, accuracy)
         self.stages: list[tuple[float, str]] = []  # (t since start, stage entered), each switch
         self._next_id = 1
-        self.downlink = Downlink(s_per_param=config.delta_s_per_param)
+        self.downlink = Downlink(s_per_param=config.delta_s_per_param, hashes=config.param_hashes)
         self.bytes_in = 0  # push bytes received, all workers, since start
         self.bytes_out = 0  # parameter bytes sent, all workers, since start
         self.latency = LatencyRecorder()  # s to decide one event: policy, bookkeeping, acks

@@ -150,6 +150,9 @@ class _Sim:
             downlink=sc.downlink,
             # A fixed delta cost, not the measured one: a run must not depend on this CPU's load.
             delta_s_per_param=DELTA_S_PER_PARAM,
+            # Emulated workers verify nothing; frames as before keep the golden byte counts
+            # (a full frame is 22 bytes shorter than the daemon's).
+            param_hashes=False,
             heartbeat_s=1e9,
             heartbeat_timeout_s=math.inf,  # virtual time: a slow worker is never silent
             tick_s=sc.tick_s,

@@ -99,11 +99,11 @@ def test_old_frames_without_a_hash_still_decode() -> None:
     assert held is not None and hash_matches(held, msg) is None
 
 
-def test_a_fixed_cost_downlink_leaves_the_hash_out() -> None:
-    """The simulator's downlink (a fixed delta cost) sends frames as before, so its byte counts
-    and golden runs do not change; it can be asked for hashes."""
+def test_a_downlink_without_hashes_sends_frames_as_before() -> None:
+    """The simulator turns hashes off (EngineConfig.param_hashes), so its byte counts and golden
+    runs do not change; a daemon's downlink carries them by default."""
     snap = Store(_params(), optax.sgd(0.1)).snapshot()
-    plain = wire.decode(Downlink(s_per_param=1e-9).frames("none", None, snap).frames[0])
+    plain = wire.decode(Downlink(hashes=False).frames("none", None, snap).frames[0])
     assert plain.get("hash") is None
-    hashed = Downlink(s_per_param=1e-9, hashes=True).frames("none", None, snap).frames[0]
+    hashed = Downlink().frames("none", None, snap).frames[0]
     assert wire.decode(hashed)["hash"] == snap.hash
