@@ -177,3 +177,30 @@ async def cluster() -> AsyncIterator[Callable[..., Awaitable[Cluster]]]:
         await stop_processes(c.procs)
         with contextlib.suppress(Exception):
             await c.daemon.stop()
+
+
+# --- a raw protocol-v1 client (tests that speak to the daemon without a worker process) ----------
+
+WORKER_AUTH = {"Authorization": f"Bearer {WORKER_TOKEN}"}
+
+
+async def recv_type(ws: Any, type_: str) -> Any:
+    """The next message of ``type_`` on a raw client websocket, skipping the others."""
+    import aiohttp
+
+    from hetd.protocol import wire
+
+    while True:
+        frame = await ws.receive(timeout=20)
+        assert frame.type == aiohttp.WSMsgType.BINARY, frame
+        msg = wire.decode(frame.data)
+        if msg.type == type_:
+            return msg
+
+
+def raw_hello(resume: dict[str, Any] | None = None) -> bytes:
+    """A raw client's hello (``resume``: the worker id and secret to resume, when given)."""
+    from hetd.protocol import wire
+
+    extra = {} if resume is None else {"resume": resume}
+    return wire.encode("hello", 1, name="raw", device={"platform": "cpu"}, codecs=["none"], **extra)

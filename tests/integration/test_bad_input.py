@@ -12,23 +12,9 @@ import pytest
 from hetd.codecs import registry as codecs
 from hetd.local.demo import stop_processes
 from hetd.protocol import wire
-from tests.conftest import WORKER_TOKEN
-
-AUTH = {"Authorization": f"Bearer {WORKER_TOKEN}"}
-
-
-async def recv(ws: aiohttp.ClientWebSocketResponse, type_: str) -> wire.Message:
-    """The next message of ``type_`` (skipping acks, plans and params in between)."""
-    while True:
-        frame = await ws.receive(timeout=20)
-        assert frame.type == aiohttp.WSMsgType.BINARY, frame
-        msg = wire.decode(frame.data)
-        if msg.type == type_:
-            return msg
-
-
-def hello() -> bytes:
-    return wire.encode("hello", 1, name="raw", device={"platform": "cpu"}, codecs=["none"])
+from tests.conftest import WORKER_AUTH as AUTH
+from tests.conftest import raw_hello as hello
+from tests.conftest import recv_type as recv
 
 
 def push(params: dict[str, np.ndarray], base: int, **overrides: object) -> bytes:

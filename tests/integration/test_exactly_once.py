@@ -19,9 +19,11 @@ from hetd.protocol import wire
 from hetd.protocol.messages import Ack, PushIn, Welcome
 from hetd.server import checkpoint
 from policies import make_policy
-from tests.conftest import WORKER_TOKEN, FakeClock, FakePeer
+from tests.conftest import WORKER_AUTH as AUTH
+from tests.conftest import FakeClock, FakePeer
+from tests.conftest import raw_hello as hello
+from tests.conftest import recv_type as recv
 
-AUTH = {"Authorization": f"Bearer {WORKER_TOKEN}"}
 SHAPES = {"dense/w": (3, 2), "dense/b": (2,)}
 
 
@@ -108,21 +110,6 @@ def test_a_new_worker_starts_its_own_ids() -> None:
 
 
 # --- a real daemon ---------------------------------------------------------------------------------
-
-
-async def recv(ws: aiohttp.ClientWebSocketResponse, type_: str) -> wire.Message:
-    while True:
-        frame = await ws.receive(timeout=20)
-        assert frame.type == aiohttp.WSMsgType.BINARY, frame
-        msg = wire.decode(frame.data)
-        if msg.type == type_:
-            return msg
-
-
-def hello(resume: dict[str, Any] | None = None) -> bytes:
-    return wire.encode(
-        "hello", 1, name="raw", device={"platform": "cpu"}, codecs=["none"], resume=resume
-    )
 
 
 async def test_a_repeated_push_frame_is_applied_once_across_a_reconnect(cluster) -> None:  # type: ignore[no-untyped-def]
