@@ -68,7 +68,9 @@ async def test_asp_lets_the_fast_worker_run(cluster) -> None:  # type: ignore[no
     by_name = {f.name: f.clock for f in c.engine.facts.values()}
     fast = next(v for k, v in by_name.items() if k.endswith("x1"))
     slow = next(v for k, v in by_name.items() if k.endswith("x4"))
-    assert fast >= 2 * slow, by_name
+    # Emulated 4x apart; on a loaded machine real compute narrows the ratio, so assert what asp
+    # means: no gate holds the fast worker near the slowest (any bound here is at most 3).
+    assert fast >= slow + 5, by_name
 
 
 async def test_killed_worker_does_not_stall_bsp(cluster) -> None:  # type: ignore[no-untyped-def]
