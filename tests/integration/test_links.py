@@ -14,11 +14,14 @@ import signal
 import subprocess
 import sys
 import time
+from asyncio.subprocess import Process
+from collections.abc import Callable
 
 import pytest
 
 from hetd.bench import links
 from hetd.local.demo import stop_processes, worker_env
+from hetd.protocol.messages import AckStatus, PushIn
 from hetd.server.daemon import Daemon
 from tests.conftest import WORKER_TOKEN, make_config
 
@@ -29,7 +32,11 @@ pytestmark = [
 ]
 
 RATE = 10e6  # bytes/s
-BIG_MLP = {"hidden": [1024, 1024]}  # ~1.1 M parameters: a 4.4 MB push, 0.44 s at 10 MB/s
+MLP = {"hidden": [512, 512]}  # ~0.3 M parameters: a 1.2 MB push, 0.12 s at 10 MB/s
+HEARTBEAT_S = 0.2
+TIMEOUT_S = 1.5
+CUT_S = 3.0  # > the timeout: the daemon must evict the worker before the link comes back
+WORKER = [sys.executable, "-m", "workers.cli"]
 
 
 def test_links_are_made_and_removed() -> None:
@@ -112,46 +119,102 @@ def test_sweep_refuses_a_broad_name() -> None:
             links.remove_run(bad)
 
 
-def _bytes_in(daemon: Daemon) -> int:
-    return sum(s.bytes_in for s in daemon.engine.stats.values())
+def _bytes_in(daemon: Daemon, wid: int) -> int:
+    return daemon.engine.stats[wid].bytes_in
 
 
-async def test_a_worker_behind_10_mb_s_pushes_no_faster_and_the_daemon_measures_it() -> None:
-    """The daemon's ``link_bps`` comes from the worker's send stamp and its receipt of the push; on
-    a tbf-shaped link it is the link's rate (TCP/IP headers take ~4 %; the target is 20 %)."""
-    with links.open_links([RATE]) as run:
-        cfg = make_config("asp", None, {"host": run.head}, model_kwargs=BIG_MLP)
-        daemon = Daemon(cfg)
+async def _wait(what: str, ok: Callable[[], bool], procs: list[Process], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not ok():
+        for p in procs:
+            if p.returncode is not None:
+                err = await p.stderr.read() if p.stderr is not None else b""
+                pytest.fail(f"a worker exited while waiting for {what}: {err.decode()[-1500:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def test_shaped_link_measured_and_a_cut_is_seen_by_heartbeats_only() -> None:
+    """Two BSP workers, each in its namespace: w0 behind 10 MB/s, w1 on an unshaped veth.
+
+    * w0 never pushes faster than its link, and the daemon's ``link_bps`` for it (from the worker's
+      send stamp and the daemon's receipt) is the link's rate within 20 % (TCP/IP headers take ~4 %);
+    * w1's link is cut (set down: no FIN, no RST): the daemon evicts it by the heartbeat timeout,
+      w0 goes on alone (BSP), and once the link is back w1 rejoins under its id; every push w1
+      made is answered once (no request id missing or applied twice) and no update is applied
+      twice (``updates_applied == version``).
+    """
+    with links.open_links([RATE, float("inf")]) as run:
+        server = {"host": run.head, "heartbeat_s": HEARTBEAT_S, "heartbeat_timeout_s": TIMEOUT_S}
+        daemon = Daemon(make_config("bsp", None, server, model_kwargs=MLP))
+        engine = daemon.engine
+        acks: list[tuple[int, int, str]] = []
+        ack = engine._ack
+
+        def spy(p: PushIn, status: AckStatus, reason: str | None = None) -> None:
+            acks.append((p.worker, p.id, status))  # every answer the engine gives, in order
+            ack(p, status, reason)
+
+        engine._ack = spy  # type: ignore[method-assign]
         port = await daemon.start()
-        argv = [sys.executable, "-m", "workers.cli", f"ws://{run.head}:{port}", "--name", "w0"]
         procs = [
             await asyncio.create_subprocess_exec(
-                *run.command(0, argv),
+                *run.command(i, [*WORKER, f"ws://{run.head}:{port}", "--name", f"w{i}"]),
                 env=worker_env(WORKER_TOKEN),
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE,
             )
+            for i in range(2)
         ]
         try:
-            deadline = time.monotonic() + 120
-            while not any(s.pushes >= 2 for s in daemon.engine.stats.values()):
-                assert procs[0].returncode is None, await procs[0].stderr.read()  # type: ignore[union-attr]
-                assert time.monotonic() < deadline, "no pushes within 120 s"
-                await asyncio.sleep(0.05)
-            t0, b0 = time.monotonic(), _bytes_in(daemon)
-            pushes0 = sum(s.pushes for s in daemon.engine.stats.values())
-            while sum(s.pushes for s in daemon.engine.stats.values()) < pushes0 + 4:
-                assert procs[0].returncode is None
-                await asyncio.sleep(0.05)
-            took, moved = time.monotonic() - t0, _bytes_in(daemon) - b0
-            (facts,) = daemon.engine.facts.values()
-            push = facts.push_bytes
-            assert push is not None and push > 4e6
-            # Four pushes arrived in the window; at most the first was partly on the wire before it.
-            assert moved <= RATE * took + push, (moved, took)
-            assert facts.link_bps is not None
-            assert 0.8 * RATE <= facts.link_bps <= 1.2 * RATE, facts.link_bps
-            print(json.dumps({"link_bps": facts.link_bps, "window_bps": moved / took}))
+
+            def wid(name: str) -> int:
+                return next(w for w, f in engine.facts.items() if f.name == name)
+
+            def rounds(n: int) -> Callable[[], bool]:
+                return lambda: (
+                    len(engine.facts) == 2 and min(f.clock for f in engine.facts.values()) >= n
+                )
+
+            await _wait("2 workers, 2 rounds", rounds(2), procs, 120)
+            w0, w1 = wid("w0"), wid("w1")
+            t0, b0, clock0 = time.monotonic(), _bytes_in(daemon, w0), engine.facts[w0].clock
+            await _wait("4 more rounds", rounds(clock0 + 4), procs, 60)
+            took, moved = time.monotonic() - t0, _bytes_in(daemon, w0) - b0
+            facts = engine.facts[w0]
+            assert facts.push_bytes is not None and facts.push_bytes > 1e6
+            # Four pushes arrived in the window; at most the first was on the wire before it.
+            assert moved <= RATE * took + facts.push_bytes, (moved, took)
+            assert facts.link_bps is not None and 0.8 * RATE <= facts.link_bps <= 1.2 * RATE, (
+                facts.link_bps
+            )
+
+            since = len(engine.departures)
+            run.down(1)
+            cut_at = time.monotonic()
+            await _wait("w1 evicted", lambda: w1 not in engine.facts, procs, TIMEOUT_S + 10)
+            evicted_after = time.monotonic() - cut_at
+            reasons = [r for _, w, r in list(engine.departures)[since:] if w == w1]
+            assert len(reasons) == 1 and "heartbeat" in reasons[0], reasons
+            assert evicted_after >= TIMEOUT_S - HEARTBEAT_S - 0.1, evicted_after
+            version = engine.store.version
+            await _wait(
+                "BSP goes on with w0", lambda: engine.store.version >= version + 2, procs, 30
+            )
+            await asyncio.sleep(max(0.0, CUT_S - (time.monotonic() - cut_at)))
+            assert w1 not in engine.facts  # nothing gets through a cut link
+            run.up(1)
+            await _wait("w1 back under its id", lambda: w1 in engine.facts, procs, 60)
+            assert engine.facts[w1].name == "w1"
+            version = engine.store.version
+            await _wait(
+                "3 rounds with both", lambda: engine.store.version >= version + 3, procs, 60
+            )
+            assert sorted(engine.facts) == sorted([w0, w1])
+            assert engine.updates_applied == engine.store.version
+            answered = sorted(i for w, i, st in acks if w == w1 and st != "duplicate")
+            assert answered == list(range(answered[0], answered[-1] + 1)), answered
         finally:
             await stop_processes(procs)
             await daemon.stop()
