@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import sys
+import tempfile
 from typing import Any
 
 import aiohttp
@@ -28,9 +29,16 @@ ROUTES: list[tuple[str, str, Any]] = [
     ("PUT", "/v1/policy", {"name": "asp"}),
     ("PATCH", "/v1/policy", {"params": {}}),
     ("POST", "/v1/checkpoint", None),
+    ("POST", "/v1/export", {"out": os.path.join(tempfile.gettempdir(), "hetd-test-admin-export")}),
     ("GET", "/metrics", None),
     ("GET", "/openapi.json", None),
+    ("GET", "/v1/dashboard", None),
 ]
+# Routes a test reads only in part: the token is checked all the same.
+STREAMS = [("GET", "/v1/dashboard/stream", None)]
+# Routes without a token: liveness, and the dashboard's login page and static files.
+PUBLIC = {("GET", "/healthz"), ("GET", "/"), ("POST", "/login"), ("POST", "/logout")}
+PUBLIC |= {("GET", "/ui/dashboard.js"), ("GET", "/ui/dashboard.css")}
 
 
 async def call(
@@ -77,7 +85,7 @@ async def test_every_route_wants_the_admin_token_and_is_documented(cluster) -> N
     refused = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {WORKER_TOKEN}"}]
     refused += [{"Authorization": ADMIN_TOKEN}, {"Authorization": f"Basic {ADMIN_TOKEN}"}]
     async with aiohttp.ClientSession() as http:
-        for method, path, body in ROUTES:
+        for method, path, body in ROUTES + STREAMS:
             for headers in refused:
                 status, reply = await call(http, c, method, path, body, headers)
                 assert status == 401, (method, path, headers, reply)
@@ -98,11 +106,12 @@ async def test_every_route_wants_the_admin_token_and_is_documented(cluster) -> N
             for r in c.daemon.admin_app.router.routes()
             if r.method != "HEAD" and r.resource is not None
         }
-        assert served == documented == {(m, p) for m, p, _ in ROUTES} | {("GET", "/healthz")}
+        guarded = {(m, p) for m, p, _ in ROUTES + STREAMS}
+        assert served == documented == guarded | PUBLIC
         for path, ops in doc["paths"].items():
-            for op in ops.values():
+            for method, op in ops.items():
                 assert "200" in op["responses"]
-                assert path == "/healthz" or "401" in op["responses"]
+                assert (method.upper(), path) in PUBLIC or "401" in op["responses"]
 
 
 async def test_no_admin_token_configured_refuses_every_call_but_healthz() -> None:
@@ -112,7 +121,7 @@ async def test_no_admin_token_configured_refuses_every_call_but_healthz() -> Non
     c = Cluster(daemon, f"ws://127.0.0.1:{daemon.port}")
     try:
         async with aiohttp.ClientSession() as http:
-            for method, path, body in ROUTES:
+            for method, path, body in ROUTES + STREAMS:
                 for headers in ({}, AUTH, {"Authorization": "Bearer "}):
                     status, reply = await call(http, c, method, path, body, headers)
                     assert status == 401 and "no admin token is configured" in reply["message"]
@@ -233,7 +242,10 @@ async def test_hot_swap_under_load_loses_no_update(cluster) -> None:  # type: ig
 
         status, st = await call(http, c, "GET", "/v1/status")
         assert status == 200
-        assert st["policy"] == {"name": "ssp", "params": {"staleness": 1, "weight": None}}
+        assert st["policy"] == {
+            "name": "ssp",
+            "params": {"staleness": 1, "weight": None, "patience": 10.0},
+        }
         assert st["workers"] == 3 and st["stage"] == "main" and st["uptime_s"] > 0
         assert st["version"] >= version + 10 and st["updates_applied"] == st["version"]
         assert st["daemon"]["admin_port"] == c.daemon.admin_port

@@ -93,7 +93,7 @@ async def test_policy_get_shows_the_running_policy_and_a_wrong_token_is_refused(
     code, out, err = await hetd("policy", "get", "--admin-url", c.admin_url)
     assert code == 0, err
     name, params, known = parse_policy_get(out)
-    assert name == "ssp" and params == {"staleness": 2, "weight": None}
+    assert name == "ssp" and params == {"staleness": 2, "weight": None, "patience": 10.0}
     assert {"name": name, "params": params} == c.engine.policy.describe()
     assert known == policy_names() and {"asp", "bsp", "ssp"} <= set(known)
 
@@ -110,7 +110,7 @@ async def test_policy_get_shows_the_running_policy_and_a_wrong_token_is_refused(
     # ... and the URL can come from HETD_ADMIN_URL instead of --admin-url.
     code, out, err = await hetd("policy", "get", url=c.admin_url)
     assert code == 0, err
-    assert parse_policy_get(out)[:2] == ("ssp", {"staleness": 5, "weight": None})
+    assert parse_policy_get(out)[:2] == ("ssp", {"staleness": 5, "weight": None, "patience": 10.0})
     code, out, err = await hetd("policy", "get", "--admin-url", c.admin_url, "--json")
     assert code == 0, err
     assert json.loads(out) == {**c.engine.policy.describe(), "known": policy_names()}
@@ -132,7 +132,10 @@ async def test_policy_get_shows_the_running_policy_and_a_wrong_token_is_refused(
     # The daemon shrugged all that off: alive, same policy, and the right token still works.
     assert (await healthz(c))["ok"] is True
     assert c.daemon._engine_task is not None and not c.daemon._engine_task.done()
-    assert c.engine.policy.describe() == {"name": "ssp", "params": {"staleness": 5, "weight": None}}
+    assert c.engine.policy.describe() == {
+        "name": "ssp",
+        "params": {"staleness": 5, "weight": None, "patience": 10.0},
+    }
     code, out, err = await hetd("policy", "get", "--admin-url", c.admin_url)
     assert code == 0 and parse_policy_get(out)[0] == "ssp", err
 

@@ -225,7 +225,10 @@ async def test_sigterm_checkpoints_and_a_restart_resumes(serve) -> None:  # type
             st = await get(http, second, "/v1/status")
             assert st["version"] >= saved_version
             assert st["checkpoint"]["resumed_from"]["version"] == saved_version
-            assert st["policy"] == {"name": "ssp", "params": {"staleness": 2, "weight": None}}
+            assert st["policy"] == {
+                "name": "ssp",
+                "params": {"staleness": 2, "weight": None, "patience": 10.0},
+            }
 
             async def carried_on() -> Any:
                 s = await get(http, second, "/v1/status")

@@ -97,7 +97,10 @@ def test_engine_state_round_trips_through_the_file_format() -> None:
     assert type(o2) is type(o1)
     for a, b in zip(leaves(o1), leaves(o2), strict=True):
         np.testing.assert_array_equal(a, b)
-    assert fresh.policy.describe() == {"name": "ssp", "params": {"staleness": 5, "weight": None}}
+    assert fresh.policy.describe() == {
+        "name": "ssp",
+        "params": {"staleness": 5, "weight": None, "patience": 10.0},
+    }
     assert fresh.stage == "shl" and fresh.updates_applied == 5
     # Both the active and the departed worker can resume, with their clocks; new ids come after.
     assert {w: (f.name, f.clock) for w, f in fresh.departed.items()} == {

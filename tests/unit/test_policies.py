@@ -385,7 +385,10 @@ def test_make_policy_bad_params_raise_policy_error(
 
 def test_make_policy_records_params() -> None:
     p = make_policy("ssp", {"staleness": 2})
-    assert p.describe() == {"name": "ssp", "params": {"staleness": 2, "weight": None}}
+    assert p.describe() == {
+        "name": "ssp",
+        "params": {"staleness": 2, "weight": None, "patience": 10.0},
+    }
 
 
 def test_register_duplicate_name_raises() -> None:
