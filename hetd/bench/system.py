@@ -139,6 +139,7 @@ class Tally(NamedTuple):
     bytes_in: int = 0
     bytes_out: int = 0
     cpu_s: float = 0.0  # CPU of this process (every thread), s
+    publishes: int = 0  # hetd: batches the engine published (updates / publishes: batch size)
 
     def __add__(self, other: tuple[Any, ...]) -> Tally:
         return Tally(*(a + b for a, b in zip(self, other, strict=True)))
@@ -151,20 +152,21 @@ class Tally(NamedTuple):
             "mb_in_per_s": self.bytes_in / dt / MB,
             "mb_out_per_s": self.bytes_out / dt / MB,
             "cpu_ms_per_update": self.cpu_s / max(1, self.updates) * 1e3,
+            "updates_per_publish": self.updates / max(1, self.publishes),
         }
 
 
 async def _measure(counters: Any, seconds: float) -> Tally:
-    """Sample ``counters() -> (updates, bytes in, bytes out)`` around a window of ``seconds``;
-    the wall and process CPU time are read at the same moments."""
-    t0, c0, (u0, i0, o0) = time.monotonic(), time.process_time(), counters()
+    """Sample ``counters() -> (updates, bytes in, bytes out, publishes)`` around a window of
+    ``seconds``; the wall and process CPU time are read at the same moments."""
+    t0, c0, (u0, i0, o0, p0) = time.monotonic(), time.process_time(), counters()
     await asyncio.sleep(seconds)
-    t1, c1, (u1, i1, o1) = time.monotonic(), time.process_time(), counters()
-    return Tally(t1 - t0, u1 - u0, i1 - i0, o1 - o0, c1 - c0)
+    t1, c1, (u1, i1, o1, p1) = time.monotonic(), time.process_time(), counters()
+    return Tally(t1 - t0, u1 - u0, i1 - i0, o1 - o0, c1 - c0, p1 - p0)
 
 
 def _engine_counters(engine: Engine) -> Any:
-    return lambda: (engine.updates_applied, engine.bytes_in, engine.bytes_out)
+    return lambda: (engine.updates_applied, engine.bytes_in, engine.bytes_out, engine.publishes)
 
 
 async def _until(predicate: Any, timeout: float, what: str) -> None:
@@ -221,7 +223,7 @@ async def limit_cell(
     await pool.start(jobs)
     await asyncio.sleep(opts.warmup_s)
     tally = await _measure(
-        lambda: (server.exchanges, server.bytes_in, server.bytes_out), seconds or opts.seconds
+        lambda: (server.exchanges, server.bytes_in, server.bytes_out, 0), seconds or opts.seconds
     )
     _check_reports(await pool.stop(k), f"limit x{k}")
     return tally
@@ -316,13 +318,14 @@ async def _one_cell(
         "params_frame_bytes": params_bytes,
         "server_cpu_ms_per_update": round(got["cpu_ms_per_update"], 3),
         "limit_server_cpu_ms_per_update": round(limit["cpu_ms_per_update"], 3),
+        "updates_per_publish": round(got["updates_per_publish"], 2),
     }
     _say(
         opts,
         f"  {row['params']:>10,} {codec:<5} x{k}: {row['updates_per_s']:8.1f} updates/s, "
         f"limit {row['limit_updates_per_s']:8.1f} -> {row['fraction_of_limit']:.2f}; server CPU "
         f"{row['server_cpu_ms_per_update']:.2f} vs {row['limit_server_cpu_ms_per_update']:.2f} "
-        "ms/update",
+        f"ms/update; {row['updates_per_publish']:.1f} updates/publish",
     )
     return row
 
@@ -441,6 +444,7 @@ ROW_EXTRA = (
     "params_frame_bytes",
     "server_cpu_ms_per_update",
     "limit_server_cpu_ms_per_update",
+    "updates_per_publish",
 )
 LATENCY_KEYS: dict[str, tuple[type, ...]] = {"connected": (int,), "p50_ms": _NUM, "p99_ms": _NUM}
 STARTUP_KEYS: dict[str, tuple[type, ...]] = {"workers": (int,), "seconds_to_first_update": _NUM}

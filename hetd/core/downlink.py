@@ -207,11 +207,14 @@ class Downlink:
     def _full_frame(self, snap: Snapshot, spec: str) -> bytes:
         """The full frame of ``snap`` in lossless codec ``spec``, with the snapshot's hash (the
         worker checks it after applying the frame)."""
+        if spec == "none" and snap.frame is not None:  # packed once, from the snapshot's memory
+            hashed = snap.hashed_frame() if self.hashes else None
+            return hashed or snap.frame
         version = snap.version
         key = (version, spec)
         frame = self._full.get(key)
         if frame is None:
-            extra = {"hash": snap.hash} if self.hashes and snap.hash is not None else {}
+            extra = {"hash": snap.hash} if self.hashes else {}
             frame = wire.encode(
                 "params",
                 0,

@@ -14,7 +14,8 @@ it holds), active or departed, and its whole training state as an :class:`Engine
 
 Under :meth:`Engine.run` (the daemon) a released worker's parameters are not encoded at once: the
 engine first takes whatever else is already queued (up to :data:`BATCH` commands), then *publishes*
-once — runs the queued optimizer steps, takes the snapshot and encodes each (codec, held version)'s
+once — applies the batch's updates (one optimizer step of their weighted sum per kind:
+:attr:`hetd.core.store.Store.combine`), takes the snapshot and encodes each (codec, held version)'s
 frames once — in a worker thread for models of :data:`OFF_LOOP_PARAMS` or more, while the engine
 task awaits it, so one writer still owns the state and the sockets keep flowing. Called directly
 (the simulator, unit tests), every command publishes synchronously before it returns.
@@ -279,6 +280,7 @@ class Engine:
         self.stage = "main"
         self.started_at = self.clock.now()
         self.updates_applied = 0
+        self.publishes = 0  # batches published by run() (updates_applied / publishes: batch size)
         self.max_release_gap = 0  # the largest clock lead any worker was released with
         self.evals: list[tuple[float, float, float]] = []  # (t since start, loss, accuracy)
         self.stages: list[tuple[float, str]] = []  # (t since start, stage entered), each switch
@@ -372,11 +374,13 @@ class Engine:
         """Process commands until cancelled; a timer task feeds ticks."""
         ticker = asyncio.create_task(self._ticker())
         self._deferred = True
+        self.store.combine = True  # a batch's updates: one optimizer step of their weighted sum
         try:
             while True:
                 await self._run_batch(await self._queue.get())
         finally:
             self._deferred = False
+            self.store.combine = False
             ticker.cancel()
             if self._eval_task is not None:
                 self._eval_task.cancel()
@@ -398,6 +402,7 @@ class Engine:
             item = self._queue.get_nowait() if taken < BATCH and not self._queue.empty() else None
         if self._releases or self.store.pending:
             start = time.perf_counter()
+            self.publishes += 1
             await self._publish()
             self.publish_latency.add(time.perf_counter() - start)
 

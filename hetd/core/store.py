@@ -8,11 +8,18 @@ steps is applied as ``w + scale * D``, or, with an *outer* optimizer, as ``w + s
 ``u, s = outer.update(-D, s)`` (the pseudo-gradient of DiLoCo-style training; plain ``sgd`` at lr 1
 is the first form). Only the engine calls the mutating methods.
 
-``apply`` only queues the step and bumps the version: the steps run, in order, at the next
+``apply`` only queues the step and bumps the version: the steps run at the next
 :meth:`Store.flush` — which :meth:`Store.snapshot` and :meth:`Store.state` call first, and which the
 engine calls from a worker thread while it awaits, so that the optimizer step leaves the event
 loop free. A lock makes a snapshot taken on the loop (an evaluation) wait for a flush running in
 the thread instead of racing it.
+
+With :attr:`Store.combine` (the daemon sets it), the updates queued between two flushes are applied
+*once*: per kind, ``Σ scale_i · u_i`` goes through one optimizer step with scale 1 (each update
+counted once, with its own weight). For SGD and plain deltas that is the same parameters as one step
+per update (the transform is linear and stateless); for a stateful optimizer (Adam) it is one step
+of the weighted sum, as a synchronous round's flush is. Unset (the simulator, unit tests), every
+update is its own step, in order.
 """
 
 from __future__ import annotations
@@ -20,7 +27,6 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
@@ -28,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from hetd.protocol.params import param_hash
+from hetd.protocol.params import full_frame, param_hash, with_hash
 from hetd.zoo.optim import make_optimizer, parse_optimizer
 
 __all__ = [
@@ -85,13 +91,44 @@ def make_outer(spec: str) -> optax.GradientTransformation | None:
     return parsed.build()
 
 
-@dataclass(frozen=True, slots=True)
 class Snapshot:
-    """One published parameter version: immutable host copies, shared by every reader."""
+    """One published parameter version: immutable host arrays, shared by every reader.
 
-    version: int
-    tensors: Mapping[str, np.ndarray]
-    hash: str | None = None  # protocol.params.param_hash of the tensors (None: not computed)
+    ``frame``: the version's full ``params`` frame (codec ``none``, no hash) whose memory the
+    store's snapshots' ``tensors`` are views of (:func:`hetd.protocol.params.full_frame`), so the
+    daemon sends it as it is; None for a snapshot made by hand. The hash and the frame with it
+    are computed on first use only (a version that goes out only as deltas is never hashed);
+    two threads asking at once compute the same value twice, harmlessly."""
+
+    __slots__ = ("_hash", "_hashed", "frame", "tensors", "version")
+
+    def __init__(
+        self,
+        version: int,
+        tensors: Mapping[str, np.ndarray],
+        hash: str | None = None,
+        frame: bytes | None = None,
+    ) -> None:
+        self.version = version
+        self.tensors = tensors
+        self.frame = frame
+        self._hash = hash
+        self._hashed: bytes | None = None
+
+    @property
+    def hash(self) -> str:
+        """:func:`hetd.protocol.params.param_hash` of the tensors (computed once)."""
+        if self._hash is None:
+            self._hash = param_hash(self.tensors)
+        return self._hash
+
+    def hashed_frame(self) -> bytes | None:
+        """``frame`` with the ``hash`` field (computed once); None without a frame."""
+        if self.frame is None:
+            return None
+        if self._hashed is None:
+            self._hashed = with_hash(self.frame, self.hash)
+        return self._hashed
 
 
 class Store:
@@ -119,6 +156,8 @@ class Store:
         self._n_params = sum(math.prod(s) for s in self.shapes.values())
         self._snapshot: Snapshot | None = None
         self._pending: list[tuple[str, Tensors, float]] = []  # steps queued by apply, in order
+        # apply what is queued as one step per kind (the weighted sum); the daemon's engine sets it
+        self.combine = False
         self._lock = threading.RLock()
 
         def grad_step(
@@ -159,6 +198,17 @@ class Store:
         ) -> tuple[dict[str, jax.Array], Any]:
             return delta_step(params, state, merged(update), scale)
 
+        def scaled(update: _Split, scale: jax.Array) -> dict[str, jax.Array]:
+            return {k: scale * v for k, v in merged(update).items()}
+
+        def accumulate(
+            acc: dict[str, jax.Array], update: _Split, scale: jax.Array
+        ) -> dict[str, jax.Array]:
+            u = merged(update)
+            return {k: acc[k] + scale * u[k] for k in acc}
+
+        self._scaled = jax.jit(scaled)
+        self._accumulate = jax.jit(accumulate, donate_argnums=(0,))
         self._grad_step = jax.jit(grad_step, donate_argnums=(0, 1))
         self._delta_step = jax.jit(delta_step, donate_argnums=(0, 1))
         self._grad_step_q = jax.jit(grad_step_q, donate_argnums=(0, 1))
@@ -195,9 +245,13 @@ class Store:
         params, _ = self._grad_step(zeros, self._tx.init(zeros), grads, np.float32(0.0))
         outer = self._outer.init(zeros) if self._outer is not None else None
         params, _ = self._delta_step(params, outer, grads, np.float32(0.0))
+        acc = self._scaled((grads, {}, {}), np.float32(0.0))
+        acc = self._accumulate(acc, (grads, {}, {}), np.float32(0.0))
         if int8:
             q = {k: np.zeros(s, np.int8) for k, s in self.shapes.items()}
             split: _Split = ({}, q, {k: np.float32(0.0) for k in q})
+            acc = self._scaled(split, np.float32(0.0))
+            acc = self._accumulate(acc, split, np.float32(0.0))
             params, _ = self._grad_step_q(params, self._tx.init(params), split, np.float32(0.0))
             outer = self._outer.init(params) if self._outer is not None else None
             params, _ = self._delta_step_q(params, outer, split, np.float32(0.0))
@@ -210,49 +264,72 @@ class Store:
         return len(self._pending)
 
     def flush(self) -> None:
-        """Run the queued steps (thread-safe; JAX releases the GIL while it computes)."""
+        """Run the queued steps (thread-safe; JAX releases the GIL while it computes): one per
+        update in order, or with :attr:`combine` one per kind, of the weighted sum."""
         with self._lock:
             pending, self._pending = self._pending, []
+            if self.combine and len(pending) > 1:
+                for kind in KINDS:
+                    group = [(t, scale) for k, t, scale in pending if k == kind]
+                    if len(group) == 1:
+                        self._step(kind, group[0][0], group[0][1])
+                    elif group:
+                        self._step(kind, self._sum(group), 1.0)
+                return
             for kind, tensors, scale in pending:
-                # Host arrays go to the jitted step as they are: its C++ path moves them in
-                # one go, faster than a jnp.asarray per tensor from Python (docs/benchmark.md).
-                q = {k: v.q for k, v in tensors.items() if isinstance(v, Int8)}
-                if not q:
-                    update = {k: tensors[k] for k in self._params}
-                    if kind == "grad":
-                        self._params, self._opt_state = self._grad_step(
-                            self._params, self._opt_state, update, np.float32(scale)
-                        )
-                    else:
-                        self._params, self._outer_state = self._delta_step(
-                            self._params, self._outer_state, update, np.float32(scale)
-                        )
-                    continue
-                split: _Split = (
-                    {k: v for k, v in tensors.items() if not isinstance(v, Int8)},
-                    q,
-                    {k: v.scale for k, v in tensors.items() if isinstance(v, Int8)},
+                self._step(kind, tensors, scale)
+
+    def _sum(self, group: list[tuple[Tensors, float]]) -> dict[str, jax.Array]:
+        """``Σ scale · update`` on the device, one pass per update (int8 dequantized in jit)."""
+        acc = self._scaled(self._split(group[0][0]), np.float32(group[0][1]))
+        for tensors, scale in group[1:]:
+            acc = self._accumulate(acc, self._split(tensors), np.float32(scale))
+        return {k: acc[k] for k in self._params}
+
+    @staticmethod
+    def _split(tensors: Tensors) -> _Split:
+        return (
+            {k: v for k, v in tensors.items() if not isinstance(v, Int8)},
+            {k: v.q for k, v in tensors.items() if isinstance(v, Int8)},
+            {k: v.scale for k, v in tensors.items() if isinstance(v, Int8)},
+        )
+
+    def _step(self, kind: str, tensors: Mapping[str, Any], scale: float) -> None:
+        """One optimizer step (``grad``) or one delta added, scaled by ``scale``."""
+        # Host arrays go to the jitted step as they are: its C++ path moves them in one go,
+        # faster than a jnp.asarray per tensor from Python (docs/benchmark.md).
+        if not any(isinstance(v, Int8) for v in tensors.values()):
+            update = {k: tensors[k] for k in self._params}
+            if kind == "grad":
+                self._params, self._opt_state = self._grad_step(
+                    self._params, self._opt_state, update, np.float32(scale)
                 )
-                if kind == "grad":
-                    self._params, self._opt_state = self._grad_step_q(
-                        self._params, self._opt_state, split, np.float32(scale)
-                    )
-                else:
-                    self._params, self._outer_state = self._delta_step_q(
-                        self._params, self._outer_state, split, np.float32(scale)
-                    )
+            else:
+                self._params, self._outer_state = self._delta_step(
+                    self._params, self._outer_state, update, np.float32(scale)
+                )
+            return
+        split = self._split(tensors)
+        if kind == "grad":
+            self._params, self._opt_state = self._grad_step_q(
+                self._params, self._opt_state, split, np.float32(scale)
+            )
+        else:
+            self._params, self._outer_state = self._delta_step_q(
+                self._params, self._outer_state, split, np.float32(scale)
+            )
 
     def snapshot(self) -> Snapshot:
         """The current version as host arrays, copied once per version (buffers are donated)."""
         with self._lock:
             if self._snapshot is None or self._snapshot.version != self.version:
                 self.flush()
-                host = {
-                    k: np.array(v, dtype=np.float32, copy=True) for k, v in self._params.items()
-                }
-                for arr in host.values():
-                    arr.flags.writeable = False
-                self._snapshot = Snapshot(self.version, host, param_hash(host))
+                # Host views of the device buffers (no copy on CPU), copied once into the full
+                # params frame, whose memory the snapshot's arrays are: the next step donates
+                # the device buffers, the frame stays.
+                views = {k: np.asarray(v) for k, v in self._params.items()}
+                frame, host = full_frame(self.version, views, None)
+                self._snapshot = Snapshot(self.version, host, frame=frame)
             return self._snapshot
 
     def state(self) -> tuple[dict[str, np.ndarray], Any, int]:

@@ -3,7 +3,8 @@
 Owns :class:`Held` and :func:`apply_params`, shared by the real worker (``workers.client``) and the
 emulated one (:mod:`hetd.sim.agent`): a full frame replaces what is held; a delta frame adds to the
 version it names, and only to that one. :func:`param_hash` is the short hash (SHA-256, 64 bits) of a parameter set that
-the daemon puts in each full ``params`` frame (field ``hash``) and a worker checks after a full pull.
+the daemon puts in each full ``params`` frame (field ``hash``) and a worker checks after a full pull;
+:func:`full_frame` packs that frame once per version, the snapshot's tensors living in it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import msgpack
 import numpy as np
 
 from hetd.codecs import registry as codecs
@@ -32,6 +34,42 @@ def param_hash(tensors: Mapping[str, np.ndarray]) -> str:
         h.update(f"{path}\0{arr.shape}\0".encode())
         h.update(arr.data)
     return h.hexdigest()[: 2 * HASH_BYTES]
+
+
+def full_frame(
+    version: int, tensors: Mapping[str, np.ndarray], hash_: str | None
+) -> tuple[bytes, dict[str, np.ndarray]]:
+    """The full ``params`` frame of ``version`` in codec ``none`` (with ``hash_`` when given),
+    packed with one copy of the tensors (:func:`hetd.protocol.wire.pack_parts`: no msgpack copy
+    of the payload), and the tensors as read-only float32 views of the frame: a snapshot that
+    shares its frame's memory costs one copy of the model, not two. Byte for byte what
+    :func:`hetd.protocol.wire.encode` packs for the same fields."""
+    flat = {path: np.ascontiguousarray(x, dtype=np.float32) for path, x in tensors.items()}
+    extra = {} if hash_ is None else {"hash": hash_}
+    encoded = codecs.encode_tree(flat, codecs.none_codec())
+    parts = wire.pack_parts("params", 0, version=version, full=True, tensors=encoded, **extra)
+    frame = parts.join()
+    views: dict[str, np.ndarray] = {}
+    big = iter(parts.offsets)
+    for path, x in flat.items():
+        if x.nbytes >= wire.ZERO_COPY_MIN:
+            view = np.frombuffer(frame, np.float32, x.size, next(big)).reshape(x.shape)
+        else:
+            view = np.array(x, np.float32, copy=True)
+            view.flags.writeable = False
+        views[path] = view
+    return frame, views
+
+
+def with_hash(frame: bytes, hash_: str) -> bytes:
+    """A message frame packed without a ``hash`` field (by :func:`full_frame`), with one: its
+    top-level map (a fixmap: fewer than 15 fields) grows by one entry appended at the end. One
+    copy of the frame; byte for byte what :func:`full_frame` packs with ``hash_``."""
+    head = frame[0]
+    if not 0x80 <= head < 0x8F:
+        raise ValueError("with_hash takes a frame whose top-level map has fewer than 15 fields")
+    tail = msgpack.packb("hash") + msgpack.packb(hash_)
+    return b"".join((bytes((head + 1,)), memoryview(frame)[1:], tail))
 
 
 def hash_matches(held: Held, msg: wire.Message) -> bool | None:

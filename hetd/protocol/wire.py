@@ -121,6 +121,75 @@ def encode(type_: str, id_: int = 0, **fields: Any) -> bytes:
     return packed
 
 
+ZERO_COPY_MIN: Final = 64 * 1024  # bytes values at least this big are not copied by pack_parts
+
+
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """A message packed as segments whose concatenation is exactly its msgpack frame (what
+    :func:`encode` gives, byte for byte): large ``bytes`` values stay the caller's buffers.
+    ``offsets[i]``: where the i-th such buffer starts in the frame."""
+
+    segments: tuple[bytes | bytearray | memoryview, ...]
+    offsets: tuple[int, ...]
+    nbytes: int
+
+    def join(self) -> bytes:
+        """The frame: one copy of every segment, nothing else."""
+        return b"".join(self.segments)
+
+
+def pack_parts(type_: str, id_: int = 0, **fields: Any) -> Parts:
+    """Pack one message like :func:`encode`, but leave each ``bytes``-like value of
+    :data:`ZERO_COPY_MIN` bytes or more as its own segment (preceded by its msgpack ``bin``
+    header) instead of copying it into a packer's buffer: a params frame is joined once from the
+    snapshot's memory, and a sender can hand the segments to its transport as they are."""
+    if type_ not in SCHEMA:
+        raise ProtocolError("unknown_type", f"cannot encode unknown message type {type_!r}")
+    packer = msgpack.Packer(use_bin_type=True)
+    segments: list[bytes | bytearray | memoryview] = []
+    offsets: list[int] = []
+    small = bytearray()
+    size = 0
+
+    def add(obj: Any) -> None:
+        nonlocal small, size
+        if isinstance(obj, dict):
+            small += packer.pack_map_header(len(obj))
+            for k, v in obj.items():
+                small += packer.pack(k)
+                add(v)
+        elif isinstance(obj, list | tuple):
+            small += packer.pack_array_header(len(obj))
+            for v in obj:
+                add(v)
+        elif isinstance(obj, bytes | bytearray | memoryview) and _nbytes(obj) >= ZERO_COPY_MIN:
+            n = _nbytes(obj)
+            small += (
+                b"\xc6" + n.to_bytes(4, "big") if n >= 1 << 16 else b"\xc5" + n.to_bytes(2, "big")
+            )
+            size += len(small)
+            segments.append(bytes(small))
+            small = bytearray()
+            offsets.append(size)
+            segments.append(obj)
+            size += n
+        else:
+            small += packer.pack(obj)
+
+    msg: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": type_, "id": id_}
+    msg.update(fields)
+    add(msg)
+    if small:
+        segments.append(bytes(small))
+        size += len(small)
+    return Parts(tuple(segments), tuple(offsets), size)
+
+
+def _nbytes(buf: bytes | bytearray | memoryview) -> int:
+    return buf.nbytes if isinstance(buf, memoryview) else len(buf)
+
+
 def _reject_ext(code: int, data: bytes) -> Any:
     raise ValueError(f"extension type {code} is not allowed")
 

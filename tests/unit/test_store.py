@@ -177,3 +177,53 @@ def test_aggregator_keeps_grad_and_delta_apart() -> None:
     assert set(out) == {"grad", "delta"}
     assert_tree_close(out["grad"], {k: (grads(0)[k] + 3 * grads(2)[k]) / 4 for k in grads(0)})
     assert_tree_close(out["delta"], {k: (3 * grads(1)[k] + grads(3)[k]) / 4 for k in grads(0)})
+
+
+def test_combined_flush_applies_each_update_once_with_its_weight() -> None:
+    """ASP's meaning under the daemon's batching: the pushes queued between two publishes go
+    through one step of their weighted sum, which for SGD (and plain deltas) is exactly the
+    parameters of one step per push; int8 and float32 updates mix; the version counts each."""
+    from hetd.core.store import Int8
+
+    rng = np.random.default_rng(3)
+    q = {k: rng.integers(-127, 128, np.shape(v), dtype=np.int8) for k, v in grads(9).items()}
+    pushes: list[tuple[str, Any, float]] = [
+        ("grad", grads(0), 0.25),
+        ("grad", {k: Int8(v, np.float32(0.01)) for k, v in q.items()}, 0.5),
+        ("delta", grads(1), 0.3),
+        ("grad", grads(2), 1.0),
+        ("delta", grads(3), 0.7),
+    ]
+    one_by_one, combined = (
+        Store(init_params(), optax.sgd(0.1)),
+        Store(init_params(), optax.sgd(0.1)),
+    )
+    combined.combine = True
+    for kind, tensors, scale in pushes:
+        one_by_one.apply(kind, tensors, scale)
+        combined.apply(kind, tensors, scale)
+    assert combined.pending == len(pushes)
+    assert combined.snapshot().version == one_by_one.snapshot().version == len(pushes)
+    assert_tree_close(combined.snapshot().tensors, one_by_one.snapshot().tensors, atol=1e-5)
+    # ... and by hand: w - lr * Σ w_i g_i + Σ w_j d_j, each update counted once
+    want = {k: v.copy() for k, v in init_params().items()}
+    for kind, tensors, scale in pushes:
+        for k in want:
+            t = tensors[k]
+            u = t.q.astype(np.float32) * t.scale if isinstance(t, Int8) else t
+            want[k] += np.float32(scale) * (-0.1 * u if kind == "grad" else u)
+    assert_tree_close(combined.snapshot().tensors, want, atol=1e-5)
+
+
+def test_combined_flush_is_one_adam_step_of_the_weighted_sum() -> None:
+    """With a stateful optimizer the batch is one step (as a synchronous round's flush is)."""
+    tx = optax.adam(0.01)
+    store = Store(init_params(), tx)
+    store.combine = True
+    store.apply("grad", grads(0), 0.5)
+    store.apply("grad", grads(1), 0.25)
+    ref = {k: jnp.asarray(v) for k, v in init_params().items()}
+    g = {k: 0.5 * grads(0)[k] + 0.25 * grads(1)[k] for k in ref}
+    updates, _ = tx.update({k: jnp.asarray(v) for k, v in g.items()}, tx.init(ref), ref)
+    assert_tree_close(store.snapshot().tensors, {k: ref[k] + updates[k] for k in ref})
+    assert store.version == 2

@@ -456,3 +456,47 @@ def test_typed_replies_encode_exactly_the_v1_frames() -> None:
     for reply, frame in cases:
         assert reply.encode() == frame, reply
         assert reply.message() == wire.decode(frame), reply
+
+
+def test_pack_parts_is_encode_byte_for_byte_without_copying_big_buffers() -> None:
+    """Zero-copy frames stay protocol v1: the segments join to exactly what ``encode`` packs (v1
+    readers decode them unchanged), and a big tensor's buffer is handed over, not copied."""
+    rng = np.random.default_rng(0)
+    tensors = {
+        "a": rng.standard_normal(70_000).astype(np.float32),  # bin32 header
+        "b": rng.standard_normal(3).astype(np.float32),  # small: packed inline
+        "c": rng.standard_normal((4, 4096)).astype(np.float32),  # exactly 64 KiB: bin16 header
+    }
+    enc = codecs.encode_tree(tensors, codecs.none_codec())
+    fields = {"version": 7, "full": True, "tensors": enc, "hash": "0123456789abcdef"}
+    parts = wire.pack_parts("params", 0, **fields)
+    assert parts.join() == wire.encode("params", 0, **fields)
+    assert parts.nbytes == len(parts.join())
+    big = [s for s in parts.segments if isinstance(s, memoryview)]
+    assert [s.obj for s in big] == [enc["a"]["data"].obj, enc["c"]["data"].obj]
+    frame = parts.join()
+    for off, name in zip(parts.offsets, ("a", "c"), strict=True):
+        assert frame[off : off + tensors[name].nbytes] == tensors[name].tobytes()
+    msg = wire.decode(frame)
+    assert msg["version"] == 7 and msg["hash"] == "0123456789abcdef"
+
+
+def test_full_frame_shares_its_memory_with_the_snapshot_and_takes_a_hash_later() -> None:
+    from hetd.protocol.params import apply_params, full_frame, param_hash, with_hash
+
+    rng = np.random.default_rng(1)
+    tensors = {"w": rng.standard_normal((300, 100)).astype(np.float32), "b": np.ones(5, np.float32)}
+    frame, views = full_frame(3, tensors, None)
+    assert np.shares_memory(np.frombuffer(frame, np.uint8), views["w"])
+    assert not views["w"].flags.writeable and not views["b"].flags.writeable
+    h = param_hash(tensors)
+    hashed = with_hash(frame, h)
+    assert hashed == full_frame(3, tensors, h)[0]
+    codec = {"codec": "none", "dtype": "float32"}
+    enc = {k: {**codec, "shape": list(v.shape), "data": v.tobytes()} for k, v in tensors.items()}
+    assert hashed == wire.encode("params", 0, version=3, full=True, tensors=enc, hash=h)
+    held = apply_params(None, wire.decode(hashed))
+    assert held is not None and held.version == 3
+    np.testing.assert_array_equal(held.tensors["w"], tensors["w"])
+    with pytest.raises(ValueError):
+        with_hash(b"\x90", h)
