@@ -193,25 +193,46 @@ def remove_run(name: str) -> list[str]:
     return removed
 
 
+def _alive(record: Path) -> bool:
+    """Whether the run that wrote ``record`` still runs (its pid, with the same start time)."""
+    try:
+        info = json.loads(record.read_text())
+        return bool(_pid_start(int(info["pid"])) == info["start"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # a torn record: its run died while writing it
+
+
+def _records() -> list[Path]:
+    if not REGISTRY.is_dir():
+        return []
+    return [r for r in sorted(REGISTRY.glob("hetd*.json")) if NAME_RE.fullmatch(r.stem)]
+
+
 def sweep() -> dict[str, list[str]]:
     """Remove what runs killed without cleaning up (SIGKILL, power loss of the process) left: every
     recorded run whose process is gone, by its exact name prefix. Returns run name -> removed."""
-    if unavailable() is not None or not REGISTRY.is_dir():
+    if unavailable() is not None:
         return {}
-    out: dict[str, list[str]] = {}
     with _locked():
-        for rec in sorted(REGISTRY.glob("hetd*.json")):
-            name = rec.stem
-            if not NAME_RE.fullmatch(name):
-                continue
-            try:
-                info = json.loads(rec.read_text())
-                alive = _pid_start(int(info["pid"])) == info["start"]
-            except (OSError, ValueError, KeyError, TypeError):
-                alive = False  # a torn record: its run died while writing it
-            if not alive:
-                out[name] = remove_run(name)
-    return out
+        return {r.stem: remove_run(r.stem) for r in _records() if not _alive(r)}
+
+
+def _names() -> list[str]:
+    """Every link on the head side and every namespace, by name."""
+    devs = re.findall(r"^\d+: ([^:@\s]+)", _run("ip", "-o", "link", "show").stdout, re.M)
+    return devs + [ns.split(" ", 1)[0] for ns in _run("ip", "netns", "list").stdout.split("\n")]
+
+
+def leftovers(name: str) -> list[str]:
+    """Links and namespaces on this host whose names start with run ``name`` (empty when clean)."""
+    return [x for x in _names() if x.startswith(name) and x]
+
+
+def orphans() -> list[str]:
+    """Links and namespaces named like a run's whose run is not running (what a sweep removes);
+    for checks: nothing is removed."""
+    live = {r.stem for r in _records() if _alive(r)}
+    return [x for x in _names() if (m := NAME_RE.match(x)) and m.group(0) not in live]
 
 
 class NetnsLinks:
@@ -341,18 +362,3 @@ def open_links(rates: Sequence[float]) -> Iterator[NetnsLinks]:
             atexit.unregister(links.close)
             for sig, handler in old.items():
                 signal.signal(sig, handler)
-
-
-def leftovers(name: str) -> list[str]:
-    """Links and namespaces on this host whose names start with run ``name`` (empty when clean)."""
-    found = [
-        dev
-        for dev in re.findall(r"^\d+: ([^:@\s]+)", _run("ip", "-o", "link", "show").stdout, re.M)
-        if dev.startswith(name)
-    ]
-    found += [
-        ns.split(" ", 1)[0]
-        for ns in _run("ip", "netns", "list").stdout.split("\n")
-        if ns.startswith(name + "-")
-    ]
-    return found

@@ -121,6 +121,9 @@ class RunResult:
     curve: list[list[float]]  # [[t s, accuracy], ...]
     trace: Trace = field(default_factory=Trace)
     stages: list[list[Any]] = field(default_factory=list)  # [[t s, stage entered], ...]
+    # real mode: the run's links ({"kind": "emulated"} or hetd.bench.links' description); None in
+    # sim mode (the simulator charges bytes / bandwidth)
+    links: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The record written to ``results.json`` (the trace is left out)."""
@@ -141,7 +144,7 @@ class RunResult:
             "releases": self.releases,
             "curve": [list(c) for c in self.curve],
             "stages": [list(x) for x in self.stages],
-        }
+        } | ({} if self.links is None else {"links": dict(self.links)})
 
 
 def first_reach(curve: Sequence[Sequence[float]], target: float) -> float | None:
@@ -245,7 +248,8 @@ def check_results(doc: Any) -> None:
         if not isinstance(doc[part], list):
             raise ValueError(f"{part} must be a list")
         for i, rec in enumerate(doc[part]):
-            if not isinstance(rec, dict) or set(rec) != set(keys):
+            optional = {"links"} if part == "runs" else set()  # real mode only
+            if not isinstance(rec, dict) or set(rec) - optional != set(keys):
                 got = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
                 raise ValueError(f"{part}[{i}] must have exactly keys {sorted(keys)}, got {got}")
             for key, types in keys.items():
@@ -253,6 +257,8 @@ def check_results(doc: Any) -> None:
                 if isinstance(value, bool) or not isinstance(value, types):
                     raise ValueError(f"{part}[{i}].{key} has type {type(value).__name__}")
     for i, rec in enumerate(doc["runs"]):
+        if not isinstance(rec.get("links", {}), dict):  # real mode: which links the run had
+            raise ValueError(f"runs[{i}].links must be an object, got {rec['links']!r}")
         for w, f in rec["idle_fraction"].items():
             if not isinstance(f, float | int) or not 0 <= f <= 1:
                 raise ValueError(f"runs[{i}].idle_fraction[{w!r}] must be in [0, 1], got {f!r}")
