@@ -443,16 +443,33 @@ def describe(profile: CostProfile) -> list[str]:
         f"worker_step_s              {ms(p.worker_step_s)}",
         f"eval_s                     {ms(p.eval_s)}",
         f"profile_s                  {ms(p.profile_s)}",
+        f"exchange_s                 {ms(p.exchange_s)}",
+        f"release_stagger_s          {ms(p.release_stagger_s)}",
         f"off_loop_bytes             {p.off_loop_bytes}",
     ]
 
 
-def calibrate_scenario(
-    sc: Scenario, out: Path, repeats: int = REPEATS, quiet: bool = False
+def with_cluster(
+    profile: CostProfile, sc: Scenario, progress: Callable[[str], None] | None = None
 ) -> CostProfile:
-    """Measure the profile of ``sc`` and write it to ``out``."""
+    """``profile`` with its end-to-end terms fitted from real runs of ``sc``'s setting
+    (:mod:`hetd.bench.cluster_costs`)."""
+    from hetd.bench.cluster_costs import fit_cluster
+
+    exchange, stagger, measured = fit_cluster(sc, profile, progress=progress)
+    about = dict(profile.about) | {"cluster": measured}
+    return dataclasses.replace(profile, exchange_s=exchange, release_stagger_s=stagger, about=about)
+
+
+def calibrate_scenario(
+    sc: Scenario, out: Path, repeats: int = REPEATS, quiet: bool = False, cluster: bool = True
+) -> CostProfile:
+    """Measure the profile of ``sc`` (``cluster``: with its end-to-end terms) and write it to
+    ``out``."""
     progress = None if quiet else (lambda m: print(f"calibrate: {m}", file=sys.stderr))
     profile = calibrate(target_for(sc), repeats, progress)
+    if cluster:
+        profile = with_cluster(profile, sc, progress)
     write_costs(out, profile)
     return profile
 
@@ -461,15 +478,19 @@ def run_command(args: argparse.Namespace) -> int:
     """``hetd calibrate``: ``--scenario`` or ``--model``/``--dataset``, ``--repeats``, ``--out``."""
     if args.scenario and (args.model or args.dataset):
         raise ValueError("give --scenario or --model/--dataset, not both")
+    sc = None
     if args.scenario:
         from hetd.sim.scenario import load_scenario
 
-        target = target_for(load_scenario(args.scenario))
+        sc = load_scenario(args.scenario)
+        target = target_for(sc)
     else:
         train = config_mod.TrainConfig()
         target = Target(model=args.model or train.model, dataset=args.dataset or train.dataset)
     progress = None if args.quiet else (lambda m: print(f"calibrate: {m}", file=sys.stderr))
     profile = calibrate(target, args.repeats, progress)
+    if sc is not None and not args.no_cluster:
+        profile = with_cluster(profile, sc, progress)
     write_costs(args.out, profile)
     where = f"scenario {target.scenario}" if target.scenario else f"{target.model}"
     print(

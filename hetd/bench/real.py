@@ -24,6 +24,16 @@ its own monotonic clock, so the origin does not depend on when the line arrives,
 share it up to the host's clock (one host: exactly). Before it (while the slowest worker still
 compiles) workers run at their initial slow-down with no shift and no straggle episode; shift
 times and straggle episodes count from it, as in the simulator.
+
+**A fresh start at t = 0.** While the slowest worker still compiles, the others train: each pushes
+once at least, and the faster ones many times. None of that is in the simulator's run, which starts
+every worker at t = 0 from the initial model with the policy just built (profiling included). So at
+t = 0 the bench starts the run afresh, on the engine's task: the policy is swapped for a new one of
+the same spec (its state and the plans rebuilt from ``init``, buffered pushes applied first, as any
+swap does), then the parameters and the optimizer's state go back to what they were before the first
+worker joined, under a new version (so every worker's next parameters replace what it holds). What
+stays is what the workers are: compiled, connected, and measured (their facts). A push computed
+before t = 0 and applied after it lands on the fresh parameters: at most one per worker.
 """
 
 from __future__ import annotations
@@ -204,6 +214,7 @@ async def _run(
     recorder = Recorder(engine)
     engine.policy, engine.policy_state = recorder.wrap(engine.policy), engine.policy_state
     port = await daemon.start()
+    initial = engine.store.state()  # before any worker joins: the t = 0 restart goes back to it
     url = f"ws://127.0.0.1:{port}"
     env = worker_env(cfg.server.worker_token)
     procs: list[asyncio.subprocess.Process] = []
@@ -237,6 +248,7 @@ async def _run(
                     f"{JOIN_TIMEOUT_S:g} s; worker errors: {errors}"
                 )
             await asyncio.sleep(0.05)
+        await engine.call(lambda: _restart(engine, recorder, policy, initial))
         return await _measure(sc, policy, seed, lr, daemon, recorder, on_time, procs)
     finally:
         for p in procs:
@@ -244,6 +256,21 @@ async def _run(
                 p.stdin.close()
         await stop_processes(procs)
         await daemon.stop()
+
+
+def _restart(
+    engine: Engine,
+    recorder: Recorder,
+    policy: PolicySpec,
+    initial: tuple[dict[str, Any], Any, int],
+) -> None:
+    """The run's fresh start at t = 0 (module docstring), on the engine's task: a new policy of
+    the same spec (observed again), then the initial parameters and optimizer state under a new
+    version."""
+    engine.swap_policy(policy.name, policy.build_params())
+    engine.policy = recorder.wrap(engine.policy)
+    params, opt_state, _ = initial
+    engine.store.restore(params, opt_state, engine.store.version + 1)
 
 
 async def _measure(

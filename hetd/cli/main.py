@@ -157,6 +157,12 @@ def _add_calibrate(sub: Sub) -> None:
     c.add_argument("--model", default=None, help="or this model (default: [train] model's)")
     c.add_argument("--dataset", default=None, help="and data set (default: [train] dataset's)")
     c.add_argument("--repeats", type=int, default=15, help="timed runs per figure (median)")
+    c.add_argument(
+        "--no-cluster",
+        action="store_true",
+        help="skip the end-to-end terms (exchange_s, release_stagger_s), which --scenario fits "
+        "from two short real runs (a real daemon with 1, then all, real workers)",
+    )
     c.add_argument("--quiet", action="store_true", help="no progress lines")
     c.set_defaults(run=_calibrate)
 

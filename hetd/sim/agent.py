@@ -205,9 +205,12 @@ class EmuWorker:
             self.last_delta = work
         compute_s = self._step_s(batch * k, t)
         # the push is encoded after the compute, and the step's fixed overhead paid, before it
-        # can leave; the device is busy meanwhile (as in workers.client._compute)
-        encode_s = self.costs.worker_encode(self.plan.codec, self.n_params) + (
-            self.costs.worker_step_s
+        # can leave; the device is busy meanwhile (as in workers.client._compute). The round
+        # trip's loopback cost (exchange_s) is charged here too: once per step.
+        encode_s = (
+            self.costs.worker_encode(self.plan.codec, self.n_params)
+            + self.costs.worker_step_s
+            + self.costs.exchange_s
         )
         end = t + compute_s + encode_s
         idle_s, self.idle_from = t - self.idle_from, end

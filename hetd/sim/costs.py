@@ -76,6 +76,18 @@ FIELDS: dict[str, tuple[str, str]] = {
         "worker: the profile exchange when it joins (the requested steps really computed, one "
         "encode); null: charge the profile steps as emulated steps",
     ),
+    "exchange_s": (
+        "s",
+        "worker: what one step's round trip on loopback costs beyond everything above and the "
+        "scenario's link (websocket framing and copies, thread hops, the host's scheduler), "
+        "fitted from a real daemon and one real worker; the same on every step",
+    ),
+    "release_stagger_s": (
+        "s",
+        "daemon: when one batch releases several workers, the k-th (k = 0, 1, ...) gets its "
+        "parameters k times this later (frames are written one at a time, the woken workers "
+        "share the host's cores); fitted from a real synchronous round of all the workers",
+    ),
     "off_loop_bytes": (
         "bytes",
         "the daemon decodes push frames bigger than this in a thread (not a measurement: the "
@@ -88,6 +100,8 @@ _PER_CODEC = (
     "worker_encode_s_per_param",
     "worker_decode_s_per_param",
 )
+# fields a profile written before they existed may lack: they are read as 0 (charge nothing)
+OPTIONAL = ("exchange_s", "release_stagger_s")
 APPLY_KEYS = ("grad", "delta", "grad:int8", "delta:int8")
 _TOP = ("format", "version", "about", "costs", "units")
 
@@ -115,6 +129,8 @@ class CostProfile:
     worker_step_s: float = 0.0
     eval_s: float = 0.0
     profile_s: float | None = None
+    exchange_s: float = 0.0
+    release_stagger_s: float = 0.0
     off_loop_bytes: int = OFF_LOOP_BYTES
     about: Mapping[str, Any] = field(default_factory=dict)  # what was measured, where, when
 
@@ -200,7 +216,7 @@ class CostProfile:
             raise CostError(
                 f"{source}: 'costs' must be an object of the fields {', '.join(FIELDS)}"
             )
-        missing = [k for k in FIELDS if k not in costs]
+        missing = [k for k in FIELDS if k not in costs and k not in OPTIONAL]
         extra = sorted(set(costs) - set(FIELDS))
         if missing or extra:
             parts = []
@@ -224,6 +240,8 @@ class CostProfile:
         values: dict[str, Any] = {}
         for name in FIELDS:
             where = f"{source}: costs.{name}"
+            if name not in costs:  # an OPTIONAL field of an older profile
+                continue
             value = costs[name]
             if name in _PER_CODEC or name == "apply_s":
                 values[name] = _table(where, value)

@@ -345,7 +345,7 @@ class _Sim:
         """Hand what the engine sent to its workers: replies at once, each release's ``params``
         frames when the daemon is done (``cost`` s from now, plus the cost of encoding them,
         which this returns with ``cost``) and after the time they take on the worker's link
-        and to decode."""
+        and to decode; the k-th worker released in one batch ``k × release_stagger_s`` later."""
         while self.inbox:
             batch, self.inbox[:] = list(self.inbox), []
             releases: dict[int, tuple[list[wire.Message], int]] = {}
@@ -366,9 +366,12 @@ class _Sim:
                 for frames, _ in releases.values():
                     cost += sum(self._frame_cost(msg, alike) for msg in frames)
             depart = self.clock.t + cost
-            for index, (frames, nbytes) in releases.items():
+            stagger = self.costs.release_stagger_s
+            for k, (index, (frames, nbytes)) in enumerate(releases.items()):
                 w = self.workers[index]
-                arrive = depart + w.spec.latency_s + nbytes / w.spec.bandwidth + w.decode_s(frames)
+                # the k-th worker released in one batch is served k staggers after the first
+                arrive = depart + k * stagger + w.spec.latency_s + nbytes / w.spec.bandwidth
+                arrive += w.decode_s(frames)
                 self.trace.timeline[str(index)].append((depart, arrive, "comm"))
                 self.schedule(arrive, _DELIVER, (w, frames))
         return cost

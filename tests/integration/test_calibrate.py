@@ -112,7 +112,11 @@ def test_hetd_calibrate_writes_every_field(tmp_path: Path) -> None:
     doc = json.loads(out.read_text())
     assert list(doc["costs"]) == list(FIELDS)
     assert doc["about"]["dataset"] == "digits" and doc["about"]["n_params"] > 0
+    # the end-to-end terms are fitted from real runs of a scenario's setting: none given here
+    assert doc["costs"]["exchange_s"] == doc["costs"]["release_stagger_s"] == 0.0
     for name, value in doc["costs"].items():
+        if name in ("exchange_s", "release_stagger_s"):
+            continue
         values = list(value.values()) if isinstance(value, dict) else [value]
         assert values, name
         for v in values:
@@ -130,3 +134,22 @@ def test_hetd_calibrate_writes_every_field(tmp_path: Path) -> None:
 def test_calibrate_belongs_to_the_parity_suite(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench_main(["bench", "--calibrate", "--scenario", "S1", "--quiet"]) == 2
     assert "--calibrate belongs to --suite parity" in capsys.readouterr().err
+
+
+def test_the_end_to_end_terms_make_the_simulated_step_the_real_one() -> None:
+    """A real daemon with one real worker, then two: the fitted ``exchange_s`` is what a real step
+    costs beyond the pieces (never nothing: websockets, thread hops), and charging it makes the
+    simulator's step exactly the real one measured; a synchronous round of two workers costs the
+    simulator at least what one worker's step does."""
+    from hetd.bench.cluster_costs import fit_cluster, fit_scenario
+
+    sc = digits(workers=[{"slowdown": 1.0, "count": 2}], global_batch=64)
+    exchange, stagger, measured = fit_cluster(sc, CostProfile(), fit_s=2.0)
+    assert exchange > 0 and stagger >= 0
+    assert measured["step_real_1_s"] > measured["step_sim_1_s"]
+    one = fit_scenario(sc, 1, 2.0)
+    fitted = CostProfile(exchange_s=exchange, release_stagger_s=stagger)
+    run = run_sim(one, PolicySpec("bsp"), costs=fitted).result
+    assert one.budget_s / run.pushes == pytest.approx(measured["step_real_1_s"], rel=0.05)
+    two = run_sim(fit_scenario(sc, 2, 2.0), PolicySpec("bsp"), costs=fitted).result
+    assert 2 * one.budget_s / two.pushes >= one.budget_s / run.pushes * 0.95
