@@ -51,6 +51,9 @@ CODECS: tuple[str, ...] = ("none", "bf16", "int8")
 SENDERS: tuple[int, ...] = (1, 4, 8)
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "1073741824", "MALLOC_TRIM_THRESHOLD_": "4294967296"}
 ROUNDS = 2  # alternating hetd / limit windows per cell
+BIG_PARAMS = 100_000_000  # the big-model rows (part "big")
+BIG_CODECS: tuple[str, ...] = ("int8", "none")
+BIG_SECONDS = 8.0  # their windows at least (an update of 100M parameters takes ~1 s here)
 IDLE_PER_PROCESS = 128  # idle websockets one peer process holds in the latency run
 
 
@@ -70,6 +73,7 @@ class SystemOptions:
     latency_codec: str = "int8"
     latency_seconds: float = 4.0
     startup_workers: int = 4  # 0: skip the start-up run
+    big_params: int = BIG_PARAMS  # the big-model rows (part "big"): one sender, int8 and none
     parts: tuple[str, ...] = PARTS
     quiet: bool = False
 
@@ -140,9 +144,11 @@ class Tally(NamedTuple):
     bytes_out: int = 0
     cpu_s: float = 0.0  # CPU of this process (every thread), s
     publishes: int = 0  # hetd: batches the engine published (updates / publishes: batch size)
+    rss_peak: int = 0  # bytes: this process's largest resident set seen in the window(s)
 
     def __add__(self, other: tuple[Any, ...]) -> Tally:
-        return Tally(*(a + b for a, b in zip(self, other, strict=True)))
+        sums = [a + b for a, b in zip(self[:-1], other[:-1], strict=True)]
+        return Tally._make([*sums, max(self.rss_peak, other[-1])])  # a peak, not a sum
 
     def rates(self) -> dict[str, float]:
         """updates/s, MB/s in and out, and CPU ms per update."""
@@ -160,9 +166,22 @@ async def _measure(counters: Any, seconds: float) -> Tally:
     """Sample ``counters() -> (updates, bytes in, bytes out, publishes)`` around a window of
     ``seconds``; the wall and process CPU time are read at the same moments."""
     t0, c0, (u0, i0, o0, p0) = time.monotonic(), time.process_time(), counters()
-    await asyncio.sleep(seconds)
+    peak = rss_bytes()
+    end = t0 + seconds
+    while (left := end - time.monotonic()) > 0:
+        await asyncio.sleep(min(0.05, left))
+        peak = max(peak, rss_bytes())
     t1, c1, (u1, i1, o1, p1) = time.monotonic(), time.process_time(), counters()
-    return Tally(t1 - t0, u1 - u0, i1 - i0, o1 - o0, c1 - c0, p1 - p0)
+    return Tally(t1 - t0, u1 - u0, i1 - i0, o1 - o0, c1 - c0, p1 - p0, peak)
+
+
+def rss_bytes() -> int:
+    """This process's resident set now (Linux ``/proc``; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _engine_counters(engine: Engine) -> Any:
@@ -277,6 +296,30 @@ async def run_throughput(pool: PeerPool, opts: SystemOptions) -> list[dict[str, 
     return rows
 
 
+async def run_big(pool: PeerPool, opts: SystemOptions) -> list[dict[str, Any]]:
+    """The big-model rows: ``big_params`` parameters, one sender, each of :data:`BIG_CODECS`; one
+    hetd window then one limit window each (an exchange takes seconds), with the peak RSS. Run
+    before the grid, so that the process's RSS holds little besides this daemon."""
+    rows = []
+    shapes = synthetic_shapes(opts.big_params)
+    server = BareServer(_frame_cap(opts.big_params))
+    await server.start()
+    try:
+        for codec in BIG_CODECS:
+            daemon = make_daemon(shapes, codec)
+            await daemon.start()
+            try:
+                seconds = max(opts.seconds, BIG_SECONDS * min(1.0, opts.big_params / BIG_PARAMS))
+                rows.append(
+                    await _one_cell(daemon, server, pool, shapes, codec, 1, opts, 1, seconds)
+                )
+            finally:
+                await daemon.stop(final_checkpoint=False)
+    finally:
+        await server.stop()
+    return rows
+
+
 async def _one_cell(
     daemon: Daemon,
     server: BareServer,
@@ -285,14 +328,16 @@ async def _one_cell(
     codec: str,
     k: int,
     opts: SystemOptions,
+    rounds: int = ROUNDS,
+    seconds: float | None = None,
 ) -> dict[str, Any]:
     # hetd and the limit alternate, ROUNDS windows each, so that load from other processes
     # (the machine is shared) falls on both alike; the limit copies the first hetd window's sizes.
-    window = opts.seconds / ROUNDS
+    window = (seconds or opts.seconds) / rounds
     cap = daemon.cfg.server.max_frame_bytes
     hetd_tally, limit_tally = Tally(), Tally()
     push, replies = 0, (0, 0)
-    for round_ in range(ROUNDS):
+    for round_ in range(rounds):
         tally, reports = await hetd_cell(daemon, pool, shapes, codec, k, opts, window)
         hetd_tally += tally
         if round_ == 0:
@@ -319,6 +364,7 @@ async def _one_cell(
         "server_cpu_ms_per_update": round(got["cpu_ms_per_update"], 3),
         "limit_server_cpu_ms_per_update": round(limit["cpu_ms_per_update"], 3),
         "updates_per_publish": round(got["updates_per_publish"], 2),
+        "rss_mb": round(hetd_tally.rss_peak / MB),
     }
     _say(
         opts,
@@ -410,9 +456,15 @@ async def run_system(opts: SystemOptions) -> dict[str, Any]:
         need = max(need, opts.latency_pushers + -(-idle // IDLE_PER_PROCESS))
     pool = PeerPool(need)
     try:
-        if "throughput" in opts.parts:
-            _say(opts, "throughput (hetd vs the bare websocket limit):")
-            doc["throughput"] = await run_throughput(pool, opts)
+        big = []
+        if "big" in opts.parts:
+            _say(opts, f"big model ({opts.big_params:,} params, 1 sender):")
+            big = await run_big(pool, opts)
+        if "throughput" in opts.parts or big:
+            if "throughput" in opts.parts:
+                _say(opts, "throughput (hetd vs the bare websocket limit):")
+            grid = await run_throughput(pool, opts) if "throughput" in opts.parts else []
+            doc["throughput"] = grid + big
         if "latency" in opts.parts and opts.latency_workers:
             _say(opts, f"engine latency with {opts.latency_workers} connected workers ...")
             doc["engine_latency"] = await run_latency(pool, opts)
@@ -445,6 +497,7 @@ ROW_EXTRA = (
     "server_cpu_ms_per_update",
     "limit_server_cpu_ms_per_update",
     "updates_per_publish",
+    "rss_mb",
 )
 LATENCY_KEYS: dict[str, tuple[type, ...]] = {"connected": (int,), "p50_ms": _NUM, "p99_ms": _NUM}
 STARTUP_KEYS: dict[str, tuple[type, ...]] = {"workers": (int,), "seconds_to_first_update": _NUM}
@@ -506,15 +559,21 @@ def system_md(doc: dict[str, Any]) -> str:
     if doc["throughput"]:
         lines += [
             "| params | codec | senders | updates/s | MB/s in | MB/s out | limit updates/s "
-            "| fraction of limit | push frame | params frame |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| fraction of limit | push frame | params frame | CPU ms/update (bare) "
+            "| updates/publish | RSS |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in doc["throughput"]:
+            cpu = r.get("server_cpu_ms_per_update")
+            bare = r.get("limit_server_cpu_ms_per_update")
+            rss = r.get("rss_mb")
             lines.append(
                 f"| {r['params']:,} | {r['codec']} | {r['workers']} | {r['updates_per_s']:.1f} "
                 f"| {r['mb_in_per_s']:.1f} | {r['mb_out_per_s']:.1f} "
                 f"| {r['limit_updates_per_s']:.1f} | {r['fraction_of_limit']:.2f} "
-                f"| {r.get('push_frame_bytes', 0):,} B | {r.get('params_frame_bytes', 0):,} B |"
+                f"| {r.get('push_frame_bytes', 0):,} B | {r.get('params_frame_bytes', 0):,} B "
+                f"| {'' if cpu is None else f'{cpu:.2f}'} ({'' if bare is None else f'{bare:.2f}'}) "
+                f"| {r.get('updates_per_publish', '')} | {'' if rss is None else f'{rss:,} MB'} |"
             )
         lines.append("")
     lat = doc.get("engine_latency")
@@ -589,6 +648,7 @@ def options_from(args: argparse.Namespace) -> SystemOptions:
         latency_workers=args.latency_workers,
         latency_seconds=max(1.0, 2 * args.seconds),
         startup_workers=args.startup_workers,
+        big_params=_ints(args.big_params, "--big-params")[0] if args.big_params else BIG_PARAMS,
         parts=parts,
         quiet=getattr(args, "quiet", False),
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-PARTS = ("throughput", "latency", "startup")
+PARTS = ("throughput", "big", "latency", "startup")
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -16,6 +16,11 @@ def add_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--codecs", default=None, help="codecs among none,bf16,int8 (default all)")
     g.add_argument("--senders", default=None, help="sender counts (default 1,4,8)")
+    g.add_argument(
+        "--big-params",
+        default=None,
+        help="parameters of the big-model rows (part big: 1 sender, int8 and none; default 1e8)",
+    )
     g.add_argument(
         "--seconds",
         type=float,

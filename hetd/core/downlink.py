@@ -207,9 +207,10 @@ class Downlink:
     def _full_frame(self, snap: Snapshot, spec: str) -> bytes:
         """The full frame of ``snap`` in lossless codec ``spec``, with the snapshot's hash (the
         worker checks it after applying the frame)."""
-        if spec == "none" and snap.frame is not None:  # packed once, from the snapshot's memory
-            hashed = snap.hashed_frame() if self.hashes else None
-            return hashed or snap.frame
+        if spec == "none":  # packed once by the store, from the snapshot's own memory
+            packed = snap.hashed_frame() if self.hashes else snap.plain_frame()
+            if packed is not None:
+                return packed
         version = snap.version
         key = (version, spec)
         frame = self._full.get(key)

@@ -268,6 +268,7 @@ class Engine:
         evaluator: Callable[[Snapshot], tuple[float, float]] | None = None,
     ) -> None:
         self.store = store
+        store.hashes = config.param_hashes  # a snapshot's frame carries its hash (or not)
         self.config = config
         self.clock: Clock = clock or MonotonicClock()
         self.evaluator = evaluator

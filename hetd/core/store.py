@@ -100,7 +100,7 @@ class Snapshot:
     are computed on first use only (a version that goes out only as deltas is never hashed);
     two threads asking at once compute the same value twice, harmlessly."""
 
-    __slots__ = ("_hash", "_hashed", "frame", "tensors", "version")
+    __slots__ = ("_hash", "_hashed", "frame", "frame_hashed", "tensors", "version")
 
     def __init__(
         self,
@@ -108,12 +108,15 @@ class Snapshot:
         tensors: Mapping[str, np.ndarray],
         hash: str | None = None,
         frame: bytes | None = None,
+        frame_hashed: bool = False,
     ) -> None:
+        """``frame_hashed``: ``frame`` already carries ``hash``."""
         self.version = version
         self.tensors = tensors
         self.frame = frame
+        self.frame_hashed = frame_hashed and frame is not None and hash is not None
         self._hash = hash
-        self._hashed: bytes | None = None
+        self._hashed: bytes | None = frame if self.frame_hashed else None
 
     @property
     def hash(self) -> str:
@@ -121,6 +124,10 @@ class Snapshot:
         if self._hash is None:
             self._hash = param_hash(self.tensors)
         return self._hash
+
+    def plain_frame(self) -> bytes | None:
+        """The full frame without a hash (None: the store hashed it, or there is no frame)."""
+        return None if self.frame_hashed else self.frame
 
     def hashed_frame(self) -> bytes | None:
         """``frame`` with the ``hash`` field (computed once); None without a frame."""
@@ -158,6 +165,9 @@ class Store:
         self._pending: list[tuple[str, Tensors, float]] = []  # steps queued by apply, in order
         # apply what is queued as one step per kind (the weighted sum); the daemon's engine sets it
         self.combine = False
+        # hash each snapshot as it is taken, into its frame (no second copy of the frame later);
+        # False: only when asked (the engine sets it from EngineConfig.param_hashes)
+        self.hashes = True
         self._lock = threading.RLock()
 
         def grad_step(
@@ -328,8 +338,11 @@ class Store:
                 # params frame, whose memory the snapshot's arrays are: the next step donates
                 # the device buffers, the frame stays.
                 views = {k: np.asarray(v) for k, v in self._params.items()}
-                frame, host = full_frame(self.version, views, None)
-                self._snapshot = Snapshot(self.version, host, frame=frame)
+                digest = param_hash(views) if self.hashes else None
+                frame, host = full_frame(self.version, views, digest)
+                self._snapshot = Snapshot(
+                    self.version, host, digest, frame, frame_hashed=self.hashes
+                )
             return self._snapshot
 
     def state(self) -> tuple[dict[str, np.ndarray], Any, int]:

@@ -41,14 +41,23 @@ def test_a_tiny_run_writes_system_json_in_its_schema_and_a_table(tmp_path: Path)
             "12",
             "--startup-workers",
             "1",
+            "--big-params",
+            "300000",
             "--quiet",
         ]
     )
     assert code == 0
     doc = json.loads((out / "system.json").read_text())
     check_system(doc)
-    [row] = doc["throughput"]
+    row, *big = doc["throughput"]
     assert (row["params"], row["codec"], row["workers"]) == (199_010, "int8", 1)
+    # the big-model rows (part big): one sender, int8 and none, with the process's peak RSS
+    assert [(r["params"], r["codec"], r["workers"]) for r in big] == [
+        (299_010, "int8", 1),
+        (299_010, "none", 1),
+    ]
+    assert all(r["updates_per_s"] > 0 and r["rss_mb"] > 0 for r in big)
+    assert row["updates_per_publish"] >= 1
     assert row["updates_per_s"] > 0 and row["limit_updates_per_s"] > 0
     assert row["fraction_of_limit"] == pytest.approx(
         row["updates_per_s"] / row["limit_updates_per_s"], rel=0.01
