@@ -1,0 +1,341 @@
+"""The DiLoCo family (docs/policies.md §13): local SGD with an outer optimizer, sync and async.
+
+``diloco`` runs synchronous outer rounds: every worker takes ``H`` inner steps from the same global
+parameters, with a batch sized (as LB-BSP sizes it, §7) so that all finish together; the daemon
+takes the sample-weighted mean of their pseudo-gradients and applies it once, through the outer
+optimizer (``[train] outer_optimizer``, DiLoCo's ``nesterov:lr=0.7,momentum=0.9``).
+
+``diloco_async`` never holds anyone: each worker's ``H_i = max(h_min, round(H · c_min / c_i))``
+follows its measured step time ``c_i`` (DyLU), so every worker's round takes about as long, and each
+delta is applied on arrival with weight ``1/√(1+τ) / N``. The weight goes *into* the outer optimizer
+(a one-push buffer flushed at once, not ``Apply``, which scales the optimizer's output), so with the
+outer optimizer ``delayed_nesterov:...,period=N`` the momentum sees the weighted deltas.
+
+Pure: no I/O, no clock, no arrays.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from policies import profiling as prof
+from policies.compose import release_waiting
+from policies.profiling import ProfilingConfig, WorkerTrack, freeze, is_int
+from policies.registry import register
+from policies.shares import Timing, quantized
+from policies.types import (
+    Buffer,
+    ClusterView,
+    Decision,
+    Event,
+    Flush,
+    Join,
+    Leave,
+    Policy,
+    Push,
+    SetPlan,
+    Tick,
+)
+
+# The outer optimizer each policy is meant to run with ([train] outer_optimizer). The policies do
+# not set it: it is the daemon's configuration, and a policy's parameters are only its factory's
+# (a PATCH rebuilds the policy from them). docs/policies.md §13 says so.
+SYNC_OUTER = "nesterov:lr=0.7,momentum=0.9"
+ASYNC_OUTER = "delayed_nesterov:lr=0.7,momentum=0.9,period=N"  # N: the number of workers
+
+
+def _check_h(name: str, value: object) -> None:
+    if not is_int(value, 1):
+        raise ValueError(f"{name} must be an int >= 1 (inner steps per outer round), got {value!r}")
+
+
+# --- diloco (synchronous) ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DilocoState:
+    """Per worker: the timing of one inner step at its batch (EWMA fit ``a + c·b``) and its batch;
+    ``fresh`` until the first event told the engine every plan."""
+
+    timing: Mapping[int, Timing]
+    batches: Mapping[int, int]
+    rounds: int = 0  # outer rounds completed (flushed)
+    fresh: bool = True
+
+
+def equal_finish_batches(
+    total: int,
+    timing: Mapping[int, Timing],
+    workers: Sequence[int],
+    b_min: int,
+    quantum: int,
+) -> dict[int, int]:
+    """Per-step batches summing to ``total`` whose predicted step times ``a_i + c_i·b_i`` are
+    equal (§7's solve, in quanta of ``quantum`` samples, 0: automatic). Workers without a timing
+    take the mean per-sample cost of the others (or 1 s per sample when none has one)."""
+    fits = [timing.get(w, Timing()).fit() for w in workers]
+    known = [f for f in fits if f is not None]
+    c_mean = sum(f[1] for f in known) / len(known) if known else 1.0
+    a = [f[0] if f else 0.0 for f in fits]
+    c = [f[1] if f else c_mean for f in fits]
+    lo = [min(b_min, total) for _ in workers]
+    hi = [total for _ in workers]
+    return dict(zip(workers, quantized(total, a, c, lo, hi, quantum), strict=True))
+
+
+@register("diloco")
+def diloco(
+    H: int = 50,
+    global_batch: int | None = None,
+    b_min: int = 4,
+    eps: float = 0.05,
+    quantum: int = 0,
+    shares: bool = True,
+) -> Policy:
+    """DiLoCo (Douillard et al. 2023): synchronous outer rounds of ``H`` inner steps; each worker's
+    batch sized so that all finish together (``global_batch`` samples per step in total, None: the
+    config's; ``shares=False``: every worker keeps ``B/N``, the paper's setting, where the round
+    waits for the slowest); the round's deltas averaged by samples and applied once through the
+    outer optimizer (run it with ``[train] outer_optimizer = "nesterov:lr=0.7,momentum=0.9"``)."""
+    _check_h("H", H)
+    if global_batch is not None and not is_int(global_batch, 1):
+        raise ValueError(f"global_batch must be a positive int or None, got {global_batch!r}")
+    if not is_int(b_min, 1):
+        raise ValueError(f"b_min must be an int >= 1, got {b_min!r}")
+    if not (isinstance(eps, int | float) and math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    if not is_int(quantum, 0):
+        raise ValueError(f"quantum must be an int >= 0 (0: automatic), got {quantum!r}")
+    if not isinstance(shares, bool):
+        raise ValueError(f"shares must be true or false, got {shares!r}")
+
+    def init(view: ClusterView) -> DilocoState:
+        return DilocoState(freeze({}), freeze({w: f.batch_size for w, f in view.workers.items()}))
+
+    def plan(st: DilocoState, view: ClusterView, force: bool) -> tuple[list[Decision], DilocoState]:
+        workers = sorted(view.workers)
+        if not workers:
+            return [], st
+        total = global_batch or view.global_batch
+        current = {w: st.batches.get(w, max(1, total // len(workers))) for w in workers}
+        fits = {w: st.timing.get(w, Timing()).fit() for w in workers}
+        times = [(f[0] + f[1] * current[w]) for w, f in fits.items() if f is not None] or [1.0]
+        imbalance = max(times) / max(1e-12, min(times))
+        force = force or sum(current.values()) != total
+        if not force and imbalance <= 1 + eps:
+            return [], st
+        if shares:
+            sizes = equal_finish_batches(total, st.timing, workers, b_min, quantum)
+        else:  # B/N each, the remainder to the lowest ids
+            q, r = divmod(total, len(workers))
+            sizes = {w: max(1, q + (1 if i < r else 0)) for i, w in enumerate(workers)}
+        out: list[Decision] = [
+            SetPlan(w, {"batch_size": b}) for w, b in sizes.items() if current.get(w) != b
+        ]
+        return out, replace(st, batches=freeze(sizes))
+
+    def update(
+        event: Event, state: DilocoState, view: ClusterView
+    ) -> tuple[Sequence[Decision], DilocoState]:
+        st = state
+        head: list[Decision] = []
+        out: list[Decision] = []
+        lo = view.min_clock()
+        if isinstance(event, Push) and event.worker in view.workers:
+            head.append(Buffer(float(event.samples), group=view.workers[event.worker].clock))
+            if event.samples > 0 and event.steps > 0:
+                t = dict(st.timing)
+                per_step = event.samples / event.steps
+                t[event.worker] = t.get(event.worker, Timing()).add(
+                    per_step, event.compute_s / event.steps
+                )
+                st = replace(st, timing=freeze(t))
+        if isinstance(event, Leave):
+            st = replace(
+                st, batches=freeze({w: b for w, b in st.batches.items() if w in view.workers})
+            )
+        # Round r is complete once every active worker pushed its r-th delta (a leave may complete it).
+        if (
+            view.workers
+            and isinstance(event, Push | Leave | Tick)
+            and (view.buffered or isinstance(event, Push))
+        ):
+            out.append(Flush(normalize=True, upto=lo))
+        round_done = isinstance(event, Push) and view.workers[event.worker].clock == lo
+        if st.fresh or round_done or isinstance(event, Join | Leave):
+            decisions, st = plan(st, view, force=st.fresh or isinstance(event, Join | Leave))
+            out.extend(decisions)
+        if round_done:
+            st = replace(st, rounds=st.rounds + 1)
+        if st.fresh:
+            fields = {"local_steps": H, "push_kind": "delta"}
+            out = [SetPlan(w, fields) for w in sorted(view.workers)] + out
+            st = replace(st, fresh=False)
+        elif isinstance(event, Join) and event.worker in view.workers:
+            out.insert(0, SetPlan(event.worker, {"local_steps": H, "push_kind": "delta"}))
+        out.extend(release_waiting(view, lambda f: f.clock <= lo))
+        return [*head, *out], st
+
+    params = {
+        "H": H,
+        "global_batch": global_batch,
+        "b_min": b_min,
+        "eps": eps,
+        "quantum": quantum,
+        "shares": shares,
+    }
+    return Policy("diloco", init, update, params)
+
+
+# --- diloco_async -------------------------------------------------------------------------------------
+
+
+def local_steps_for(
+    step_s: Mapping[int, float],
+    H: int,
+    h_min: int,
+    h_max: int,
+) -> dict[int, int]:
+    """DyLU: ``H_i = max(h_min, round(H · c_min / c_i))`` (at most ``h_max``), ``c_i`` the step
+    time; the fastest worker runs ``H`` steps and every worker's round takes about as long."""
+    known = {w: c for w, c in step_s.items() if c > 0 and math.isfinite(c)}
+    if not known:
+        return dict.fromkeys(step_s, H)
+    c_min = min(known.values())
+    return {
+        w: min(h_max, max(h_min, round(H * c_min / known[w]))) if w in known else H for w in step_s
+    }
+
+
+def staleness_factor(tau: int) -> float:
+    """``1/√(1+τ)``, τ the versions applied since the work's base (Liu et al. 2024)."""
+    return 1.0 / math.sqrt(1.0 + max(0, tau))
+
+
+@dataclass(frozen=True, slots=True)
+class DilocoAsyncState:
+    """Profiles and speed tracks (``policies.profiling``), each worker's current ``H_i``, the
+    re-plans so far (their reasons), the arrivals applied, and whether the plans were announced."""
+
+    tracks: Mapping[int, WorkerTrack]
+    steps: Mapping[int, int]
+    replans: tuple[str, ...] = ()
+    arrivals: int = 0
+    fresh: bool = True
+
+    def describe(self) -> dict[str, Any]:
+        """Plain values for status pages."""
+        return {
+            "policy": "diloco_async",
+            "arrivals": self.arrivals,
+            "replans": list(self.replans),
+            "workers": [
+                {"worker": w, "H": self.steps.get(w), **prof.profile_row(t)}
+                for w, t in sorted(self.tracks.items())
+            ],
+        }
+
+
+_KEEP = 16  # re-plan reasons kept
+
+
+@register("diloco_async")
+def diloco_async(
+    H: int = 50,
+    h_min: int = 1,
+    max_local_steps: int = 10_000,
+    staleness: bool = True,
+    profile_pushes: int = 2,
+    trim: float = 0.2,
+    drift: float = 0.3,
+    drift_patience: int = 3,
+    alpha: float = 0.5,
+) -> Policy:
+    """Asynchronous local SGD (Liu et al. 2024): the fastest worker runs ``H`` inner steps, the
+    others ``H_i = max(h_min, round(H · c_min / c_i))``; each delta is applied on arrival with weight
+    ``1/√(1+τ) / N`` (``staleness=False``: ``1/N``), fed into the outer optimizer (run it with
+    ``delayed_nesterov:lr=0.7,momentum=0.9,period=N``); never holds; re-plans on a join, a leave
+    or a speed drift. Until a worker has a profile (the engine's profile exchange, else its first
+    ``profile_pushes`` pushes) it runs ``H`` steps."""
+    _check_h("H", H)
+    _check_h("h_min", h_min)
+    _check_h("max_local_steps", max_local_steps)
+    if h_min > max_local_steps or max_local_steps < H:
+        raise ValueError(
+            f"need h_min <= max_local_steps and H <= max_local_steps, got {H}, {h_min}"
+        )
+    if not isinstance(staleness, bool):
+        raise ValueError(f"staleness must be true or false, got {staleness!r}")
+    pcfg = ProfilingConfig(profile_pushes, trim, drift, drift_patience, alpha)
+
+    def step_times(st: DilocoAsyncState, view: ClusterView) -> dict[int, float]:
+        out = {}
+        for w, f in view.workers.items():
+            t = st.tracks.get(w)
+            p = None if t is None else t.profile
+            out[w] = p.step_s(f.batch_size) if p is not None else 0.0
+        return out
+
+    def init(view: ClusterView) -> DilocoAsyncState:
+        tracks = prof.init_tracks(view, pcfg)
+        st = DilocoAsyncState(tracks, freeze({}))
+        return replace(
+            st, steps=freeze(local_steps_for(step_times(st, view), H, h_min, max_local_steps))
+        )
+
+    def update(
+        event: Event, state: DilocoAsyncState, view: ClusterView
+    ) -> tuple[Sequence[Decision], DilocoAsyncState]:
+        tracks, ch = prof.track(state.tracks, event, view, pcfg)
+        st = replace(state, tracks=tracks)
+        head: list[Decision] = []
+        if isinstance(event, Push) and event.worker in view.workers:
+            w = staleness_factor(event.staleness(view)) if staleness else 1.0
+            # A one-push buffer flushed at once: the weight scales the outer optimizer's *input*.
+            head += [
+                Buffer(w / max(1, view.n), group=0),
+                Flush(normalize=False, scale=1.0, upto=None),
+            ]
+            st = replace(st, arrivals=st.arrivals + 1)
+        out: list[Decision] = []
+        joined = event.worker if isinstance(event, Join) and event.worker in view.workers else None
+        if st.fresh or ch.replan or ch.joined or joined is not None:
+            steps = local_steps_for(step_times(st, view), H, h_min, max_local_steps)
+            for w in sorted(view.workers):
+                if st.fresh or w == joined or steps[w] != st.steps.get(w):
+                    out.append(SetPlan(w, {"local_steps": steps[w], "push_kind": "delta"}))
+            reason = "start" if st.fresh else (ch.reason() or "join")
+            st = replace(
+                st, steps=freeze(steps), replans=(*st.replans, reason)[-_KEEP:], fresh=False
+            )
+        out.extend(release_waiting(view, lambda f: True))
+        return [*head, *out], st
+
+    params = {
+        "H": H,
+        "h_min": h_min,
+        "max_local_steps": max_local_steps,
+        "staleness": staleness,
+        "profile_pushes": profile_pushes,
+        "trim": trim,
+        "drift": drift,
+        "drift_patience": drift_patience,
+        "alpha": alpha,
+    }
+    return Policy("diloco_async", init, update, params)
+
+
+__all__ = [
+    "ASYNC_OUTER",
+    "SYNC_OUTER",
+    "DilocoAsyncState",
+    "DilocoState",
+    "diloco",
+    "diloco_async",
+    "equal_finish_batches",
+    "local_steps_for",
+    "staleness_factor",
+]
