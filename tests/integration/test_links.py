@@ -75,7 +75,12 @@ with links.open_links([1e7, 1e7]) as run:
 
 def _hold_links() -> tuple[subprocess.Popen[str], str]:
     """A process holding a run's links; returns it and the run's name once they exist."""
-    proc = subprocess.Popen([sys.executable, "-c", _HOLDER], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,  # Ctrl-C's traceback
+        text=True,
+    )
     assert proc.stdout is not None
     name = proc.stdout.readline().strip()
     proc.stdout.close()  # it prints nothing more
@@ -84,12 +89,14 @@ def _hold_links() -> tuple[subprocess.Popen[str], str]:
     return proc, name
 
 
-def test_sigkilled_run_is_swept_by_the_next_and_sigterm_cleans_up() -> None:
-    # SIGTERM: the run removes its own links on the way out.
-    proc, name = _hold_links()
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(30) == 128 + signal.SIGTERM
-    assert links.leftovers(name) == []
+def test_sigterm_and_ctrl_c_clean_up_and_a_sigkilled_run_is_swept_by_the_next() -> None:
+    # SIGTERM and Ctrl-C: the run removes its own links on the way out.
+    # (Python exits from an uncaught Ctrl-C by re-raising SIGINT: status -SIGINT.)
+    for sig, code in ((signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, -signal.SIGINT)):
+        proc, name = _hold_links()
+        proc.send_signal(sig)
+        assert proc.wait(30) == code
+        assert links.leftovers(name) == []
 
     # SIGKILL: nothing runs; the record stays and the next run removes exactly that run's objects.
     proc, name = _hold_links()
