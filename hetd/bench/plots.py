@@ -1,9 +1,9 @@
-"""What a person reads after ``hetd bench``: ``summary.md`` and three PNG plots.
+"""What a person reads after ``hetd bench``: ``summary.md`` and four PNG plots.
 
 Owns :func:`summary_markdown` (the table), :func:`plot_accuracy` (test accuracy vs time, the
 median over seeds, one line per policy), :func:`plot_timeline` (per-worker compute /
-communication / waiting, seed 0 of each policy) and :func:`plot_shares` (each worker's share of
-the global batch over time). Everything is computed from the runs; nothing reads a clock.
+communication / waiting, seed 0 of each policy), :func:`plot_shares` (each worker's share of
+the global batch over time) and :func:`plot_pareto` (time against bytes to target). Everything is computed from the runs; nothing reads a clock.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def summary_markdown(doc: dict[str, Any], sc: Scenario, mode: str) -> str:
         "",
         "| policy | lr | reached | TTA median (s) | TTA IQR (s) | speed-up vs BSP | TTA / ideal "
         "| final acc. (median) | samples/s | staleness mean / p95 | idle (mean) | MB up / down "
-        "| KB per push / pull |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| KB per push / pull | MB to target (median) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in doc["summary"]:
         mine = [r for r in runs if r["policy"] == row["policy"]]
@@ -66,7 +66,8 @@ def summary_markdown(doc: dict[str, Any], sc: Scenario, mode: str) -> str:
             f"| {np.median([r['bytes_up'] for r in mine]) / 1e6:.0f} / "
             f"{np.median([r['bytes_down'] for r in mine]) / 1e6:.0f} "
             f"| {np.median([r['bytes_up'] / max(1, r['pushes']) for r in mine]) / 1e3:.1f} / "
-            f"{np.median([r['bytes_down'] / max(1, r['releases']) for r in mine]) / 1e3:.1f} |"
+            f"{np.median([r['bytes_down'] / max(1, r['releases']) for r in mine]) / 1e3:.1f} "
+            f"| {_fmt(_mb(row.get('bytes_to_target_median')), '.1f')} |"
         )
     switched = [r for r in runs if r["stages"]]
     if switched:
@@ -86,13 +87,20 @@ def summary_markdown(doc: dict[str, Any], sc: Scenario, mode: str) -> str:
         "(global batch, best lr in use, median over seeds) divided by the workers' summed "
         "throughput — perfect balance, no waiting, free communication (docs/benchmark.md).",
         "Speed-up vs BSP = BSP's median TTA / the policy's. Medians over seeds; a seed that never "
-        "reaches the target counts as infinitely slow. Idle = time waiting for a release.",
+        "reaches the target counts as infinitely slow. Idle = time waiting for a release. "
+        "MB to target = bytes pushed plus pulled, all workers, until the target was reached "
+        "(– when the runner does not record them, or the median seed never reached it).",
         "",
         "Files: `results.json`, `accuracy.png` (median accuracy vs time), `timeline.png` "
-        "(seed 0, per-worker compute / communication / waiting), `batch_shares.png`.",
+        "(seed 0, per-worker compute / communication / waiting), `batch_shares.png`, "
+        "`pareto.png` (TTA against bytes to target, per policy).",
         "",
     ]
     return "\n".join(lines)
+
+
+def _mb(x: float | None) -> float | None:
+    return None if x is None else x / 1e6
 
 
 def _lrs(runs: Sequence[dict[str, Any]]) -> str:
@@ -216,6 +224,45 @@ def plot_shares(path: Path, runs: Sequence[RunResult], sc: Scenario) -> None:
         ax.set_ylabel("batch share")
         ax.set_title(f"{policy} (seed {r.seed})", fontsize=8)
     axes[-1, 0].set_xlabel("time (s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_pareto(path: Path, runs: Sequence[RunResult], sc: Scenario) -> None:
+    """Time to target against bytes to target (pushed plus pulled): one small dot per seed, a
+    large one at each policy's medians; the points nearest the origin are the Pareto front.
+    Seeds that never reached the target (or whose bytes were not recorded) are left out and
+    counted in the legend."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for policy in _policies(runs):
+        mine = [r for r in runs if r.policy == policy]
+        pts = [
+            (b / 1e6, r.tta_s)
+            for r in mine
+            if r.tta_s is not None and (b := r.bytes_to_target) is not None
+        ]
+        missing = len(mine) - len(pts)
+        label = policy + (f" ({missing} of {len(mine)} not reached)" if missing else "")
+        if not pts:
+            ax.plot([], [], "o", label=label)
+            continue
+        xs, ys = zip(*pts, strict=True)
+        (line,) = ax.plot(xs, ys, "o", ms=3, alpha=0.5)
+        ax.plot(
+            [float(np.median(xs))],
+            [float(np.median(ys))],
+            "o",
+            ms=9,
+            color=line.get_color(),
+            label=label,
+        )
+    ax.set_xscale("log")
+    ax.set_xlabel("MB pushed + pulled until the target (log)")
+    ax.set_ylabel("time to target (s)")
+    ax.set_title(f"{sc.name}: time vs bytes to target {sc.target_accuracy:g}")
+    ax.legend(loc="best", fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

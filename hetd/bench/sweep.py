@@ -189,3 +189,4 @@ def write_outputs(
     benchplots.plot_accuracy(out / "accuracy.png", runs, sc)
     benchplots.plot_timeline(out / "timeline.png", runs, sc)
     benchplots.plot_shares(out / "batch_shares.png", runs, sc)
+    benchplots.plot_pareto(out / "pareto.png", runs, sc)

@@ -184,6 +184,7 @@ class _Sim:
         self.seq = 0
         self.pending: list[StepWork] = []  # started steps whose update is not computed yet
         self.trace = Trace(timeline={str(i): [] for i in range(sc.n)})
+        self.bytes_marks: list[list[float]] = []  # [[t s, bytes up + down]] at each evaluation
         self.pushes = 0
         # the daemon as one server: commands waiting, and when it is free again
         self.waiting: deque[Command] = deque()
@@ -300,6 +301,8 @@ class _Sim:
     def _record_command(self, loss: float, acc: float) -> Command:
         def command() -> float:
             self.engine.record_eval(loss, acc)
+            t = self.engine.evals[-1][0]  # bytes to target: what crossed the links until now
+            self.bytes_marks.append([t, self.engine.bytes_in + self.engine.bytes_out])
             return 0.0
 
         return command
@@ -478,6 +481,7 @@ class _Sim:
             curve=curve,
             trace=self.trace,
             stages=[[t, st] for t, st in engine.stages],
+            bytes_curve=self.bytes_marks,
         )
 
 

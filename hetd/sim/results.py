@@ -124,6 +124,15 @@ class RunResult:
     # real mode: the run's links ({"kind": "emulated"} or hetd.bench.links' description); None in
     # sim mode (the simulator charges bytes / bandwidth)
     links: dict[str, Any] | None = None
+    # [[t s, bytes pushed + pulled so far]] at each evaluation, on the curve's clock (the
+    # simulator records it; empty where a runner does not, and bytes to target is then None)
+    bytes_curve: list[list[float]] = field(default_factory=list)
+
+    @property
+    def bytes_to_target(self) -> int | None:
+        """Bytes pushed plus pulled until the target was reached (None: never, or not recorded)."""
+        at = bytes_at(self.bytes_curve, self.tta_s)
+        return None if at is None else round(at)
 
     def to_json(self) -> dict[str, Any]:
         """The record written to ``results.json`` (the trace is left out)."""
@@ -140,6 +149,7 @@ class RunResult:
             "staleness_p95": self.staleness_p95,
             "bytes_up": self.bytes_up,
             "bytes_down": self.bytes_down,
+            "bytes_to_target": self.bytes_to_target,
             "pushes": self.pushes,
             "releases": self.releases,
             "curve": [list(c) for c in self.curve],
@@ -150,6 +160,23 @@ class RunResult:
 def first_reach(curve: Sequence[Sequence[float]], target: float) -> float | None:
     """The time of the first evaluation at or above ``target``."""
     return next((float(t) for t, acc in curve if acc >= target), None)
+
+
+def bytes_at(curve: Sequence[Sequence[float]], t: float | None) -> float | None:
+    """The cumulative bytes at time ``t`` from ``[[t, bytes], ...]`` marks: linear between the
+    marks around it (the first mark's before it, the last's after it); None without ``t`` or
+    marks. TTA may fall between two evaluations, so the bytes are read the same way."""
+    if t is None or not curve:
+        return None
+    prev_t, prev_b = float(curve[0][0]), float(curve[0][1])
+    if t <= prev_t:
+        return prev_b
+    for ct, cb in curve[1:]:
+        ct, cb = float(ct), float(cb)
+        if t <= ct:
+            return prev_b + (cb - prev_b) * (t - prev_t) / (ct - prev_t) if ct > prev_t else cb
+        prev_t, prev_b = ct, cb
+    return prev_b
 
 
 def staleness_stats(values: Sequence[int]) -> tuple[float, float]:
@@ -175,11 +202,16 @@ def _median_iqr(values: Sequence[float | None]) -> tuple[float | None, float | N
     return (med if math.isfinite(med) else None), (iqr if math.isfinite(iqr) else None)
 
 
+def _as_float(x: int | None) -> float | None:
+    return None if x is None else float(x)
+
+
 def summarize(
     runs: Sequence[RunResult], tta_ideal_s: Mapping[str, float | None]
 ) -> list[dict[str, Any]]:
     """One row per (policy, scenario): median/IQR of TTA over seeds, speed-up vs BSP (BSP's median
-    TTA over the policy's, same benchmark), median final accuracy, and the ideal lower bound."""
+    TTA over the policy's, same benchmark), median final accuracy, the ideal lower bound, and the
+    median bytes to target (pushed plus pulled; a seed that never reached it counts as infinite)."""
     keys: list[tuple[str, str]] = []
     for r in runs:
         if (r.policy, r.scenario) not in keys:
@@ -189,6 +221,7 @@ def summarize(
     for policy, scenario in keys:
         mine = [r for r in runs if r.policy == policy and r.scenario == scenario]
         med, iqr = _median_iqr([r.tta_s for r in mine])
+        bytes_med, _ = _median_iqr([_as_float(r.bytes_to_target) for r in mine])
         medians[(policy, scenario)] = med
         rows.append(
             {
@@ -199,6 +232,7 @@ def summarize(
                 "speedup_vs_bsp": None,
                 "final_accuracy_median": float(np.median([r.final_accuracy for r in mine])),
                 "tta_ideal_s": tta_ideal_s.get(scenario),
+                "bytes_to_target_median": bytes_med,
             }
         )
     for row in rows:
@@ -224,6 +258,7 @@ RUN_KEYS = {
     "staleness_p95": (float, int),
     "bytes_up": (int,),
     "bytes_down": (int,),
+    "bytes_to_target": (int, type(None)),
     "pushes": (int,),
     "releases": (int,),
     "curve": (list,),
@@ -237,6 +272,7 @@ SUMMARY_KEYS = {
     "speedup_vs_bsp": (float, int, type(None)),
     "final_accuracy_median": (float, int),
     "tta_ideal_s": (float, int, type(None)),
+    "bytes_to_target_median": (float, int, type(None)),
 }
 
 
