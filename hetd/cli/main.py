@@ -65,7 +65,17 @@ def parser() -> argparse.ArgumentParser:
         "config file or HETD_WORKER_TOKEN / HETD_ADMIN_TOKEN, never from the command line.",
         epilog="Run 'hetd COMMAND --help' for the flags of each command.",
     )
-    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    loud = p.add_mutually_exclusive_group()
+    loud.add_argument(
+        "-v", "--verbose", action="store_true", help="debugging: every logger at DEBUG"
+    )
+    loud.add_argument(
+        "-q",
+        "--quiet-log",
+        dest="quiet_log",
+        action="store_true",
+        help="only warnings and errors (hetd serve logs its events at INFO by default)",
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(sub)
     _add_demo(sub)
@@ -74,6 +84,7 @@ def parser() -> argparse.ArgumentParser:
     _add_workers(sub, client)
     _add_policy(sub, client)
     _add_checkpoint(sub, client)
+    _add_export(sub, client)
     _add_calibrate(sub)
     from hetd.cli import bench as bench_cli
 
@@ -119,6 +130,22 @@ def _add_serve(sub: Sub) -> None:
         "pkg.module:attr (a hetd.zoo.data.Dataset or a factory (seed, **kwargs) returning one)",
     )
     s.add_argument("--policy", default=None, help="override [policy] name (its default params)")
+    # the same switches as before the command: `hetd serve -q` reads naturally
+    s.add_argument(
+        "-q",
+        "--quiet",
+        dest="quiet_log",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="log only warnings and errors (default: one INFO line per event)",
+    )
+    s.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="debugging: every logger at DEBUG",
+    )
     s.set_defaults(run=_serve)
 
 
@@ -286,16 +313,46 @@ def _add_checkpoint(sub: Sub, client: argparse.ArgumentParser) -> None:
     s.set_defaults(run=_checkpoint)
 
 
+def _add_export(sub: Sub, client: argparse.ArgumentParser) -> None:
+    s = sub.add_parser(
+        "export",
+        parents=[client],
+        help="write the model for the JAX ecosystem (POST /v1/export)",
+        description="Ask a running daemon to write its current model into DIR on the daemon's "
+        "machine: an orbax CheckpointManager directory (step = version; items params, opt_state, "
+        "meta) and a bare params.msgpack that flax.serialization.msgpack_restore reads.",
+    )
+    s.add_argument("--out", required=True, metavar="DIR", help="directory to write (created)")
+    s.set_defaults(run=_export)
+
+
 # --- entry point ------------------------------------------------------------------------------------
+
+# What an operator reads at the default level of ``hetd serve`` (the journal under systemd):
+# listening, resumed from, joins and leaves, swaps, checkpoints, refusals, stage changes.
+EVENT_LOGGERS = ("hetd",)
+
+
+def setup_logging(command: str, verbose: bool, quiet: bool) -> None:
+    """``hetd serve`` logs its events at INFO; other commands only warnings. ``-q``: warnings
+    only; ``-v``: DEBUG everywhere (libraries included). Under systemd the journal stamps each
+    line, so the line carries no time of its own."""
+    journal = bool(os.environ.get("JOURNAL_STREAM"))
+    fmt = "%(levelname)s %(name)s: %(message)s"
+    if not journal:
+        fmt = "%(asctime)s " + fmt
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format=fmt)
+    if verbose:
+        return
+    level = logging.INFO if command == "serve" and not quiet else logging.WARNING
+    for name in EVENT_LOGGERS:
+        logging.getLogger(name).setLevel(level)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hetd``."""
     args = parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
+    setup_logging(args.command, args.verbose, args.quiet_log)
     from hetd.cli import bench as bench_cli
     from hetd.config import ConfigError
 
@@ -314,8 +371,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from hetd import config
-    from hetd.server.checkpoint import CheckpointError
-    from hetd.server.daemon import serve
+    from hetd.server.daemon import serve  # light: JAX loads after the sockets listen
 
     cfg = config.load(args.config)
     server = {
@@ -335,17 +391,21 @@ def _serve(args: argparse.Namespace) -> int:
     config.check_serving(cfg)  # before JAX is imported: a refused start is quick
     try:
         asyncio.run(serve(cfg))
-    except CheckpointError as exc:
-        print(f"hetd: checkpoint: {exc}", file=sys.stderr)
-        return EXIT_USAGE
     except OSError as exc:  # the port is taken, the state directory is not writable, ...
         print(f"hetd: {exc}", file=sys.stderr)
         return 1
+    except Exception as exc:
+        from hetd.server.checkpoint import CheckpointError  # loaded by now: the daemon built
+
+        if not isinstance(exc, CheckpointError):
+            raise
+        print(f"hetd: checkpoint: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from hetd.local.demo import DemoOptions, run_demo
+    from hetd.local.demo import DemoOptions, result_text, run_demo
 
     params = args.policy_params
     if params is None:
@@ -362,16 +422,7 @@ def _demo(args: argparse.Namespace) -> int:
         quiet=args.quiet,
     )
     summary = asyncio.run(run_demo(opts))
-    reached = summary["time_to_target_s"]
-    print(
-        f"final test accuracy {summary['final_accuracy']:.4f} after {summary['elapsed_s']:.1f}s "
-        f"({summary['updates_applied']} updates, {summary['pushes_per_s']:.0f} pushes/s); "
-        + (
-            f"target {summary['target_accuracy']} reached at {reached:.1f}s"
-            if reached
-            else f"target {summary['target_accuracy']} not reached"
-        )
-    )
+    print(result_text(summary))
     if args.out:
         print(f"wrote {args.out}/summary.json and {args.out}/accuracy.png")
     return 0
@@ -619,6 +670,19 @@ def _policy_patch(args: argparse.Namespace) -> None:
     if not params:
         raise AdminError(EXIT_USAGE, "policy patch: give --params JSON or --param KEY=VALUE")
     _emit(args, admin_request(args, "PATCH", "/v1/policy", {"params": params}), _swapped)
+
+
+@_client
+def _export(args: argparse.Namespace) -> None:
+    out = os.path.abspath(args.out)  # the daemon's working directory is not ours
+    _emit(
+        args,
+        admin_request(args, "POST", "/v1/export", {"out": out}),
+        lambda r: (
+            f"exported version {r['version']} to {r['dir']} (orbax step {r['step']}"
+            f"{'' if r['written'] else ', already there'}) and {r['params_msgpack']}"
+        ),
+    )
 
 
 @_client

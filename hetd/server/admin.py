@@ -17,15 +17,14 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST
 
-from hetd.core.engine import Engine
-from hetd.server.checkpoint import CheckpointInfo
-from hetd.server.metrics import Metrics
-from policies.registry import PolicyError, policy_names
+if TYPE_CHECKING:  # the engine's modules import JAX: the admin app is built before they load
+    from hetd.core.engine import Engine
+    from hetd.server.checkpoint import CheckpointInfo
+    from hetd.server.metrics import Metrics
 
 log = logging.getLogger("hetd.server.admin")
 
@@ -42,9 +41,38 @@ class AdminContext:
     checkpoint: Callable[[], Awaitable[CheckpointInfo]] | None  # None: no [store] dir
     daemon_status: Callable[[], dict[str, Any]]  # ports, checkpoint state
     timeout_s: float = 10.0  # how long a call may wait for the engine
+    export: Callable[[str], Awaitable[dict[str, Any]]] | None = None  # POST /v1/export
 
 
-CONTEXT = web.AppKey("admin_context", AdminContext)
+class AdminSlot:
+    """What the admin app knows before and after the engine exists.
+
+    The app listens before the daemon has built its engine (start-up: listen first): until
+    :meth:`attach` gives it the context, every route but ``/healthz`` and the dashboard's login
+    answers 503 ``starting``. The token and the TLS flag are known from the start.
+    """
+
+    def __init__(self, token: str, *, tls: bool = False) -> None:
+        self.token = token
+        self.tls = tls
+        self.ctx: AdminContext | None = None
+
+    def attach(self, ctx: AdminContext) -> None:
+        self.ctx = ctx
+
+
+SLOT = web.AppKey("admin_slot", AdminSlot)
+PUBLIC_PATHS = frozenset({"/healthz"})  # no token needed
+# more public paths: the dashboard's login page and static files (hetd.server.dashboard)
+PUBLIC_KEY = web.AppKey("admin_public_paths", frozenset)
+
+
+def context(request: web.Request) -> AdminContext:
+    """The admin context of a request (the guard made sure it is attached)."""
+    ctx = request.app[SLOT].ctx
+    if ctx is None:
+        raise ApiError(503, "starting", "the daemon is starting: it builds its model and data")
+    return ctx
 
 
 class ApiError(Exception):
@@ -68,21 +96,28 @@ def _authorized(request: web.Request, token: str) -> bool:
     return hmac.compare_digest(got, f"Bearer {token}".encode())
 
 
+SessionCheck = Callable[[web.Request], bool]
+SESSION_CHECK: web.AppKey[SessionCheck] = web.AppKey("admin_session_check")
+
+
 @web.middleware
 async def _guard(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    """Token check on every route but /healthz; every failure becomes a JSON error reply."""
-    ctx = request.app[CONTEXT]
-    if request.path != "/healthz":
-        if not ctx.token:
+    """Token (or dashboard session) check on every route but the public ones; every failure
+    becomes a JSON error reply."""
+    slot = request.app[SLOT]
+    public = request.path in PUBLIC_PATHS or request.path in request.app.get(PUBLIC_KEY, ())
+    if not public:
+        if not slot.token:
             return error_response(
                 401,
                 "unauthorized",
                 "the admin API is disabled: no admin token is configured "
                 "(set HETD_ADMIN_TOKEN or [server] admin_token)",
             )
-        if not _authorized(request, ctx.token):
+        session = request.app.get(SESSION_CHECK)
+        if not _authorized(request, slot.token) and not (session is not None and session(request)):
             return error_response(
                 401, "unauthorized", "missing or wrong admin token (Authorization: Bearer <token>)"
             )
@@ -154,14 +189,15 @@ def _params(body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 async def healthz(request: web.Request) -> web.Response:
-    """Liveness, without a token."""
-    engine = request.app[CONTEXT].engine
-    return web.json_response({"ok": True, "version": engine.store.version})
+    """Liveness, without a token; ``ready`` false (and version 0) while the daemon starts."""
+    ctx = request.app[SLOT].ctx
+    version = ctx.engine.store.version if ctx is not None else 0
+    return web.json_response({"ok": True, "ready": ctx is not None, "version": version})
 
 
 async def status(request: web.Request) -> web.Response:
     """Version, stage, policy, uptime, workers, updates applied, last evaluation, daemon info."""
-    ctx = request.app[CONTEXT]
+    ctx = context(request)
     engine = ctx.engine
     body: dict[str, Any] = await _call(ctx, engine.status)
     body["buffered"] = engine.buffered()
@@ -171,24 +207,28 @@ async def status(request: web.Request) -> web.Response:
 
 async def workers(request: web.Request) -> web.Response:
     """One row per active worker."""
-    ctx = request.app[CONTEXT]
+    ctx = context(request)
     rows = await _call(ctx, ctx.engine.workers)
     return web.json_response({"workers": rows})
 
 
 def _policy_body(engine: Engine) -> dict[str, Any]:
+    from policies.registry import policy_names
+
     return {**engine.policy.describe(), "known": policy_names()}
 
 
 async def get_policy(request: web.Request) -> web.Response:
     """The running policy, its parameters, and every registered name."""
-    ctx = request.app[CONTEXT]
+    ctx = context(request)
     return web.json_response(await _call(ctx, lambda: _policy_body(ctx.engine)))
 
 
 async def _swap(ctx: AdminContext, build: Callable[[], tuple[str, dict[str, Any]]]) -> web.Response:
     """Swap on the engine task; on any error the old policy stays and the reply says why. With a
     state directory a checkpoint is written at once (its info in the reply's ``checkpoint``)."""
+    from policies.registry import PolicyError
+
     engine = ctx.engine
 
     def swap() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -212,7 +252,7 @@ async def _swap(ctx: AdminContext, build: Callable[[], tuple[str, dict[str, Any]
             f"the policy failed to start: {type(exc).__name__}: {exc}",
             policy=current,
         ) from None
-    log.warning("admin: policy %s -> %s", old, new)
+    log.debug("admin: policy %s -> %s", old, new)  # the engine logs the swap at INFO
     body: dict[str, Any] = {**new, "previous": old}
     if ctx.checkpoint is not None:  # durable at once: a crash now must not undo the change
         try:
@@ -225,7 +265,7 @@ async def _swap(ctx: AdminContext, build: Callable[[], tuple[str, dict[str, Any]
 
 async def put_policy(request: web.Request) -> web.Response:
     """Replace the policy: ``{"name": ..., "params": {...}}`` (params default to the factory's)."""
-    ctx = request.app[CONTEXT]
+    ctx = context(request)
     body = await _json_object(request, {"name", "params"}, {"name"})
     name = body["name"]
     if not isinstance(name, str) or not name:
@@ -236,7 +276,7 @@ async def put_policy(request: web.Request) -> web.Response:
 
 async def patch_policy(request: web.Request) -> web.Response:
     """Change some parameters of the running policy (JSON merge patch: ``null`` removes a key)."""
-    ctx = request.app[CONTEXT]
+    ctx = context(request)
     body = await _json_object(request, {"params"}, {"params"})
     patch = _params(body)
     engine = ctx.engine
@@ -255,7 +295,7 @@ async def patch_policy(request: web.Request) -> web.Response:
 
 async def post_checkpoint(request: web.Request) -> web.Response:
     """Write a checkpoint now; 409 when no state directory is configured."""
-    ctx = request.app[CONTEXT]
+    ctx = context(request)
     if ctx.checkpoint is None:
         raise ApiError(
             409,
@@ -271,7 +311,9 @@ async def post_checkpoint(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     """Prometheus text format."""
-    ctx = request.app[CONTEXT]
+    ctx = context(request)
+    from prometheus_client import CONTENT_TYPE_LATEST
+
     await _call(ctx, ctx.metrics.sample)
     return web.Response(body=ctx.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -286,10 +328,33 @@ async def openapi(request: web.Request) -> web.Response:
     return web.Response(body=openapi_document(), content_type="application/json")
 
 
-def make_admin_app(ctx: AdminContext) -> web.Application:
-    """The admin application (mounted on ``[server] admin_host:admin_port``)."""
+async def post_export(request: web.Request) -> web.Response:
+    """Write the model for users: ``{"out": DIR}`` on the daemon's machine gets an orbax
+    CheckpointManager directory (step = version) and a bare ``params.msgpack``."""
+    ctx = context(request)
+    body = await _json_object(request, {"out"}, {"out"})
+    out = body["out"]
+    if not isinstance(out, str) or not out:
+        raise ApiError(400, "bad_request", 'out must be a non-empty path, e.g. "/tmp/model"')
+    if ctx.export is None:
+        raise ApiError(409, "no_export", "this daemon cannot export")
+    try:
+        reply = await ctx.export(out)
+    except (OSError, ValueError) as exc:
+        raise ApiError(500, "export_failed", f"writing the export to {out} failed: {exc}") from None
+    return web.json_response(reply)
+
+
+def make_admin_app(slot: AdminSlot | AdminContext) -> web.Application:
+    """The admin application (mounted on ``[server] admin_host:admin_port``) with the dashboard.
+
+    ``slot`` is an :class:`AdminSlot` (the daemon attaches the context once its engine runs) or a
+    ready context."""
+    if isinstance(slot, AdminContext):
+        ready, slot = slot, AdminSlot(slot.token)
+        slot.attach(ready)
     app = web.Application(middlewares=[_guard], client_max_size=MAX_BODY)
-    app[CONTEXT] = ctx
+    app[SLOT] = slot
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/v1/status", status)
     app.router.add_get("/v1/workers", workers)
@@ -297,6 +362,10 @@ def make_admin_app(ctx: AdminContext) -> web.Application:
     app.router.add_put("/v1/policy", put_policy)
     app.router.add_patch("/v1/policy", patch_policy)
     app.router.add_post("/v1/checkpoint", post_checkpoint)
+    app.router.add_post("/v1/export", post_export)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
+    from hetd.server import dashboard
+
+    dashboard.install(app, slot)
     return app

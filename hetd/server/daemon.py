@@ -1,10 +1,18 @@
-"""The daemon: builds the engine from a config, serves websockets and the admin API, checkpoints,
-handles signals and systemd.
+"""The daemon: listens first, then builds the engine from a config behind that; serves websockets,
+the admin API and the dashboard; checkpoints; handles signals and systemd.
+
+Start-up order (why: an operator and the workers see a listening daemon within a second, and the
+workers import JAX and compile their own step while the daemon builds its model): bind both
+endpoints with nothing heavier than aiohttp imported, log the listening line, then import JAX, load
+the data, build the model and the engine in a thread, resume from the newest checkpoint and start
+the engine. A worker that connects meanwhile waits for the engine and then gets its ``welcome``;
+``/healthz`` answers at once (``"ready": false`` until the engine runs); the admin API answers 503
+``starting`` until then.
 
 ``Daemon`` owns every task it starts (the engine, the HTTP runners, the checkpoint timer) and cancels
-and awaits them on ``stop``. ``serve`` is what ``hetd serve`` runs: resume from the newest checkpoint,
-listen, tell systemd READY=1, wait for SIGTERM or SIGINT, then stop taking pushes, say bye to workers,
-write the last checkpoint and exit.
+and awaits them on ``stop``. ``serve`` is what ``hetd serve`` runs: listen, build, resume, tell
+systemd READY=1, wait for SIGTERM or SIGINT, then stop taking pushes, say bye to workers, write the
+last checkpoint and exit.
 """
 
 from __future__ import annotations
@@ -17,29 +25,29 @@ import signal
 import socket
 import ssl
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
-import jax.numpy as jnp
 from aiohttp import web
 
 from hetd import config as config_mod
-from hetd.codecs import registry as codecs
-from hetd.core.engine import Clock, Engine, EngineConfig
-from hetd.core.store import Snapshot, Store, make_optimizer, make_outer
-from hetd.server import admin, checkpoint, sessions
-from hetd.server.metrics import Metrics
-from hetd.zoo.data import Dataset, load_dataset
-from hetd.zoo.models import Model, get_model
-from policies import make_policy
+from hetd.server import admin
+
+if TYPE_CHECKING:  # the heavy modules (JAX, flax, optax) load behind the listening sockets
+    from hetd.core.engine import Clock, Engine
+    from hetd.core.store import Snapshot
+    from hetd.server import checkpoint
+    from hetd.server.metrics import Metrics
+    from hetd.zoo.data import Dataset
+    from hetd.zoo.models import Model
 
 log = logging.getLogger("hetd.server.daemon")
-
-ENGINE_KEY = web.AppKey("engine", Engine)
 
 
 def make_evaluator(model: Model, data: Dataset) -> Callable[[Snapshot], tuple[float, float]]:
     """(loss, accuracy) of a parameter snapshot on the test set, jitted once."""
+    import jax
+    import jax.numpy as jnp
+
     x = jnp.asarray(data.x_test)
     y = jnp.asarray(data.y_test)
 
@@ -56,6 +64,14 @@ def make_evaluator(model: Model, data: Dataset) -> Callable[[Snapshot], tuple[fl
 
 def build_engine(cfg: config_mod.Config, clock: Clock | None = None) -> Engine:
     """Model, data, store, policy and engine from a config."""
+    import jax
+
+    from hetd.core.engine import Engine, EngineConfig
+    from hetd.core.store import Store, make_optimizer, make_outer
+    from hetd.zoo.data import load_dataset
+    from hetd.zoo.models import get_model
+    from policies import make_policy
+
     t = cfg.train
     data = load_dataset(t.dataset, seed=t.seed, **dict(t.dataset_kwargs))
     model = get_model(t.model, data.num_classes, **dict(t.model_kwargs))
@@ -93,19 +109,28 @@ def build_engine(cfg: config_mod.Config, clock: Clock | None = None) -> Engine:
     return Engine(store, policy, econf, clock=clock, evaluator=make_evaluator(model, data))
 
 
-def make_worker_app(engine: Engine, cfg: config_mod.Config) -> web.Application:
-    """The workers' HTTP app: ``/v1/ws`` and ``/healthz``."""
-    app = web.Application(client_max_size=cfg.server.max_frame_bytes)
-    app[ENGINE_KEY] = engine
-    server = cfg.server
+def make_worker_app(daemon: Daemon) -> web.Application:
+    """The workers' HTTP app: ``/v1/ws`` (waits for the engine while the daemon starts) and
+    ``/healthz`` (answers at once: ``ready`` false and version 0 until the engine runs)."""
+    server = daemon.cfg.server
+    app = web.Application(client_max_size=server.max_frame_bytes)
 
     async def ws(request: web.Request) -> web.StreamResponse:
+        engine = await daemon.wait_ready()
+        if engine is None:
+            return web.json_response(
+                {"error": "stopping", "message": "the daemon is stopping"}, status=503
+            )
+        from hetd.server import sessions
+
         return await sessions.handle(
             request, engine, server.worker_token, server.max_frame_bytes, server.outbox_frames
         )
 
     async def healthz(request: web.Request) -> web.Response:
-        return web.json_response({"ok": True, "version": engine.store.version})
+        engine = daemon.engine_or_none
+        version = engine.store.version if engine is not None and daemon.ready else 0
+        return web.json_response({"ok": True, "ready": daemon.ready, "version": version})
 
     app.router.add_get("/v1/ws", ws)
     app.router.add_get("/healthz", healthz)
@@ -115,8 +140,9 @@ def make_worker_app(engine: Engine, cfg: config_mod.Config) -> web.Application:
 class Daemon:
     """A running daemon: the engine task, the worker endpoint, the admin API, the checkpoint timer.
 
-    ``start`` resumes from the newest valid checkpoint in ``[store] dir`` (when set) before it
-    listens; ``stop`` drains gracefully: bye to every worker, one last checkpoint, sockets closed,
+    ``listen`` binds both endpoints; ``build`` makes the engine (in a thread, unless one was given),
+    resumes from the newest valid checkpoint in ``[store] dir`` (when set) and starts it; ``start``
+    does both. ``stop`` drains gracefully: bye to every worker, one last checkpoint, sockets closed,
     engine stopped — each step bounded by ``[server] stop_timeout_s``.
     """
 
@@ -125,11 +151,12 @@ class Daemon:
         self.cfg = cfg
         # [server] tls_cert / tls_key: both endpoints serve TLS (wss://, https://); None: plain
         self.ssl_context: ssl.SSLContext | None = config_mod.server_ssl_context(cfg.server)
-        self.engine = engine or build_engine(cfg)
-        store = cfg.store
-        self.checkpointer = checkpoint.Checkpointer(store.dir, store.keep) if store.dir else None
+        self._engine = engine
+        self.checkpointer: checkpoint.Checkpointer | None = None  # made by build (imports flax)
         self.resumed_from: checkpoint.CheckpointInfo | None = None
-        self.metrics = Metrics(self.engine, extra=self._metric_extras)
+        self.metrics: Metrics | None = None
+        self.ready = False  # True once the engine runs (and the admin API answers)
+        self._ready = asyncio.Event()  # set when ready, or when the daemon stops before that
         self._runners: list[web.AppRunner] = []
         self._worker_sites: list[web.TCPSite] = []
         self._engine_task: asyncio.Task[None] | None = None
@@ -139,66 +166,122 @@ class Daemon:
         self.port = 0  # the bound worker port
         self.admin_port: int | None = None  # the bound admin port (None: admin API off)
         self.admin_app: web.Application | None = None
+        self._admin_slot = admin.AdminSlot(cfg.server.admin_token, tls=self.ssl_context is not None)
+
+    @property
+    def engine(self) -> Engine:
+        """The engine; RuntimeError before :meth:`build` made it."""
+        if self._engine is None:
+            raise RuntimeError("the daemon has not built its engine yet (await start())")
+        return self._engine
+
+    @property
+    def engine_or_none(self) -> Engine | None:
+        """The engine, or None while the daemon still builds it."""
+        return self._engine
+
+    async def wait_ready(self) -> Engine | None:
+        """The running engine once it runs; None when the daemon stopped first."""
+        await self._ready.wait()
+        return self._engine if self.ready else None
 
     async def start(self) -> int:
-        """Resume, then start serving; returns the bound worker port (useful with port 0).
+        """Listen, then build, resume and run the engine; returns the bound worker port (useful
+        with port 0).
 
-        Raises :class:`hetd.server.checkpoint.CheckpointError` when the newest valid checkpoint does not
-        fit the configured model (nothing is listening yet).
+        Raises :class:`hetd.server.checkpoint.CheckpointError` when the newest valid checkpoint does
+        not fit the configured model, and whatever building the model or data set raised; the
+        sockets are closed again and nothing is written.
         """
-        # Compile the optimizer step while we open the sockets (a worker thread; no state touched).
-        int8 = codecs.spec_name(self.engine.config.codec) == "int8"
-        self._warm_task = asyncio.create_task(
-            asyncio.to_thread(self.engine.store.warm, int8), name="hetd-warm-store"
-        )
-        if self.checkpointer is not None:
-            self.resumed_from = self.checkpointer.restore(self.engine)
-        self._engine_task = asyncio.create_task(self.engine.run(), name="hetd-engine")
+        await self.listen()
+        await self.build()
+        return self.port
+
+    async def listen(self) -> int:
+        """Bind the worker endpoint and the admin API; returns the worker port."""
         try:
             await self._start_endpoints()
         except BaseException:  # a port in use, ...: close what was opened, write nothing
             await self.stop(final_checkpoint=False)
             raise
+        return self.port
+
+    async def build(self) -> None:
+        """Build the engine (a thread: the sockets keep answering), resume, start it."""
+        try:
+            if self._engine is None:
+                self._engine = await asyncio.to_thread(build_engine, self.cfg)
+            engine = self._engine
+            if self.cfg.store.dir:
+                from hetd.server.checkpoint import Checkpointer
+
+                self.checkpointer = Checkpointer(self.cfg.store.dir, self.cfg.store.keep)
+            from hetd.codecs import registry as codecs
+            from hetd.server.metrics import Metrics
+
+            # Compile the optimizer step in a thread while we resume (no state touched).
+            int8 = codecs.spec_name(engine.config.codec) == "int8"
+            self._warm_task = asyncio.create_task(
+                asyncio.to_thread(engine.store.warm, int8), name="hetd-warm-store"
+            )
+            if self.checkpointer is not None:
+                self.resumed_from = await asyncio.to_thread(self.checkpointer.restore, engine)
+            self.metrics = Metrics(engine, extra=self._metric_extras)
+            self._engine_task = asyncio.create_task(engine.run(), name="hetd-engine")
+        except BaseException:
+            await self.stop(final_checkpoint=False)
+            raise
+        if self._stopped:  # stopped while building
+            return
+        if self.admin_port is not None:
+            self._admin_slot.attach(
+                admin.AdminContext(
+                    engine=engine,
+                    token=self.cfg.server.admin_token,
+                    metrics=self.metrics,
+                    checkpoint=self.checkpoint if self.checkpointer is not None else None,
+                    daemon_status=self.describe,
+                    timeout_s=self.cfg.server.stop_timeout_s,
+                    export=self.export,
+                )
+            )
         if self.checkpointer is not None and self.cfg.store.interval_s > 0:
             self._timer_task = asyncio.create_task(
-                self.checkpointer.run_timer(self.engine, self.cfg.store.interval_s),
+                self.checkpointer.run_timer(engine, self.cfg.store.interval_s),
                 name="hetd-checkpoint-timer",
             )
-        return self.port
+        self.ready = True
+        self._ready.set()
+        t = self.cfg.train
+        log.info(
+            "ready: %s on %s, policy %s %s, version %d",
+            t.model,
+            t.dataset,
+            engine.policy.name,
+            dict(engine.policy.params),
+            engine.store.version,
+        )
 
     async def _start_endpoints(self) -> None:
         server = self.cfg.server
-        worker_app = make_worker_app(self.engine, self.cfg)
-        self.port, site = await self._listen(worker_app, server.host, server.port)
-        self._worker_sites.append(site)
         tls = self.ssl_context is not None
-        log.info(
-            "hetd listening for workers on %s://%s:%d",
-            "wss" if tls else "ws",
-            server.host,
-            self.port,
-        )
+        self.port, site = await self._listen(make_worker_app(self), server.host, server.port)
+        self._worker_sites.append(site)
+        where = f"{'wss' if tls else 'ws'}://{server.host}:{self.port} (workers)"
         if server.admin_port >= 0:
-            ctx = admin.AdminContext(
-                engine=self.engine,
-                token=server.admin_token,
-                metrics=self.metrics,
-                checkpoint=self.checkpoint if self.checkpointer is not None else None,
-                daemon_status=self.describe,
-                timeout_s=server.stop_timeout_s,
-            )
-            self.admin_app = admin.make_admin_app(ctx)
+            self.admin_app = admin.make_admin_app(self._admin_slot)
             self.admin_port, _ = await self._listen(
                 self.admin_app, server.admin_host, server.admin_port
             )
-            log.info(
-                "admin API on %s://%s:%d",
-                "https" if tls else "http",
-                server.admin_host,
-                self.admin_port,
+            where += (
+                f", {'https' if tls else 'http'}://{server.admin_host}:{self.admin_port}"
+                " (admin API, dashboard at /)"
             )
-            if not server.admin_token:
-                log.warning("no admin token configured: the admin API refuses every call")
+        else:
+            where += ", admin API off"
+        log.info("listening on %s", where)
+        if server.admin_port >= 0 and not server.admin_token:
+            log.warning("no admin token configured: the admin API refuses every call")
 
     async def _listen(self, app: web.Application, host: str, port: int) -> tuple[int, web.TCPSite]:
         runner = web.AppRunner(app, handle_signals=False)
@@ -215,6 +298,14 @@ class Daemon:
         if self.checkpointer is None:
             raise RuntimeError("checkpoints are off: set [store] dir or --state-dir")
         return await self.checkpointer.save(self.engine)
+
+    async def export(self, out: str) -> dict[str, Any]:
+        """Write the model for users (POST /v1/export): an orbax directory and params.msgpack."""
+        from hetd.server import export
+
+        engine = self.engine
+        state = await engine.call(lambda: export.capture(engine))
+        return await asyncio.to_thread(export.write, out, state, self.cfg)
 
     def describe(self) -> dict[str, Any]:
         """Daemon facts for /v1/status: pid, ports, checkpoints."""
@@ -249,8 +340,9 @@ class Daemon:
         if self._stopped:
             return
         self._stopped = True
+        self._ready.set()  # workers waiting for the engine get a 503 unless it runs
         timeout = self.cfg.server.stop_timeout_s if timeout is None else timeout
-        engine = self.engine
+        engine = self._engine
         if self._timer_task is not None:
             self._timer_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -260,7 +352,7 @@ class Daemon:
                 await site.stop()
         capture = final_checkpoint and self.checkpointer is not None
         state: dict[str, Any] | None = None
-        if self._engine_task is not None and not self._engine_task.done():
+        if engine is not None and self._engine_task is not None and not self._engine_task.done():
             try:
                 state = await asyncio.wait_for(
                     engine.call(lambda: _drain(engine, capture)), timeout
@@ -271,7 +363,7 @@ class Daemon:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(runner.cleanup(), timeout)
         self._runners.clear()
-        if self.checkpointer is not None and state is not None:
+        if engine is not None and self.checkpointer is not None and state is not None:
             try:
                 info = await asyncio.wait_for(self.checkpointer.save(engine, state), timeout)
                 log.warning("final checkpoint %s at version %d", info.path, info.version)
@@ -290,8 +382,10 @@ class Daemon:
 
 def _drain(engine: Engine, capture: bool) -> dict[str, Any] | None:
     """Say bye to every worker (they reconnect later) and capture the state to checkpoint."""
+    from hetd.server.checkpoint import engine_state
+
     engine.bye_all("daemon stopping")
-    return checkpoint.engine_state(engine) if capture else None
+    return engine_state(engine) if capture else None
 
 
 def sd_notify(state: str) -> bool:
@@ -315,7 +409,8 @@ def sd_notify(state: str) -> bool:
 async def serve(cfg: config_mod.Config, extra: Callable[[Daemon], Any] | None = None) -> None:
     """Run until SIGTERM/SIGINT, then drain and stop (what ``hetd serve`` does).
 
-    READY=1 goes to systemd once both endpoints listen, with a STATUS line naming the ports.
+    The listening line is logged as soon as both endpoints are bound; READY=1 goes to systemd
+    once the engine runs, with a STATUS line naming the ports.
     """
     daemon = Daemon(cfg)
     await daemon.start()

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import optax
+if TYPE_CHECKING:  # optax (and JAX under it) loads when a transformation is built, not when a
+    import optax  # config is checked: the daemon listens before it imports JAX
+
 
 NAMES = ("sgd", "momentum", "nesterov", "adam")
 _KEYS = {
@@ -43,6 +46,8 @@ class OptimizerSpec:
 
     def build(self, lr: float | None = None) -> optax.GradientTransformation:
         """The optax transformation (``lr``: used when the spec names no learning rate)."""
+        import optax
+
         rate = self.lr if self.lr is not None else lr
         if rate is None:
             raise ValueError(f"optimizer {self.name!r} needs a learning rate")
@@ -59,6 +64,8 @@ class OptimizerSpec:
     def injectable(self) -> optax.GradientTransformation:
         """The transformation with its learning rate as an injected hyperparameter
         (``state.hyperparams["learning_rate"]``), so one compiled step serves any rate."""
+        import optax
+
         opts = dict(self.options)
         if self.name == "adam":
             return optax.inject_hyperparams(optax.adam)(

@@ -109,6 +109,11 @@ def test_demo_on_digits_reaches_target_and_writes_summary_and_plot(tmp_path: Pat
     assert math.isfinite(summary["final_loss"]) and summary["final_loss"] > 0
     tta, elapsed = summary["time_to_target_s"], summary["elapsed_s"]
     assert tta is not None, "the demo reports the target as not reached"
+    # the evaluation that stopped the run met the target, and the output says which is which
+    assert summary["stop_accuracy"] >= DEMO_TARGET, summary["stop_accuracy"]
+    assert summary["final_version"] >= summary["stop_version"] > 0
+    assert f"test accuracy {summary['stop_accuracy']:.4f} at version" in proc.stdout
+    assert f"final model: test accuracy {final:.4f}" in proc.stdout, proc.stdout
     assert 0 < tta <= elapsed, (tta, elapsed)
     assert elapsed < DEMO_BUDGET_S, f"stopped by the budget ({elapsed:.1f} s), not the target"
 

@@ -1,0 +1,203 @@
+"""The dashboard on a real daemon with two real workers: over HTTP (always), and in headless
+Chromium driven by selenium (when Debian's chromium and chromium-driver are installed; ``.ci/run``
+installs them when it runs as root)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.conftest import ADMIN_TOKEN, Cluster
+
+pytestmark = pytest.mark.slow
+
+LIVE_TIMEOUT_S = 120.0  # two workers importing JAX and compiling on a loaded 2-core machine
+
+
+async def next_state(resp: aiohttp.ClientResponse, timeout: float) -> dict[str, Any]:
+    """The next ``state`` event of an SSE stream."""
+    event = None
+    while True:
+        line = (await asyncio.wait_for(resp.content.readline(), timeout)).decode()
+        if line.startswith("event:"):
+            event = line.split(":", 1)[1].strip()
+        elif line.startswith("data:") and event == "state":
+            doc: dict[str, Any] = json.loads(line.split(":", 1)[1])
+            return doc
+        elif not line:
+            raise AssertionError("the stream ended")
+
+
+async def state_where(
+    resp: aiohttp.ClientResponse, predicate: Any, what: str, timeout: float = LIVE_TIMEOUT_S
+) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    last: dict[str, Any] | None = None
+    while loop.time() < deadline:
+        last = await next_state(resp, max(0.1, deadline - loop.time()))
+        if predicate(last):
+            return last
+    raise AssertionError(f"no state with {what} within {timeout} s; last: {last}")
+
+
+def live(doc: dict[str, Any]) -> bool:
+    """Two workers joined and the model moved."""
+    return doc["status"]["workers"] == 2 and doc["status"]["version"] > 0
+
+
+async def test_dashboard_over_http_login_cookie_live_stream_and_swap(cluster: Any) -> None:
+    c: Cluster = await cluster("asp")
+    await c.spawn(1.0, 0.02)
+    await c.spawn(2.0, 0.02)
+    port = c.daemon.admin_port
+    jar = aiohttp.CookieJar(unsafe=True)  # keep cookies for 127.0.0.1
+    async with aiohttp.ClientSession(cookie_jar=jar) as http:
+        # no session: the login form, which posts the token in its body
+        async with http.get(c.admin_url + "/") as resp:
+            page = await resp.text()
+            assert resp.status == 200 and 'name="token"' in page and 'method="post"' in page
+            assert "script-src 'self'" in resp.headers["Content-Security-Policy"]
+        async with http.get(c.admin_url + "/v1/dashboard") as resp:
+            assert resp.status == 401
+        async with http.post(c.admin_url + "/login", data={"token": "wrong"}) as resp:
+            assert resp.status == 401 and "wrong token" in await resp.text()
+        assert not jar.filter_cookies(c.admin_url)
+
+        async with http.post(
+            c.admin_url + "/login", data={"token": ADMIN_TOKEN}, allow_redirects=False
+        ) as resp:
+            assert resp.status == 303 and resp.headers["Location"] == "/"
+            set_cookie = resp.headers["Set-Cookie"]
+        assert set_cookie.startswith(f"hetd_session_{port}=")
+        assert "HttpOnly" in set_cookie and "SameSite=Strict" in set_cookie
+        assert ADMIN_TOKEN not in set_cookie  # a random session id, not the token
+
+        async with http.get(c.admin_url + "/") as resp:
+            assert resp.status == 200 and 'id="swap"' in await resp.text()
+        async with http.get(c.admin_url + "/ui/dashboard.js") as resp:
+            assert resp.status == 200 and "EventSource" in await resp.text()
+
+        async with http.get(c.admin_url + "/v1/dashboard/stream") as stream:
+            assert stream.status == 200 and stream.content_type == "text/event-stream"
+            doc = await state_where(stream, live, "2 workers and version > 0")
+            names = sorted(w["name"] for w in doc["workers"])
+            assert names == ["w0-x1", "w1-x2"]
+            assert abs(sum(w["batch_share"] for w in doc["workers"]) - 1.0) < 1e-9
+            assert all(w["samples_per_s"] > 0 and w["codec"] for w in doc["workers"])
+            charts = doc["charts"]
+            assert {"accuracy", "updates", "bytes", "stages"} <= set(charts)
+            assert all(svg.startswith("<svg") for svg in charts.values())
+            assert "<polyline" in charts["updates"]
+            kinds = [e["kind"] for e in doc["events"]]
+            assert kinds.count("join") == 2, doc["events"]
+
+            # the swap form's endpoint: PUT /v1/policy, with the cookie and the dashboard header
+            body = {"name": "ssp", "params": {"staleness": 2}}
+            async with http.put(c.admin_url + "/v1/policy", json=body) as resp:
+                assert resp.status == 401  # a cookie alone changes nothing (cross-site forms)
+            async with http.put(
+                c.admin_url + "/v1/policy", json=body, headers={"X-Hetd-Dashboard": "1"}
+            ) as resp:
+                assert resp.status == 200, await resp.text()
+            doc = await state_where(
+                stream, lambda d: d["policy"]["name"] == "ssp", "the new policy", 30
+            )
+            assert doc["policy"]["params"]["staleness"] == 2
+            assert any(e["kind"] == "swap" and "-> ssp" in e["text"] for e in doc["events"])
+        assert c.engine.policy.name == "ssp"
+
+        async with http.post(c.admin_url + "/logout", allow_redirects=False) as resp:
+            assert resp.status == 303
+        async with http.get(c.admin_url + "/v1/dashboard") as resp:
+            assert resp.status == 401
+
+
+def _browser() -> tuple[str, str] | str:
+    """(chromium, chromedriver) paths, or why the browser test cannot run here."""
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        return "selenium is not installed (pip install '.[test]')"
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    if chromium is None or driver is None:
+        return (
+            "no chromium/chromedriver on this machine (Debian: apt-get install chromium "
+            "chromium-driver; .ci/run does it as root); the HTTP-level dashboard test above "
+            "covers login, cookie, stream and swap without a browser"
+        )
+    return chromium, driver
+
+
+async def test_dashboard_in_headless_chromium(cluster: Any, tmp_path: Path) -> None:
+    found = _browser()
+    if isinstance(found, str):
+        pytest.skip(found)
+    chromium, driver_path = found
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    c: Cluster = await cluster("asp")
+    await c.spawn(1.0, 0.02)
+    await c.spawn(2.0, 0.02)
+
+    def drive() -> dict[str, Any]:
+        options = webdriver.ChromeOptions()
+        options.binary_location = chromium
+        for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
+            options.add_argument(flag)
+        options.add_argument("--window-size=1280,1400")
+        browser = webdriver.Chrome(options=options, service=Service(executable_path=driver_path))
+        try:
+            browser.get(c.admin_url + "/")
+            browser.find_element(By.ID, "token").send_keys(ADMIN_TOKEN)
+            browser.find_element(By.ID, "login-button").click()
+            wait = WebDriverWait(browser, LIVE_TIMEOUT_S, poll_frequency=0.25)
+            wait.until(lambda b: b.find_element(By.ID, "nworkers").text == "2")
+            wait.until(lambda b: int(b.find_element(By.ID, "version").text or 0) > 0)
+            wait.until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "#workers tbody tr")) == 2)
+            assert browser.find_element(By.ID, "connection").text == "live"
+            assert browser.find_elements(By.CSS_SELECTOR, "#chart-updates svg polyline")
+            cookies = browser.get_cookies()
+            url_after_login = browser.current_url
+
+            Select(browser.find_element(By.ID, "swap-name")).select_by_value("ssp")
+            params = browser.find_element(By.ID, "swap-params")
+            params.clear()
+            params.send_keys('{"staleness": 2}')
+            browser.find_element(By.ID, "swap-button").click()
+            WebDriverWait(browser, 30, poll_frequency=0.25).until(
+                lambda b: (
+                    b.find_element(By.ID, "policy-name").text == "ssp"
+                    and "swap" in b.find_element(By.ID, "events").text
+                )
+            )
+            browser.save_screenshot(str(tmp_path / "dashboard.png"))
+            return {
+                "cookies": cookies,
+                "url": url_after_login,
+                "result": browser.find_element(By.ID, "swap-result").text,
+                "params": browser.find_element(By.ID, "policy-params").text,
+                "workers": browser.find_element(By.CSS_SELECTOR, "#workers tbody").text,
+            }
+        finally:
+            browser.quit()
+
+    seen = await asyncio.to_thread(drive)
+    (session,) = [k for k in seen["cookies"] if k["name"].startswith("hetd_session_")]
+    assert session["httpOnly"] is True and session["sameSite"] == "Strict"
+    assert ADMIN_TOKEN not in seen["url"] and ADMIN_TOKEN not in session["value"]
+    assert seen["result"].startswith("now ssp") and json.loads(seen["params"])["staleness"] == 2
+    assert "w0-x1" in seen["workers"] and "w1-x2" in seen["workers"]
+    assert c.engine.policy.name == "ssp"
+    shot = tmp_path / "dashboard.png"
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
