@@ -269,11 +269,19 @@ async def _read(
     hello_at: float,
 ) -> None:
     """Read every frame the daemon sends; hand parameters to the compute loop."""
+    parts = wire.Reassembler(wire.MAX_MESSAGE)  # what the daemon sends over the cap, in chunks
     try:
         async for frame in ws:
             if frame.type != aiohttp.WSMsgType.BINARY:
                 break
-            msg = wire.decode(frame.data, opts.max_frame_bytes)
+            data: bytes = frame.data
+            msg = wire.decode(data, opts.max_frame_bytes)
+            if msg.type == "chunk":
+                whole = parts.feed(msg)
+                if whole is None:
+                    continue
+                data = whole
+                msg = await asyncio.to_thread(wire.decode, data, parts.max_bytes)
             if msg.type == "welcome":
                 state.rtt_s = time.perf_counter() - hello_at
                 state.heartbeat_s = float(msg["heartbeat_s"])
@@ -285,7 +293,7 @@ async def _read(
             elif msg.type == "plan":  # the whole plan, every time
                 state.plan = Plan.from_wire(msg["plan"])
             elif msg.type == "params":
-                delay = opts.emulation.transfer_seconds(len(frame.data))
+                delay = opts.emulation.transfer_seconds(len(data))
                 if delay:  # the emulated link carries parameters too, as the simulator charges
                     await asyncio.sleep(delay)
                 held = await asyncio.to_thread(apply_params, inbox.params, msg)
@@ -434,11 +442,13 @@ async def _profile(
 
 
 async def _send(ws: aiohttp.ClientWebSocketResponse, frame: bytes, opts: WorkerOptions) -> None:
-    """Send a push, first waiting out the emulated link's transfer time."""
+    """Send a push, first waiting out the emulated link's transfer time; over the frame cap, in
+    ``chunk`` messages (the daemon joins them)."""
     delay = opts.emulation.transfer_seconds(len(frame))
     if delay:
         await asyncio.sleep(delay)
-    await ws.send_bytes(frame)
+    for piece in wire.chunks(frame, opts.max_frame_bytes):
+        await ws.send_bytes(piece)
 
 
 async def _heartbeats(ws: aiohttp.ClientWebSocketResponse, every_s: float) -> None:

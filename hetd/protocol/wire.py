@@ -9,7 +9,7 @@ message saying what was wrong. No pickle, no extension types, no ``assert`` on i
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -60,6 +60,8 @@ SCHEMA: Final[dict[str, dict[str, tuple[tuple[type, ...], bool]]]] = {
         "idle_s": (_OPT_NUM, False),
     },
     "profile_result": {"result": ((dict,), True)},
+    # either way: one piece of a message larger than the websocket frame cap (see chunks())
+    "chunk": {"seq": ((int,), True), "last": ((bool,), True), "data": ((bytes,), True)},
     "heartbeat": {},
     "bye": {"reason": (_OPT_STR, False)},
     # daemon -> worker
@@ -262,6 +264,8 @@ def _validate(raw: Mapping[str, Any]) -> Message:
             )
     if type_ == "hello":
         _check_hello(body)
+    if type_ == "chunk" and body["seq"] < 0:
+        raise ProtocolError("malformed", "chunk: seq must be >= 0")
     if type_ == "push":
         if body["kind"] not in PUSH_KINDS:
             raise ProtocolError("malformed", f"push: kind must be one of {PUSH_KINDS}")
@@ -272,6 +276,74 @@ def _validate(raw: Mapping[str, Any]) -> Message:
             if value is not None and not math.isfinite(value):
                 raise ProtocolError("malformed", f"push: {name} must be finite, got {value!r}")
     return Message(type_, id_, body)
+
+
+CHUNK_OVERHEAD: Final = 64  # bytes a chunk frame adds around its piece (envelope, seq, headers)
+MAX_MESSAGE: Final = (1 << 32) - 1  # the largest message chunks may carry (msgpack bin32)
+
+
+def chunks(frame: bytes, cap: int) -> Iterator[bytes]:
+    """The frames that carry ``frame`` over a link whose frame cap is ``cap``: the frame itself
+    when it fits, else ``chunk`` messages (``seq`` 0, 1, ..., the last with ``last`` true) each at
+    most ``cap`` bytes, whose ``data`` joined is the frame. A peer that predates chunks answers the
+    first with an ``unknown_type`` error (it could not have taken the frame whole either)."""
+    if len(frame) <= cap:
+        yield frame
+        return
+    if cap <= CHUNK_OVERHEAD:
+        raise ValueError(f"a frame cap of {cap} bytes leaves no room for a chunk")
+    piece = cap - CHUNK_OVERHEAD
+    view = memoryview(frame)
+    count = -(-len(frame) // piece)
+    for i in range(count):
+        data = view[i * piece : (i + 1) * piece]
+        yield encode("chunk", 0, seq=i, last=i == count - 1, data=data)
+
+
+class Reassembler:
+    """Joins the ``chunk`` messages of one peer back into the message they carry, in order, up to
+    ``max_bytes``. A chunk out of order or a message over ``max_bytes`` raises
+    :class:`ProtocolError` once, drops what was gathered and ignores the rest of that message
+    (until the next ``seq`` 0, which always starts a new one)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._parts: list[bytes] = []
+        self._size = 0
+        self._skipping = False
+
+    @property
+    def pending(self) -> int:
+        """Bytes gathered for a message not yet complete."""
+        return self._size
+
+    def feed(self, msg: Message) -> bytes | None:
+        """Take one validated ``chunk``; the whole message's frame once its last chunk came."""
+        seq, data = msg["seq"], msg["data"]
+        if seq == 0:
+            self._parts, self._size, self._skipping = [], 0, False
+        elif self._skipping:
+            return None
+        if seq != len(self._parts):
+            self._drop()
+            raise ProtocolError(
+                "malformed", f"chunk {seq} out of order (expected {len(self._parts)}); dropped"
+            )
+        self._size += len(data)
+        if self._size > self.max_bytes:
+            self._drop()
+            raise ProtocolError(
+                "too_large", f"chunked message over the {self.max_bytes}-byte cap; dropped"
+            )
+        self._parts.append(data)
+        if not msg["last"]:
+            return None
+        whole = b"".join(self._parts)
+        self._parts, self._size = [], 0
+        return whole
+
+    def _drop(self) -> None:
+        self._parts, self._size, self._skipping = [], 0, True
 
 
 def error_frame(code: str, message: str, id_: int = 0) -> bytes:

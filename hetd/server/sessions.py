@@ -44,9 +44,13 @@ class Outbox:
     A full ``params`` frame replaces the parameter frames queued before it; too many frames mean
     the worker is stuck."""
 
-    def __init__(self, ws: web.WebSocketResponse, limit: int) -> None:
+    def __init__(
+        self, ws: web.WebSocketResponse, limit: int, cap: int = wire.DEFAULT_MAX_FRAME
+    ) -> None:
+        """``cap``: the frame cap; a larger frame goes out as ``chunk`` messages."""
         self._ws = ws
         self._limit = limit
+        self._cap = cap
         self._frames: deque[tuple[bytes, bool]] = deque()
         self._wake = asyncio.Event()
         self.closing: str | None = None
@@ -88,7 +92,8 @@ class Outbox:
             self._wake.clear()
             while self._frames:
                 frame, _ = self._frames.popleft()
-                await self._ws.send_bytes(frame)
+                for piece in wire.chunks(frame, self._cap):  # the frame itself when it fits
+                    await self._ws.send_bytes(piece)
             if self.closing is not None:
                 await self._ws.close(
                     code=WSCloseCode.GOING_AWAY, message=self.closing.encode()[:120]
@@ -96,9 +101,27 @@ class Outbox:
                 return
 
 
-def _decode(engine: Engine, wid: int | None, data: bytes, cap: int) -> wire.Message | PushIn:
-    """A frame as a message, or as a validated push once the worker is known."""
+def message_cap(engine: Engine, cap: int) -> int:
+    """The largest message a worker may send in ``chunk`` messages: a float32 update of the whole
+    model with room for its envelope (never below the frame cap)."""
+    shapes = engine.store.shapes
+    return max(cap, 4 * engine.store.n_params + (1 << 20) + 1024 * len(shapes))
+
+
+def _decode(
+    engine: Engine, wid: int | None, data: bytes, cap: int, parts: wire.Reassembler
+) -> wire.Message | PushIn | None:
+    """A frame as a message, or as a validated push once the worker is known; None for a chunk
+    of a message not yet complete (``parts`` gathers them)."""
     msg = wire.decode(data, cap)
+    if msg.type == "chunk":
+        whole = parts.feed(msg)
+        if whole is None:
+            return None
+        data = whole
+        msg = wire.decode(data, parts.max_bytes)
+        if msg.type == "chunk":
+            raise wire.ProtocolError("malformed", "a chunk may not carry another chunk")
     if msg.type == "push" and wid is not None:
         try:
             return decode_push(engine.store.shapes, wid, msg, len(data), fused=True)
@@ -119,8 +142,9 @@ async def handle(
         )
     ws = web.WebSocketResponse(max_msg_size=cap, compress=False)
     await ws.prepare(request)
-    outbox = Outbox(ws, limit)
+    outbox = Outbox(ws, limit, cap)
     writer = asyncio.create_task(outbox.run())
+    parts = wire.Reassembler(message_cap(engine, cap))
     wid: int | None = None
     reason = "connection closed"
     try:
@@ -137,13 +161,15 @@ async def handle(
                 continue
             data: bytes = frame.data
             try:
-                if len(data) > OFF_LOOP_BYTES:
-                    item = await asyncio.to_thread(_decode, engine, wid, data, cap)
+                if len(data) + parts.pending > OFF_LOOP_BYTES:
+                    item = await asyncio.to_thread(_decode, engine, wid, data, cap, parts)
                 else:
-                    item = _decode(engine, wid, data, cap)
+                    item = _decode(engine, wid, data, cap, parts)
             except wire.ProtocolError as exc:
                 log.info("worker %s: %s: %s", wid, exc.code, exc.message)
                 outbox.send_error(exc.code, exc.message, exc.id)
+                continue
+            if item is None:  # a chunk: the rest of its message is still to come
                 continue
             if isinstance(item, PushIn):
                 engine.submit(partial(engine.push, item))

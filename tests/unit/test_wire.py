@@ -72,6 +72,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "plan": {"plan": PLAN},
     "profile": {"spec": {"batches": [16, 32, 64], "steps": 3}},
     "error": {"code": "malformed", "message": "push: missing field 'base'"},
+    "chunk": {"seq": 2, "last": False, "data": b"\x93\x01"},
 }
 
 
@@ -500,3 +501,39 @@ def test_full_frame_shares_its_memory_with_the_snapshot_and_takes_a_hash_later()
     np.testing.assert_array_equal(held.tensors["w"], tensors["w"])
     with pytest.raises(ValueError):
         with_hash(b"\x90", h)
+
+
+def test_chunks_carry_a_frame_over_the_cap_and_join_back() -> None:
+    """A frame over the cap goes as chunk frames of at most ``cap`` bytes each; the reassembler
+    gives back the very frame; one that fits goes as it is."""
+    tensors = {"w": {**TENSOR, "shape": [5000], "data": bytes(range(256)) * 78 + b"\x00" * 32}}
+    frame = wire.encode("params", 0, version=3, full=True, tensors=tensors)
+    assert list(wire.chunks(frame, len(frame))) == [frame]
+    pieces = list(wire.chunks(frame, 1024))
+    assert len(pieces) > 1 and all(len(p) <= 1024 for p in pieces)
+    parts = wire.Reassembler(len(frame))
+    got = [parts.feed(wire.decode(p, 1024)) for p in pieces]
+    assert got[:-1] == [None] * (len(pieces) - 1) and got[-1] == frame
+    assert parts.pending == 0
+    assert wire.decode(frame)["tensors"] == tensors
+    with pytest.raises(ValueError):
+        list(wire.chunks(frame, wire.CHUNK_OVERHEAD))
+
+
+def test_reassembler_refuses_disorder_and_oversize_then_recovers_at_seq_0() -> None:
+    frame = wire.encode("bye", 0, reason="x" * 3000)
+    pieces = [wire.decode(p) for p in wire.chunks(frame, 1000)]
+    parts = wire.Reassembler(len(frame))
+    parts.feed(pieces[0])
+    with pytest.raises(ProtocolError) as exc:
+        parts.feed(pieces[2])  # 1 was lost
+    assert exc.value.code == "malformed" and "out of order" in exc.value.message
+    assert parts.feed(pieces[3]) is None  # the rest of that message is ignored, quietly
+    assert [parts.feed(p) for p in pieces][-1] == frame  # a new seq 0 starts over
+    small = wire.Reassembler(len(frame) - 1)
+    with pytest.raises(ProtocolError) as exc:
+        for p in pieces:
+            small.feed(p)
+    assert exc.value.code == "too_large" and small.pending == 0
+    with pytest.raises(ProtocolError):
+        wire.decode(wire.encode("chunk", 0, seq=-1, last=True, data=b""))
