@@ -5,6 +5,8 @@ A spec is ``name`` or ``name:key=value,key=value`` (``"adam"``, ``"nesterov:lr=0
 Names: ``sgd``, ``momentum`` (heavy ball, 0.9), ``nesterov`` (0.9) and ``adam``; keys: ``lr``,
 ``momentum`` (sgd family), ``b1``, ``b2``, ``eps`` (adam). A spec without ``lr`` takes the learning
 rate the caller passes (the config's), so ``inner_optimizer = "adam"`` follows ``lr``.
+``delayed_nesterov`` (keys ``lr``, ``momentum``, ``period``) is an outer optimizer only
+(:mod:`hetd.zoo.outer`): the momentum moves once per ``period`` deltas, for ``diloco_async``.
 
 Local-step training in the style of DiLoCo: each worker runs ``inner`` for its local steps, keeping
 the inner state across rounds, and pushes ``Δ = θ_end − θ_start``; the daemon feeds the
@@ -22,12 +24,13 @@ if TYPE_CHECKING:  # optax (and JAX under it) loads when a transformation is bui
     import optax  # config is checked: the daemon listens before it imports JAX
 
 
-NAMES = ("sgd", "momentum", "nesterov", "adam")
+NAMES = ("sgd", "momentum", "nesterov", "adam", "delayed_nesterov")
 _KEYS = {
     "sgd": {"lr", "momentum"},
     "momentum": {"lr", "momentum"},
     "nesterov": {"lr", "momentum"},
     "adam": {"lr", "b1", "b2", "eps"},
+    "delayed_nesterov": {"lr", "momentum", "period"},  # outer only (hetd.zoo.outer)
 }
 _DEFAULT_MOMENTUM = {"sgd": 0.0, "momentum": 0.9, "nesterov": 0.9}
 
@@ -52,6 +55,11 @@ class OptimizerSpec:
         if rate is None:
             raise ValueError(f"optimizer {self.name!r} needs a learning rate")
         opts = dict(self.options)
+        if self.name == "delayed_nesterov":
+            from hetd.zoo.outer import delayed_nesterov
+
+            period = int(opts.get("period", 1.0))  # an integer >= 1: parse_optimizer checked
+            return delayed_nesterov(rate, opts.get("momentum", 0.9), period)
         if self.name == "adam":
             return optax.adam(
                 rate, b1=opts.get("b1", 0.9), b2=opts.get("b2", 0.999), eps=opts.get("eps", 1e-8)
@@ -67,6 +75,8 @@ class OptimizerSpec:
         import optax
 
         opts = dict(self.options)
+        if self.name == "delayed_nesterov":
+            raise ValueError("delayed_nesterov is an outer optimizer; local steps cannot use it")
         if self.name == "adam":
             return optax.inject_hyperparams(optax.adam)(
                 learning_rate=self.lr,
@@ -123,6 +133,9 @@ def parse_optimizer(spec: str) -> OptimizerSpec:
             lr = value
         else:
             options.append((key, value))
+    period = dict(options).get("period", 1.0)
+    if period != int(period) or period < 1:
+        raise ValueError(f"optimizer {spec!r}: period must be an integer >= 1, got {period:g}")
     return OptimizerSpec(name, lr, tuple(sorted(options)))
 
 
