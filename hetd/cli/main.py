@@ -347,6 +347,8 @@ def setup_logging(command: str, verbose: bool, quiet: bool) -> None:
     level = logging.INFO if command == "serve" and not quiet else logging.WARNING
     for name in EVENT_LOGGERS:
         logging.getLogger(name).setLevel(level)
+    # orbax (hetd export) warns through absl about its own internals at every export
+    logging.getLogger("absl").setLevel(logging.ERROR)
 
 
 def main(argv: list[str] | None = None) -> int:

