@@ -41,6 +41,7 @@ from hetd.bench.system_limit import BareServer, measure_startup
 from hetd.bench.system_options import PARTS, add_options
 from hetd.bench.system_peers import Job, PeerPool, Report, Shapes
 from hetd.core.rates import MB, LatencyRecorder
+from hetd.protocol import wire
 
 if TYPE_CHECKING:  # JAX loads only where a daemon is built: spawned peers re-import this module
     from hetd.core.engine import Engine
@@ -109,7 +110,7 @@ def make_daemon(shapes: Shapes, codec: str) -> Daemon:
     from hetd.server.daemon import Daemon
     from policies import make_policy
 
-    cap = _frame_cap(n_params(shapes))
+    cap = wire.DEFAULT_MAX_FRAME  # the default: bigger messages go in chunks
     cfg = config_mod.replace(
         config_mod.Config(),
         "server",
@@ -214,8 +215,11 @@ async def hetd_cell(
     """``k`` no-compute senders against the daemon: what it did over the window, their reports."""
     engine = daemon.engine
     url = f"ws://127.0.0.1:{daemon.port}/v1/ws"
-    cap = daemon.cfg.server.max_frame_bytes
-    jobs = [Job("hetd", url, codec=codec, shapes=shapes, cap=cap, seed=i) for i in range(k)]
+    cap, chunk = _frame_cap(n_params(shapes)), daemon.cfg.server.max_frame_bytes
+    jobs = [
+        Job("hetd", url, codec=codec, shapes=shapes, cap=cap, frame_cap=chunk, seed=i)
+        for i in range(k)
+    ]
     await pool.start(jobs)
     await asyncio.sleep(opts.warmup_s)
     tally = await _measure(_engine_counters(engine), seconds or opts.seconds)
@@ -334,7 +338,7 @@ async def _one_cell(
     # hetd and the limit alternate, ROUNDS windows each, so that load from other processes
     # (the machine is shared) falls on both alike; the limit copies the first hetd window's sizes.
     window = (seconds or opts.seconds) / rounds
-    cap = daemon.cfg.server.max_frame_bytes
+    cap = _frame_cap(n_params(shapes))  # the bare exchange sends every message whole
     hetd_tally, limit_tally = Tally(), Tally()
     push, replies = 0, (0, 0)
     for round_ in range(rounds):

@@ -62,7 +62,8 @@ class Job:
     connections: int = 1  # idle: websockets to hold open
     heartbeat_s: float = 2.0
     token: str = ""
-    cap: int = wire.DEFAULT_MAX_FRAME
+    cap: int = wire.DEFAULT_MAX_FRAME  # the largest websocket message taken
+    frame_cap: int = wire.DEFAULT_MAX_FRAME  # hetd: larger pushes go (and params come) in chunks
     seed: int = 0
 
 
@@ -161,6 +162,32 @@ def params_version(frame: bytes) -> int | None:
     return version if isinstance(version, int) and not isinstance(version, bool) else None
 
 
+def chunk_head(frame: bytes) -> tuple[int, bool, int] | None:
+    """A ``chunk`` frame's ``seq``, ``last`` and where its ``data`` starts (the last field, as
+    :func:`hetd.protocol.wire.chunks` packs it), read from the envelope alone; None for any other
+    frame. The sender reads the params frame's version from the first chunk and counts the rest
+    without joining them (it does not apply parameters)."""
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=1024)
+    unpacker.feed(frame[:128])
+    fields: dict[str, Any] = {}
+    try:
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            if key == "data":
+                at = unpacker.tell()
+                width = {0xC4: 1, 0xC5: 2, 0xC6: 4}.get(frame[at])
+                if width is None or fields.get("type") != "chunk":
+                    return None
+                seq, last = fields.get("seq"), fields.get("last")
+                if not isinstance(seq, int) or not isinstance(last, bool):
+                    return None
+                return seq, last, at + 1 + width
+            fields[key] = unpacker.unpack()
+    except (msgpack.OutOfData, ValueError, IndexError):
+        return None
+    return None
+
+
 def _hello(name: str, codec: str) -> bytes:
     device = {"platform": "cpu", "kind": "bench", "memory": 0}
     offered = sorted({codecs.spec_name(codec), "none"})
@@ -185,11 +212,27 @@ async def _run_hetd(job: Job, conn: Connection, http: aiohttp.ClientSession) -> 
         watcher: asyncio.Task[None] | None = None
         request = 0
         push = PushFrame(tensors)
+        chunked_version: int | None = None  # the params message coming in chunks
+        chunked_bytes = 0
+        version: int | None
         async for frame in ws:
             if frame.type != aiohttp.WSMsgType.BINARY:
                 report.error = f"connection ended: {frame.type!r} {ws.close_code}"
                 break
-            version = params_version(frame.data) if len(frame.data) > 4096 else None
+            size = len(frame.data)
+            head = chunk_head(frame.data)
+            if head is not None:  # a piece of a params message over the frame cap
+                seq, last, start = head
+                if seq == 0:
+                    chunked_version = params_version(frame.data[start : start + 256])
+                    chunked_bytes = 0
+                chunked_bytes += size - start
+                if not last or chunked_version is None:
+                    continue
+                version, size = chunked_version, chunked_bytes
+                chunked_version = None
+            else:
+                version = params_version(frame.data) if size > 4096 else None
             msg = wire.decode(frame.data, job.cap) if version is None else None
             if msg is not None and msg.type == "params":
                 version = msg["version"]
@@ -200,13 +243,17 @@ async def _run_hetd(job: Job, conn: Connection, http: aiohttp.ClientSession) -> 
                     watcher = asyncio.create_task(_watch_stop(conn, stop))
                 elif request:
                     report.params_frames += 1
-                    report.params_bytes += len(frame.data)
+                    report.params_bytes += size
                 if stop.is_set():
                     break
                 request += 1
                 out = push.frame(request, version)
                 report.push_frame_bytes = len(out)
-                await ws.send_bytes(cast(bytes, out))  # aiohttp sends any bytes-like as is
+                if len(out) <= job.frame_cap:
+                    await ws.send_bytes(cast(bytes, out))  # aiohttp sends any bytes-like as is
+                else:
+                    for piece in wire.chunks(bytes(out), job.frame_cap):
+                        await ws.send_bytes(piece)
                 report.pushes += 1
             elif msg is not None and msg.type == "ack":
                 report.ack_bytes = len(frame.data)
