@@ -24,6 +24,7 @@ import os
 import signal
 import socket
 import ssl
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -208,6 +209,7 @@ class Daemon:
 
     async def build(self) -> None:
         """Build the engine (a thread: the sockets keep answering), resume, start it."""
+        began = time.monotonic()
         try:
             if self._engine is None:
                 self._engine = await asyncio.to_thread(build_engine, self.cfg)
@@ -254,7 +256,8 @@ class Daemon:
         self._ready.set()
         t = self.cfg.train
         log.info(
-            "ready: %s on %s, policy %s %s, version %d",
+            "ready after %.1f s: %s on %s, policy %s %s, version %d",
+            time.monotonic() - began,
             t.model,
             t.dataset,
             engine.policy.name,
