@@ -226,6 +226,10 @@ class DilocoAsyncState:
     arrivals: int = 0
     fresh: bool = True
 
+    def shifted(self, dt: float) -> DilocoAsyncState:
+        """The same state with its profiles' engine-clock times moved by ``dt`` s."""
+        return replace(self, tracks=prof.shift_tracks(self.tracks, dt))
+
     def describe(self) -> dict[str, Any]:
         """Plain values for status pages."""
         return {

@@ -68,6 +68,17 @@ class QuorumState:
     late: int = 0  # pushes merged into a later round than their own
     lags: tuple[int, ...] = ()  # rounds behind, of the last late pushes
 
+    def shifted(self, dt: float) -> QuorumState:
+        """The same state with its engine-clock times (and the inner state's, when it has a
+        ``shifted``) moved by ``dt`` s (a checkpoint restored under another clock)."""
+        inner_shift = getattr(self.inner, "shifted", None)
+        return replace(
+            self,
+            inner=inner_shift(dt) if callable(inner_shift) else self.inner,
+            t_quorum=None if self.t_quorum is None else self.t_quorum + dt,
+            quorum_at=freeze({r: t + dt for r, t in self.quorum_at.items()}),
+        )
+
     def describe(self) -> dict[str, Any]:
         """Plain values for status pages."""
         return {

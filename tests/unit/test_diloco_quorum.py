@@ -90,3 +90,12 @@ def test_bad_quorum_parameters() -> None:
     ):
         with pytest.raises(PolicyError, match=message):
             make_policy("quorum", params)
+
+
+def test_a_restored_state_keeps_its_times_relative_to_now() -> None:
+    p = make_policy("quorum", {"policy": "diloco_async"})
+    v = view(0.0, set(), {0: 0, 1: 0})
+    s = p.init(v)
+    s = s.__class__(s.inner, round=3, t_quorum=10.0, quorum_at={2: 8.0})
+    moved = s.shifted(100.0)
+    assert moved.t_quorum == 110.0 and dict(moved.quorum_at) == {2: 108.0}
