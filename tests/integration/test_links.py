@@ -153,6 +153,7 @@ async def test_shaped_link_measured_and_a_cut_is_seen_by_heartbeats_only() -> No
     with links.open_links([RATE, float("inf")]) as run:
         server = {"host": run.head, "heartbeat_s": HEARTBEAT_S, "heartbeat_timeout_s": TIMEOUT_S}
         daemon = Daemon(make_config("bsp", None, server, model_kwargs=MLP))
+        port = await daemon.start()  # the engine exists from here; no worker has started yet
         engine = daemon.engine
         acks: list[tuple[int, int, str]] = []
         ack = engine._ack
@@ -162,7 +163,6 @@ async def test_shaped_link_measured_and_a_cut_is_seen_by_heartbeats_only() -> No
             ack(p, status, reason)
 
         engine._ack = spy  # type: ignore[method-assign]
-        port = await daemon.start()
         procs = [
             await asyncio.create_subprocess_exec(
                 *run.command(i, [*WORKER, f"ws://{run.head}:{port}", "--name", f"w{i}"]),
