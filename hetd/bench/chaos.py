@@ -22,16 +22,30 @@ Measured (the admin API is polled: ``/v1/status`` every ``POLL_S``, ``/v1/worker
 ``/metrics`` every second):
 
 * ``goodput``: samples applied in the chaos run ÷ samples applied in the baseline run. Samples
-  applied = the version gained over the run (every applied push of asp/ssp is one version; versions
-  lost at the daemon kill do not count) × the samples per push the workers report.
+  applied = the versions gained over the run × the samples per version: one push's samples (the
+  mean the workers report) for a policy that applies each push (asp, ssp), the pushes of a round
+  (the workers connected when the version was made, from the status polls) for ``bsp``. Versions
+  lost at the daemon kill do not count. The baseline runs right after the chaos run, on the same
+  host; each run records the host's load average, so a busier baseline shows.
 * ``invariant_violations``: polls where ``updates_applied != version`` (a duplicate or partial apply
   would break it); must be 0. ``duplicates_acked``: resent pushes the daemon recognised and did not
   apply (from ``/metrics``' ``hetd_worker_updates_duplicate``, summed per daemon life).
+* ``hash_mismatches``: every worker process logs ``hash_mismatches=N`` after its first verified
+  full pull and after each mismatch (workers run with ``-v``, one log per process); the last count
+  of each process, summed; must be 0. ``hash_verified``: how many worker processes logged a
+  verified full pull (0 would mean nothing was checked, which fails too).
 * ``versions_lost``: version just before the daemon's SIGKILL minus the version it restarted at;
   ``lost_bound`` is one checkpoint interval's worth (interval × the update rate before the kill).
-* per fault: ``rate_recovery_s`` (from the fault's injection to the first moment the update rate over
+* per fault: ``cost_s``, what it cost in seconds of the whole cluster's pre-fault rate (updates
+  short of that rate from its injection to the next fault or the end of the run, ÷ that rate);
+  ``rate_recovery_s`` (from the fault's injection to the first moment the update rate over
   a sliding window is back to >= 50 % of the rate before the fault) and ``workers_back_s`` (from the
   injection to the first moment after the fault ended with all N workers connected).
+
+**Verdict.** ``pass`` when, for every policy: no duplicate or partial apply, no hash mismatch (and
+at least one verified pull), versions lost within one checkpoint interval, the daemon restarted and
+every worker came back. Goodput has a target (``GOODPUT_TARGET`` for asp and ssp) that is reported,
+not part of the verdict: it measures speed, the rest correctness.
 """
 
 from __future__ import annotations
@@ -66,6 +80,10 @@ BASE_STEP_S = 0.05  # workers pad each step of 32 samples to this (steadier rate
 RATE_WINDOW_S = 1.0
 SETTLE_S = 180.0  # after a run, how long to wait for every worker to be back
 KINDS = ("kill_worker", "stall_worker", "cut_worker")
+ROUND_POLICIES = ("bsp",)  # one version per round of every connected worker's push
+GOODPUT_TARGET = 0.90  # the issue's target for asp and ssp
+_HASH_COUNT = re.compile(rb"hash_mismatches=(\d+)")
+_HASH_VERIFIED = b"params hash verified"
 
 
 @dataclass(frozen=True)
@@ -172,6 +190,19 @@ def metric_sums(text: str) -> dict[str, float]:
     return out
 
 
+def hash_counts(logs: list[Path]) -> dict[str, int]:
+    """From one log per worker process: the sum of each one's last ``hash_mismatches=N`` (its
+    total), how many logged a verified full pull, and how many logs there were."""
+    mismatches = verified = 0
+    for path in logs:
+        text = path.read_bytes()
+        counts = _HASH_COUNT.findall(text)
+        if counts:
+            mismatches += int(counts[-1])
+        verified += _HASH_VERIFIED in text
+    return {"mismatches": mismatches, "verified": verified, "processes": len(logs)}
+
+
 # --- one run -----------------------------------------------------------------------------------------
 
 
@@ -214,6 +245,8 @@ class Run:
         self.admin_token = secrets.token_hex(16)
         self.tmp = tempfile.TemporaryDirectory(prefix="hetd-chaos-")
         self.logs = opts.out / "logs"
+        for old in self.logs.glob(f"{policy.name}-{tag}-*.log"):  # an earlier suite's, same OUT
+            old.unlink()
         self.config = Path(self.tmp.name) / "hetd.toml"
         self.config.write_text(
             _config_text(opts, policy, self.port, self.admin_port, str(Path(self.tmp.name) / "st"))
@@ -230,6 +263,7 @@ class Run:
         self.applied_by_life: dict[int, float] = {}
         self.samples_per_push = 0.0
         self.paused: set[int] = set()
+        self.loads: list[float] = []  # the host's 1-min load average, once a second
 
     def _env(self) -> dict[str, str]:
         from hetd.local.demo import worker_env
@@ -252,11 +286,11 @@ class Run:
 
     async def spawn_worker(self, slot: int) -> asyncio.subprocess.Process:
         self.spawned += 1
-        with self._log(f"w{slot}") as log:
+        with self._log(f"w{slot}-{self.spawned}") as log:  # one log per process
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "workers.cli", f"ws://127.0.0.1:{self.port}",
                 "--name", f"w{slot}-{self.spawned}", "--retry-max-delay", "1.0",
-                "--emulate-base-step", repr(BASE_STEP_S),
+                "--emulate-base-step", repr(BASE_STEP_S), "--verbose",
                 env=self._env(), stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
             )  # fmt: skip
         return proc
@@ -300,6 +334,8 @@ class Run:
 
     async def _poll_slow(self) -> None:
         life = self.daemon_starts
+        with contextlib.suppress(OSError):
+            self.loads.append(os.getloadavg()[0])
         text = await asyncio.to_thread(_get, self.admin_port, "/metrics", self.admin_token)
         if text is not None:
             sums = metric_sums(text.decode(errors="replace"))
@@ -374,6 +410,35 @@ class Run:
 
     # --- measures ---
 
+    def samples_gained(self, t1: float) -> float:
+        """Samples applied from t = 0 to ``t1``: versions gained x samples per version (a round of
+        the connected workers' pushes for bsp, one push otherwise)."""
+        pts = [(t, v, w) for t, v, _, w in self.series if t <= t1]
+        per_push = self.samples_per_push
+        rounds = self.policy.name in ROUND_POLICIES
+        # Signed: versions lost at the daemon kill are taken back (asp/ssp: exactly v_end - v_0).
+        return sum(
+            (b[1] - a[1]) * per_push * (max(1, b[2]) if rounds else 1)
+            for a, b in itertools.pairwise(pts)
+        )
+
+    def hash_counts(self) -> dict[str, int]:
+        """Per worker process (one log each): its last ``hash_mismatches=N``, summed, and how many
+        processes logged a verified full pull."""
+        return hash_counts(sorted(self.logs.glob(f"{self.policy.name}-{self.tag}-w*.log")))
+
+    def cost(self, f: Fault, end: float) -> float | None:
+        """Seconds of the pre-fault rate the fault cost: updates short of that rate from the
+        injection to ``end``, divided by it."""
+        if f.injected_s is None:
+            return None
+        pre = self.rate(f.injected_s - 5.0, f.injected_s)
+        if pre <= 0 or end <= f.injected_s:
+            return None
+        pts = [(t, ua) for t, _, ua, _ in self.series if f.injected_s <= t <= end]
+        gained = sum(max(0, b[1] - a[1]) for a, b in itertools.pairwise(pts))
+        return round(max(0.0, (end - f.injected_s) - gained / pre), 2)
+
     def rate(self, t0: float, t1: float) -> float:
         """Updates applied per second in [t0, t1] (from updates_applied; a restart counts 0)."""
         pts = [(t, ua) for t, _, ua, _ in self.series if t0 <= t <= t1]
@@ -402,6 +467,21 @@ class Run:
                 break
         return {"pre_rate": round(pre, 2), "rate_recovery_s": rate_s, "workers_back_s": back}
 
+    async def settle(self, deadline: float) -> None:
+        """Until every worker is connected and an update was applied after that (a restarted
+        daemon lists workers that have just rejoined before any of them pushed again)."""
+        since: int | None = None  # updates_applied when all N were first seen connected
+        while time.monotonic() < deadline:
+            if self.series:
+                _, _, ua, w = self.series[-1]
+                if w < self.opts.workers:
+                    since = None
+                elif since is None:
+                    since = ua
+                elif ua > since:
+                    return
+            await asyncio.sleep(0.5)
+
     async def run(self) -> dict[str, Any]:
         o = self.opts
         try:
@@ -411,26 +491,35 @@ class Run:
             self.t0 = time.monotonic()
             s0 = await self.status()
             v0 = int(s0["version"]) if isinstance(s0, dict) else 0
+            if isinstance(s0, dict):
+                self.series.append((0.0, v0, int(s0["updates_applied"]), int(s0["workers"])))
             stop = asyncio.Event()
             poller = asyncio.create_task(self.poll(stop))
             faulter = asyncio.create_task(self.faulter())
             await asyncio.sleep(o.duration_s)
             s1 = await self.status()
+            if isinstance(s1, dict):  # the last point of the measured run, for samples_gained
+                self.series.append(
+                    (
+                        o.duration_s,
+                        int(s1["version"]),
+                        int(s1["updates_applied"]),
+                        int(s1["workers"]),
+                    )
+                )
             at_end = [x for x in self.series if x[0] <= o.duration_s]
             v1 = int(s1["version"]) if isinstance(s1, dict) else (at_end or self.series)[-1][1]
             await faulter  # a hold that began before the end finishes (bounded by the hold)
             # Not counted in goodput: wait until every worker is back (a daemon restarted late
             # in a short run is still importing JAX), so each fault's recovery can be measured.
-            deadline = time.monotonic() + SETTLE_S
-            while time.monotonic() < deadline and not (
-                self.series
-                and self.series[-1][3] >= o.workers
-                and self.rate(self.series[-1][0] - 2.0, self.series[-1][0]) > 0
-            ):
-                await asyncio.sleep(0.5)
+            await self.settle(time.monotonic() + SETTLE_S)
             stop.set()
             await poller
             gained = v1 - v0
+            samples = self.samples_gained(o.duration_s)
+            hashes = self.hash_counts()
+            ends = [f.at_s if f.injected_s is None else f.injected_s for f in self.faults[1:]]
+            ends.append(o.duration_s)
             return {
                 "duration_s": o.duration_s,
                 "observed_s": round(time.monotonic() - self.t0, 2),
@@ -438,8 +527,12 @@ class Run:
                 "version_end": v1,
                 "versions_gained": gained,
                 "samples_per_push": round(self.samples_per_push, 3),
-                "samples_applied": round(gained * self.samples_per_push),
+                "samples_applied": round(samples),
                 "invariant_violations": self.violations,
+                "hash_mismatches": hashes["mismatches"],
+                "hash_verified": hashes["verified"],
+                "worker_processes": hashes["processes"],
+                "load_mean": round(sum(self.loads) / len(self.loads), 2) if self.loads else None,
                 "duplicates_acked": round(sum(self.dup_by_life.values())),
                 "daemon_starts": self.daemon_starts,
                 "workers_spawned": self.spawned,
@@ -453,8 +546,9 @@ class Run:
                         "ended_s": None if f.ended_s is None else round(f.ended_s, 3),
                         **f.extra,
                         **self.recovery(f),
+                        "cost_s": self.cost(f, end),
                     }
-                    for f in self.faults
+                    for f, end in zip(self.faults, ends, strict=False)
                 ],
             }
         finally:
@@ -491,20 +585,42 @@ async def _policy(opts: ChaosOptions, policy: PolicySpec) -> dict[str, Any]:
     goodput = (
         chaos["samples_applied"] / base["samples_applied"] if base["samples_applied"] else None
     )
-    return {
+    row: dict[str, Any] = {
         "policy": policy.label,
         "goodput": None if goodput is None else round(goodput, 4),
+        "goodput_target": GOODPUT_TARGET if policy.name in ("asp", "ssp") else None,
         "duplicate_or_partial_applies": chaos["invariant_violations"]
         + base["invariant_violations"],
         "duplicates_acked": chaos["duplicates_acked"],
+        "hash_mismatches": chaos["hash_mismatches"] + base["hash_mismatches"],
+        "hash_verified": chaos["hash_verified"] + base["hash_verified"],
         "versions_lost": lost,
         "lost_bound": bound,
         "lost_within_bound": None if lost is None or bound is None else lost <= max(bound, 1),
         "daemon_restarted": chaos["daemon_starts"] == 2,
         "workers_back": chaos["workers_at_end"] >= opts.workers,
-        "chaos": chaos,
-        "baseline": base,
     }
+    row["failures"] = failures(row)
+    row["verdict"] = "fail" if row["failures"] else "pass"
+    return {**row, "chaos": chaos, "baseline": base}
+
+
+def failures(row: dict[str, Any]) -> list[str]:
+    """What broke one policy's verdict (empty: it passed)."""
+    out = []
+    if row["duplicate_or_partial_applies"]:
+        out.append(f"{row['duplicate_or_partial_applies']} duplicate or partial applies")
+    if row["hash_mismatches"]:
+        out.append(f"{row['hash_mismatches']} parameter hash mismatches")
+    if not row["hash_verified"]:
+        out.append("no worker verified a parameter hash")
+    if row["lost_within_bound"] is False:
+        out.append(f"{row['versions_lost']} versions lost, more than {row['lost_bound']}")
+    if not row["daemon_restarted"]:
+        out.append("the daemon did not restart")
+    if not row["workers_back"]:
+        out.append("not every worker came back")
+    return out
 
 
 def render_md(doc: dict[str, Any]) -> str:
@@ -517,16 +633,23 @@ def render_md(doc: dict[str, Any]) -> str:
         f"{o['fault_every']:g} s (seed {o['seed']}), checkpoint every {o['checkpoint_s']:g} s, "
         f"stall {o['stall_s']:g} s, heartbeat timeout {o['heartbeat_timeout_s']:g} s.",
         "",
-        "| policy | goodput | dup/partial applies | duplicates acked | versions lost (bound) "
-        "| daemon restarted | workers back |",
-        "|---|---|---|---|---|---|---|",
+        f"Verdict: **{doc['verdict']}** (no duplicate or partial apply, no hash mismatch, versions "
+        "lost within one checkpoint interval, daemon restarted, every worker back).",
+        "",
+        "| policy | goodput (target) | dup/partial applies | duplicates acked | hash mismatches "
+        "(verified pulls) | versions lost (bound) | daemon restarted | workers back | verdict |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for p in doc["policies"]:
         gp = "–" if p["goodput"] is None else f"{p['goodput']:.3f}"
+        if p.get("goodput_target") is not None:
+            gp += f" (≥ {p['goodput_target']:.2f})"
         lost = "–" if p["versions_lost"] is None else f"{p['versions_lost']} ({p['lost_bound']})"
+        verdict = p["verdict"] + "".join(f"; {x}" for x in p["failures"])
         lines.append(
             f"| {p['policy']} | {gp} | {p['duplicate_or_partial_applies']} | "
-            f"{p['duplicates_acked']} | {lost} | {p['daemon_restarted']} | {p['workers_back']} |"
+            f"{p['duplicates_acked']} | {p['hash_mismatches']} ({p['hash_verified']}) | {lost} | "
+            f"{p['daemon_restarted']} | {p['workers_back']} | {verdict} |"
         )
     for p in doc["policies"]:
         c, b = p["chaos"], p["baseline"]
@@ -535,11 +658,13 @@ def render_md(doc: dict[str, Any]) -> str:
             f"## {p['policy']}",
             "",
             f"Samples applied: {c['samples_applied']} with faults, {b['samples_applied']} without "
-            f"({c['versions_gained']} and {b['versions_gained']} versions).",
+            f"({c['versions_gained']} and {b['versions_gained']} versions). Host load average "
+            f"{c['load_mean']} and {b['load_mean']}. Worker processes {c['worker_processes']} "
+            f"and {b['worker_processes']}.",
             "",
-            "| at (s) | fault | worker | held (s) | pre-fault updates/s | rate ≥ 50 % after (s) "
-            "| all workers back after (s) |",
-            "|---|---|---|---|---|---|---|",
+            "| at (s) | fault | worker | held (s) | pre-fault updates/s | cost (s of full rate) "
+            "| rate ≥ 50 % after (s) | all workers back after (s) |",
+            "|---|---|---|---|---|---|---|---|",
         ]
 
         def fmt(x: Any) -> str:
@@ -549,7 +674,7 @@ def render_md(doc: dict[str, Any]) -> str:
             worker = "daemon" if f["kind"] == "kill_daemon" else str(f["worker"])
             lines.append(
                 f"| {fmt(f['injected_s'])} | {f['kind']} | {worker} | {fmt(f.get('held_s'))} | "
-                f"{fmt(f.get('pre_rate'))} | {fmt(f['rate_recovery_s'])} | "
+                f"{fmt(f.get('pre_rate'))} | {fmt(f.get('cost_s'))} | {fmt(f['rate_recovery_s'])} | "
                 f"{fmt(f['workers_back_s'])} |"
             )
     return "\n".join(lines) + "\n"
@@ -579,6 +704,8 @@ async def run_chaos_async(opts: ChaosOptions) -> dict[str, Any]:
     }
     for policy in opts.policies:
         doc["policies"].append(await _policy(opts, policy))
+        fails = [p["policy"] for p in doc["policies"] if p["verdict"] != "pass"]
+        doc["verdict"] = "fail" if fails else "pass"
         (opts.out / "chaos.json").write_text(json.dumps(doc, indent=2) + "\n")
         (opts.out / "chaos.md").write_text(render_md(doc))
     return doc

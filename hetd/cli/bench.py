@@ -339,10 +339,12 @@ def _chaos(args: argparse.Namespace) -> int:
     for p in doc["policies"]:
         print(
             f"  {p['policy']:<22} goodput {p['goodput']}  dup/partial applies "
-            f"{p['duplicate_or_partial_applies']}  versions lost {p['versions_lost']} "
-            f"(bound {p['lost_bound']})  daemon restarted {p['daemon_restarted']}"
+            f"{p['duplicate_or_partial_applies']}  hash mismatches {p['hash_mismatches']}  "
+            f"versions lost {p['versions_lost']} (bound {p['lost_bound']})  daemon restarted "
+            f"{p['daemon_restarted']}  {p['verdict']}" + "".join(f"; {x}" for x in p["failures"])
         )
-    return 0
+    print(f"chaos: verdict {doc['verdict']}")
+    return 0 if doc["verdict"] == "pass" else 1
 
 
 def _parity(opts: BenchOptions, t0: float, calibrate: bool = False) -> int:

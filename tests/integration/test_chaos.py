@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hetd.bench.chaos import ChaosOptions, run_chaos, schedule
+from hetd.bench.chaos import ChaosOptions, hash_counts, run_chaos, schedule
 from hetd.sim.results import PolicySpec
 
 pytestmark = pytest.mark.slow
@@ -21,6 +21,21 @@ def test_schedule_is_seeded_with_one_daemon_kill() -> None:
     assert [(f.at_s, f.kind, f.slot) for f in a] == [(f.at_s, f.kind, f.slot) for f in b]
     assert [f.kind for f in a].count("kill_daemon") == 1
     assert [f.at_s for f in a] == [30.0, 60.0, 90.0, 120.0, 150.0]
+
+
+def test_hash_mismatches_are_each_processs_last_count_summed(tmp_path: Path) -> None:
+    one = tmp_path / "asp-chaos-w0-1.log"
+    one.write_text(
+        "... hetd.worker INFO params hash verified: version 3 (hash_mismatches=0)\n"
+        "... hetd.worker WARNING params hash mismatch: version 9 ... (hash_mismatches=1); pulling\n"
+        "... hetd.worker WARNING params hash mismatch: version 12 ... (hash_mismatches=2); pulling\n"
+        "... hetd.worker INFO params hash verified: version 13 (hash_mismatches=2)\n"
+    )
+    two = tmp_path / "asp-chaos-w1-2.log"
+    two.write_text("... hetd.worker INFO params hash verified: version 5 (hash_mismatches=0)\n")
+    silent = tmp_path / "asp-chaos-w2-3.log"
+    silent.write_text("... hetd.worker WARNING connection lost (...); retrying in 0.3s\n")
+    assert hash_counts([one, two, silent]) == {"mismatches": 2, "verified": 2, "processes": 3}
 
 
 @pytest.mark.timeout(900)
@@ -39,6 +54,14 @@ def test_chaos_smoke(tmp_path: Path) -> None:
     assert (tmp_path / "chaos.md").exists()
     (p,) = doc["policies"]
     assert p["duplicate_or_partial_applies"] == 0
+    # Each worker that pushed before the faults began checked a full pull's hash (a replacement
+    # killed again before its first pull may not have: one log per process).
+    assert p["hash_mismatches"] == 0
+    assert p["baseline"]["hash_verified"] == p["baseline"]["worker_processes"] == 2
+    assert 2 <= p["chaos"]["hash_verified"] <= p["chaos"]["worker_processes"]
+    assert p["verdict"] == "pass" or p["failures"] == [
+        f"{p['versions_lost']} versions lost, more than {p['lost_bound']}"
+    ]
     assert p["daemon_restarted"] is True
     assert p["workers_back"] is True
     kinds = [f["kind"] for f in p["chaos"]["faults"]]
