@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hetd.bench.chaos import ChaosOptions, hash_counts, run_chaos, schedule
+from hetd.bench.chaos import ChaosOptions, hash_counts, pre_fault_goodput, run_chaos, schedule
 from hetd.sim.results import PolicySpec
 
 pytestmark = pytest.mark.slow
@@ -36,6 +36,21 @@ def test_hash_mismatches_are_each_processs_last_count_summed(tmp_path: Path) -> 
     silent = tmp_path / "asp-chaos-w2-3.log"
     silent.write_text("... hetd.worker WARNING connection lost (...); retrying in 0.3s\n")
     assert hash_counts([one, two, silent]) == {"mismatches": 2, "verified": 2, "processes": 3}
+
+
+def test_goodput_against_the_runs_own_pre_fault_rate() -> None:
+    opts = ChaosOptions(policies=(PolicySpec("asp"),), out=Path("."), workers=4, minutes=1)
+    # 60 s at a median 10 updates/s would be 600 pushes of 32 samples; 540 were applied.
+    chaos = {
+        "duration_s": 60.0,
+        "samples_per_push": 32.0,
+        "samples_applied": 540 * 32,
+        "faults": [{"pre_rate": 9.0}, {"pre_rate": 10.0}, {"pre_rate": 11.0}, {"pre_rate": 0.0}],
+    }
+    assert pre_fault_goodput(chaos, "asp", opts) == pytest.approx(0.9)
+    # bsp: one version is a round of the 4 workers' pushes
+    assert pre_fault_goodput(chaos, "bsp", opts) == pytest.approx(0.9 / 4)
+    assert pre_fault_goodput({**chaos, "faults": []}, "asp", opts) is None
 
 
 @pytest.mark.timeout(900)
