@@ -45,7 +45,10 @@ log = logging.getLogger("hetd.server.dashboard")
 
 SESSION_TTL_S = 12 * 3600.0
 MAX_SESSIONS = 64
-SAMPLE_S = 1.0  # one engine sample (and one SSE event) per second
+SAMPLE_S = 1.0  # one engine sample (and one SSE event) per second while someone watches
+IDLE_SAMPLE_S = 5.0  # otherwise (events and rates still accumulate)
+WATCH_S = 60.0  # a page or an API read counts as watching for this long
+MAX_EVALS = 5000  # evaluations drawn in the accuracy chart (the newest)
 HISTORY = 600  # samples kept for the rate charts (10 minutes)
 EVENTS = 100  # recent events kept
 KEEPALIVE_S = 15.0
@@ -229,8 +232,10 @@ class Recorder:
         self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS)
         self.state: dict[str, Any] | None = None
         self.closing = False
+        self.watched_until = 0.0  # loop time until which samples come every SAMPLE_S
         self._seen = _Seen()
         self._tick = asyncio.Condition()
+        self._poke = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -253,7 +258,18 @@ class Recorder:
                     await self.sample(ctx)
                 except Exception:  # a slow or stopping engine: try again next second
                     log.debug("dashboard sample failed", exc_info=True)
-            await asyncio.sleep(SAMPLE_S)
+            loop = asyncio.get_running_loop()
+            pause = SAMPLE_S if loop.time() < self.watched_until else IDLE_SAMPLE_S
+            with contextlib.suppress(TimeoutError):  # a new viewer cuts an idle pause short
+                await asyncio.wait_for(self._poke.wait(), pause)
+            self._poke.clear()
+
+    def watch(self) -> None:
+        """Someone reads the dashboard: sample every second for the next minute."""
+        now = asyncio.get_running_loop().time()
+        if now >= self.watched_until:
+            self._poke.set()
+        self.watched_until = now + WATCH_S
 
     async def wait(self, timeout: float) -> bool:
         """Wait for the next sample; False on timeout."""
@@ -276,7 +292,7 @@ class Recorder:
                 "buffered": engine.buffered(),
                 "workers": engine.workers(),
                 "policy": {**engine.policy.describe(), "known": policy_names()},
-                "evals": list(engine.evals),
+                "evals": list(engine.evals[-MAX_EVALS:]),
                 "stages": list(engine.stages),
                 "departures": list(engine.departures),
             }
@@ -501,6 +517,7 @@ async def state(request: web.Request) -> web.Response:
     from hetd.server.admin import context
 
     recorder = request.app[RECORDER]
+    recorder.watch()
     ctx = context(request)  # 503 while starting
     doc = recorder.state if recorder.state is not None else await recorder.sample(ctx)
     return web.json_response(doc)
@@ -509,6 +526,7 @@ async def state(request: web.Request) -> web.Response:
 async def stream(request: web.Request) -> web.StreamResponse:
     """Server-sent events: a ``state`` event after every sample; comments keep it open."""
     recorder = request.app[RECORDER]
+    recorder.watch()
     response = web.StreamResponse(
         headers={
             "Content-Type": "text/event-stream",
@@ -522,6 +540,7 @@ async def stream(request: web.Request) -> web.StreamResponse:
         if recorder.state is not None:
             await response.write(_sse(recorder.state))
         while not recorder.closing:
+            recorder.watch()
             if await recorder.wait(KEEPALIVE_S) and recorder.state is not None:
                 await response.write(_sse(recorder.state))
             elif not recorder.closing:

@@ -48,8 +48,11 @@ async def state_where(
 
 
 def live(doc: dict[str, Any]) -> bool:
-    """Two workers joined and the model moved."""
-    return doc["status"]["workers"] == 2 and doc["status"]["version"] > 0
+    """Two workers joined, both pushed, and the model moved."""
+    workers = doc["workers"]
+    return (
+        len(workers) == 2 and all(w["pushes"] > 0 for w in workers) and doc["status"]["version"] > 0
+    )
 
 
 async def test_dashboard_over_http_login_cookie_live_stream_and_swap(cluster: Any) -> None:
