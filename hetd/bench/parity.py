@@ -274,9 +274,10 @@ def plot_parity(path: Path, doc: Mapping[str, Any]) -> None:
     plt.close(fig)
 
 
-def _real_runner(lrs: Mapping[str, float]) -> Runner:
-    """The real runner, each policy at the learning rate its sim runs used (``--tune-lr``)."""
-    real = runner_for("real")
+def _real_runner(lrs: Mapping[str, float], links: str = "emulated") -> Runner:
+    """The real runner (with ``links``), each policy at the learning rate its sim runs used
+    (``--tune-lr``)."""
+    real = runner_for("real", links)
 
     def run(
         sc: Scenario, p: PolicySpec, seed: int, lr: float, on_time: Callable[[float], None]
@@ -311,8 +312,9 @@ def run_parity(opts: BenchOptions, calibrate: bool = False) -> dict[str, Any]:
     sim = run_bench(dataclasses.replace(opts, scenario=sc, mode="sim", out=opts.out / "sim"))
     lrs = {r["policy"]: r["lr"] for r in sim["runs"]}
     real_opts = dataclasses.replace(opts, mode="real", out=opts.out / "real", tune_lr=False)
-    real = run_bench(real_opts, _real_runner(lrs))
+    real = run_bench(real_opts, _real_runner(lrs, opts.links))
     doc = compare(sim, real, opts.scenario, opts.seeds)
+    doc["links"] = opts.links  # the real runs' links: emulated, or netns (hetd.bench.links)
     if sc.costs:
         from hetd.sim.costs import load_costs
 

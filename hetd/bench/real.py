@@ -25,6 +25,12 @@ share it up to the host's clock (one host: exactly). Before it (while the slowes
 compiles) workers run at their initial slow-down with no shift and no straggle episode; shift
 times and straggle episodes count from it, as in the simulator.
 
+**Links.** By default every worker connects over loopback and sleeps for its link (bytes ÷
+bandwidth and the latency, per message). With ``links="netns"`` (``--links netns``, root) each
+worker process starts inside a network namespace of its own behind a veth pair shaped with tbf to
+its bandwidth both ways (:mod:`hetd.bench.links`), the daemon listens on the run's head address, and
+the worker sleeps only for the latency (no netem here). The run's ``RunResult.links`` says which.
+
 **A fresh start at t = 0.** While the slowest worker still compiles, the others train: each pushes
 once at least, and the faster ones many times. None of that is in the simulator's run, which starts
 every worker at t = 0 from the initial model with the policy just built (profiling included). So at
@@ -40,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import secrets
 import sys
@@ -48,6 +55,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hetd import config as config_mod
+from hetd.bench import links as links_mod
 from hetd.core.engine import Engine
 from hetd.local.demo import stop_processes, worker_env
 from hetd.server.daemon import Daemon
@@ -56,6 +64,7 @@ from hetd.sim.scenario import Scenario
 from policies import ClusterView, Policy
 from policies.types import Decision, Event, Leave, Push, Release
 
+LINKS = ("emulated", "netns")  # --links: the worker sleeps for its link, or a real shaped one
 JOIN_TIMEOUT_S = 120.0  # worker processes import jax and build their trainer first
 POLL_S = 0.05  # how often the engine is sampled for batch shares and progress
 
@@ -108,12 +117,14 @@ def check_real(sc: Scenario) -> None:
         _worker_args(sc, i, 0)
 
 
-def _config(sc: Scenario, policy: PolicySpec, seed: int, lr: float) -> config_mod.Config:
+def _config(
+    sc: Scenario, policy: PolicySpec, seed: int, lr: float, host: str = "127.0.0.1"
+) -> config_mod.Config:
     cfg = config_mod.Config()
     cfg = config_mod.replace(
         cfg,
         "server",
-        host="127.0.0.1",
+        host=host,
         port=0,
         admin_port=0,
         worker_token=secrets.token_hex(16),
@@ -146,12 +157,13 @@ def _config(sc: Scenario, policy: PolicySpec, seed: int, lr: float) -> config_mo
     return config_mod.replace(cfg, "policy", name=policy.name, params=policy.build_params())
 
 
-def _worker_args(sc: Scenario, i: int, seed: int) -> list[str]:
+def _worker_args(sc: Scenario, i: int, seed: int, shaped: bool = False) -> list[str]:
     """Emulation flags for worker ``i``. ``--emulate-slowdown`` and a shift's slow-down must be
     >= 1, so slow-downs are relative to the fastest worker at any time (regime shifts included),
     whose speed goes into ``--emulate-base-step`` (seconds per 32 samples; the worker scales it
     by its batch). Shift times are seconds from the run's t = 0 (written to the worker's standard
-    input, see the module docstring)."""
+    input, see the module docstring). ``shaped``: a real link carries the bandwidth (netns links),
+    so the worker does not sleep for it; latency stays emulated (tbf shapes the rate only)."""
     w = sc.workers[i]
     fastest = min([x.slowdown for x in sc.workers] + [s.slowdown for s in sc.shifts])
     per_32 = sc.base_step_s * 32 / sc.base_batch * fastest
@@ -182,7 +194,7 @@ def _worker_args(sc: Scenario, i: int, seed: int) -> list[str]:
             "--emulate-straggle-mean",
             repr(st.mean_len),
         ]
-    if math.isfinite(w.bandwidth):
+    if math.isfinite(w.bandwidth) and not shaped:
         args += ["--emulate-bandwidth", repr(w.bandwidth)]
     if w.latency_s > 0:
         args += ["--emulate-latency", repr(w.latency_s)]
@@ -205,28 +217,51 @@ async def _start_schedules(procs: Sequence[asyncio.subprocess.Process], wall_t0:
 
 
 async def _run(
-    sc: Scenario, policy: PolicySpec, seed: int, lr: float, on_time: Callable[[float], None]
+    sc: Scenario,
+    policy: PolicySpec,
+    seed: int,
+    lr: float,
+    on_time: Callable[[float], None],
+    links: str = "emulated",
 ) -> RunResult:
     check_real(sc)
-    cfg = _config(sc, policy, seed, lr)
+    if links not in LINKS:
+        raise ValueError(f"unknown links {links!r}; use one of {', '.join(LINKS)}")
+    if links == "emulated":
+        result = await _run_on(sc, policy, seed, lr, on_time, None)
+        return dataclasses.replace(result, links={"kind": "emulated"})
+    with links_mod.open_links([w.bandwidth for w in sc.workers]) as net:
+        result = await _run_on(sc, policy, seed, lr, on_time, net)
+        return dataclasses.replace(result, links=net.describe())
+
+
+async def _run_on(
+    sc: Scenario,
+    policy: PolicySpec,
+    seed: int,
+    lr: float,
+    on_time: Callable[[float], None],
+    net: links_mod.NetnsLinks | None,
+) -> RunResult:
+    """One run; with ``net`` the daemon listens on the head side of the run's links and each
+    worker process starts inside its own namespace."""
+    cfg = _config(sc, policy, seed, lr, "127.0.0.1" if net is None else net.head)
     daemon = Daemon(cfg)
+    port = await daemon.start()  # listens, then builds the engine; no worker has started yet
     engine = daemon.engine
     recorder = Recorder(engine)
     engine.policy, engine.policy_state = recorder.wrap(engine.policy), engine.policy_state
-    port = await daemon.start()
     initial = engine.store.state()  # before any worker joins: the t = 0 restart goes back to it
-    url = f"ws://127.0.0.1:{port}"
+    url = f"ws://{cfg.server.host}:{port}"
     env = worker_env(cfg.server.worker_token)
     procs: list[asyncio.subprocess.Process] = []
     try:
         for i in range(sc.n):
+            argv = [sys.executable, "-m", "workers.cli", url]
+            argv += _worker_args(sc, i, seed, shaped=net is not None)
             procs.append(
                 await asyncio.create_subprocess_exec(
-                    sys.executable,
-                    "-m",
-                    "workers.cli",
-                    url,
-                    *_worker_args(sc, i, seed),
+                    *(argv if net is None else net.command(i, argv)),
                     env=env,
                     stdin=asyncio.subprocess.PIPE,
                     stdout=asyncio.subprocess.DEVNULL,
@@ -358,7 +393,14 @@ async def _measure(
 
 
 def run_real(
-    sc: Scenario, policy: PolicySpec, seed: int, lr: float, on_time: Callable[[float], None]
+    sc: Scenario,
+    policy: PolicySpec,
+    seed: int,
+    lr: float,
+    on_time: Callable[[float], None],
+    links: str = "emulated",
 ) -> RunResult:
-    """One real run (blocking): daemon + worker processes on loopback for ``sc.budget_s`` s."""
-    return asyncio.run(_run(sc, policy, seed, lr, on_time))
+    """One real run (blocking): daemon + worker processes for ``sc.budget_s`` s, on loopback with
+    emulated links, or (``links="netns"``, root) each worker behind its own shaped link
+    (:mod:`hetd.bench.links`)."""
+    return asyncio.run(_run(sc, policy, seed, lr, on_time, links))

@@ -10,6 +10,7 @@ give the same :class:`~hetd.sim.results.RunResult`.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -41,10 +42,11 @@ class BenchOptions:
     lr: float | None = None  # one lr for every policy (default: the scenario's)
     lr_grid: tuple[float, ...] | None = None  # default: the scenario's lr_grid
     quiet: bool = False
+    links: str = "emulated"  # real mode: emulated (the worker sleeps) | netns (hetd.bench.links)
 
 
-def runner_for(mode: str) -> Runner:
-    """The run function of a mode."""
+def runner_for(mode: str, links: str = "emulated") -> Runner:
+    """The run function of a mode (real mode: with ``links``)."""
     if mode == "sim":
         from hetd.sim.loop import run_sim
 
@@ -57,7 +59,7 @@ def runner_for(mode: str) -> Runner:
     if mode == "real":
         from hetd.bench.real import run_real
 
-        return run_real
+        return functools.partial(run_real, links=links)
     raise ValueError(f"unknown mode {mode!r}; use sim or real")
 
 
@@ -73,7 +75,7 @@ def _better(a: RunResult, b: RunResult) -> bool:
 def run_bench(opts: BenchOptions, runner: Runner | None = None) -> dict[str, Any]:
     """Run every policy × seed, write the outputs to ``opts.out``, return the results document."""
     sc = opts.scenario
-    run = runner or runner_for(opts.mode)
+    run = runner or runner_for(opts.mode, opts.links)
     grid = tuple(opts.lr_grid or sc.lr_grid) if opts.tune_lr else ()
     n_runs = len(opts.policies) * (opts.seeds + len(grid) - (1 if grid else 0))
     bar = tqdm(

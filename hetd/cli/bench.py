@@ -132,6 +132,15 @@ def add_commands(sub: Any) -> None:
         "hetd-worker processes on loopback slowed by emulation, for the budget in wall time "
         "(ignored by --suite parity, which runs both)",
     )
+    b.add_argument(
+        "--links",
+        choices=("emulated", "netns"),
+        default="emulated",
+        help="real mode's links: emulated (the worker sleeps bytes / bandwidth, the default) or "
+        "netns (as root: each worker in its own network namespace behind a veth pair shaped with "
+        "tbf both ways to its bandwidth, 198.51.100.0/24 addresses, removed afterwards; without "
+        "root or ip/tc: says so and uses emulated links); for --mode real and --suite parity",
+    )
     b.add_argument("--policies", default="bsp,asp,ssp", help=POLICY_HELP + " (default bsp,asp,ssp)")
     b.add_argument("--seeds", type=int, default=3, help="run seeds 0..N-1 (default 3)")
     b.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
@@ -252,6 +261,8 @@ def _bench(args: argparse.Namespace) -> int:
     from hetd.bench.sweep import BenchOptions, run_bench
     from hetd.sim.results import parse_policies
 
+    if args.links == "netns" and args.suite not in ("policies", "parity"):
+        raise ValueError(f"--links netns is for --mode real and --suite parity, not {args.suite}")
     if args.suite == "codecs":
         from hetd.bench import codec_speed as bench_codecs
 
@@ -274,6 +285,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.costs is not None and args.suite == "policies" and args.mode == "real":
         raise ValueError("--costs is for the simulator; --mode real pays the real costs")
     sc = _scenario(args)
+    links = _links(args)
     opts = BenchOptions(
         scenario=sc,
         policies=tuple(parse_policies(args.policies)),
@@ -284,6 +296,7 @@ def _bench(args: argparse.Namespace) -> int:
         lr=args.lr,
         lr_grid=_floats(args.lr_grid, "--lr-grid") if args.lr_grid else None,
         quiet=args.quiet,
+        links=links,
     )
     t0 = time.monotonic()
     if args.suite == "parity":
@@ -302,6 +315,22 @@ def _bench(args: argparse.Namespace) -> int:
             + f"  final acc {row['final_accuracy_median']:.4f}"
         )
     return 0
+
+
+def _links(args: argparse.Namespace) -> str:
+    """The links real runs get: ``--links``, or emulated (saying so in one line) when netns links
+    cannot be made here."""
+    if args.links == "emulated":
+        return "emulated"
+    if args.suite == "policies" and args.mode != "real":
+        raise ValueError("--links netns is for real runs: add --mode real (or --suite parity)")
+    from hetd.bench.links import unavailable
+
+    why = unavailable()
+    if why is not None:
+        print(f"hetd bench: {why}; using emulated links", file=sys.stderr)
+        return "emulated"
+    return "netns"
 
 
 def _soak(args: argparse.Namespace) -> int:

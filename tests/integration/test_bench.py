@@ -48,7 +48,7 @@ def outputs(out: Path) -> dict[str, Any]:
         assert (out / name).read_bytes()[:8] == PNG, name
     doc = json.loads((out / "results.json").read_text())
     check_results(doc)
-    assert all(set(r) == set(RUN_KEYS) for r in doc["runs"])
+    assert all(set(r) - {"links"} == set(RUN_KEYS) for r in doc["runs"])  # links: real mode
     assert all(set(r) == set(SUMMARY_KEYS) for r in doc["summary"])
     md = (out / "summary.md").read_text()
     for row in doc["summary"]:
@@ -129,6 +129,7 @@ def test_bench_real_mode_with_two_worker_processes(tmp_path: Path) -> None:
     doc = outputs(out)
     (run,) = doc["runs"]
     assert run["policy"] == "asp" and run["curve"][-1][0] == 8.0
+    assert run["links"] == {"kind": "emulated"}
     assert set(run["idle_fraction"]) == {"0", "1"}
     assert run["samples_per_s"] > 0 and run["bytes_up"] > 0
     assert run["final_accuracy"] > run["curve"][0][1]  # real workers trained the model

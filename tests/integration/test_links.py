@@ -8,12 +8,14 @@ with that reason. Each run's names are unique, and every test checks nothing of 
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 import sys
 import time
 from asyncio.subprocess import Process
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -222,6 +224,54 @@ async def test_shaped_link_measured_and_a_cut_is_seen_by_heartbeats_only() -> No
             await stop_processes(procs)
             await daemon.stop()
     assert links.leftovers(run.name) == []
+
+
+TINY = """
+name = "tiny-links"
+dataset = "digits"
+model = "mlp"
+model_kwargs = { hidden = [32] }
+global_batch = 64
+base_batch = 32
+base_step_s = 0.01
+target_accuracy = 0.8
+budget_s = 3.0
+eval_interval_s = 0.25
+lr = 0.2
+
+[[workers]]
+slowdown = 1.0
+bandwidth = 5e6
+latency_s = 0.001
+
+[[workers]]
+slowdown = 2.0
+"""
+
+
+def test_bench_real_mode_with_netns_links(tmp_path: Path) -> None:
+    """``hetd bench --mode real --links netns``: the workers train through their links and
+    ``results.json`` says which links the run had; nothing is left afterwards."""
+    from hetd.cli.bench import main
+
+    (tmp_path / "tiny.toml").write_text(TINY)
+    out = tmp_path / "out"
+    args = [
+        "bench",
+        "--mode",
+        "real",
+        "--links",
+        "netns",
+        "--scenario",
+        str(tmp_path / "tiny.toml"),
+    ]
+    assert main([*args, "--out", str(out), "--policies", "asp", "--seeds", "1", "--quiet"]) == 0
+    (run,) = json.loads((out / "results.json").read_text())["runs"]
+    links_ = run["links"]
+    assert links_["kind"] == "netns" and links_["rates"] == [5e6, 1e9], links_
+    assert links_["head"].startswith("198.51.100.")
+    assert run["bytes_up"] > 0 and run["final_accuracy"] > run["curve"][0][1]
+    assert links.orphans() == []
 
 
 def test_no_run_is_left_behind() -> None:
