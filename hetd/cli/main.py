@@ -341,14 +341,16 @@ def setup_logging(command: str, verbose: bool, quiet: bool) -> None:
     fmt = "%(levelname)s %(name)s: %(message)s"
     if not journal:
         fmt = "%(asctime)s " + fmt
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format=fmt)
-    if verbose:
-        return
+    root = logging.DEBUG if verbose else logging.WARNING
+    logging.basicConfig(level=root, format=fmt)
+    logging.getLogger().setLevel(root)  # also when something configured logging before us
     level = logging.INFO if command == "serve" and not quiet else logging.WARNING
+    if verbose:
+        level = logging.NOTSET  # the root's DEBUG
     for name in EVENT_LOGGERS:
         logging.getLogger(name).setLevel(level)
     # orbax (hetd export) warns through absl about its own internals at every export
-    logging.getLogger("absl").setLevel(logging.ERROR)
+    logging.getLogger("absl").setLevel(logging.NOTSET if verbose else logging.ERROR)
 
 
 def main(argv: list[str] | None = None) -> int:
