@@ -335,9 +335,14 @@ async def _measure(
     trace = Trace(timeline={w: [] for w in wids})
     last_share = -math.inf
     t = 0.0
+    moved0 = sum(b[0] + b[1] for b in bytes0)
+    # bytes pushed + pulled since t = 0, sampled at every poll (bytes to target reads them at TTA)
+    bytes_curve: list[list[float]] = [[0.0, 0.0]]
     while t < sc.budget_s:
         await asyncio.sleep(POLL_S)
         t = min(sc.budget_s, engine.clock.now() - start)
+        moved = sum(s.bytes_in + s.bytes_out for s in engine.stats.values()) - moved0
+        bytes_curve.append([t, float(moved)])
         if t - last_share >= sc.eval_interval_s:
             last_share = t
             sizes = {w: f.batch_size for w, wid in wids.items() if (f := engine.facts.get(wid))}
@@ -387,6 +392,7 @@ async def _measure(
         pushes=sum(s.pushes for s in engine.stats.values()) - sum(b[2] for b in bytes0),
         releases=sum(s.releases for s in engine.stats.values()) - sum(b[3] for b in bytes0),
         curve=curve,
+        bytes_curve=bytes_curve,
         trace=trace,
         stages=[[t - offset, st] for t, st in engine.stages],
     )

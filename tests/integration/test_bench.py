@@ -133,3 +133,7 @@ def test_bench_real_mode_with_two_worker_processes(tmp_path: Path) -> None:
     assert set(run["idle_fraction"]) == {"0", "1"}
     assert run["samples_per_s"] > 0 and run["bytes_up"] > 0
     assert run["final_accuracy"] > run["curve"][0][1]  # real workers trained the model
+    if run["tta_s"] is not None:  # bytes to target: what moved until then, never more than all
+        assert 0 < run["bytes_to_target"] <= run["bytes_up"] + run["bytes_down"]
+    else:
+        assert run["bytes_to_target"] is None
