@@ -100,6 +100,21 @@ async def stop_processes(procs: list[asyncio.subprocess.Process], timeout: float
             await p.wait()
 
 
+def _record_versions(engine: Any, out: list[tuple[int, float]]) -> None:
+    """Wrap the engine's evaluator so each evaluation's version is known: ``engine.evals`` keeps
+    (time, loss, accuracy) only, and the demo reports which version met the target."""
+    evaluate = engine.evaluator
+    if evaluate is None:
+        return
+
+    def recording(snap: Any) -> tuple[float, float]:
+        loss, acc = evaluate(snap)
+        out.append((int(snap.version), acc))
+        return loss, acc
+
+    engine.evaluator = recording
+
+
 def waiting_for(status: dict[str, Any] | None, spawned: int, alive: int) -> str:
     """What the demo is waiting for, in words, for the progress bar."""
     if status is None:
@@ -158,6 +173,7 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     # The run's clock (budget, time to target, elapsed) starts when the daemon is ready, as the
     # workers can train from then on; the daemon's own build time is reported apart.
     t0: float | None = None
+    evaluated: list[tuple[int, float]] = []  # (version, accuracy) of each evaluation
     first_push: float | None = None
     reached: float | None = None
     stop_acc: float | None = None
@@ -171,6 +187,7 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
             status = daemon.engine.status() if daemon.ready else None
             if status is not None and t0 is None:
                 t0 = time.monotonic()
+                _record_versions(daemon.engine, evaluated)
             alive = sum(p.returncode is None for p in procs)
             waiting = waiting_for(status, len(procs), alive)
             acc = (status or {}).get("accuracy") or 0.0
@@ -184,7 +201,10 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
             )
             if status is not None and reached is None and acc >= opts.target:
                 reached = time.monotonic() - (t0 or launched)
-                stop_acc, stop_version = acc, int(status["version"])
+                stop_acc = acc
+                # the version that evaluation saw (the store has moved on since)
+                seen = [v for v, a in evaluated if a == acc]
+                stop_version = seen[-1] if seen else int(status["version"])
                 break
             if alive == 0:
                 await asyncio.gather(*drains, return_exceptions=True)  # their last words
