@@ -185,7 +185,13 @@ def parity_markdown(doc: Mapping[str, Any]) -> str:
     lines = [
         f"# hetd bench parity: {v['scenario']}",
         "",
-        f"Simulator (virtual s) vs real daemon and `hetd-worker` processes on loopback (wall s); "
+        "Simulator (virtual s) vs real daemon and `hetd-worker` processes "
+        + (
+            "each in its own network namespace behind a tbf-shaped veth (`--links netns`)"
+            if doc.get("links") == "netns"
+            else "on loopback, links emulated"
+        )
+        + " (wall s); "
         f"budget {v['budget_s']:g} s, {v['seeds']} seed(s); medians over seeds. Outputs of each "
         "mode: `sim/` and `real/`.",
         "",
