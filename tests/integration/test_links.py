@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -275,6 +276,10 @@ def test_bench_real_mode_with_netns_links(tmp_path: Path) -> None:
 
 
 def test_no_run_is_left_behind() -> None:
-    """After the sweep, every namespace or link named like a run belongs to a running run."""
+    """After the sweep, every namespace or link named like a run belongs to a running run, and no
+    run of this process (every test above) is still recorded: each removed its own."""
     links.sweep()
     assert links.orphans() == []
+    records = sorted(links.REGISTRY.glob("hetd*.json")) if links.REGISTRY.is_dir() else []
+    mine = [r.name for r in records if json.loads(r.read_text()).get("pid") == os.getpid()]
+    assert mine == []
