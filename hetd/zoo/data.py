@@ -1,6 +1,7 @@
 """The data-set registry, sharding and minibatch sampling.
 
-Owns :class:`Dataset`, the bundled data sets (``digits``, ``mnist5k``, ``mnist``, ``synthetic``),
+Owns :class:`Dataset`, the bundled data sets (``digits``, ``mnist5k``, ``mnist``, ``synthetic``, and
+``pydoc``, byte-level text from :mod:`hetd.zoo.text`),
 the name registry with ``pkg.module:attr`` plug-ins, :func:`shard_indices` and
 :class:`BatchSampler`. All data comes from installed packages; nothing is downloaded. Train/test
 splits are fixed (``random_state=0``) so test sets stay comparable across runs; ``seed`` drives
@@ -39,7 +40,7 @@ class Dataset(NamedTuple):
 
     name: str
     x_train: Floats  # (n_train, *input_shape), images scaled to [0, 1]
-    y_train: Ints  # (n_train,), labels in [0, num_classes)
+    y_train: Ints  # (n_train,) labels in [0, num_classes); or (n_train, T): one per position
     x_test: Floats  # (n_test, *input_shape)
     y_test: Ints  # (n_test,)
     num_classes: int
@@ -279,8 +280,16 @@ def load_synthetic(
     return data._replace(x_train=(data.x_train - mean) / std, x_test=(data.x_test - mean) / std)
 
 
+def load_pydoc(seed: int = 0, **kwargs: Any) -> Dataset:
+    """Byte-level text of the standard library's docs (:func:`hetd.zoo.text.load_pydoc`)."""
+    from hetd.zoo.text import load_pydoc as load  # imported here: text imports this module
+
+    return load(seed=seed, **kwargs)
+
+
 _REGISTRY: dict[str, DatasetLoader] = {
     "digits": load_digits,
+    "pydoc": load_pydoc,
     "mnist5k": load_mnist5k,
     "mnist": load_mnist,
     "synthetic": load_synthetic,
@@ -364,8 +373,9 @@ def _checked(spec: str, data: object) -> Dataset:
         ("train", fixed.x_train, fixed.y_train),
         ("test", fixed.x_test, fixed.y_test),
     ):
-        if len(x) != len(y) or y.ndim != 1:
-            raise ValueError(f"{spec!r}: {part} has {len(x)} examples but labels {y.shape}")
+        # labels: one per example (n,), or one per position of a sequence (n, T) with x (n, T)
+        if len(x) != len(y) or y.ndim not in (1, 2) or x.shape[: y.ndim] != y.shape:
+            raise ValueError(f"{spec!r}: {part} has examples {x.shape} but labels {y.shape}")
         if y.size and (y.min() < 0 or y.max() >= fixed.num_classes):
             raise ValueError(f"{spec!r}: {part} labels must lie in [0, {fixed.num_classes})")
         if x.shape[1:] != fixed.x_train.shape[1:]:

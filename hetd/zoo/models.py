@@ -1,7 +1,7 @@
 """The model registry shared by the daemon and the workers.
 
 Owns :class:`Model` (a NamedTuple of pure, jit-able functions over *flat* parameter maps), the
-built-in ``mlp`` and ``cnn`` models, the name registry, and ``pkg.module:attr`` model plug-ins
+built-in ``mlp``, ``cnn`` and ``transformer`` (:mod:`hetd.zoo.lm`) models, the name registry, and ``pkg.module:attr`` model plug-ins
 that let a user bring their own model (the import itself is ``hetd.zoo.data.resolve_spec``, shared
 with the data-set registry so that loading data never imports JAX).
 
@@ -27,6 +27,7 @@ import optax
 from flax import traverse_util
 
 from hetd.zoo.data import accepts_keyword, resolve_spec
+from hetd.zoo.lm import TransformerLM, resolve_size
 
 Params = dict[str, jax.Array]
 """Flat map from a ``/``-separated parameter path to its array."""
@@ -139,7 +140,25 @@ def cnn(num_classes: int, features: Sequence[int] = (32, 64), dense: int = 128) 
     return from_linen("cnn", module)
 
 
-_REGISTRY: dict[str, ModelFactory] = {"mlp": mlp, "cnn": cnn}
+def transformer(
+    num_classes: int,
+    size: str | None = None,
+    d_model: int | None = None,
+    layers: int | None = None,
+    heads: int | None = None,
+) -> Model:
+    """A decoder-only byte/char language model (:mod:`hetd.zoo.lm`) for sequence data sets such
+    as ``pydoc``: ``num_classes`` is the vocabulary, ``size`` one of "0.5m", "2m", "10m" (default
+    "0.5m"), and ``d_model``/``layers``/``heads`` override it. Its loss is the mean next-token
+    cross-entropy (nats; bits per byte = loss / ln 2), its accuracy the next-token accuracy."""
+    shape = resolve_size(size, d_model, layers, heads)
+    module = TransformerLM(
+        vocab=num_classes, d_model=shape.d_model, layers=shape.layers, heads=shape.heads
+    )
+    return from_linen("transformer", module)
+
+
+_REGISTRY: dict[str, ModelFactory] = {"mlp": mlp, "cnn": cnn, "transformer": transformer}
 
 
 def register_model(name: str, factory: ModelFactory) -> None:

@@ -151,7 +151,7 @@ def test_bad_specs_say_what_is_wrong(spec: str, message: str) -> None:
 def test_register_model(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(models, "_REGISTRY", dict(models._REGISTRY))
     models.register_model("linear", tiny_linear)
-    assert models.model_names() == ["cnn", "linear", "mlp"]
+    assert models.model_names() == ["cnn", "linear", "mlp", "transformer"]
     assert models.get_model("linear", 7).init(jax.random.key(0), (2,))["linear/b"].shape == (7,)
     with pytest.raises(ValueError, match="already registered"):
         models.register_model("mlp", tiny_linear)
