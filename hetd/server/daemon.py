@@ -214,6 +214,8 @@ class Daemon:
             if self._engine is None:
                 self._engine = await asyncio.to_thread(build_engine, self.cfg)
             engine = self._engine
+            if self._stopped:  # stopped while it built: start nothing
+                return
             if self.cfg.store.dir:
                 from hetd.server.checkpoint import Checkpointer
 
