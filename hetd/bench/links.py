@@ -57,6 +57,7 @@ from typing import Any
 
 NETWORK = ipaddress.IPv4Network("198.51.100.0/24")  # RFC 5737 TEST-NET-2: never a real network
 BLOCKS = range(1, 63)  # /30 blocks 4b..4b+3; 0 and 63 hold the /24's own .0 and .255
+MAX_WORKERS = len(BLOCKS) - 1  # one block per worker, one for the head
 REGISTRY = Path("/run/hetd-links")  # <run>.json per live run (tmpfs: gone at reboot, as netns are)
 LOCK = Path("/run/lock/hetd-links.lock")
 NAME_RE = re.compile(r"hetd[0-9a-f]{6}")  # a run's name; every object it makes starts with it
@@ -239,8 +240,8 @@ class NetnsLinks:
     """The links of one run (see the module docstring). Use :func:`open_links`."""
 
     def __init__(self, rates: Sequence[float]) -> None:
-        if not rates:
-            raise ValueError("netns links need at least one worker")
+        if not 1 <= len(rates) <= MAX_WORKERS:
+            raise ValueError(f"netns links take 1 to {MAX_WORKERS} workers, got {len(rates)}")
         self.name = f"hetd{secrets.token_hex(3)}"
         self.rates = [float(r) for r in rates]
         self.links: list[Link] = []

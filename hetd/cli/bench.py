@@ -285,7 +285,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.costs is not None and args.suite == "policies" and args.mode == "real":
         raise ValueError("--costs is for the simulator; --mode real pays the real costs")
     sc = _scenario(args)
-    links = _links(args)
+    links = _links(args, sc.n)
     opts = BenchOptions(
         scenario=sc,
         policies=tuple(parse_policies(args.policies)),
@@ -317,14 +317,20 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _links(args: argparse.Namespace) -> str:
+def _links(args: argparse.Namespace, workers: int) -> str:
     """The links real runs get: ``--links``, or emulated (saying so in one line) when netns links
     cannot be made here."""
     if args.links == "emulated":
         return "emulated"
     if args.suite == "policies" and args.mode != "real":
         raise ValueError("--links netns is for real runs: add --mode real (or --suite parity)")
-    from hetd.bench.links import unavailable
+    from hetd.bench.links import MAX_WORKERS, unavailable
+
+    if workers > MAX_WORKERS:
+        raise ValueError(
+            f"--links netns gives each worker a /30 of 198.51.100.0/24: at most {MAX_WORKERS} "
+            f"workers, and this run has {workers}"
+        )
 
     why = unavailable()
     if why is not None:
