@@ -59,7 +59,7 @@ from hetd.bench import links as links_mod
 from hetd.core.engine import Engine
 from hetd.local.demo import stop_processes, worker_env
 from hetd.server.daemon import Daemon
-from hetd.sim.results import PolicySpec, RunResult, Trace, first_reach, staleness_stats
+from hetd.sim.results import PolicySpec, RunResult, Trace, staleness_stats, time_to_target
 from hetd.sim.scenario import Scenario
 from policies import ClusterView, Policy
 from policies.types import Decision, Event, Leave, Push, Release
@@ -331,7 +331,7 @@ async def _measure(
     idle0 = {w: engine.facts[wid].idle_s for w, wid in wids.items()}
     samples0 = sum(engine.facts[wid].samples for wid in wids.values())
     bytes0 = [(s.bytes_in, s.bytes_out, s.pushes, s.releases) for s in engine.stats.values()]
-    _, acc0 = await asyncio.to_thread(evaluate, engine.store.snapshot())
+    loss0, acc0 = await asyncio.to_thread(evaluate, engine.store.snapshot())
     trace = Trace(timeline={w: [] for w in wids})
     last_share = -math.inf
     t = 0.0
@@ -357,11 +357,12 @@ async def _measure(
                 for t0, t1 in spans
                 if t1 > start and t0 < start + sc.budget_s
             ]
-    _, final_acc = await asyncio.to_thread(evaluate, engine.store.snapshot())
+    final_loss, final_acc = await asyncio.to_thread(evaluate, engine.store.snapshot())
     now = engine.clock.now()
-    curve = [[0.0, acc0]]
-    curve += [[e[0] - offset, e[2]] for e in engine.evals if 0 < e[0] - offset < sc.budget_s]
-    curve.append([sc.budget_s, final_acc])
+    evals = [(0.0, loss0, acc0)]  # (t, loss, accuracy) on the run's clock
+    evals += [(e[0] - offset, e[1], e[2]) for e in engine.evals if 0 < e[0] - offset < sc.budget_s]
+    evals.append((sc.budget_s, final_loss, final_acc))
+    curve = [[t, acc] for t, _, acc in evals]
     idle: dict[str, float] = {}
     staleness: list[int] = []
     samples = 0
@@ -381,7 +382,7 @@ async def _measure(
         scenario=sc.name,
         seed=seed,
         lr=lr,
-        tta_s=first_reach(curve, sc.target_accuracy),
+        tta_s=time_to_target(evals, sc.target_accuracy, sc.target_loss),
         final_accuracy=final_acc,
         samples_per_s=(samples - samples0) / sc.budget_s,
         idle_fraction=idle,

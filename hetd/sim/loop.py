@@ -53,7 +53,7 @@ from hetd.protocol.messages import PlanUpdate, ProfileRequest, Reply, Welcome
 from hetd.sim.agent import EmuWorker, InFlight
 from hetd.sim.compute import StepWork, scenario_compute
 from hetd.sim.costs import CostProfile, load_costs
-from hetd.sim.results import PolicySpec, RunResult, Trace, first_reach, staleness_stats
+from hetd.sim.results import PolicySpec, RunResult, Trace, staleness_stats, time_to_target
 from hetd.sim.scenario import Scenario
 from policies import make_policy
 
@@ -468,7 +468,7 @@ class _Sim:
             scenario=sc.name,
             seed=self.seed,
             lr=self.lr,
-            tta_s=first_reach(curve, sc.target_accuracy),
+            tta_s=time_to_target(engine.evals, sc.target_accuracy, sc.target_loss),
             final_accuracy=curve[-1][1],
             samples_per_s=samples / sc.budget_s,
             idle_fraction=idle,

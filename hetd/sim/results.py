@@ -108,7 +108,7 @@ class RunResult:
     scenario: str
     seed: int
     lr: float
-    tta_s: float | None  # s to the first evaluation at or above target; None if never
+    tta_s: float | None  # s to the target (time_to_target); None if never
     final_accuracy: float
     samples_per_s: float
     idle_fraction: dict[str, float]  # worker -> fraction of the run spent waiting for a release
@@ -160,6 +160,35 @@ class RunResult:
 def first_reach(curve: Sequence[Sequence[float]], target: float) -> float | None:
     """The time of the first evaluation at or above ``target``."""
     return next((float(t) for t, acc in curve if acc >= target), None)
+
+
+def first_below(curve: Sequence[Sequence[float]], target: float) -> float | None:
+    """When a ``[[t, loss], ...]`` curve first comes down to ``target``: linear between the last
+    evaluation above it and the first at or below it (the first evaluation's time if that one
+    already is). A loss target's TTA so moves with the run, not in steps of the evaluation
+    interval; an evaluation is an estimate, and the line between two is the least we assume."""
+    before: Sequence[float] | None = None
+    for point in curve:
+        t, loss = float(point[0]), float(point[1])
+        if loss <= target:
+            if before is None:
+                return t
+            t0, l0 = float(before[0]), float(before[1])
+            return t0 + (t - t0) * (l0 - target) / (l0 - loss)
+        before = point
+    return None
+
+
+def time_to_target(
+    evals: Sequence[Sequence[float]], target_accuracy: float, target_loss: float = 0.0
+) -> float | None:
+    """TTA from ``[(t, loss, accuracy), ...]`` evaluations (as ``Engine.evals``): with a loss
+    target (> 0) the interpolated time the loss reaches it (:func:`first_below`); otherwise the
+    first evaluation at or above ``target_accuracy`` (:func:`first_reach`, unchanged, so the
+    accuracy runs and their golden file keep their values)."""
+    if target_loss > 0:
+        return first_below([(e[0], e[1]) for e in evals], target_loss)
+    return first_reach([(e[0], e[2]) for e in evals], target_accuracy)
 
 
 def bytes_at(curve: Sequence[Sequence[float]], t: float | None) -> float | None:

@@ -92,6 +92,9 @@ class Scenario:
     base_batch: int = 32  # the batch that takes base_step_s on a slowdown-1 worker
     base_step_s: float = 0.01  # s per step of base_batch samples at slowdown 1
     target_accuracy: float = 0.9
+    # > 0: the target is this test loss instead (TTA: when the loss first comes down to it,
+    # interpolated between evaluations; hetd.sim.results.time_to_target), e.g. a language model's
+    target_loss: float = 0.0
     budget_s: float = 30.0  # s of (virtual or wall) training time
     eval_interval_s: float = 0.5  # s between evaluations of the global model (not charged)
     tick_s: float = 0.25  # s between engine ticks
@@ -162,6 +165,7 @@ _TOP: dict[str, tuple[Check, str, Check, str]] = {
     "base_batch": (_int, "int", lambda v: v >= 1, ">= 1"),
     "base_step_s": (_num, "number", lambda v: 0 < v < INF, "> 0"),
     "target_accuracy": (_num, "number", lambda v: 0 < v <= 1, "in (0, 1]"),
+    "target_loss": (_num, "number", lambda v: 0 <= v < INF, ">= 0 (0: the accuracy target)"),
     "budget_s": (_num, "number", lambda v: 0 < v < INF, "> 0"),
     "eval_interval_s": (_num, "number", lambda v: 0 < v < INF, "> 0"),
     "tick_s": (_num, "number", lambda v: 0 < v < INF, "> 0"),

@@ -14,6 +14,8 @@ import numpy as np
 import optax
 import pytest
 
+from hetd.sim.results import first_below, time_to_target
+from hetd.sim.scenario import ScenarioError, from_mapping, load_scenario
 from hetd.zoo.data import BatchSampler, load_dataset
 from hetd.zoo.lm import SIZES
 from hetd.zoo.models import get_model
@@ -124,3 +126,30 @@ def test_cnn_takes_full_mnist_and_learns() -> None:
     for _ in range(30):  # full-batch Adam on 256 images
         params, state, loss = step(params, state)
     assert float(loss) < 0.5 * float(first)
+
+
+def test_a_loss_target_is_reached_between_evaluations() -> None:
+    curve = [[0.0, 5.0], [0.5, 3.0], [1.0, 1.0], [1.5, 0.5]]
+    assert first_below(curve, 2.0) == pytest.approx(0.75)  # halfway from 3.0 down to 1.0
+    assert first_below(curve, 1.0) == pytest.approx(1.0)  # exactly on an evaluation
+    assert first_below(curve, 6.0) == 0.0  # already there at the first evaluation
+    assert first_below(curve, 0.1) is None
+    # a loss that goes up again: the first crossing counts
+    assert first_below([[0, 3.0], [1, 1.0], [2, 4.0], [3, 0.5]], 2.0) == pytest.approx(0.5)
+
+
+def test_time_to_target_picks_the_scenarios_kind() -> None:
+    evals = [(0.0, 2.3, 0.1), (0.5, 1.5, 0.8), (1.0, 0.9, 0.93)]  # (t, loss, accuracy)
+    assert time_to_target(evals, 0.9) == 1.0  # accuracy: the first evaluation at or above
+    assert time_to_target(evals, 0.9, target_loss=1.0) == pytest.approx(0.5 + 0.5 * 5 / 6)
+
+
+def test_scenarios_take_a_loss_target() -> None:
+    sc = load_scenario("S7")
+    assert sc.target_loss > 0 and sc.model == "transformer" and sc.dataset == "pydoc"
+    assert [w.bandwidth for w in sc.workers] == [1e8, 5e7, 2e7, 1e7]
+    assert load_scenario("S1").target_loss == 0.0  # accuracy scenarios are unchanged
+    raw = {"name": "x", "dataset": "pydoc", "model": "transformer", "workers": [{}]}
+    assert from_mapping({**raw, "target_loss": 1.5}).target_loss == 1.5
+    with pytest.raises(ScenarioError, match="target_loss"):
+        from_mapping({**raw, "target_loss": -1.0})
