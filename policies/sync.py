@@ -7,6 +7,7 @@ from nothing: which workers are silent and the clock offsets of those that came 
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -111,15 +112,21 @@ def _pace(f: WorkerFacts) -> float | None:
 def silent_workers(view: ClusterView, patience: float | None) -> frozenset[int]:
     """Workers computing (not waiting) with no push for more than ``patience`` times their own
     pace and at least :data:`MIN_SILENCE_S`: stopped, cut off or hung. A worker that has not
-    pushed yet (compiling) is never silent; ``patience=None``: nobody ever is."""
+    pushed since it joined (loading, compiling) is measured from its join against the others'
+    typical (median) pace; nobody is silent before anyone has a pace. ``patience=None``: nobody
+    ever is."""
     if patience is None:
         return frozenset()
+    paces = [p for f in view.workers.values() if (p := _pace(f)) is not None]
+    typical = statistics.median(paces) if paces else None
     out = set()
     for w, f in view.workers.items():
-        pace = _pace(f)
-        if f.waiting or f.last_push_at is None or pace is None:
+        since, pace = (
+            (f.joined_at, typical) if f.last_push_at is None else (f.last_push_at, _pace(f))
+        )
+        if f.waiting or pace is None:
             continue
-        if view.now - f.last_push_at > max(patience * pace, MIN_SILENCE_S):
+        if view.now - since > max(patience * pace, MIN_SILENCE_S):
             out.add(w)
     return frozenset(out)
 

@@ -46,10 +46,18 @@ def test_a_worker_is_silent_only_past_patience_times_its_pace_and_the_floor() ->
     assert silent_workers(view(11.1, FAST, slow()), 10.0) == frozenset({1})
     assert silent_workers(view(11.1, FAST, slow()), 20.0) == frozenset()  # 20 x 0.1 s = 2 s
     assert silent_workers(view(11.1, FAST, slow()), None) == frozenset()
-    # waiting is not silent (it is the gate's to release); no push yet (compiling) is not either
+    # waiting is not silent: it is the gate's to release
     assert silent_workers(view(99.0, FAST, slow(waiting=True)), 10.0) == frozenset()
+
+
+def test_a_joiner_compiling_its_first_step_is_measured_against_the_others_pace() -> None:
+    # Joined at t = 0 and no push yet: the others' median pace is 0.1 s, so silent after 1 s.
     joiner = facts(1, 10, False, None, None)
-    assert silent_workers(view(99.0, FAST, joiner), 10.0) == frozenset()
+    assert silent_workers(view(0.9, FAST, joiner), 10.0) == frozenset()
+    assert silent_workers(view(1.1, FAST, joiner), 10.0) == frozenset({1})
+    # Before anyone has a pace (every worker compiling at the start) nobody is silent.
+    first = facts(0, 0, False, None, None)
+    assert silent_workers(view(99.0, first, joiner), 10.0) == frozenset()
 
 
 def test_the_others_wait_for_a_slow_worker_but_not_for_a_silent_one() -> None:
