@@ -151,8 +151,12 @@ def time_for_samples(sc: Scenario, samples: float) -> float:
 def ideal_tta(sc: Scenario, lrs: Sequence[float], seeds: Sequence[int]) -> float | None:
     """docs/benchmark.md: samples one process needs to reach the target (global batch, the best of
     the learning rates in use, median over seeds) / Σ worker throughput. None if one process
-    never gets there within 200 epochs."""
+    never gets there within 200 epochs, and None for a loss target (``target_loss``: the
+    single-process count is measured against accuracy only, so far)."""
     from hetd.sim.compute import samples_to_target, scenario_compute
+
+    if sc.target_loss > 0:
+        return None
 
     counts = []
     for seed in seeds:

@@ -153,3 +153,11 @@ def test_scenarios_take_a_loss_target() -> None:
     assert from_mapping({**raw, "target_loss": 1.5}).target_loss == 1.5
     with pytest.raises(ScenarioError, match="target_loss"):
         from_mapping({**raw, "target_loss": -1.0})
+
+
+def test_a_loss_scenario_has_no_accuracy_ideal() -> None:
+    from hetd.bench.sweep import ideal_tta
+
+    # the single-process count is measured against accuracy: a loss scenario reports none (and
+    # does not train one process for 200 epochs towards an accuracy it never asked for)
+    assert ideal_tta(load_scenario("S7"), [0.002], [0]) is None
