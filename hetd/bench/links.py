@@ -324,7 +324,9 @@ class NetnsLinks:
         """What ``results.json`` records about the links of a run."""
         return {
             "kind": "netns",
-            "shaping": "tbf both directions",
+            "shaping": "tbf both directions"
+            if any(math.isfinite(r) for r in self.rates)
+            else "none (unshaped veth)",
             "latency": "emulated (the worker sleeps; tbf shapes the rate only)",
             "head": self.head,
             "rates": [None if not math.isfinite(r) else r for r in self.rates],
