@@ -11,6 +11,13 @@ For each policy, two runs of the same length on loopback:
   workers reconnect with their own backoff and resume their ids).
 * **baseline**: the same, with no faults.
 
+**The cut with --links netns** (root): every worker runs in a network namespace of its own behind
+an unshaped veth pair (:mod:`hetd.bench.links`) and the daemon listens on the run's head address; a
+cut sets that worker's link down for the same time, then up: packets are dropped silently both
+ways (no FIN, no RST), so the daemon notices through heartbeats alone, and the worker finds its
+connection dead once the link is back and resumes its id. ``chaos.json`` records the links under
+``options``.
+
 **The cut.** A worker is SIGSTOPped for the daemon's heartbeat timeout + 1.5 s: the daemon hears
 nothing, drops that worker's session (its socket closes from the daemon's side, the worker leaves
 every barrier), and on SIGCONT the worker finds its socket closed and reconnects with ``resume``, as
@@ -70,6 +77,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hetd.bench.links import NetnsLinks, open_links
 from hetd.bench.system_limit import free_port
 from hetd.sim.results import PolicySpec
 
@@ -99,6 +107,7 @@ class ChaosOptions:
     seed: int = 0
     dataset: str = "mnist5k"
     quiet: bool = False
+    links: str = "emulated"  # netns: a cut is the worker's link set down (hetd.bench.links, root)
 
     @property
     def duration_s(self) -> float:
@@ -215,11 +224,13 @@ def _toml_value(v: Any) -> str:
     raise ValueError(f"cannot write {v!r} into the daemon's config")
 
 
-def _config_text(opts: ChaosOptions, policy: PolicySpec, port: int, admin: int, state: str) -> str:
+def _config_text(
+    opts: ChaosOptions, policy: PolicySpec, port: int, admin: int, state: str, host: str
+) -> str:
     params = ", ".join(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in policy.params)
     return (
         "[server]\n"
-        f'host = "127.0.0.1"\nport = {port}\nadmin_host = "127.0.0.1"\nadmin_port = {admin}\n'
+        f'host = {json.dumps(host)}\nport = {port}\nadmin_host = "127.0.0.1"\nadmin_port = {admin}\n'
         f"heartbeat_s = 0.5\nheartbeat_timeout_s = {opts.heartbeat_timeout_s!r}\n"
         "stop_timeout_s = 3.0\n"
         "[train]\n"
@@ -235,8 +246,17 @@ def _config_text(opts: ChaosOptions, policy: PolicySpec, port: int, admin: int, 
 class Run:
     """One daemon subprocess, N worker processes, the poller and (in a chaos run) the faults."""
 
-    def __init__(self, opts: ChaosOptions, policy: PolicySpec, faults: list[Fault], tag: str):
+    def __init__(
+        self,
+        opts: ChaosOptions,
+        policy: PolicySpec,
+        faults: list[Fault],
+        tag: str,
+        net: NetnsLinks | None = None,
+    ):
         self.opts = opts
+        self.net = net  # the workers' links (--links netns), or None: loopback
+        self.host = "127.0.0.1" if net is None else net.head
         self.policy = policy
         self.faults = faults
         self.tag = tag
@@ -250,7 +270,9 @@ class Run:
             old.unlink()
         self.config = Path(self.tmp.name) / "hetd.toml"
         self.config.write_text(
-            _config_text(opts, policy, self.port, self.admin_port, str(Path(self.tmp.name) / "st"))
+            _config_text(
+                opts, policy, self.port, self.admin_port, str(Path(self.tmp.name) / "st"), self.host
+            )
         )
         self.daemon: asyncio.subprocess.Process | None = None
         self.daemon_starts = 0
@@ -288,10 +310,13 @@ class Run:
     async def spawn_worker(self, slot: int) -> asyncio.subprocess.Process:
         self.spawned += 1
         with self._log(f"w{slot}-{self.spawned}") as log:  # one log per process
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "workers.cli", f"ws://127.0.0.1:{self.port}",
+            argv = [
+                sys.executable, "-m", "workers.cli", f"ws://{self.host}:{self.port}",
                 "--name", f"w{slot}-{self.spawned}", "--retry-max-delay", "1.0",
                 "--emulate-base-step", repr(BASE_STEP_S), "--verbose",
+            ]  # fmt: skip
+            proc = await asyncio.create_subprocess_exec(
+                *(argv if self.net is None else self.net.command(slot, argv)),
                 env=self._env(), stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
             )  # fmt: skip
         return proc
@@ -391,6 +416,16 @@ class Run:
         hold = o.stall_s if f.kind == "stall_worker" else o.heartbeat_timeout_s + 1.5
         f.extra["held_s"] = hold
         self.paused.add(slot)
+        if f.kind == "cut_worker" and self.net is not None:  # a real partition: the link goes down
+            f.extra["link_down"] = True
+            try:
+                self.net.down(slot)
+                await asyncio.sleep(hold)
+            finally:
+                self.net.up(slot)
+                self.paused.discard(slot)
+            f.ended_s = time.monotonic() - self.t0
+            return
         try:
             proc.send_signal(signal.SIGSTOP)
             await asyncio.sleep(hold)
@@ -569,15 +604,17 @@ class Run:
         self.tmp.cleanup()
 
 
-async def _policy(opts: ChaosOptions, policy: PolicySpec) -> dict[str, Any]:
+async def _policy(
+    opts: ChaosOptions, policy: PolicySpec, net: NetnsLinks | None = None
+) -> dict[str, Any]:
     def say(message: str) -> None:
         if not opts.quiet:
             print(message, file=sys.stderr, flush=True)
 
     say(f"chaos: {policy.label}: run with faults ({opts.duration_s:g} s)")
-    chaos = await Run(opts, policy, schedule(opts), "chaos").run()
+    chaos = await Run(opts, policy, schedule(opts), "chaos", net).run()
     say(f"chaos: {policy.label}: baseline without faults ({opts.duration_s:g} s)")
-    base = await Run(opts, policy, [], "baseline").run()
+    base = await Run(opts, policy, [], "baseline", net).run()
     kill = next((f for f in chaos["faults"] if f["kind"] == "kill_daemon"), None)
     lost = bound = None
     if kill is not None and "version_after" in kill:
@@ -721,15 +758,21 @@ async def run_chaos_async(opts: ChaosOptions) -> dict[str, Any]:
             "heartbeat_timeout_s": opts.heartbeat_timeout_s,
             "base_step_s": BASE_STEP_S,
             "cpus": os.cpu_count(),
+            "links": {"kind": "emulated"},
         },
         "policies": [],
     }
-    for policy in opts.policies:
-        doc["policies"].append(await _policy(opts, policy))
-        fails = [p["policy"] for p in doc["policies"] if p["verdict"] != "pass"]
-        doc["verdict"] = "fail" if fails else "pass"
-        (opts.out / "chaos.json").write_text(json.dumps(doc, indent=2) + "\n")
-        (opts.out / "chaos.md").write_text(render_md(doc))
+    with contextlib.ExitStack() as stack:
+        net = None
+        if opts.links == "netns":  # one unshaped link per worker slot, for the whole suite
+            net = stack.enter_context(open_links([math.inf] * opts.workers))
+            doc["options"]["links"] = net.describe()
+        for policy in opts.policies:
+            doc["policies"].append(await _policy(opts, policy, net))
+            fails = [p["policy"] for p in doc["policies"] if p["verdict"] != "pass"]
+            doc["verdict"] = "fail" if fails else "pass"
+            (opts.out / "chaos.json").write_text(json.dumps(doc, indent=2) + "\n")
+            (opts.out / "chaos.md").write_text(render_md(doc))
     return doc
 
 

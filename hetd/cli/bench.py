@@ -139,7 +139,8 @@ def add_commands(sub: Any) -> None:
         help="real mode's links: emulated (the worker sleeps bytes / bandwidth, the default) or "
         "netns (as root: each worker in its own network namespace behind a veth pair shaped with "
         "tbf both ways to its bandwidth, 198.51.100.0/24 addresses, removed afterwards; without "
-        "root or ip/tc: says so and uses emulated links); for --mode real and --suite parity",
+        "root or ip/tc: says so and uses emulated links); for --mode real and --suite parity; "
+        "--suite chaos: unshaped links, and a cut sets the worker's link down",
     )
     b.add_argument("--policies", default="bsp,asp,ssp", help=POLICY_HELP + " (default bsp,asp,ssp)")
     b.add_argument("--seeds", type=int, default=3, help="run seeds 0..N-1 (default 3)")
@@ -261,8 +262,10 @@ def _bench(args: argparse.Namespace) -> int:
     from hetd.bench.sweep import BenchOptions, run_bench
     from hetd.sim.results import parse_policies
 
-    if args.links == "netns" and args.suite not in ("policies", "parity"):
-        raise ValueError(f"--links netns is for --mode real and --suite parity, not {args.suite}")
+    if args.links == "netns" and args.suite not in ("policies", "parity", "chaos"):
+        raise ValueError(
+            f"--links netns is for --mode real and --suites parity and chaos, not {args.suite}"
+        )
     if args.suite == "codecs":
         from hetd.bench import codec_speed as bench_codecs
 
@@ -360,14 +363,16 @@ def _chaos(args: argparse.Namespace) -> int:
     from hetd.bench.chaos import ChaosOptions, run_chaos
     from hetd.sim.results import parse_policies
 
+    workers = 4 if args.workers is None else args.workers
     opts = ChaosOptions(
         policies=tuple(parse_policies(args.policies)),
         out=Path(args.out),
-        workers=4 if args.workers is None else args.workers,
+        workers=workers,
         minutes=3.0 if args.minutes is None else args.minutes,
         fault_every=args.fault_every,
         seed=args.seed,
         quiet=args.quiet,
+        links=_links(args, workers),
     )
     doc = run_chaos(opts)
     print(f"chaos: wrote {args.out}/chaos.json and chaos.md")
