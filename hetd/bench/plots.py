@@ -38,7 +38,7 @@ def summary_markdown(doc: dict[str, Any], sc: Scenario, mode: str) -> str:
         f"optimizer {sc.optimizer}, global batch {sc.global_batch} ({sc.batch_per_worker} per worker)",
         f"* {sc.n} workers, slow-downs [{slow}]; base step {sc.base_step_s:g} s per "
         f"{sc.base_batch} samples; {len(sc.shifts)} regime shift(s)",
-        f"* target accuracy {sc.target_accuracy:g}, budget {sc.budget_s:g} s "
+        f"* target {sc.target_text}, budget {sc.budget_s:g} s "
         f"({'virtual' if mode == 'sim' else 'wall'}), evaluation every {sc.eval_interval_s:g} s "
         "(not charged)",
         f"* seeds: {sorted({r['seed'] for r in runs})}",

@@ -242,8 +242,9 @@ def _sim(args: argparse.Namespace) -> int:
     wall = time.monotonic() - t0
     r = run.result
     reached = "not reached" if r.tta_s is None else f"reached at {r.tta_s:g} s"
+    target = sc.target_text if sc.target_loss > 0 else f"{sc.target_accuracy:g}"
     print(
-        f"{sc.name} {r.policy} seed {r.seed}: target {sc.target_accuracy:g} {reached}; "
+        f"{sc.name} {r.policy} seed {r.seed}: target {target} {reached}; "
         f"final accuracy {r.final_accuracy:.4f} at {run.virtual_s:g} virtual s; "
         f"{run.pushes} pushes, {r.samples_per_s:.0f} samples/s; simulated in {wall:.1f} s"
     )

@@ -116,6 +116,13 @@ class Scenario:
         return len(self.workers)
 
     @property
+    def target_text(self) -> str:
+        """The target for people: "accuracy 0.9" or "loss 2.4 (3.46 bits per byte)"."""
+        if self.target_loss > 0:
+            return f"loss {self.target_loss:g} ({self.target_loss / math.log(2):.2f} bits per byte)"
+        return f"accuracy {self.target_accuracy:g}"
+
+    @property
     def batch_per_worker(self) -> int:
         """The initial per-worker batch: B/N (at least 1)."""
         return max(1, self.global_batch // max(1, self.n))

@@ -149,6 +149,8 @@ def test_scenarios_take_a_loss_target() -> None:
     assert sc.target_loss > 0 and sc.model == "transformer" and sc.dataset == "pydoc"
     assert [w.bandwidth for w in sc.workers] == [1e8, 5e7, 2e7, 1e7]
     assert load_scenario("S1").target_loss == 0.0  # accuracy scenarios are unchanged
+    assert load_scenario("S1").target_text == "accuracy 0.9"
+    assert sc.target_text == "loss 2.4 (3.46 bits per byte)"
     raw = {"name": "x", "dataset": "pydoc", "model": "transformer", "workers": [{}]}
     assert from_mapping({**raw, "target_loss": 1.5}).target_loss == 1.5
     with pytest.raises(ScenarioError, match="target_loss"):
