@@ -134,6 +134,15 @@ class Inbox:
         self.in_flight = max(0, self.in_flight - 1)
         self.changed.set()
 
+    def unpipeline(self) -> None:
+        """The plan stopped pipelining. A pipelined worker computes on while its pushes wait, so
+        it may count two unanswered where the daemon, which answers each wait for parameters with
+        one release however many pushes came in it, owes it one or none; waiting for all of them
+        now would wait forever (a hot swap from hps to any policy did). So the next step starts
+        from the parameters held, and every release after it answers one push again."""
+        self.in_flight = 0
+        self.changed.set()
+
     def answered(self, push_id: int, status: str = "applied") -> None:
         """The daemon acknowledged push ``push_id`` (applied, buffered, dropped or duplicate). No
         parameters follow a ``duplicate`` of a push in flight: the next step may start."""
@@ -291,7 +300,10 @@ async def _read(
             elif msg.type == "profile":
                 inbox.profile = dict(msg["spec"])
             elif msg.type == "plan":  # the whole plan, every time
-                state.plan = Plan.from_wire(msg["plan"])
+                plan = Plan.from_wire(msg["plan"])
+                if state.plan.pipeline and not plan.pipeline:
+                    inbox.unpipeline()
+                state.plan = plan
             elif msg.type == "params":
                 delay = opts.emulation.transfer_seconds(len(data))
                 if delay:  # the emulated link carries parameters too, as the simulator charges

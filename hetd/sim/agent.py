@@ -129,8 +129,13 @@ class EmuWorker:
         return BatchSampler(self.data.x_train, self.data.y_train, rows, seed=seed)
 
     def follow_plan(self, plan: Mapping[str, Any]) -> None:
-        """A ``plan`` frame's plan (the whole plan, every time) replaces the one it follows."""
-        self.plan = Plan.from_wire(plan)
+        """A ``plan`` frame's plan (the whole plan, every time) replaces the one it follows; one
+        that stops pipelining forgets the pushes in flight, as the real client does
+        (``workers.client.Inbox.unpipeline``)."""
+        new = Plan.from_wire(plan)
+        if self.plan.pipeline and not new.pipeline:
+            self.in_flight = 0
+        self.plan = new
 
     def _follow_share(self) -> None:
         """A plan's ``data_share``/``data_offset``, as ``workers.loop.Trainer`` follows them."""

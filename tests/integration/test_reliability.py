@@ -297,3 +297,39 @@ async def test_a_policy_change_is_checkpointed_at_once(cluster, tmp_path) -> Non
         }
     finally:
         await again.stop(final_checkpoint=False)
+
+
+# --- a swap away from pipelining never strands a worker ----------------------------------------------
+
+
+async def test_swaps_between_hps_and_bsp_never_strand_a_worker(cluster) -> None:  # type: ignore[no-untyped-def]
+    """hps pipelines: a worker computes on while its pushes wait, so it may hold two pushes
+    unanswered where the daemon owes it one release. A swap to a policy without pipelining used
+    to leave such a worker waiting for a release that never came, and with it every synchronous
+    round (the real bench's restart found it: 5 of 12 runs stalled). Swap back and forth under
+    three unequal real workers; training goes on after every swap."""
+    from tests.conftest import ADMIN_TOKEN
+
+    c = await cluster("hps", {}, batch_size=16)
+    for slowdown in (1, 2, 4):
+        await c.spawn(slowdown, 0.01)
+    await c.wait_for(lambda: c.engine.store.version >= 10, 90, "hps to train")
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    async with aiohttp.ClientSession() as http:
+        for name in ("bsp", "hps", "bsp", "hps", "lbbsp"):
+            if name != "hps":  # leaving hps: some plan pipelines
+                await c.wait_for(
+                    lambda: any(p.pipeline for p in c.engine.plans.values()),
+                    60,
+                    "pipelined plans before the swap",
+                )
+            async with http.put(
+                c.admin_url + "/v1/policy", json={"name": name}, headers=admin
+            ) as resp:
+                assert resp.status == 200, await resp.text()
+            target = c.engine.store.version + 5
+            await c.wait_for(
+                lambda v=target: c.engine.store.version >= v,
+                60,
+                f"{name} to train on",
+            )
