@@ -515,9 +515,18 @@ class Checkpointer:
             return info
 
     async def run_timer(self, engine: Engine, interval_s: float) -> None:
-        """Checkpoint every ``interval_s`` when the version moved; errors are logged, not fatal."""
+        """Checkpoint every ``interval_s`` when the version moved; errors are logged, not fatal.
+        The ticks are at a fixed rate (each ``interval_s`` after the last tick, not after the
+        last save ended), so a slow save on a loaded machine does not stretch what a kill can
+        lose beyond one interval plus the save in progress; ticks a save overran are skipped."""
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
         while True:
-            await asyncio.sleep(interval_s)
+            next_at += interval_s
+            now = loop.time()
+            if next_at < now:  # a save overran whole intervals: the next tick from now on
+                next_at = now + interval_s - (now - next_at) % interval_s
+            await asyncio.sleep(next_at - now)
             if self.last is not None and self.last.version == engine.store.version:
                 continue  # nothing new to keep
             try:
