@@ -1,0 +1,393 @@
+"""The cost model of a replica and the search for its cuts.
+
+A *replica* is one worker (data parallel, ``S = 1``) or an ordered group of workers, stage ``s``
+on worker ``s``, holding blocks ``[k_s, k_{s+1})`` of a block-structured model. Its round time
+for a batch ``b`` run as micro-batches of ``m`` is linear, ``T(b) = a + c·b``:
+
+* the *units* ``u`` are the per-micro-batch times of the pipeline's stages: each stage's compute
+  (forward + backward of its blocks) and each stage worker's uplink and downlink as their own
+  pseudo-stages (a middle stage's uplink carries its forward output *and* its backward input
+  gradient, both relayed by the head);
+* ``T(M) = Σu + (M−1)·max u + Σlat + max pushpull``, so ``c = max u / m`` and ``a`` is the rest.
+
+:func:`best_cuts` finds the cuts of one ordered group (lexicographic: the smallest bottleneck
+``max u``, then the smallest ``Σu``) under each stage's memory, by a two-phase dynamic program
+(:func:`dp_cuts`) equal to brute force (:func:`brute_force_cuts`); :func:`best_partition` also
+tries the orders. :func:`split_batch` shares a global batch across replicas so that they finish
+together, in whole micro-batches.
+
+Units: bytes, seconds, bytes/s. No jax, numpy or clock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+RHO = 0.8  # the usable fraction of a worker's memory
+_TIE = 1e-9  # relative tolerance when comparing bottlenecks
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """One block of the model: one array in, one array out."""
+
+    name: str
+    param_bytes: float  # P_j
+    act_bytes: float  # A_j: its output's bytes per sample (what crosses a cut after it)
+    flops: float  # F_j, relative compute (any unit; only shares matter)
+    resid_bytes: float | None = None  # R_j: bytes per sample kept for the backward; None: A_j
+
+    @property
+    def residual(self) -> float:
+        """Bytes per sample the block keeps between its forward and its backward."""
+        return self.act_bytes if self.resid_bytes is None else self.resid_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """What the planner knows of one worker."""
+
+    wid: int
+    sample_s: float  # s per sample, forward + backward of the whole model
+    mem_bytes: float = math.inf  # its memory (RHO of it is usable)
+    bw_up: float = math.inf  # bytes/s to the head
+    bw_down: float = math.inf  # bytes/s from the head
+    lat_s: float = 0.0  # one-way latency to the head
+    price: float = 1.0  # cost per busy second
+    block_s: tuple[float, ...] | None = None  # s per sample per block (an exact profile)
+
+    def taus(self, blocks: Sequence[Block]) -> list[float]:
+        """s per sample of each block: the exact profile, else ``sample_s`` by FLOP share."""
+        if self.block_s is not None:
+            if len(self.block_s) != len(blocks):
+                raise ValueError(
+                    f"worker {self.wid}: {len(self.block_s)} block times for {len(blocks)} blocks"
+                )
+            return list(self.block_s)
+        total = sum(b.flops for b in blocks)
+        if total <= 0:
+            raise ValueError("the blocks' flops must sum to > 0")
+        return [self.sample_s * b.flops / total for b in blocks]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaCost:
+    """One replica's structure and its predicted round time ``a + c·b``."""
+
+    members: tuple[int, ...]  # worker ids, stage order
+    cuts: tuple[int, ...]  # 0 = k_0 < k_1 < ... < k_S = L
+    micro: int  # m, samples per micro-batch
+    units: tuple[float, ...]  # per-micro-batch times: stage computes, then link pseudo-stages
+    fill_s: float  # a: Σu − max u + Σlat + max pushpull
+    per_sample_s: float  # c: max u / m
+    mem_need: tuple[float, ...]  # bytes per stage
+    slice_bytes: tuple[float, ...]  # parameter bytes per stage
+
+    @property
+    def stages(self) -> int:
+        return len(self.members)
+
+    @property
+    def bottleneck(self) -> float:
+        return max(self.units)
+
+    def time(self, batch: float) -> float:
+        """Predicted seconds from release to the last part's push for ``batch`` samples."""
+        return self.fill_s + self.per_sample_s * batch
+
+
+def need_full(blocks: Sequence[Block], micro: int) -> float:
+    """Bytes a worker needs to train the whole model alone: parameters, gradients and one
+    micro-batch's residuals."""
+    return 2 * sum(b.param_bytes for b in blocks) + micro * sum(b.residual for b in blocks)
+
+
+def memory_poor(w: WorkerSpec, blocks: Sequence[Block], micro: int) -> bool:
+    """True when ``w`` cannot hold the whole model (it can only help as a stage)."""
+    return RHO * w.mem_bytes < need_full(blocks, micro)
+
+
+def _stage(
+    blocks: Sequence[Block],
+    taus: Sequence[float],
+    w: WorkerSpec,
+    i: int,
+    j: int,
+    s: int,
+    n_stages: int,
+    micro: int,
+    inflight: int,
+) -> tuple[tuple[float, float, float], float, float]:
+    """Stage ``s`` holding blocks ``[i, j)`` on ``w``: its (compute, uplink, downlink) times per
+    micro-batch, its memory need and its parameter bytes."""
+    compute = micro * sum(taus[i:j])
+    crossing = (blocks[i - 1].act_bytes if s > 0 else 0.0) + (
+        blocks[j - 1].act_bytes if s < n_stages - 1 else 0.0
+    )
+    up = micro * crossing / w.bw_up if crossing else 0.0
+    down = micro * crossing / w.bw_down if crossing else 0.0
+    params = sum(b.param_bytes for b in blocks[i:j])
+    mem = 2 * params + inflight * micro * sum(b.residual for b in blocks[i:j])
+    return (compute, up, down), mem, params
+
+
+def _inflight(s: int, n_stages: int, micro_batches: int | None) -> int:
+    cap = n_stages - s
+    return cap if micro_batches is None else max(1, min(micro_batches, cap))
+
+
+def replica_cost(
+    blocks: Sequence[Block],
+    group: Sequence[WorkerSpec],
+    cuts: Sequence[int],
+    micro: int,
+    micro_batches: int | None = None,
+) -> ReplicaCost:
+    """The cost of ``group`` (stage order) with ``cuts`` and micro-batch ``micro``; in-flight
+    micro-batches per stage are ``min(M, S − s)`` (``S − s`` when ``M`` is not known)."""
+    n = len(group)
+    if len(cuts) != n + 1 or cuts[0] != 0 or cuts[-1] != len(blocks):
+        raise ValueError(f"cuts {tuple(cuts)} must run 0 .. {len(blocks)} with {n + 1} entries")
+    if any(cuts[s] >= cuts[s + 1] for s in range(n)):
+        raise ValueError(f"cuts {tuple(cuts)} must be strictly increasing (no empty stage)")
+    if micro < 1:
+        raise ValueError(f"micro-batch must be >= 1, got {micro}")
+    computes: list[float] = []
+    links: list[float] = []
+    mems: list[float] = []
+    slices: list[float] = []
+    pushpull = 0.0
+    for s, w in enumerate(group):
+        (t, up, down), mem, params = _stage(
+            blocks,
+            w.taus(blocks),
+            w,
+            cuts[s],
+            cuts[s + 1],
+            s,
+            n,
+            micro,
+            _inflight(s, n, micro_batches),
+        )
+        computes.append(t)
+        if n > 1:
+            links += [up, down]
+        mems.append(mem)
+        slices.append(params)
+        pushpull = max(pushpull, 2 * w.lat_s + params / w.bw_up + params / w.bw_down)
+    lat = sum(2 * (group[s].lat_s + group[s + 1].lat_s) for s in range(n - 1))
+    units = tuple(computes + links)
+    return ReplicaCost(
+        members=tuple(w.wid for w in group),
+        cuts=tuple(cuts),
+        micro=micro,
+        units=units,
+        fill_s=sum(units) - max(units) + lat + pushpull,
+        per_sample_s=max(units) / micro,
+        mem_need=tuple(mems),
+        slice_bytes=tuple(slices),
+    )
+
+
+def fits(cost: ReplicaCost, group: Sequence[WorkerSpec]) -> bool:
+    """Every stage's memory need within ``RHO`` of its worker's memory."""
+    return all(need <= RHO * w.mem_bytes for need, w in zip(cost.mem_need, group, strict=True))
+
+
+def _better(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """Lexicographic (bottleneck, sum) with a relative tolerance on the bottleneck."""
+    if a[0] < b[0] * (1 - _TIE):
+        return True
+    if a[0] > b[0] * (1 + _TIE):
+        return False
+    return a[1] < b[1]
+
+
+def brute_force_cuts(
+    blocks: Sequence[Block],
+    group: Sequence[WorkerSpec],
+    micro: int,
+    micro_batches: int | None = None,
+) -> ReplicaCost | None:
+    """Every cut vector tried: the best that fits memory (None if none fits)."""
+    best: ReplicaCost | None = None
+    n, n_blocks = len(group), len(blocks)
+    for inner in itertools.combinations(range(1, n_blocks), n - 1):
+        cost = replica_cost(blocks, group, (0, *inner, n_blocks), micro, micro_batches)
+        if not fits(cost, group):
+            continue
+        key = (cost.bottleneck, sum(cost.units))
+        if best is None or _better(key, (best.bottleneck, sum(best.units))):
+            best = cost
+    return best
+
+
+def dp_cuts(
+    blocks: Sequence[Block],
+    group: Sequence[WorkerSpec],
+    micro: int,
+    micro_batches: int | None = None,
+) -> ReplicaCost | None:
+    """The cuts by dynamic programming over (blocks so far, stages so far), O(S·L²) stage
+    evaluations: phase 1 finds the smallest feasible bottleneck β, phase 2 the smallest Σu with
+    every unit ≤ β. Equals :func:`brute_force_cuts`; None when no cut vector fits memory."""
+    n, n_blocks = len(group), len(blocks)
+    if n < 1 or n > n_blocks:
+        return None
+    taus = [w.taus(blocks) for w in group]
+    stage: dict[tuple[int, int, int], tuple[float, float] | None] = {}
+    for s in range(n):
+        inflight = _inflight(s, n, micro_batches)
+        for i in range(s, n_blocks - (n - s) + 1):
+            for j in range(i + 1, n_blocks - (n - s - 1) + 1):
+                units, mem, _ = _stage(blocks, taus[s], group[s], i, j, s, n, micro, inflight)
+                ok = mem <= RHO * group[s].mem_bytes
+                stage[(s, i, j)] = (max(units), sum(units)) if ok else None
+    inf = math.inf
+    # phase 1: bottleneck[s][j] = best max over stages 0..s-1 covering blocks [0, j)
+    neck = [[inf] * (n_blocks + 1) for _ in range(n + 1)]
+    neck[0][0] = 0.0
+    for s in range(n):
+        for (ss, i, j), val in stage.items():
+            if ss == s and val is not None and neck[s][i] < inf:
+                neck[s + 1][j] = min(neck[s + 1][j], max(neck[s][i], val[0]))
+    beta = neck[n][n_blocks]
+    if beta == inf:
+        return None
+    limit = beta * (1 + _TIE) + 1e-300
+    # phase 2: the smallest Σu with every stage's max unit within β
+    total = [[inf] * (n_blocks + 1) for _ in range(n + 1)]
+    back: dict[tuple[int, int], int] = {}
+    total[0][0] = 0.0
+    for s in range(n):
+        for (ss, i, j), val in stage.items():
+            if ss != s or val is None or val[0] > limit or total[s][i] == inf:
+                continue
+            if total[s][i] + val[1] < total[s + 1][j]:
+                total[s + 1][j] = total[s][i] + val[1]
+                back[(s + 1, j)] = i
+    cuts = [n_blocks]
+    for s in range(n, 0, -1):
+        cuts.append(back[(s, cuts[-1])])
+    return replica_cost(blocks, group, cuts[::-1], micro, micro_batches)
+
+
+def best_cuts(
+    blocks: Sequence[Block],
+    group: Sequence[WorkerSpec],
+    micro: int,
+    micro_batches: int | None = None,
+) -> ReplicaCost | None:
+    """The best cuts of one ordered group (the dynamic program); None if memory allows none."""
+    return dp_cuts(blocks, group, micro, micro_batches)
+
+
+def _orders(group: Sequence[WorkerSpec]) -> list[tuple[WorkerSpec, ...]]:
+    """All orders up to 4 stages; beyond, by memory (most first) and its adjacent swaps."""
+    if len(group) <= 4:
+        return list(itertools.permutations(group))
+    base = tuple(sorted(group, key=lambda w: (-w.mem_bytes, w.sample_s, w.wid)))
+    out = [base]
+    for k in range(len(base) - 1):
+        swapped = list(base)
+        swapped[k], swapped[k + 1] = swapped[k + 1], swapped[k]
+        out.append(tuple(swapped))
+    return out
+
+
+def best_partition(
+    blocks: Sequence[Block],
+    group: Sequence[WorkerSpec],
+    micro: int,
+    micro_batches: int | None = None,
+) -> ReplicaCost | None:
+    """The best order and cuts of ``group`` (lexicographic bottleneck, Σu, then fewer bytes on
+    the slowest uplink); None when no order and cuts fit memory."""
+    best: ReplicaCost | None = None
+    for order in _orders(group):
+        cost = best_cuts(blocks, order, micro, micro_batches)
+        if cost is None:
+            continue
+        if best is None or _better(
+            (cost.bottleneck, sum(cost.units)), (best.bottleneck, sum(best.units))
+        ):
+            best = cost
+    return best
+
+
+def micro_batch(expected_share: float, stages: int, lo: int = 8, hi: int = 128) -> int:
+    """A micro-batch for a replica expecting ``expected_share`` samples per round: the largest
+    power of two ≤ share/(4·S) (so M ≥ 4S and few distinct shapes), clipped to [lo, hi]."""
+    target = expected_share / (4 * max(1, stages))
+    m = lo
+    while m * 2 <= min(target, hi):
+        m *= 2
+    return max(lo, min(hi, m))
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """Batch shares across replicas and the predicted round time."""
+
+    sizes: tuple[int, ...]
+    tau: float  # s, the latest predicted finish among replicas with work
+
+
+def split_batch(
+    total: int, replicas: Sequence[ReplicaCost], caps: Sequence[int] | None = None
+) -> Split:
+    """Share ``total`` samples across ``replicas`` so that their predicted finishes
+    ``a_r + c_r·b_r`` are equal (the equal-finish LP solved by bisection on τ with bounds
+    ``0 ≤ b_r ≤ cap_r``), then round to whole micro-batches: floors, then one micro-batch at a time
+    to whoever finishes earliest with it; a remainder smaller than every micro-batch goes to the
+    replica that finishes earliest with it (its last micro-batch padded). ``Σ b_r = total``; a
+    replica too slow to be worth any work gets 0. Raises ValueError if the caps cannot hold it."""
+    n = len(replicas)
+    if n == 0:
+        raise ValueError("no replicas to share the batch")
+    hi = list(caps) if caps is not None else [total] * n
+    if sum(hi) < total:
+        raise ValueError(f"the replicas' caps {hi} hold {sum(hi)} samples, fewer than {total}")
+    a = [r.fill_s for r in replicas]
+    c = [r.per_sample_s for r in replicas]
+
+    def sizes(tau: float) -> list[float]:
+        return [min(hi[i], max(0.0, (tau - a[i]) / c[i])) for i in range(n)]
+
+    t_lo, t_hi = min(a), max(a[i] + c[i] * hi[i] for i in range(n))
+    for _ in range(200):
+        mid = (t_lo + t_hi) / 2
+        if sum(sizes(mid)) < total:
+            t_lo = mid
+        else:
+            t_hi = mid
+    x = sizes(t_hi)
+    out = [min(hi[i], replicas[i].micro * math.floor(x[i] / replicas[i].micro)) for i in range(n)]
+    rest = total - sum(out)
+
+    def finish(i: int, extra: int) -> float:
+        return a[i] + c[i] * (out[i] + extra)
+
+    while rest > 0:
+        room = [
+            i for i in range(n) if replicas[i].micro <= rest and out[i] + replicas[i].micro <= hi[i]
+        ]
+        if room:
+            i = min(room, key=lambda k: (finish(k, replicas[k].micro), k))
+            out[i] += replicas[i].micro
+            rest -= replicas[i].micro
+            continue
+        room = [i for i in range(n) if out[i] + rest <= hi[i]]
+        if not room:  # caps force single samples wherever there is room
+            i = min((k for k in range(n) if out[k] < hi[k]), key=lambda k: (finish(k, 1), k))
+            out[i] += 1
+            rest -= 1
+            continue
+        i = min(room, key=lambda k: (finish(k, rest), k))
+        out[i] += rest
+        rest = 0
+    tau = max((a[i] + c[i] * out[i] for i in range(n) if out[i] > 0), default=0.0)
+    return Split(tuple(out), tau)
