@@ -320,8 +320,10 @@ def best_partition(
 
 def micro_batch(expected_share: float, stages: int, lo: int = 8, hi: int = 128) -> int:
     """A micro-batch for a replica expecting ``expected_share`` samples per round: the largest
-    power of two ≤ share/(4·S) (so M ≥ 4S and few distinct shapes), clipped to [lo, hi]."""
-    target = expected_share / (4 * max(1, stages))
+    power of two ≤ share/(4·S) for a pipeline (so M ≥ 4S, small bubbles, few distinct shapes)
+    and ≤ share/8 for a data-parallel replica (LB-BSP's quantum: the split balances within about
+    an eighth of a share), clipped to [lo, hi]."""
+    target = expected_share / (8 if stages <= 1 else 4 * stages)
     m = lo
     while m * 2 <= min(target, hi):
         m *= 2

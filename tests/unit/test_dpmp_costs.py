@@ -135,6 +135,7 @@ def test_the_cut_program_equals_brute_force_on_200_random_instances() -> None:
 def test_micro_batch_is_a_power_of_two_with_m_at_least_4s() -> None:
     assert micro_batch(512, 2) == 64
     assert micro_batch(100, 2) == 8  # 12.5 -> 8
+    assert micro_batch(512, 1) == 64  # share/8 for data parallel
     assert micro_batch(10, 1) == 8  # clipped up
     assert micro_batch(100_000, 1) == 128  # clipped down
 

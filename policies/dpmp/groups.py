@@ -1,0 +1,213 @@
+"""Which workers form which replicas: candidate structures, their predicted round time, and
+regrouping with hysteresis.
+
+A *structure* is a set of replicas (each a :class:`~policies.dpmp.costs.ReplicaCost`: members in
+stage order, cuts, micro-batch) plus the idle workers, with the equal-finish split of the global
+batch and its predicted round time ``τ*``. Candidates:
+
+1. every worker that can hold the model as a data-parallel replica, memory-poor ones idle (the
+   LB-BSP baseline);
+2. the *pool* (memory-poor workers, and workers more than 2× slower than the median) split into
+   pipeline groups of 2 or 3 (every way for a pool of up to 7, greedily beyond), a capable pool
+   member left alone running data parallel;
+3. *helper* pairs: a capable worker with one memory-poor worker left idle by the best of 2.
+
+:func:`decide` keeps the current structure unless a candidate predicts ``τ_new + switch/H ≤
+keep·τ_cur`` (``keep = 0.75``: a predicted gain of at least 1/0.75) and ``R`` rounds have passed
+since the last change; a structure whose members are no longer all present is replaced at once.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from policies.dpmp.costs import (
+    Block,
+    ReplicaCost,
+    Split,
+    WorkerSpec,
+    best_partition,
+    memory_poor,
+    micro_batch,
+    split_batch,
+)
+
+Groups = tuple[tuple[int, ...], ...]  # replica members (stage order not implied), sorted
+
+
+@dataclass(frozen=True, slots=True)
+class Structure:
+    """Replicas, idle workers, the split and its predicted round time."""
+
+    replicas: tuple[ReplicaCost, ...]
+    idle: tuple[int, ...]
+    split: Split
+
+    @property
+    def tau(self) -> float:
+        return self.split.tau
+
+    @property
+    def groups(self) -> Groups:
+        """The member sets, order-free (what identifies a structure for hysteresis)."""
+        return tuple(sorted(tuple(sorted(r.members)) for r in self.replicas))
+
+    def describe(self) -> str:
+        parts = []
+        for r, b in zip(self.replicas, self.split.sizes, strict=True):
+            who = "+".join(str(w) for w in r.members)
+            cuts = "" if r.stages == 1 else f" cuts {list(r.cuts)}"
+            parts.append(f"[{who}{cuts} m={r.micro} b={b}]")
+        idle = f" idle {list(self.idle)}" if self.idle else ""
+        return " ".join(parts) + idle + f" τ={self.tau * 1e3:.1f} ms"
+
+
+Memo = dict[tuple[tuple[int, ...], int], ReplicaCost | None]
+
+
+def evaluate(
+    blocks: Sequence[Block],
+    workers: Mapping[int, WorkerSpec],
+    total: int,
+    groups: Groups,
+    memo: Memo | None = None,
+) -> Structure | None:
+    """The structure made of ``groups`` (each a replica; its best order and cuts), the others
+    idle; None when a group fits no order and cuts, or nobody works. ``memo`` keeps each
+    (group, micro-batch)'s partition across calls on the same facts."""
+    if not groups:
+        return None
+    speed = {w: 1.0 / spec.sample_s for w, spec in workers.items()}
+    whole = sum(speed[w] for g in groups for w in g)
+    replicas = []
+    for g in groups:
+        share = total * sum(speed[w] for w in g) / whole
+        m = micro_batch(share, len(g))
+        if memo is not None and (g, m) in memo:
+            cost = memo[(g, m)]
+        else:
+            cost = best_partition(blocks, [workers[w] for w in g], m)
+            if memo is not None:
+                memo[(g, m)] = cost
+        if cost is None:
+            return None
+        replicas.append(cost)
+    busy = {w for g in groups for w in g}
+    idle = tuple(sorted(w for w in workers if w not in busy))
+    return Structure(tuple(replicas), idle, split_batch(total, replicas))
+
+
+def _partitions(pool: Sequence[int]) -> Iterator[list[tuple[int, ...]]]:
+    """Every way to split ``pool`` into blocks of 1, 2 or 3 (order-free)."""
+    if not pool:
+        yield []
+        return
+    first, rest = pool[0], list(pool[1:])
+    for tail in _partitions(rest):
+        yield [(first,), *tail]
+    for i, b in enumerate(rest):
+        others = rest[:i] + rest[i + 1 :]
+        for tail in _partitions(others):
+            yield [(first, b), *tail]
+        for k, c in enumerate(others):
+            for tail in _partitions(others[:k] + others[k + 1 :]):
+                yield [(first, b, c), *tail]
+
+
+def _greedy(pool: Sequence[int], workers: Mapping[int, WorkerSpec]) -> list[tuple[int, ...]]:
+    """Pairs by speed, fastest with most memory first."""
+    order = sorted(pool, key=lambda w: (workers[w].sample_s, -workers[w].mem_bytes, w))
+    return [tuple(order[i : i + 2]) for i in range(0, len(order), 2)]
+
+
+def candidates(
+    blocks: Sequence[Block], workers: Mapping[int, WorkerSpec], total: int, exhaustive: int = 7
+) -> list[Structure]:
+    """The candidate structures (§ module doc), each evaluated; infeasible ones left out."""
+    ids = sorted(workers)
+    if not ids:
+        return []
+    m0 = micro_batch(total / len(ids), 1)
+    poor = {w for w in ids if memory_poor(workers[w], blocks, m0)}
+    median = statistics.median(workers[w].sample_s for w in ids)
+    slow = {w for w in ids if w not in poor and workers[w].sample_s > 2 * median}
+    capable = [w for w in ids if w not in poor]
+    pool = sorted(poor | slow)
+    found: dict[Groups, Structure] = {}
+    memo: Memo = {}
+
+    def add(groups: Sequence[tuple[int, ...]]) -> Structure | None:
+        key = tuple(sorted(tuple(sorted(g)) for g in groups))
+        if key in found:
+            return found[key]
+        s = evaluate(blocks, workers, total, key, memo)
+        if s is not None:
+            found[key] = s
+        return s
+
+    add([(w,) for w in capable])
+    fixed = [(w,) for w in capable if w not in slow]
+    splits = list(_partitions(pool)) if len(pool) <= exhaustive else [_greedy(pool, workers)]
+    for part in splits:
+        groups = fixed + [g for g in part if len(g) > 1 or g[0] not in poor]
+        add(groups)
+    best = min(found.values(), key=lambda s: s.tau, default=None)
+    if best is not None:
+        for p in best.idle:
+            if p not in poor:
+                continue
+            for h in capable:
+                if (h,) in best.groups:
+                    add([g for g in best.groups if g != (h,)] + [(h, p)])
+    return sorted(found.values(), key=lambda s: (s.tau, len(s.replicas)))
+
+
+@dataclass(frozen=True, slots=True)
+class GroupConfig:
+    """Hysteresis: regroup at most once per ``period`` rounds, and only for a predicted
+    ``τ_new + switch_s/horizon ≤ keep·τ_cur``."""
+
+    period: int = 50  # R
+    keep: float = 0.75
+    switch_s: float = 1.0  # s a regroup costs (new compiles, slice moves)
+    horizon: int = 50  # H, rounds over which that cost is amortised
+
+
+@dataclass(frozen=True, slots=True)
+class GroupState:
+    current: Groups | None = None
+    changed_at: int | None = None  # round of the last change
+
+
+def decide(
+    blocks: Sequence[Block],
+    workers: Mapping[int, WorkerSpec],
+    total: int,
+    state: GroupState,
+    round_: int,
+    cfg: GroupConfig = GroupConfig(),
+) -> tuple[Structure, GroupState, str]:
+    """This round's structure, the new state and why: ``"start"``, ``"forced"`` (a member of the
+    current structure is gone or it no longer fits), ``"regroup"`` (the gain clears the
+    hysteresis), or ``"keep"``. Raises ValueError when no structure is feasible."""
+    cands = candidates(blocks, workers, total)
+    if not cands:
+        raise ValueError("no feasible structure: no worker or group can hold the model")
+    best = cands[0]
+    if state.current is None:
+        return best, GroupState(best.groups, round_), "start"
+    present = set(workers)
+    current = None
+    if all(w in present for g in state.current for w in g):
+        current = evaluate(blocks, workers, total, state.current)
+    if current is None:
+        return best, GroupState(best.groups, round_), "forced"
+    if best.groups == current.groups:
+        return current, state, "keep"
+    waited = state.changed_at is None or round_ - state.changed_at >= cfg.period
+    gain = best.tau + cfg.switch_s / max(1, cfg.horizon) <= cfg.keep * current.tau
+    if waited and gain:
+        return best, GroupState(best.groups, round_), "regroup"
+    return current, state, "keep"
