@@ -311,6 +311,25 @@ def optimizers(
     return str(daemon), str(inner_spec), str(parse_optimizer(outer).with_default_lr(1.0))
 
 
+def worker_setup(cfg: Config) -> dict[str, Any]:
+    """What every worker is told to build, from the config alone: ``model``, ``dataset`` and
+    ``train``, the parts of ``welcome`` that do not depend on the worker (no id, shard or plan).
+    The daemon serves it at ``GET /v1/prepare`` while it builds, so a worker loads its data and
+    compiles its step meanwhile, and puts the same dict in every welcome."""
+    t = cfg.train
+    _, inner, _ = optimizers(t.optimizer, t.lr, t.inner_optimizer, t.worker_lr, t.outer_optimizer)
+    return {
+        "model": {"spec": t.model, "kwargs": dict(t.model_kwargs)},
+        "dataset": {"spec": t.dataset, "kwargs": dict(t.dataset_kwargs), "seed": t.seed},
+        "train": {
+            "worker_lr": t.worker_lr or t.lr,
+            "seed": t.seed,
+            "inner_optimizer": inner,
+            "micro_batch": t.micro_batch or t.batch_size,
+        },
+    }
+
+
 def is_loopback(host: str | None) -> bool:
     """Whether ``host`` (a name or an address) is this machine only: ``localhost``, 127.0.0.0/8,
     ``::1``. Used for the address a daemon listens on and for the address a worker came from."""

@@ -24,7 +24,8 @@ from hetd.protocol import wire
 from hetd.protocol.params import Held, apply_params, hash_matches
 from hetd.protocol.plan import Plan, codec_for, local_steps_for
 from workers.emulate import Emulation
-from workers.loop import Trainer, device_info, host_free_memory
+from workers.loop import Core, Trainer, device_info, host_free_memory
+from workers.prepare import prepared, start_preparing
 
 log = logging.getLogger("hetd.worker")
 
@@ -65,6 +66,8 @@ class WorkerState:
     hash_checked: bool = False  # a verified full pull was logged (since the last mismatch)
     trainer: Trainer | None = None
     trainer_key: str = ""
+    # the core being built from the daemon's /v1/prepare while it starts (workers.prepare)
+    preparing: asyncio.Task[Core | None] | None = None
     plan: Plan = field(default_factory=Plan)  # the daemon's latest plan for this worker
     heartbeat_s: float = 2.0
     feedback: ErrorFeedback = field(default_factory=ErrorFeedback)  # what lossy pushes still owe
@@ -93,6 +96,10 @@ async def run_worker(opts: WorkerOptions) -> int:
     failures = 0
     async with aiohttp.ClientSession() as http:
         while opts.max_steps == 0 or state.steps < opts.max_steps:
+            if state.trainer is None and state.preparing is None:  # until one is built
+                state.preparing = await start_preparing(
+                    http, opts.url, opts.token, opts.ssl_context, opts.device
+                )
             try:
                 await _session(http, opts, state)
                 failures = 0
@@ -295,7 +302,9 @@ async def _read(
                 state.rtt_s = time.perf_counter() - hello_at
                 state.heartbeat_s = float(msg["heartbeat_s"])
                 inbox.joined.set()
-                await asyncio.to_thread(_welcome, msg, state, device)
+                core = await prepared(state.preparing)
+                state.preparing = None
+                await asyncio.to_thread(_welcome, msg, state, device, core)
                 inbox.welcomed.set()
             elif msg.type == "profile":
                 inbox.profile = dict(msg["spec"])
@@ -355,16 +364,28 @@ async def _read(
         raise
 
 
-def _welcome(msg: wire.Message, state: WorkerState, device: jax.Device) -> None:
+def _welcome(
+    msg: wire.Message, state: WorkerState, device: jax.Device, core: Core | None = None
+) -> None:
+    """Take the welcome; the trainer reuses ``core`` (a prepared one) or the last trainer's core
+    when they were built for the same model, data and settings."""
     state.worker_id = msg["worker_id"]
     state.secret = msg.get("secret")
     state.plan = Plan.from_wire(msg["plan"])
     state.heartbeat_s = float(msg["heartbeat_s"])
     key = repr((msg["model"], msg["dataset"], msg["shard"], msg["train"]))
     if state.trainer is None or state.trainer_key != key:
-        state.trainer = Trainer(msg.body, device)
+        reuse = core if core is not None or state.trainer is None else state.trainer.core
+        state.trainer = Trainer(msg.body, device, reuse)
         state.trainer_key = key
-    log.info("joined as worker %d, plan %s", state.worker_id, state.plan.to_wire())
+    log.info(
+        "joined as worker %d, plan %s%s",
+        state.worker_id,
+        state.plan.to_wire(),
+        " (model prepared before the welcome)"
+        if core is not None and state.trainer.core is core
+        else "",
+    )
 
 
 async def _compute(msg: Held, opts: WorkerOptions, state: WorkerState, idle_s: float) -> bytes:

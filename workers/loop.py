@@ -82,27 +82,29 @@ def host_free_memory() -> int | None:
     return None
 
 
-class Trainer:
-    """Model + this worker's shard, with fixed-shape jitted gradients and inner-optimizer
-    local steps (:class:`hetd.zoo.steps.Steps`)."""
+def setup_key(setup: Mapping[str, Any]) -> str:
+    """What makes two :class:`Core` s alike: the model, dataset and train parts of a welcome (or
+    of the daemon's ``/v1/prepare``)."""
+    return repr((setup["model"], setup["dataset"], setup["train"]))
 
-    def __init__(self, welcome: Mapping[str, Any], device: jax.Device) -> None:
-        model_spec = welcome["model"]
-        data_spec = welcome["dataset"]
-        shard = welcome["shard"]
-        train = welcome["train"]
-        seed = int(data_spec.get("seed", 0))
-        self.data = load_dataset(data_spec["spec"], seed=seed, **dict(data_spec.get("kwargs", {})))
+
+class Core:
+    """The part of a worker's trainer that does not depend on which worker it is: the data set,
+    the model and its warmed, fixed-shape jitted steps. Built from a welcome, or earlier from the
+    daemon's ``/v1/prepare`` while the daemon itself builds, and kept across reconnects."""
+
+    def __init__(self, setup: Mapping[str, Any], device: jax.Device) -> None:
+        model_spec = setup["model"]
+        data_spec = setup["dataset"]
+        train = setup["train"]
+        self.key = setup_key(setup)
+        self.seed = int(data_spec.get("seed", 0))
+        self.data = load_dataset(
+            data_spec["spec"], seed=self.seed, **dict(data_spec.get("kwargs", {}))
+        )
         self.model = get_model(
             model_spec["spec"], self.data.num_classes, **dict(model_spec.get("kwargs", {}))
         )
-        self.seed = seed
-        self.shard_index = int(shard["index"])
-        idx = shard_indices(len(self.data.y_train), shard["index"], shard["count"], seed)
-        self.sampler = BatchSampler(
-            self.data.x_train[idx], self.data.y_train[idx], seed=seed * 1000 + shard["index"]
-        )
-        self._share: tuple[float, float] | None = None  # (offset, share) the sampler covers
         self.device = device
         # Fixed shapes: every jitted call takes micro_batch examples, so a plan that changes
         # the batch never compiles (hetd.zoo.steps). Older daemons send neither key.
@@ -116,6 +118,32 @@ class Trainer:
         )
         zeros = {k: np.zeros(v.shape, v.dtype) for k, v in shapes.items()}
         self.steps.warm(zeros, self.data.x_train[:1], self.data.y_train[:1])
+
+
+class Trainer:
+    """Model + this worker's shard, with fixed-shape jitted gradients and inner-optimizer
+    local steps (:class:`hetd.zoo.steps.Steps`)."""
+
+    def __init__(
+        self, welcome: Mapping[str, Any], device: jax.Device, core: Core | None = None
+    ) -> None:
+        """``core``: one built earlier (a prepared one, or the last session's); used when it is
+        for the same model, data and training settings, built afresh otherwise."""
+        if core is None or core.key != setup_key(welcome) or core.device != device:
+            core = Core(welcome, device)
+        self.core = core
+        self.data = core.data
+        self.model = core.model
+        self.seed = seed = core.seed
+        self.steps = core.steps
+        self.device = device
+        shard = welcome["shard"]
+        self.shard_index = int(shard["index"])
+        idx = shard_indices(len(self.data.y_train), shard["index"], shard["count"], seed)
+        self.sampler = BatchSampler(
+            self.data.x_train[idx], self.data.y_train[idx], seed=seed * 1000 + shard["index"]
+        )
+        self._share: tuple[float, float] | None = None  # (offset, share) the sampler covers
 
     def _follow_share(self, plan: Plan) -> None:
         """A plan with ``data_share`` (and ``data_offset``) moves this worker to that fraction of

@@ -32,6 +32,7 @@ from aiohttp import web
 
 from hetd import config as config_mod
 from hetd.server import admin
+from hetd.server.auth import bearer_ok
 
 if TYPE_CHECKING:  # the heavy modules (JAX, flax, optax) load behind the listening sockets
     from hetd.core.engine import Clock, Engine
@@ -78,7 +79,7 @@ def build_engine(cfg: config_mod.Config, clock: Clock | None = None) -> Engine:
     model = get_model(t.model, data.num_classes, **dict(t.model_kwargs))
     # One jitted init compiles once; flax's eager init compiles op by op (~2x slower start-up).
     params = jax.jit(model.init, static_argnums=1)(jax.random.PRNGKey(t.seed), data.input_shape)
-    daemon_opt, inner_opt, outer_opt = config_mod.optimizers(
+    daemon_opt, _, outer_opt = config_mod.optimizers(
         t.optimizer, t.lr, t.inner_optimizer, t.worker_lr, t.outer_optimizer
     )
     store = Store(params, make_optimizer(daemon_opt), outer=make_outer(outer_opt))
@@ -96,23 +97,15 @@ def build_engine(cfg: config_mod.Config, clock: Clock | None = None) -> Engine:
         guard_warmup=t.guard_warmup,
         profile_steps=t.profile_steps,
         shards=t.shards,
-        welcome={
-            "model": {"spec": t.model, "kwargs": dict(t.model_kwargs)},
-            "dataset": {"spec": t.dataset, "kwargs": dict(t.dataset_kwargs), "seed": t.seed},
-            "train": {
-                "worker_lr": t.worker_lr or t.lr,
-                "seed": t.seed,
-                "inner_optimizer": inner_opt,
-                "micro_batch": t.micro_batch or t.batch_size,
-            },
-        },
+        welcome=config_mod.worker_setup(cfg),
     )
     return Engine(store, policy, econf, clock=clock, evaluator=make_evaluator(model, data))
 
 
 def make_worker_app(daemon: Daemon) -> web.Application:
-    """The workers' HTTP app: ``/v1/ws`` (waits for the engine while the daemon starts) and
-    ``/healthz`` (answers at once: ``ready`` false and version 0 until the engine runs)."""
+    """The workers' HTTP app: ``/v1/ws`` (waits for the engine while the daemon starts),
+    ``/v1/prepare`` (what every worker builds, from the config: answers at once) and ``/healthz``
+    (answers at once: ``ready`` false and version 0 until the engine runs)."""
     server = daemon.cfg.server
     app = web.Application(client_max_size=server.max_frame_bytes)
 
@@ -128,12 +121,24 @@ def make_worker_app(daemon: Daemon) -> web.Application:
             request, engine, server.worker_token, server.max_frame_bytes, server.outbox_frames
         )
 
+    setup = config_mod.worker_setup(daemon.cfg)
+
+    async def prepare(request: web.Request) -> web.Response:
+        # Config only, so it answers while the engine builds: a worker that asks loads its data
+        # and compiles its step at the same time, and its welcome then finds them ready.
+        if not bearer_ok(request, server.worker_token):
+            return web.Response(
+                status=401, text="missing or wrong worker token (Authorization: Bearer)"
+            )
+        return web.json_response(setup)
+
     async def healthz(request: web.Request) -> web.Response:
         engine = daemon.engine_or_none
         version = engine.store.version if engine is not None and daemon.ready else 0
         return web.json_response({"ok": True, "ready": daemon.ready, "version": version})
 
     app.router.add_get("/v1/ws", ws)
+    app.router.add_get("/v1/prepare", prepare)
     app.router.add_get("/healthz", healthz)
     return app
 

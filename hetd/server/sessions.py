@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 from collections import deque
 from functools import partial
@@ -25,18 +24,14 @@ from hetd.core.engine import Engine
 from hetd.core.ingest import decode_hello, decode_push
 from hetd.protocol import wire
 from hetd.protocol.messages import PushIn, Reply
+from hetd.server.auth import bearer_ok
 
 log = logging.getLogger("hetd.server.sessions")
 
 OFF_LOOP_BYTES = 256 * 1024  # frames larger than this are decoded in a worker thread
 
 
-def authorized(request: web.Request, token: str) -> bool:
-    """``Authorization: Bearer <token>`` matches (an empty configured token admits everyone)."""
-    if not token:
-        return True
-    got = request.headers.get("Authorization", "")
-    return hmac.compare_digest(got.encode(), f"Bearer {token}".encode())
+authorized = bearer_ok  # the worker token: ``Authorization: Bearer <token>``
 
 
 class Outbox:
