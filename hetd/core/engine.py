@@ -18,7 +18,9 @@ once — applies the batch's updates (one optimizer step of their weighted sum p
 :attr:`hetd.core.store.Store.combine`), takes the snapshot and encodes each (codec, held version)'s
 frames once — in a worker thread for models of :data:`OFF_LOOP_PARAMS` or more, while the engine
 task awaits it, so one writer still owns the state and the sockets keep flowing. Called directly
-(the simulator, unit tests), every command publishes synchronously before it returns.
+(unit tests), every command publishes synchronously before it returns; after
+:meth:`Engine.defer_publishing` (the simulator) the caller publishes each batch with
+:meth:`Engine.publish_batch`, as :meth:`Engine.run` does.
 """
 
 from __future__ import annotations
@@ -413,15 +415,36 @@ class Engine:
         except Exception:  # a bug in one command must not stop training
             log.exception("engine command failed")
 
-    async def _publish(self) -> None:
-        """Run queued steps and encode the released workers' frames (off the loop for big
-        models, the engine task awaiting), then hand the frames to their outboxes."""
+    def defer_publishing(self) -> None:
+        """Publish as the daemon does, for a caller that runs commands in batches without
+        :meth:`run` (the simulator's daemon server): releases wait for :meth:`publish_batch`,
+        and the updates queued in between go through one optimizer step of their weighted sum."""
+        self._deferred = True
+        self.store.combine = True
+
+    def publish_batch(self) -> None:
+        """What :meth:`run` does after each batch, synchronously: apply the batch's updates,
+        encode the released workers' frames once per (codec, held version) and send them."""
+        if self._releases or self.store.pending:
+            self.publishes += 1
+            wants = self._take_releases()
+            frames = self._encode_releases(wants)
+            for wid, *_ in wants:
+                self._send_params(wid, frames[wid])
+
+    def _take_releases(self) -> list[tuple[int, str, int, int | None, float | None]]:
         wants = [
             (wid, entry.facts.codec, entry.facts.version, entry.held_ref, self._link(entry))
             for wid in self._releases
             if (entry := self._workers.get(wid)) is not None
         ]
         self._releases = {}
+        return wants
+
+    async def _publish(self) -> None:
+        """Run queued steps and encode the released workers' frames (off the loop for big
+        models, the engine task awaiting), then hand the frames to their outboxes."""
+        wants = self._take_releases()
         try:
             if self.store.n_params >= OFF_LOOP_PARAMS:
                 frames = await asyncio.to_thread(self._encode_releases, wants)

@@ -16,8 +16,11 @@ charged (docs/benchmark.md)::
 and, from the cost profile (:mod:`hetd.sim.costs`), the daemon's work: the engine is one *server*
 in virtual time, as the daemon's engine is a single writer. Every engine command (a join, a push,
 a pull, a profile result, a tick, an evaluation's result) waits for it; when it is free it takes
-what is waiting (up to :data:`hetd.core.engine.BATCH` commands), runs them, then "publishes", and is
-busy for the batch's cost: each worker message's ``message_s`` (plus the push's decode when the
+what is waiting (up to :data:`hetd.core.engine.BATCH` commands), runs them, then publishes as the
+daemon does (:meth:`~hetd.core.engine.Engine.publish_batch`: the batch's updates go through one
+optimizer step of their weighted sum, which differs from one step each only for a stateful
+optimizer such as Adam or momentum, and every worker the batch released gets that one version), and
+is busy for the batch's cost: each worker message's ``message_s`` (plus the push's decode when the
 daemon decodes it on its loop; bigger frames are decoded in a thread before they queue), each
 optimizer step (``apply_s``), each buffered push, and each new parameter frame (``publish``, once
 per frame as the downlink shares it). The batch's parameter frames leave when it is done. An
@@ -176,6 +179,9 @@ class _Sim:
         self.engine = Engine(
             store, make_policy(policy.name, policy.build_params()), config, clock=self.clock
         )
+        # as under the daemon: a batch's releases are published once, after the batch, and its
+        # updates go through one optimizer step of their weighted sum (Store.combine)
+        self.engine.defer_publishing()
         self.inbox: list[tuple[int, Reply | bytes]] = []
         self.workers = [
             EmuWorker(i, sc, data, seed, dict(store.shapes), costs=costs) for i in range(sc.n)
@@ -263,6 +269,7 @@ class _Sim:
             cost = 0.0
             for _ in range(min(len(self.waiting), BATCH)):
                 cost += self.waiting.popleft()()
+            self.engine.publish_batch()
             for kind, tensors in self.store.queued:
                 cost += self.costs.apply(kind, int8=any(tensors is f for f in self._fused))
             self.store.queued.clear()
@@ -438,6 +445,7 @@ class _Sim:
                 self._submit(self._record_command(loss, acc))
         else:
             self._record_command(loss, acc)()
+            self.engine.publish_batch()
             self._drain()
         sizes = {
             str(w.index): f.batch_size for w in self.workers if (f := self.engine.facts.get(w.wid))

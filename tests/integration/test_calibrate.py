@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import optax
 import pytest
 
 from hetd.cli.bench import main as bench_main
@@ -73,6 +74,26 @@ def test_an_apply_cost_longer_than_a_step_serialises_pushes() -> None:
     assert applied <= bound + 1
     assert applied >= 0.8 * bound  # the daemon was the bottleneck all along
     assert free > 4 * bound  # without the cost the workers set the pace
+
+
+def _adam_steps(run: Any) -> int:
+    _, opt_state, _ = run.engine.store.state()
+    return int(optax.tree_utils.tree_get(opt_state, "count"))
+
+
+def test_a_busy_daemon_combines_its_batch_into_one_optimizer_step() -> None:
+    """As under the daemon: the pushes that queue while it is busy are applied as one Adam step of
+    their weighted sum, however many; with nothing queued every update is its own step."""
+    sc = digits(optimizer="adam", lr=0.001)
+    free = run_sim(sc, PolicySpec("asp"))
+    assert _adam_steps(free) == free.engine.updates_applied
+    busy = CostProfile(apply_s={"grad": 0.02, "delta": 0.02})
+    run = run_sim(sc, PolicySpec("asp"), costs=busy)
+    applied = run.engine.updates_applied
+    assert _adam_steps(run) <= run.engine.publishes < applied  # several updates per publish
+    assert _adam_steps(run) < 0.75 * applied
+    again = run_sim(sc, PolicySpec("asp"), costs=busy)
+    assert again.result.to_json() == run.result.to_json()  # deterministic for a given profile
 
 
 def test_worker_codecs_and_overheads_lengthen_the_step() -> None:
