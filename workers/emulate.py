@@ -7,10 +7,14 @@ The rules are the simulator's (``hetd.sim.agent``, ``hetd.sim.compute.Straggler`
 run of a scenario charges what a simulated one does:
 
 * a step over ``samples`` samples that starts at schedule time ``t`` lasts
-  ``max(real compute, base_step_s × samples / base_batch) × slowdown(t) × straggle``, where
+  ``max(real compute, base_step_s × samples / base_batch × slowdown(t) × straggle)``, where
   ``slowdown(t)`` is the initial slow-down or that of the last shift at or before ``t`` (shifts at
   the same time apply in the order given) and ``straggle`` is ``straggle_factor`` inside a slow
-  episode and 1 outside it;
+  episode and 1 outside it. The host's real compute is a floor (it cannot go faster), never
+  multiplied: the simulator charges the emulated device's time alone, proportional to the samples,
+  while the host's own time has a fixed part per step (a whole micro-batch for a share of 4
+  samples, dispatch, the shared cores' load) that a slow-down of 4 would turn into four times as
+  much. Without a base step (``base_step_s = 0``) the slow-down multiplies the real compute;
 * each step outside an episode starts one with probability ``stragglers``; an episode lasts a
   geometric number of steps with mean ``straggle_mean`` (the step that starts it included);
 * every message on the link (a push one way, a parameter frame the other) takes
@@ -140,8 +144,9 @@ class ScheduleClock:
 class Emulation:
     """How much slower than the hardware this worker should behave.
 
-    ``slowdown`` multiplies every step's compute time (padded to at least ``base_step_s``, so
-    that emulated time dominates real contention on a small machine) until a regime shift in
+    ``slowdown`` multiplies every step's nominal time (``base_step_s`` per ``base_batch``
+    samples; the real compute only when it is longer; without a base step, the real compute)
+    until a regime shift in
     ``shifts`` (``(t, slowdown)``: from schedule time ``t`` on) replaces it; ``bandwidth``
     (bytes/s) caps the link and ``latency_s`` is added to every message on it, both ways;
     ``stragglers`` is the chance per step that a slow episode (``straggle_factor`` ×, geometric
@@ -219,15 +224,19 @@ class Emulation:
     def step_seconds(
         self, compute_s: float, samples: int | None = None, now: float | None = None
     ) -> float:
-        """The emulated duration of a step over ``samples`` that really took ``compute_s``: at
-        least ``base_step_s × samples/base_batch``, times the slow-down at ``now`` and any
-        straggle. ``now`` is the step's start in schedule time; None asks ``clock`` (the step
-        ended just now); a negative time (:data:`BEFORE` with no clock) is before the origin."""
+        """The emulated duration of a step over ``samples`` that really took ``compute_s``:
+        ``base_step_s × samples/base_batch`` times the slow-down at ``now`` and any straggle, or
+        the real compute when that is longer (module docstring); without a base step, the real
+        compute times them. ``now`` is the step's start in schedule time; None asks ``clock``
+        (the step ended just now); a negative time (:data:`BEFORE` with no clock) is before the
+        origin."""
         if now is None:
             now = self.clock.started(compute_s) if self.clock is not None else BEFORE
         factor = self.slowdown_at(now) * self._straggle(now)
+        if self.base_step_s <= 0:
+            return compute_s * factor
         base = self.base_step_s * (samples if samples is not None else self.base_batch)
-        return max(compute_s, base / self.base_batch) * factor
+        return max(compute_s, base / self.base_batch * factor)
 
     def transfer_seconds(self, nbytes: int) -> float:
         """Extra seconds to move one message of ``nbytes`` over the emulated link: its latency

@@ -44,7 +44,9 @@ def shifted(**changes: object) -> Emulation:
         (0.001, 32, 1.0, 4 * BASE),  # at the shift: the new slow-down
         (0.001, 64, 2.0, 4 * 2 * BASE),  # the base step scales with the samples
         (0.001, None, 2.0, 4 * BASE),  # no sample count: one base batch
-        (0.05, 32, 0.5, 2 * 0.05),  # real compute above the base is slowed, not padded
+        (0.05, 32, 0.5, 0.05),  # real compute above the slowed base: a floor, never slowed
+        (0.015, 32, 0.5, 2 * BASE),  # above the base but below the slowed base: the slowed base
+        (0.009, 4, 0.5, 0.009),  # a tiny share: the host's fixed cost is not multiplied
         (0.001, 32, 5.0, 1.5 * BASE),  # two shifts at one time: the later one given
         (0.001, 32, 1e6, 1.5 * BASE),
     ],
@@ -53,6 +55,10 @@ def test_a_step_takes_the_slowdown_in_force_when_it_starts(
     compute_s: float, samples: int | None, now: float, expected: float
 ) -> None:
     assert shifted().step_seconds(compute_s, samples, now) == pytest.approx(expected)
+
+
+def test_without_a_base_step_the_slowdown_multiplies_the_real_compute() -> None:
+    assert Emulation(slowdown=3.0).step_seconds(0.02, 32, 0.0) == pytest.approx(0.06)
 
 
 @pytest.mark.parametrize(
@@ -86,9 +92,9 @@ def test_the_clock_gives_a_steps_start_in_schedule_time() -> None:
     clock.set_origin(98.0)
     now[0] = 99.2
     # The step ended at 1.2 s and took 0.1 s: it started at 1.1 s, after the shift at 1 s.
-    assert emu.step_seconds(0.1, 32) == pytest.approx(4 * 0.1)
+    assert emu.step_seconds(0.1, 3200) == pytest.approx(4 * 100 * BASE)
     # Ended at 1.2 s, took 0.3 s: started at 0.9 s, before the shift.
-    assert emu.step_seconds(0.3, 32) == pytest.approx(2 * 0.3)
+    assert emu.step_seconds(0.3, 3200) == pytest.approx(2 * 100 * BASE)
 
 
 def test_first_step_origin_is_the_start_of_the_first_step() -> None:
