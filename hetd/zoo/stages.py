@@ -1,0 +1,359 @@
+"""Pipeline stages in JAX: block-structured models, stage forward/backward with kept residuals,
+and a 1F1B schedule over micro-batches in one process.
+
+A :class:`BlockModel` is a chain of flax modules ``[(name, module)]``, each one array to one
+array (residual connections *inside* a block are fine). Its flat parameters carry the block index
+as their first path segment (``b00/Dense_0/kernel``), so a stage's slice is every path under its
+blocks' prefixes. :func:`as_model` makes the whole chain an ordinary
+:class:`hetd.zoo.models.Model` (the reference gradient the stages must add up to).
+
+A :class:`Stage` holds blocks ``[lo, hi)``:
+
+* not last: ``forward(p, h) -> (out, vjp)`` runs ``jax.vjp`` inside ``jit`` and returns the
+  residuals as a pytree (``vjp``), kept outside jit until ``backward(vjp, g) -> (g_p, g_h)``;
+  stage 0 differentiates with respect to its parameters only;
+* last: ``loss_grad(p, h, y, scale)`` is one jitted ``value_and_grad`` of ``scale·loss`` giving
+  the loss, the parameter gradient and the gradient for the stage before.
+
+Every jitted call sees micro-batches of one fixed shape, so a different number of micro-batches
+``M`` never recompiles (``Stage.traces`` counts traces). :func:`run_1f1b` runs ``S`` stages over
+``M`` micro-batches by priority (a queued backward first, else a forward while the stage holds
+fewer than ``S − s`` micro-batches' residuals), passing activations between stages as numpy
+arrays as the relay will, and returns each stage's accumulated gradient slice: the mean gradient
+of the whole batch, equal to ``jax.grad`` of the whole model.
+
+:func:`block_costs` gives the planner (:mod:`policies.dpmp.costs`) each block's parameter bytes,
+output bytes per sample (``jax.eval_shape``, no run) and FLOPs (XLA's cost analysis of the
+lowered block, no compile).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, cast
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import traverse_util
+
+from hetd.zoo.lm import _Block as _LMBlock
+from hetd.zoo.lm import resolve_size
+from hetd.zoo.models import Model, Params
+from policies.dpmp.costs import Block
+
+
+class BlockModel(NamedTuple):
+    """A chain of blocks, each one array in and one array out; the last gives logits."""
+
+    name: str
+    blocks: tuple[tuple[str, nn.Module], ...]
+
+
+def prefix(j: int) -> str:
+    """The path prefix of block ``j``'s parameters."""
+    return f"b{j:02d}"
+
+
+def _flatten(tree: Any) -> Params:
+    flat: Params = traverse_util.flatten_dict(tree, sep="/")  # type: ignore[no-untyped-call]
+    return flat
+
+
+def _unflatten(flat: Mapping[str, Any]) -> Any:
+    return traverse_util.unflatten_dict(dict(flat), sep="/")  # type: ignore[no-untyped-call]
+
+
+def init_blocks(bm: BlockModel, key: jax.Array, input_shape: tuple[int, ...]) -> Params:
+    """Flat parameters of the whole chain for inputs shaped like one example."""
+    h = jnp.zeros((1, *input_shape), jnp.float32)
+    out: Params = {}
+    for j, (_, module) in enumerate(bm.blocks):
+        variables = jax.jit(module.init)(jax.random.fold_in(key, j), h)  # one compile, not
+        # an eager dispatch per op
+        out.update({f"{prefix(j)}/{k}": v for k, v in _flatten(variables["params"]).items()})
+        shape = jax.eval_shape(module.apply, variables, h)
+        h = jnp.zeros(shape.shape, shape.dtype)
+    return out
+
+
+def slice_params(params: Mapping[str, Any], lo: int, hi: int) -> dict[str, Any]:
+    """The paths of blocks ``[lo, hi)``."""
+    heads = tuple(prefix(j) + "/" for j in range(lo, hi))
+    return {k: v for k, v in params.items() if k.startswith(heads)}
+
+
+def _apply_range(bm: BlockModel, lo: int, hi: int) -> Callable[[Params, jax.Array], jax.Array]:
+    """``(slice params, h) -> h`` through blocks ``[lo, hi)``."""
+
+    def apply(params: Params, h: jax.Array) -> jax.Array:
+        for j in range(lo, hi):
+            head = prefix(j) + "/"
+            own = {k[len(head) :]: v for k, v in params.items() if k.startswith(head)}
+            h = cast(jax.Array, bm.blocks[j][1].apply({"params": _unflatten(own)}, h))
+        return h
+
+    return apply
+
+
+def _loss(logits: jax.Array, y: jax.Array) -> jax.Array:
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
+
+
+def as_model(bm: BlockModel) -> Model:
+    """The chain as one :class:`Model` over the same flat parameters."""
+    whole = _apply_range(bm, 0, len(bm.blocks))
+
+    def init(key: jax.Array, input_shape: tuple[int, ...]) -> Params:
+        return init_blocks(bm, key, input_shape)
+
+    def loss(params: Params, x: jax.Array, y: jax.Array) -> jax.Array:
+        return _loss(whole(params, x), y)
+
+    def accuracy(params: Params, x: jax.Array, y: jax.Array) -> jax.Array:
+        return jnp.mean(jnp.argmax(whole(params, x), axis=-1) == y)
+
+    return Model(name=bm.name, init=init, loss=loss, accuracy=accuracy, logits=whole)
+
+
+def block_costs(
+    bm: BlockModel, params: Mapping[str, Any], input_shape: tuple[int, ...]
+) -> list[Block]:
+    """Each block's parameter bytes, output bytes per sample and forward FLOPs per sample."""
+    out = []
+    h = jax.ShapeDtypeStruct((1, *input_shape), jnp.float32)  # type: ignore[no-untyped-call]
+    for j, (name, _) in enumerate(bm.blocks):
+        own = slice_params(params, j, j + 1)
+        apply = _apply_range(bm, j, j + 1)
+        nxt = jax.eval_shape(apply, own, h)
+        p_bytes = float(sum(np.prod(v.shape) * v.dtype.itemsize for v in own.values()))
+        a_bytes = float(np.prod(nxt.shape[1:]) * nxt.dtype.itemsize)
+        try:
+            cost = jax.jit(apply).lower(own, h).cost_analysis()
+            flops = float(cost.get("flops", 0.0)) if isinstance(cost, Mapping) else 0.0
+        except Exception:  # pragma: no cover - a backend without cost analysis
+            flops = 0.0
+        out.append(Block(name, p_bytes, a_bytes, flops if flops > 0 else p_bytes / 4 + 1.0))
+        h = jax.ShapeDtypeStruct((1, *nxt.shape[1:]), nxt.dtype)  # type: ignore[no-untyped-call]
+    return out
+
+
+@dataclass
+class Stage:
+    """Blocks ``[lo, hi)`` of ``bm`` as one pipeline stage (``of`` stages in all)."""
+
+    bm: BlockModel
+    lo: int
+    hi: int
+    index: int
+    of: int
+    traces: dict[str, int] = field(default_factory=lambda: {"fwd": 0, "bwd": 0, "last": 0})
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.lo < self.hi <= len(self.bm.blocks):
+            raise ValueError(f"stage blocks [{self.lo}, {self.hi}) out of 0..{len(self.bm.blocks)}")
+        apply = _apply_range(self.bm, self.lo, self.hi)
+        first = self.index == 0
+
+        def fwd(p: Params, h: jax.Array) -> tuple[jax.Array, Any]:
+            self.traces["fwd"] += 1  # runs only while tracing
+            if first:
+                return jax.vjp(lambda q: apply(q, h), p)
+            return jax.vjp(apply, p, h)
+
+        def bwd(vjp: Any, g: jax.Array) -> Any:
+            self.traces["bwd"] += 1
+            return vjp(g)
+
+        def scaled(p: Params, h: jax.Array, y: jax.Array, scale: jax.Array) -> jax.Array:
+            return _loss(apply(p, h), y) * scale
+
+        argnums = (0,) if first else (0, 1)
+        grad = jax.value_and_grad(scaled, argnums=argnums)
+
+        def last(p: Params, h: jax.Array, y: jax.Array, scale: jax.Array) -> Any:
+            self.traces["last"] += 1
+            return grad(p, h, y, scale)
+
+        self._fwd = jax.jit(fwd)
+        self._bwd = jax.jit(bwd)
+        self._last = jax.jit(last)
+        self._add = jax.jit(lambda a, b: jax.tree_util.tree_map(jnp.add, a, b))
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.of - 1
+
+    def slice(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        return slice_params(params, self.lo, self.hi)
+
+    def forward(self, p: Params, h: Any) -> tuple[jax.Array, Any]:
+        """Output and kept residuals of a micro-batch (not the last stage)."""
+        return cast(tuple[jax.Array, Any], self._fwd(p, h))
+
+    def backward(self, vjp: Any, g: Any) -> tuple[Any, Any | None]:
+        """``(g_params, g_input)`` from kept residuals (``g_input`` None on stage 0)."""
+        out = self._bwd(vjp, g)
+        return (out[0], None) if self.index == 0 else (out[0], out[1])
+
+    def loss_grad(self, p: Params, h: Any, y: Any, scale: float) -> tuple[Any, Any, Any | None]:
+        """Last stage: ``(scale·loss, g_params, g_input)`` of one micro-batch."""
+        loss, grads = self._last(p, h, y, np.float32(scale))
+        return loss, grads[0], (grads[1] if len(grads) > 1 else None)
+
+    def add(self, acc: Any, g: Any) -> Any:
+        return g if acc is None else self._add(acc, g)
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineResult:
+    grads: dict[str, np.ndarray]  # every stage's slice, the mean gradient of the batch
+    loss: float  # mean loss of the batch
+    trace: tuple[tuple[int, str, int], ...]  # (stage, "F" | "B", micro-batch) in run order
+    peak_inflight: tuple[int, ...]  # most residual sets a stage held at once
+
+
+def run_1f1b(
+    stages: Sequence[Stage], params: Mapping[str, Any], xs: np.ndarray, ys: np.ndarray
+) -> PipelineResult:
+    """One step of ``len(stages)`` stages over micro-batches ``xs[i]``, ``ys[i]`` (shape
+    ``(M, m, ...)``) by 1F1B priority with at most ``S − s`` micro-batches in flight on stage
+    ``s``; activations and their gradients cross stages as numpy arrays."""
+    n, big_m = len(stages), xs.shape[0]
+    if n == 0 or big_m == 0:
+        raise ValueError("need at least one stage and one micro-batch")
+    scale = 1.0 / big_m  # each micro-batch's mean loss weighted m/b
+    slices = [st.slice(params) for st in stages]
+    fwd_in: list[deque[tuple[int, np.ndarray]]] = [deque() for _ in range(n)]
+    bwd_in: list[deque[tuple[int, np.ndarray]]] = [deque() for _ in range(n)]
+    kept: list[dict[int, Any]] = [{} for _ in range(n)]
+    acc: list[Any] = [None] * n
+    done = [0] * n
+    fed = 0
+    peak = [0] * n
+    loss = 0.0
+    trace: list[tuple[int, str, int]] = []
+    while done[0] < big_m:
+        for s, st in enumerate(stages):
+            if bwd_in[s]:
+                mb, g = bwd_in[s].popleft()
+                g_p, g_h = st.backward(kept[s].pop(mb), g)
+                acc[s] = st.add(acc[s], g_p)
+                done[s] += 1
+                trace.append((s, "B", mb))
+                if s > 0:
+                    bwd_in[s - 1].append((mb, np.asarray(g_h)))
+                continue
+            if s == 0 and fed < big_m and not fwd_in[0]:
+                fwd_in[0].append((fed, xs[fed]))
+                fed += 1
+            if not fwd_in[s] or len(kept[s]) >= n - s:
+                continue
+            mb, h = fwd_in[s].popleft()
+            trace.append((s, "F", mb))
+            if st.is_last:
+                part, g_p, g_h = st.loss_grad(slices[s], h, ys[mb], scale)
+                loss += float(part)
+                acc[s] = st.add(acc[s], g_p)
+                done[s] += 1
+                trace.append((s, "B", mb))
+                if s > 0:
+                    bwd_in[s - 1].append((mb, np.asarray(g_h)))
+            else:
+                out, vjp = st.forward(slices[s], h)
+                kept[s][mb] = vjp
+                peak[s] = max(peak[s], len(kept[s]))
+                fwd_in[s + 1].append((mb, np.asarray(out)))
+    grads: dict[str, np.ndarray] = {}
+    for a in acc:
+        grads.update({k: np.asarray(v) for k, v in a.items()})
+    return PipelineResult(grads, loss, tuple(trace), tuple(peak))
+
+
+def make_stages(bm: BlockModel, cuts: Sequence[int]) -> list[Stage]:
+    """One :class:`Stage` per pair of consecutive cuts (``0 = k_0 < ... < k_S = L``)."""
+    if len(cuts) < 2 or cuts[0] != 0 or cuts[-1] != len(bm.blocks):
+        raise ValueError(f"cuts {list(cuts)} must run from 0 to {len(bm.blocks)}")
+    n = len(cuts) - 1
+    return [Stage(bm, cuts[s], cuts[s + 1], s, n) for s in range(n)]
+
+
+# --- the built-in workloads as blocks -----------------------------------------------------------
+
+
+class _Dense(nn.Module):
+    """Flatten (first block only), Dense, relu unless it gives the logits."""
+
+    width: int
+    relu: bool
+    flatten: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if self.flatten:
+            x = x.reshape((x.shape[0], -1))
+        out: jax.Array = nn.Dense(self.width)(x)
+        return nn.relu(out) if self.relu else out
+
+
+def mlp_blocks(num_classes: int, hidden: Sequence[int] = (128,)) -> BlockModel:
+    """The ``mlp`` workload with one block per Dense layer."""
+    widths = [*hidden, num_classes]
+    blocks = tuple(
+        (f"dense{j}", _Dense(w, relu=j < len(hidden), flatten=j == 0)) for j, w in enumerate(widths)
+    )
+    return BlockModel("mlp", blocks)
+
+
+class _Embed(nn.Module):
+    vocab: int
+    d_model: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        tokens = x.astype(jnp.int32)
+        h = nn.Embed(self.vocab, self.d_model)(tokens)
+        pos = self.param("pos", nn.initializers.normal(0.02), (tokens.shape[1], self.d_model))
+        out: jax.Array = h + pos[None]
+        return out
+
+
+class _Causal(nn.Module):
+    """One transformer block with its causal mask made from the input's length."""
+
+    d_model: int
+    heads: int
+
+    @nn.compact
+    def __call__(self, h: jax.Array) -> jax.Array:
+        mask = nn.make_causal_mask(jnp.ones(h.shape[:2], jnp.int32))
+        out: jax.Array = _LMBlock(d_model=self.d_model, heads=self.heads)(h, mask)
+        return out
+
+
+class _Head(nn.Module):
+    vocab: int
+
+    @nn.compact
+    def __call__(self, h: jax.Array) -> jax.Array:
+        out: jax.Array = nn.Dense(self.vocab)(nn.LayerNorm()(h))
+        return out
+
+
+def transformer_blocks(
+    num_classes: int,
+    size: str | None = None,
+    d_model: int | None = None,
+    layers: int | None = None,
+    heads: int | None = None,
+) -> BlockModel:
+    """The ``transformer`` workload as embedding, one block per layer, and the output head."""
+    shape = resolve_size(size, d_model, layers, heads)
+    blocks: list[tuple[str, nn.Module]] = [("embed", _Embed(num_classes, shape.d_model))]
+    blocks += [(f"layer{j}", _Causal(shape.d_model, shape.heads)) for j in range(shape.layers)]
+    blocks.append(("head", _Head(num_classes)))
+    return BlockModel("transformer", tuple(blocks))
