@@ -99,7 +99,12 @@ ops = st.lists(
     st.one_of(
         st.tuples(st.just("release"), st.integers(0, 1)),
         st.tuples(st.just("abort"), st.integers(0, 1)),
-        st.tuples(st.just("all"), st.integers(0, 1)),  # every right part of the current step
+        st.tuples(  # every part of the current step, one of them perhaps wrong
+            st.just("all"),
+            st.integers(0, 1),
+            st.integers(0, 2),
+            st.sampled_from(["right", "right", "overlap", "short"]),
+        ),
         st.tuples(st.just("regroup"), st.integers(0, 1), st.integers(1, 3)),
         st.tuples(
             st.just("part"),
@@ -142,22 +147,28 @@ def test_nothing_partial_or_foreign_is_ever_assembled(script: list[tuple]) -> No
             s = regroup(s, r, gen[r], size[r])
         else:
             if op[0] == "all":
-                r = op[1]
+                _, r, bad, kind = op
                 parts = [
-                    Part(r, gen[r], step[r], k, 100 + step[r], 32, SLICES[size[r]][k])
+                    Part(r, gen[r], step[r], k, 100 + step[r], 32, _paths(size[r], k, kind, bad))
                     for k in range(size[r])
                 ]
             else:
                 _, r, stage, dg, dt, kind = op
-                paths = SLICES[size[r]][stage] if stage < size[r] else frozenset({"b00/w"})
-                if kind == "overlap":
-                    paths = paths | {"b00/w", "b05/w"}
-                elif kind == "short":
-                    paths = frozenset(sorted(paths)[1:])
+                paths = _paths(size[r], stage, kind, stage)
                 parts = [Part(r, gen[r] + dg, step[r] + dt, stage, 100 + step[r] + dt, 32, paths)]
             for part in parts:
                 s = _check(s, part, live, done, gen, size)
         assert len(s.released) <= 2 and len(s.pending) <= 2  # bounded: one step per replica
+
+
+def _paths(n: int, stage: int, kind: str, bad: int) -> frozenset[str]:
+    """Stage ``stage``'s slice of an ``n``-stage replica, overlapping or short if it is ``bad``."""
+    paths = SLICES[n][stage] if stage < n else frozenset({"b00/w"})
+    if stage != bad or kind == "right":
+        return paths
+    if kind == "overlap":
+        return paths | {"b00/w", "b05/w"}
+    return frozenset(sorted(paths)[1:])
 
 
 def _check(
@@ -184,6 +195,7 @@ def _check(
         assert (p.replica, p.gen, p.step) == key
     assert union == MODEL
     event("assembled")
+    event(f"assembled {size[r]} stages")
     live.discard(key)
     done.add(key)
     return s
