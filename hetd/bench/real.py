@@ -326,6 +326,8 @@ async def _measure(
     by_name = {f.name: wid for wid, f in engine.facts.items()}
     wids = {str(i): by_name[f"w{i}"] for i in range(sc.n)}
     start = engine.clock.now()
+    # the daemon evaluates at t = k × eval_interval_s from here, where the simulator does
+    await engine.call(lambda: engine.anchor_evals(start))
     await _start_schedules(procs, time.time() - (engine.clock.now() - start))
     offset = start - engine.started_at
     idle0 = {w: engine.facts[wid].idle_s for w, wid in wids.items()}

@@ -376,6 +376,7 @@ class Engine:
     async def run(self) -> None:
         """Process commands until cancelled; a timer task feeds ticks."""
         ticker = asyncio.create_task(self._ticker())
+        evals = asyncio.create_task(self._eval_timer())
         self._deferred = True
         self.store.combine = True  # a batch's updates: one optimizer step of their weighted sum
         try:
@@ -385,10 +386,13 @@ class Engine:
             self._deferred = False
             self.store.combine = False
             ticker.cancel()
+            evals.cancel()
             if self._eval_task is not None:
                 self._eval_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await ticker
+            with contextlib.suppress(asyncio.CancelledError):
+                await evals
 
     async def _run_batch(self, first: tuple[float, Callable[[], Any]]) -> None:
         """Run ``first`` and whatever else is already queued (up to :data:`BATCH`), then publish
@@ -486,6 +490,13 @@ class Engine:
         while True:
             await asyncio.sleep(self.config.tick_s)
             self.submit(self.tick)
+
+    async def _eval_timer(self) -> None:
+        """Evaluations on their grid, not at the first tick after it (ticks are 0.25 s apart)."""
+        while True:
+            due = self._last_eval + self.config.eval_interval_s - self.clock.now()
+            await asyncio.sleep(max(0.01, due) if math.isfinite(due) else self.config.tick_s)
+            self.submit(lambda: self._evaluate_if_due(self.clock.now()))
 
     # --- commands (run on the engine task only) -----------------------------------------------------
 
@@ -800,12 +811,25 @@ class Engine:
         for wid, entry in list(self._workers.items()):
             if now - entry.stats.last_seen > self.config.heartbeat_timeout_s:
                 self.leave(wid, "heartbeat timeout")
+        self._evaluate_if_due(now)
+        self._dispatch(Tick(now))
+
+    def anchor_evals(self, at: float) -> None:
+        """Evaluate at ``at`` + k × ``eval_interval_s`` from now on (engine clock): the real bench
+        puts the grid on its t = 0, where the simulator evaluates."""
+        self._last_eval = at
+
+    def _evaluate_if_due(self, now: float) -> None:
+        """Start an evaluation when the next point of the grid (``eval_interval_s`` apart, at a
+        fixed rate: a late one does not move the next) is due and none is running."""
+        interval = self.config.eval_interval_s
         if (
             self.evaluator is not None
             and self._eval_task is None
-            and now - self._last_eval >= self.config.eval_interval_s
+            and now - self._last_eval >= interval
         ):
-            self._last_eval = now
+            last = self._last_eval
+            self._last_eval = now if not math.isfinite(last) else now - (now - last) % interval
             if self.config.eval_inline:
                 loss, acc = self.evaluator(self.store.snapshot())
                 self.record_eval(loss, acc)
@@ -813,7 +837,6 @@ class Engine:
                 self._eval_task = asyncio.get_running_loop().create_task(
                     self._evaluate(self.store.snapshot())
                 )
-        self._dispatch(Tick(now))
 
     async def _evaluate(self, snap: Snapshot) -> None:
         assert self.evaluator is not None  # checked by the caller; not network input

@@ -344,3 +344,18 @@ def test_decode_hello_reads_what_the_engine_needs() -> None:
         )
     )
     assert (decode_hello(odd).resume_id, decode_hello(odd).free_mem) == (None, None)
+
+
+def test_evaluations_keep_to_their_grid_from_the_anchor() -> None:
+    """At a fixed rate from ``anchor_evals``: a tick that comes late (ticks are 0.25 s apart) does
+    not move the later points, and a point missed entirely is skipped, not caught up."""
+    config = dataclasses.replace(CONFIG, eval_interval_s=0.5, eval_inline=True)
+    h = Harness.of(make_policy("asp"), config)
+    h.engine.evaluator = lambda snap: (0.0, 0.5)
+    h.clock.t = 10.0
+    h.engine.anchor_evals(10.0)
+    for t in (10.3, 10.6, 10.9, 11.05, 12.3, 12.4, 12.55):
+        h.clock.t = t
+        h.engine.tick()
+    started = h.engine.started_at
+    assert [round(t + started, 2) for t, _, _ in h.engine.evals] == [10.6, 11.05, 12.3, 12.55]
