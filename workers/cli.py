@@ -100,8 +100,8 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         metavar="SECONDS",
-        help="pad each step of 32 samples (scaled by the batch) to at least this long "
-        "before the slow-down applies",
+        help="a step of 32 samples (scaled by the batch) lasts this long times the slow-down; "
+        "the real compute only when that is longer",
     )
     p.add_argument(
         "--emulate-bandwidth",
