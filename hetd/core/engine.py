@@ -947,6 +947,24 @@ class Engine:
         )
         self._send_params(wid, release)
 
+    def resend(self, wid: int, peer: Peer | None = None) -> None:
+        """Send a worker the newest parameters in full, in place of a full frame its outbox
+        dropped because it was still writing an earlier one (a slow reader: the dropped frame
+        would have pinned one more snapshot). Not a release: the policy is not asked and the
+        worker's gates do not change; what the engine records it holds is what goes now.
+        ``peer``: the session that asked (nothing happens when the worker is on another one)."""
+        entry = self._workers.get(wid)
+        if entry is None or entry.peer is None or (peer is not None and entry.peer is not peer):
+            return
+        self._put(entry, dataclasses.replace(entry.facts, version=-1))  # full, not a delta
+        entry.held_ref = None
+        if self._deferred:
+            self._releases[wid] = None
+            return
+        snap = self.store.snapshot()
+        release = self.downlink.frames(entry.facts.codec, -1, snap, None, self._link(entry))
+        self._send_params(wid, release)
+
     def _link(self, entry: WorkerEntry) -> float | None:
         """The worker's link in bytes/s for the downlink's choice: unbounded for loopback or
         ``downlink = "full"``, unknown (deltas) for ``"delta"``."""

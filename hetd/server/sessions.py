@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
+from collections.abc import Callable
 from functools import partial
 
 from aiohttp import WSCloseCode, WSMsgType, web
@@ -37,7 +38,15 @@ authorized = bearer_ok  # the worker token: ``Authorization: Bearer <token>``
 class Outbox:
     """Frames waiting for one worker: the engine's :class:`hetd.core.engine.Peer` for its session.
     A full ``params`` frame replaces the parameter frames queued before it; too many frames mean
-    the worker is stuck."""
+    the worker is stuck.
+
+    A parameter frame pins the snapshot it was packed from for as long as something holds it, so
+    the outbox holds at most one: the one being written. A full frame handed over while another
+    parameter frame is still being written (a slow reader) is not queued: the outbox notes that
+    a full frame is owed, drops the parameter frames after it (they build on it), and once the
+    write ends calls :attr:`resend`, for which the engine sends the newest parameters in full
+    (:meth:`hetd.core.engine.Engine.resend`). A slow reader therefore never pins more than the
+    snapshot it is reading (docs/benchmark.md, the memory bound)."""
 
     def __init__(
         self, ws: web.WebSocketResponse, limit: int, cap: int = wire.DEFAULT_MAX_FRAME
@@ -49,6 +58,10 @@ class Outbox:
         self._frames: deque[tuple[bytes, bool]] = deque()
         self._wake = asyncio.Event()
         self.closing: str | None = None
+        self._writing_params = False  # a parameter frame is being written
+        self._owed = False  # a full frame was handed over while one was written: resend owed
+        # called once the write ends when a full frame is owed (None: queue it as it came)
+        self.resend: Callable[[], None] | None = None
 
     def send(self, reply: Reply) -> None:
         """Queue a control reply, encoded now; never blocks."""
@@ -58,6 +71,11 @@ class Outbox:
         """Queue an encoded ``params`` frame; never blocks. A ``full`` one makes every parameter
         frame still queued before it useless, so they are dropped (deltas must all arrive, in
         order)."""
+        if self.resend is not None and (self._owed or (full and self._writing_params)):
+            if self.closing is None:  # the owed full frame replaces this one and all before it
+                self._frames = deque(f for f in self._frames if not f[1])
+                self._owed = True
+            return
         self._put(frame, params=True, full=full)
 
     def send_error(self, code: str, message: str, id_: int = 0) -> None:
@@ -86,9 +104,18 @@ class Outbox:
             await self._wake.wait()
             self._wake.clear()
             while self._frames:
-                frame, _ = self._frames.popleft()
-                for piece in wire.chunks(frame, self._cap):  # the frame itself when it fits
-                    await self._ws.send_bytes(piece)
+                frame, params = self._frames.popleft()
+                self._writing_params = params
+                try:
+                    for piece in wire.chunks(frame, self._cap):  # the frame itself when it fits
+                        await self._ws.send_bytes(piece)
+                finally:
+                    self._writing_params = False
+                    # hold no frame (no snapshot) while idle
+                    frame = piece = b""
+                if self._owed and self.resend is not None and self.closing is None:
+                    self._owed = False
+                    self.resend()
             if self.closing is not None:
                 await self._ws.close(
                     code=WSCloseCode.GOING_AWAY, message=self.closing.encode()[:120]
@@ -177,6 +204,7 @@ async def handle(
                 try:
                     hello = decode_hello(msg, same_host=is_loopback(request.remote))
                     wid = await engine.call(partial(engine.join, hello, outbox))
+                    outbox.resend = partial(engine.submit, partial(engine.resend, wid, outbox))
                 except codecs.CodecError as exc:
                     outbox.send_error("no_codec", str(exc), msg.id)
                     reason = "no usable codec"
