@@ -221,6 +221,9 @@ async def hetd_cell(
         for i in range(k)
     ]
     await pool.start(jobs)
+    # Windows open once a step was published: the daemon compiles its steps in a thread while it
+    # starts (seconds for 10M parameters under load), which is start-up, not throughput.
+    await _until(lambda: any(f.version > 0 for f in engine.facts.values()), 300.0, "a first step")
     await asyncio.sleep(opts.warmup_s)
     tally = await _measure(_engine_counters(engine), seconds or opts.seconds)
     reports = await pool.stop(k)
