@@ -17,10 +17,10 @@ A :class:`Stage` holds blocks ``[lo, hi)``:
 
 Every jitted call sees micro-batches of one fixed shape, so a different number of micro-batches
 ``M`` never recompiles (``Stage.traces`` counts traces). :func:`run_1f1b` runs ``S`` stages over
-``M`` micro-batches by priority (a queued backward first, else a forward while the stage holds
-fewer than ``S − s`` micro-batches' residuals), passing activations between stages as numpy
-arrays as the relay will, and returns each stage's accumulated gradient slice: the mean gradient
-of the whole batch, equal to ``jax.grad`` of the whole model.
+``M`` micro-batches, each stage in its fixed 1F1B order (warm-up forwards up to its in-flight
+cap, then forward and backward in turn), passing activations between stages as numpy arrays as
+the relay will, and returns each stage's accumulated gradient slice: the mean gradient of the
+whole batch, equal to ``jax.grad`` of the whole model.
 
 :func:`block_costs` gives the planner (:mod:`policies.dpmp.costs`) each block's parameter bytes,
 output bytes per sample (``jax.eval_shape``, no run) and FLOPs (XLA's cost analysis of the
@@ -29,7 +29,6 @@ lowered block, no compile).
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
@@ -44,7 +43,7 @@ from flax import traverse_util
 from hetd.zoo.lm import _Block as _LMBlock
 from hetd.zoo.lm import resolve_size
 from hetd.zoo.models import Model, Params
-from policies.dpmp.costs import Block
+from policies.dpmp.costs import Block, stage_order
 
 
 class BlockModel(NamedTuple):
@@ -218,56 +217,66 @@ class PipelineResult:
 
 
 def run_1f1b(
-    stages: Sequence[Stage], params: Mapping[str, Any], xs: np.ndarray, ys: np.ndarray
+    stages: Sequence[Stage],
+    params: Mapping[str, Any],
+    xs: np.ndarray,
+    ys: np.ndarray,
+    inflight: Sequence[int] = (),
 ) -> PipelineResult:
     """One step of ``len(stages)`` stages over micro-batches ``xs[i]``, ``ys[i]`` (shape
-    ``(M, m, ...)``) by 1F1B priority with at most ``S − s`` micro-batches in flight on stage
-    ``s``; activations and their gradients cross stages as numpy arrays."""
+    ``(M, m, ...)``), each stage in its 1F1B order (:func:`policies.dpmp.costs.stage_order`)
+    for ``inflight[s]`` micro-batches in flight (default ``S − s``; the last stage fuses each
+    forward with its backward); activations and their gradients cross stages as numpy arrays."""
     n, big_m = len(stages), xs.shape[0]
     if n == 0 or big_m == 0:
         raise ValueError("need at least one stage and one micro-batch")
+    caps = list(inflight) if inflight else [n - s for s in range(n)]
+    orders = [
+        [t for t in stage_order(caps[s] if s < n - 1 else 1, big_m) if s < n - 1 or t[0] == "F"]
+        for s in range(n)
+    ]
     scale = 1.0 / big_m  # each micro-batch's mean loss weighted m/b
     slices = [st.slice(params) for st in stages]
-    fwd_in: list[deque[tuple[int, np.ndarray]]] = [deque() for _ in range(n)]
-    bwd_in: list[deque[tuple[int, np.ndarray]]] = [deque() for _ in range(n)]
+    acts: list[dict[int, np.ndarray]] = [dict(enumerate(xs))] + [{} for _ in range(n - 1)]
+    grads_in: list[dict[int, np.ndarray]] = [{} for _ in range(n)]
     kept: list[dict[int, Any]] = [{} for _ in range(n)]
     acc: list[Any] = [None] * n
-    done = [0] * n
-    fed = 0
+    nxt = [0] * n
     peak = [0] * n
     loss = 0.0
     trace: list[tuple[int, str, int]] = []
-    while done[0] < big_m:
+    while any(nxt[s] < len(orders[s]) for s in range(n)):
+        moved = False
         for s, st in enumerate(stages):
-            if bwd_in[s]:
-                mb, g = bwd_in[s].popleft()
-                g_p, g_h = st.backward(kept[s].pop(mb), g)
-                acc[s] = st.add(acc[s], g_p)
-                done[s] += 1
-                trace.append((s, "B", mb))
-                if s > 0:
-                    bwd_in[s - 1].append((mb, np.asarray(g_h)))
+            if nxt[s] == len(orders[s]):
                 continue
-            if s == 0 and fed < big_m and not fwd_in[0]:
-                fwd_in[0].append((fed, xs[fed]))
-                fed += 1
-            if not fwd_in[s] or len(kept[s]) >= n - s:
-                continue
-            mb, h = fwd_in[s].popleft()
-            trace.append((s, "F", mb))
-            if st.is_last:
+            kind, mb = orders[s][nxt[s]]
+            inbox = acts[s] if kind == "F" else grads_in[s]
+            if mb not in inbox:
+                continue  # its input is still upstream (or downstream)
+            nxt[s] += 1
+            moved = True
+            h = inbox.pop(mb)
+            trace.append((s, kind, mb))
+            if kind == "F" and st.is_last:
                 part, g_p, g_h = st.loss_grad(slices[s], h, ys[mb], scale)
                 loss += float(part)
                 acc[s] = st.add(acc[s], g_p)
-                done[s] += 1
                 trace.append((s, "B", mb))
                 if s > 0:
-                    bwd_in[s - 1].append((mb, np.asarray(g_h)))
-            else:
+                    grads_in[s - 1][mb] = np.asarray(g_h)
+            elif kind == "F":
                 out, vjp = st.forward(slices[s], h)
                 kept[s][mb] = vjp
                 peak[s] = max(peak[s], len(kept[s]))
-                fwd_in[s + 1].append((mb, np.asarray(out)))
+                acts[s + 1][mb] = np.asarray(out)
+            else:
+                g_p, g_h = st.backward(kept[s].pop(mb), h)
+                acc[s] = st.add(acc[s], g_p)
+                if s > 0:
+                    grads_in[s - 1][mb] = np.asarray(g_h)
+        if not moved:  # pragma: no cover - a 1F1B order never waits on itself
+            raise RuntimeError("pipeline schedule stalled")
     grads: dict[str, np.ndarray] = {}
     for a in acc:
         grads.update({k: np.asarray(v) for k, v in a.items()})
