@@ -19,8 +19,9 @@ reduction" figure for a scenario:
   the planner's prediction.
 
 Memory is *declared* (``WorkerSpec.mem_bytes``): memory-poor workers are emulated, and a
-structure that breaks a stage's memory is never formed. Run ``python -m hetd.sim.dpmp`` for the
-table of the built-in scenarios.
+structure that breaks a stage's memory is never formed. :func:`budget_run` runs the Lyapunov
+controller (:mod:`policies.dpmp.lyapunov`) against a money budget on simulated rounds. Run
+``python -m hetd.sim.dpmp`` for the table of the built-in scenarios and a sweep of ``V``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 
 from policies.dpmp.costs import RHO, Block, ReplicaCost, WorkerSpec, need_full, stage_order
 from policies.dpmp.groups import Structure, candidates, evaluate
+from policies.dpmp.lyapunov import LyapunovConfig, LyapunovState, choose, observe, structure_options
 
 
 def pipeline_makespan(
@@ -245,6 +247,60 @@ def compare(
     return Figures(sc.name, med["bsp"], med["lbbsp"], med["dpmp"], best.tau, best.describe())
 
 
+@dataclass(frozen=True, slots=True)
+class BudgetRun:
+    """A Lyapunov-controlled run: time-averaged simulated round and money against the budget."""
+
+    v: float
+    budget: float  # money per round
+    unconstrained: float  # money per round of the fastest structure
+    tau: float  # s, mean simulated round
+    fastest_tau: float  # s, mean simulated round of the fastest structure alone
+    money: float  # mean money per round
+    max_queue: float
+
+
+PRICES_B = (3.0, 3.0, 1.0, 0.5, 0.5)
+
+
+def budget_run(
+    sc: Scenario,
+    prices: Sequence[float] = PRICES_B,
+    budget_fraction: float = 0.8,
+    v: float = 10.0,
+    rounds: int = 1000,
+    jitter: float = 0.1,
+    seed: int = 0,
+) -> BudgetRun:
+    """Scenario ``sc`` with per-worker ``prices`` (per busy second) and a money budget of
+    ``budget_fraction`` of what the fastest structure costs per round: each round the controller
+    picks a structure (the fastest, or it without its dearest replicas), the round is simulated
+    on jittered speeds, and its realised time and money update the queue."""
+    blocks = mlp_blocks()
+    workers = {
+        w: dataclasses.replace(spec, price=prices[w]) for w, spec in sc.specs(blocks).items()
+    }
+    best = candidates(blocks, workers, sc.batch)[0]
+    options = structure_options(blocks, workers, sc.batch, best)
+    built = {o.groups: evaluate(blocks, workers, sc.batch, o.groups) for o in options}
+    full = options[0].costs[0]
+    cfg = LyapunovConfig(v=v, budgets=(budget_fraction * full,))
+    state, top, fastest = LyapunovState(), 0.0, 0.0
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        option, state = choose(options, state, cfg)
+        structure = built[option.groups]
+        assert structure is not None
+        now = _jittered(workers, rng, jitter)
+        tau = round_time(blocks, now, structure)
+        fastest += round_time(blocks, now, best)
+        busy = [w for r in structure.replicas for w in r.members]
+        state = observe(state, cfg, tau, [tau * sum(workers[w].price for w in busy)])
+        top = max(top, state.queues[0])
+    mean_tau, (money,) = state.averages()
+    return BudgetRun(v, cfg.budgets[0], full, mean_tau, fastest / rounds, money, top)
+
+
 def main() -> None:  # pragma: no cover - a report
     print(
         f"{'scenario':<18} {'BSP':>8} {'LB-BSP':>8} {'DP+MP':>8} {'pred':>8} {'Δ LB-BSP':>9}  structure"
@@ -254,6 +310,14 @@ def main() -> None:  # pragma: no cover - a report
         print(
             f"{f.scenario:<18} {f.bsp * 1e3:8.1f} {f.lbbsp * 1e3:8.1f} {f.dpmp * 1e3:8.1f} "
             f"{f.predicted * 1e3:8.1f} {-f.reduction:+9.1%}  {f.structure}"
+        )
+    print(f"\nbudget run: scenario B, prices {list(PRICES_B)}, budget 80 % of the fastest's")
+    print(f"{'V':>6} {'τ ms':>8} {'fastest':>8} {'cost/budget':>12} {'max Q':>7}")
+    for v in (1, 3, 10, 30, 100):
+        b = budget_run(SCENARIOS["B"], v=v)
+        print(
+            f"{v:6g} {b.tau * 1e3:8.1f} {b.fastest_tau * 1e3:8.1f} {b.money / b.budget:12.3f} "
+            f"{b.max_queue:7.1f}"
         )
 
 

@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from hetd.sim.dpmp import SCENARIOS, compare, pipeline_makespan
+from hetd.sim.dpmp import SCENARIOS, budget_run, compare, pipeline_makespan
 from policies.dpmp.costs import Block, WorkerSpec, dp_cuts, replica_cost, stage_order
 
 
@@ -91,3 +91,12 @@ def test_scenario_figures(seed: int) -> None:
     for key in ("C", "E"):  # where model parallelism cannot help it must not lose
         f = compare(SCENARIOS[key], seed=seed)
         assert f.dpmp <= 1.05 * f.lbbsp
+
+
+def test_budget_run_meets_the_budget_and_v_trades_time_for_cost() -> None:
+    low = budget_run(SCENARIOS["B"], v=1.0, rounds=400)
+    mid = budget_run(SCENARIOS["B"], v=10.0, rounds=400)
+    assert abs(mid.money / mid.budget - 1) <= 0.05  # time-averaged cost within 5 % of budget
+    assert mid.tau > mid.fastest_tau  # the budget costs speed
+    assert low.tau >= mid.tau and low.money <= mid.money  # larger V: faster, dearer
+    assert low.max_queue < mid.max_queue
