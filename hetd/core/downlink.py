@@ -20,7 +20,8 @@ which is encoded once per version for everybody.
 
 References cost one float32 copy of the model each; the least recently used go first once there are
 more than ``max_refs`` or they hold more than ``max_bytes`` (a worker that held one gets the next
-release in full). Only the daemon's engine calls this (on its thread, one publish at a time).
+release in full). A worker whose link is unbounded (loopback, ``downlink = "full"``) never gets a
+delta, so none is kept for it. Only the daemon's engine calls this (on its thread, one publish at a time).
 """
 
 from __future__ import annotations
@@ -113,6 +114,11 @@ class Downlink:
         codec = self._codec(spec)
         if codec.lossless:
             return Outgoing([self._full_frame(snap, spec)], snap.version, True)
+        if link_bps == math.inf:
+            # Never a delta on this link (the same host, or the operator said so): no reference
+            # to keep. One would hold the snapshot's frame until evicted (at 10M parameters, 12
+            # old frames under the 512 MiB cap), and each new frame would need fresh pages.
+            return Outgoing([self._full_frame(snap, "none")], snap.version, True)
         self._forget_older(snap.version)
         base = self._refs.get(ref) if ref is not None else None
         if base is None or held is None or base.version != held or held > snap.version:
