@@ -16,11 +16,13 @@ A :class:`Stage` holds blocks ``[lo, hi)``:
   the loss, the parameter gradient and the gradient for the stage before.
 
 Every jitted call sees micro-batches of one fixed shape, so a different number of micro-batches
-``M`` never recompiles (``Stage.traces`` counts traces). :func:`run_1f1b` runs ``S`` stages over
-``M`` micro-batches, each stage in its fixed 1F1B order (warm-up forwards up to its in-flight
-cap, then forward and backward in turn), passing activations between stages as numpy arrays as
-the relay will, and returns each stage's accumulated gradient slice: the mean gradient of the
-whole batch, equal to ``jax.grad`` of the whole model.
+``M`` never recompiles (``Stage.traces`` counts traces). A :class:`StageRunner` is one stage's
+side of a step, driven by the messages that arrive (what a worker will run between relay
+frames): it follows its fixed 1F1B order (warm-up forwards up to its in-flight cap, then forward
+and backward in turn) as far as its inputs allow and returns the activations or gradients to
+send. :func:`run_1f1b` connects ``S`` runners in one process, passing numpy arrays as the relay
+will, and returns each stage's accumulated gradient slice: the mean gradient of the whole batch,
+equal to ``jax.grad`` of the whole model.
 
 :func:`block_costs` gives the planner (:mod:`policies.dpmp.costs`) each block's parameter bytes,
 output bytes per sample (``jax.eval_shape``, no run) and FLOPs (XLA's cost analysis of the
@@ -29,6 +31,7 @@ lowered block, no compile).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
@@ -216,6 +219,109 @@ class PipelineResult:
     peak_inflight: tuple[int, ...]  # most residual sets a stage held at once
 
 
+Message = tuple[str, int, np.ndarray]
+"""``("act", mb, h)`` for the next stage or ``("gact", mb, g_h)`` for the one before."""
+
+
+class StageRunner:
+    """One stage's side of one step, driven by what arrives: what a worker runs between the
+    relay's messages. It runs its 1F1B order (:func:`policies.dpmp.costs.stage_order`) as far as
+    its inputs allow and returns the messages to send; stage 0 draws its micro-batches from
+    ``inputs``, the last stage its labels from ``labels``. After the last backward, ``grads``
+    holds the stage's accumulated slice of the batch's mean gradient."""
+
+    def __init__(
+        self,
+        stage: Stage,
+        params: Mapping[str, Any],
+        micro_batches: int,
+        inflight: int | None = None,
+        inputs: Callable[[int], np.ndarray] | None = None,
+        labels: Callable[[int], np.ndarray] | None = None,
+    ) -> None:
+        if stage.index == 0 and inputs is None:
+            raise ValueError("stage 0 needs its inputs")
+        if stage.is_last and labels is None:
+            raise ValueError("the last stage needs the labels")
+        cap = 1 if stage.is_last else (inflight or stage.of - stage.index)
+        order = stage_order(cap, micro_batches)
+        self.order = [t for t in order if not stage.is_last or t[0] == "F"]
+        self.stage = stage
+        self.slice = stage.slice(params)
+        self.scale = 1.0 / micro_batches
+        self.inputs, self.labels = inputs, labels
+        self.acts: dict[int, np.ndarray] = {}
+        self.grads_in: dict[int, np.ndarray] = {}
+        self.kept: dict[int, Any] = {}
+        self.acc: Any = None
+        self.loss = 0.0
+        self.peak = 0
+        self.trace: list[tuple[str, int]] = []
+        self._next = 0
+
+    @property
+    def done(self) -> bool:
+        return self._next == len(self.order)
+
+    def start(self) -> list[Message]:
+        """Run what needs no message (stage 0's forwards up to its cap)."""
+        return self._advance()
+
+    def offer(self, kind: str, mb: int, array: np.ndarray) -> list[Message]:
+        """An activation (``"act"``) or its gradient (``"gact"``) arrived for micro-batch ``mb``."""
+        if kind == "act" and self.stage.index > 0:
+            self.acts[mb] = array
+        elif kind == "gact" and not self.stage.is_last:
+            self.grads_in[mb] = array
+        else:
+            raise ValueError(f"stage {self.stage.index} takes no {kind!r}")
+        return self._advance()
+
+    def grads(self) -> dict[str, np.ndarray]:
+        if not self.done:
+            raise ValueError("the step is not finished")
+        return {k: np.asarray(v) for k, v in self.acc.items()}
+
+    def _advance(self) -> list[Message]:
+        out: list[Message] = []
+        st = self.stage
+        while not self.done:
+            kind, mb = self.order[self._next]
+            if kind == "F":
+                if st.index == 0:
+                    assert self.inputs is not None
+                    h = self.inputs(mb)
+                elif mb in self.acts:
+                    h = self.acts.pop(mb)
+                else:
+                    return out
+            elif mb in self.grads_in:
+                g = self.grads_in.pop(mb)
+            else:
+                return out
+            self._next += 1
+            self.trace.append((kind, mb))
+            if kind == "F" and st.is_last:
+                assert self.labels is not None
+                part, g_p, g_h = st.loss_grad(self.slice, h, self.labels(mb), self.scale)
+                self.loss += float(part)
+                self.acc = st.add(self.acc, g_p)
+                self.trace.append(("B", mb))
+                if st.index > 0:
+                    out.append(("gact", mb, np.asarray(g_h)))
+            elif kind == "F":
+                act, vjp = st.forward(self.slice, h)
+                self.kept[mb] = vjp
+                self.peak = max(self.peak, len(self.kept))
+                out.append(("act", mb, np.asarray(act)))
+            else:
+                g_p, g_h = st.backward(self.kept.pop(mb), g)
+                self.acc = st.add(self.acc, g_p)
+                if st.index > 0:
+                    out.append(("gact", mb, np.asarray(g_h)))
+        return out
+
+
 def run_1f1b(
     stages: Sequence[Stage],
     params: Mapping[str, Any],
@@ -223,64 +329,38 @@ def run_1f1b(
     ys: np.ndarray,
     inflight: Sequence[int] = (),
 ) -> PipelineResult:
-    """One step of ``len(stages)`` stages over micro-batches ``xs[i]``, ``ys[i]`` (shape
-    ``(M, m, ...)``), each stage in its 1F1B order (:func:`policies.dpmp.costs.stage_order`)
-    for ``inflight[s]`` micro-batches in flight (default ``S − s``; the last stage fuses each
-    forward with its backward); activations and their gradients cross stages as numpy arrays."""
+    """One step of ``len(stages)`` :class:`StageRunner` s in one process over micro-batches
+    ``xs[i]``, ``ys[i]`` (shape ``(M, m, ...)``), messages delivered in order between
+    neighbours as the relay will (numpy arrays); ``inflight[s]`` defaults to ``S − s``."""
     n, big_m = len(stages), xs.shape[0]
     if n == 0 or big_m == 0:
         raise ValueError("need at least one stage and one micro-batch")
-    caps = list(inflight) if inflight else [n - s for s in range(n)]
-    orders = [
-        [t for t in stage_order(caps[s] if s < n - 1 else 1, big_m) if s < n - 1 or t[0] == "F"]
-        for s in range(n)
+    runners = [
+        StageRunner(
+            st,
+            params,
+            big_m,
+            inflight[s] if inflight else None,
+            inputs=(lambda mb: xs[mb]) if s == 0 else None,
+            labels=(lambda mb: ys[mb]) if s == n - 1 else None,
+        )
+        for s, st in enumerate(stages)
     ]
-    scale = 1.0 / big_m  # each micro-batch's mean loss weighted m/b
-    slices = [st.slice(params) for st in stages]
-    acts: list[dict[int, np.ndarray]] = [dict(enumerate(xs))] + [{} for _ in range(n - 1)]
-    grads_in: list[dict[int, np.ndarray]] = [{} for _ in range(n)]
-    kept: list[dict[int, Any]] = [{} for _ in range(n)]
-    acc: list[Any] = [None] * n
-    nxt = [0] * n
-    peak = [0] * n
-    loss = 0.0
-    trace: list[tuple[int, str, int]] = []
-    while any(nxt[s] < len(orders[s]) for s in range(n)):
-        moved = False
-        for s, st in enumerate(stages):
-            if nxt[s] == len(orders[s]):
-                continue
-            kind, mb = orders[s][nxt[s]]
-            inbox = acts[s] if kind == "F" else grads_in[s]
-            if mb not in inbox:
-                continue  # its input is still upstream (or downstream)
-            nxt[s] += 1
-            moved = True
-            h = inbox.pop(mb)
-            trace.append((s, kind, mb))
-            if kind == "F" and st.is_last:
-                part, g_p, g_h = st.loss_grad(slices[s], h, ys[mb], scale)
-                loss += float(part)
-                acc[s] = st.add(acc[s], g_p)
-                trace.append((s, "B", mb))
-                if s > 0:
-                    grads_in[s - 1][mb] = np.asarray(g_h)
-            elif kind == "F":
-                out, vjp = st.forward(slices[s], h)
-                kept[s][mb] = vjp
-                peak[s] = max(peak[s], len(kept[s]))
-                acts[s + 1][mb] = np.asarray(out)
-            else:
-                g_p, g_h = st.backward(kept[s].pop(mb), h)
-                acc[s] = st.add(acc[s], g_p)
-                if s > 0:
-                    grads_in[s - 1][mb] = np.asarray(g_h)
-        if not moved:  # pragma: no cover - a 1F1B order never waits on itself
-            raise RuntimeError("pipeline schedule stalled")
+    mail: deque[tuple[int, Message]] = deque((0, m) for m in runners[0].start())
+    trace: list[tuple[int, str, int]] = [(0, k, mb) for k, mb in runners[0].trace]
+    while mail:
+        src, (kind, mb, array) = mail.popleft()
+        dst = src + 1 if kind == "act" else src - 1
+        seen = len(runners[dst].trace)
+        mail.extend((dst, m) for m in runners[dst].offer(kind, mb, array))
+        trace += [(dst, k, b) for k, b in runners[dst].trace[seen:]]
+    if not all(r.done for r in runners):  # pragma: no cover - a 1F1B order never waits on itself
+        raise RuntimeError("pipeline schedule stalled")
     grads: dict[str, np.ndarray] = {}
-    for a in acc:
-        grads.update({k: np.asarray(v) for k, v in a.items()})
-    return PipelineResult(grads, loss, tuple(trace), tuple(peak))
+    for r in runners:
+        grads.update(r.grads())
+    loss = sum(r.loss for r in runners)
+    return PipelineResult(grads, loss, tuple(trace), tuple(r.peak for r in runners))
 
 
 def make_stages(bm: BlockModel, cuts: Sequence[int]) -> list[Stage]:

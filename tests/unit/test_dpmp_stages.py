@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from hetd.zoo.stages import (
+    StageRunner,
     as_model,
     block_costs,
     init_blocks,
@@ -115,3 +116,28 @@ def test_bad_cuts_are_refused() -> None:
         make_stages(MLP, (0, 2))
     with pytest.raises(ValueError, match="out of"):
         make_stages(MLP, (0, 2, 2, 4))
+
+
+def test_stage_runners_take_messages_in_any_order() -> None:
+    stages = STAGES[(0, 1, 3, 4)]
+    xs, ys = _batch(8, 4, seed=5)
+    runners = [
+        StageRunner(stages[0], PARAMS, 4, inputs=lambda mb: xs[mb]),
+        StageRunner(stages[1], PARAMS, 4),
+        StageRunner(stages[2], PARAMS, 4, labels=lambda mb: ys[mb]),
+    ]
+    mail = [(0, m) for m in runners[0].start()]
+    while mail:  # newest first: the relay keeps no order across links
+        src, (kind, mb, array) = mail.pop()
+        dst = src + 1 if kind == "act" else src - 1
+        mail += [(dst, m) for m in runners[dst].offer(kind, mb, array)]
+    got = {k: v for r in runners for k, v in r.grads().items()}
+    want = _whole_grad(PARAMS, xs, ys)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="takes no 'act'"):
+        runners[0].offer("act", 0, xs[0])
+    with pytest.raises(ValueError, match="needs its inputs"):
+        StageRunner(stages[0], PARAMS, 4)
+    with pytest.raises(ValueError, match="not finished"):
+        StageRunner(stages[1], PARAMS, 4).grads()
