@@ -45,6 +45,22 @@ from policies.types import (
 # (a PATCH rebuilds the policy from them). docs/policies.md §13 says so.
 SYNC_OUTER = "nesterov:lr=0.7,momentum=0.9"
 ASYNC_OUTER = "delayed_nesterov:lr=0.7,momentum=0.9,period=N"  # N: the number of workers
+PLAIN_OUTER = "sgd:lr=1"  # the configuration's default: deltas added as they are
+
+
+def outer_for(policy: str, params: Mapping[str, Any], workers: int) -> str | None:
+    """The outer optimizer ``policy`` (a registered name, with its factory ``params``) is meant to
+    run with, for ``workers`` workers: DiLoCo's Nesterov for ``diloco`` (and a ``quorum`` around
+    it), delayed Nesterov with ``period = workers`` for ``diloco_async``; None for the others.
+    What runs a policy on a configuration that names no outer optimizer of its own (the benchmark)
+    uses it, so the family is never measured as plain delta averaging by accident."""
+    if policy == "quorum":
+        policy = str(params.get("policy", "diloco"))
+    if policy == "diloco":
+        return SYNC_OUTER
+    if policy == "diloco_async":
+        return ASYNC_OUTER.replace("period=N", f"period={max(1, workers)}")
+    return None
 
 
 def _check_h(name: str, value: object) -> None:
@@ -334,6 +350,7 @@ def diloco_async(
 
 __all__ = [
     "ASYNC_OUTER",
+    "PLAIN_OUTER",
     "SYNC_OUTER",
     "DilocoAsyncState",
     "DilocoState",
@@ -341,5 +358,6 @@ __all__ = [
     "diloco_async",
     "equal_finish_batches",
     "local_steps_for",
+    "outer_for",
     "staleness_factor",
 ]

@@ -209,3 +209,23 @@ def test_delayed_nesterov_moves_momentum_only_every_period() -> None:
         steps.append(float(u["w"][0]))
     # plain -1 twice, then -(1 + 0.5 * m) with m = 3; then m = 0.5 * 3 + 3 = 4.5
     assert steps == [-1.0, -1.0, -2.5, -1.0, -1.0, -(1 + 0.5 * 4.5)]
+
+
+def test_the_family_runs_with_its_own_outer_optimizer_unless_the_scenario_names_one() -> None:
+    from hetd.bench.sweep import scenario_for
+    from hetd.sim.results import PolicySpec
+    from hetd.sim.scenario import load_scenario, replace
+    from policies.diloco import outer_for
+
+    assert outer_for("diloco", {}, 4) == "nesterov:lr=0.7,momentum=0.9"
+    assert outer_for("diloco_async", {}, 8) == "delayed_nesterov:lr=0.7,momentum=0.9,period=8"
+    assert outer_for("quorum", {"policy": "diloco"}, 4) == "nesterov:lr=0.7,momentum=0.9"
+    assert outer_for("quorum", {"policy": "bsp"}, 4) is None
+    assert outer_for("ashl", {}, 4) is None
+    s7 = load_scenario("S7")
+    assert s7.outer_optimizer == "sgd:lr=1"
+    assert scenario_for(s7, PolicySpec("diloco")).outer_optimizer.startswith("nesterov:")
+    assert scenario_for(s7, PolicySpec("diloco_async")).outer_optimizer.endswith("period=4")
+    assert scenario_for(s7, PolicySpec("ashl")) is s7  # delta averaging stays theirs
+    named = replace(s7, outer_optimizer="sgd:lr=0.5")
+    assert scenario_for(named, PolicySpec("diloco")) is named  # a scenario's choice is kept
