@@ -4,7 +4,9 @@
   search and the equal-finish split of a global batch across replicas in micro-batch units;
 * :mod:`policies.dpmp.groups`: which workers form which replicas, with hysteresis;
 * :mod:`policies.dpmp.lyapunov`: the drift-plus-penalty controller over time-averaged costs;
-* :mod:`policies.dpmp.assembler`: turning per-stage partial pushes into one whole update.
+* :mod:`policies.dpmp.assembler`: turning per-stage partial pushes into one whole update;
+* :mod:`policies.dpmp.controller`: one round's plan (replica specs with generations) and its
+  feedback, combining the three above.
 
 No jax, numpy, clock or I/O here (import-linter enforces it); the JAX stage execution is
 :mod:`hetd.zoo.stages`.

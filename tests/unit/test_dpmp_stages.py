@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hetd.sim.dpmp import mlp_blocks as sim_mlp_blocks
 from hetd.zoo.stages import (
     StageRunner,
     as_model,
@@ -141,3 +142,14 @@ def test_stage_runners_take_messages_in_any_order() -> None:
         StageRunner(stages[0], PARAMS, 4)
     with pytest.raises(ValueError, match="not finished"):
         StageRunner(stages[1], PARAMS, 4).grads()
+
+
+def test_the_simulators_mlp_spec_matches_the_real_blocks() -> None:
+    bm = mlp_blocks(10, hidden=(512, 512, 512))
+    shapes = jax.eval_shape(lambda k: init_blocks(bm, k, (784,)), jax.random.key(0))  # no run
+    real = block_costs(bm, shapes, (784,))
+    hand = sim_mlp_blocks()
+    assert [b.param_bytes for b in real] == [b.param_bytes for b in hand]
+    assert [b.act_bytes for b in real] == [b.act_bytes for b in hand]
+    shares = [b.flops / sum(c.flops for c in real) for b in real]
+    assert shares == pytest.approx([b.flops / sum(c.flops for c in hand) for b in hand], rel=1e-3)
