@@ -2,7 +2,8 @@
 and a 1F1B schedule over micro-batches in one process.
 
 A :class:`BlockModel` is a chain of flax modules ``[(name, module)]``, each one array to one
-array (residual connections *inside* a block are fine). Its flat parameters carry the block index
+array (residual connections *inside* a block are fine; the built-in workloads as blocks are
+:mod:`hetd.zoo.blocks`). Its flat parameters carry the block index
 as their first path segment (``b00/Dense_0/kernel``), so a stage's slice is every path under its
 blocks' prefixes. :func:`as_model` makes the whole chain an ordinary
 :class:`hetd.zoo.models.Model` (the reference gradient the stages must add up to).
@@ -43,8 +44,6 @@ import numpy as np
 import optax
 from flax import traverse_util
 
-from hetd.zoo.lm import _Block as _LMBlock
-from hetd.zoo.lm import resolve_size
 from hetd.zoo.models import Model, Params
 from policies.dpmp.costs import Block, stage_order
 
@@ -369,80 +368,3 @@ def make_stages(bm: BlockModel, cuts: Sequence[int]) -> list[Stage]:
         raise ValueError(f"cuts {list(cuts)} must run from 0 to {len(bm.blocks)}")
     n = len(cuts) - 1
     return [Stage(bm, cuts[s], cuts[s + 1], s, n) for s in range(n)]
-
-
-# --- the built-in workloads as blocks -----------------------------------------------------------
-
-
-class _Dense(nn.Module):
-    """Flatten (first block only), Dense, relu unless it gives the logits."""
-
-    width: int
-    relu: bool
-    flatten: bool = False
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        if self.flatten:
-            x = x.reshape((x.shape[0], -1))
-        out: jax.Array = nn.Dense(self.width)(x)
-        return nn.relu(out) if self.relu else out
-
-
-def mlp_blocks(num_classes: int, hidden: Sequence[int] = (128,)) -> BlockModel:
-    """The ``mlp`` workload with one block per Dense layer."""
-    widths = [*hidden, num_classes]
-    blocks = tuple(
-        (f"dense{j}", _Dense(w, relu=j < len(hidden), flatten=j == 0)) for j, w in enumerate(widths)
-    )
-    return BlockModel("mlp", blocks)
-
-
-class _Embed(nn.Module):
-    vocab: int
-    d_model: int
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        tokens = x.astype(jnp.int32)
-        h = nn.Embed(self.vocab, self.d_model)(tokens)
-        pos = self.param("pos", nn.initializers.normal(0.02), (tokens.shape[1], self.d_model))
-        out: jax.Array = h + pos[None]
-        return out
-
-
-class _Causal(nn.Module):
-    """One transformer block with its causal mask made from the input's length."""
-
-    d_model: int
-    heads: int
-
-    @nn.compact
-    def __call__(self, h: jax.Array) -> jax.Array:
-        mask = nn.make_causal_mask(jnp.ones(h.shape[:2], jnp.int32))
-        out: jax.Array = _LMBlock(d_model=self.d_model, heads=self.heads)(h, mask)
-        return out
-
-
-class _Head(nn.Module):
-    vocab: int
-
-    @nn.compact
-    def __call__(self, h: jax.Array) -> jax.Array:
-        out: jax.Array = nn.Dense(self.vocab)(nn.LayerNorm()(h))
-        return out
-
-
-def transformer_blocks(
-    num_classes: int,
-    size: str | None = None,
-    d_model: int | None = None,
-    layers: int | None = None,
-    heads: int | None = None,
-) -> BlockModel:
-    """The ``transformer`` workload as embedding, one block per layer, and the output head."""
-    shape = resolve_size(size, d_model, layers, heads)
-    blocks: list[tuple[str, nn.Module]] = [("embed", _Embed(num_classes, shape.d_model))]
-    blocks += [(f"layer{j}", _Causal(shape.d_model, shape.heads)) for j in range(shape.layers)]
-    blocks.append(("head", _Head(num_classes)))
-    return BlockModel("transformer", tuple(blocks))

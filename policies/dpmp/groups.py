@@ -28,11 +28,11 @@ from policies.dpmp.costs import (
     ReplicaCost,
     Split,
     WorkerSpec,
-    best_partition,
     memory_poor,
     micro_batch,
     split_batch,
 )
+from policies.dpmp.search import best_partition
 
 Groups = tuple[tuple[int, ...], ...]  # replica members (stage order not implied), sorted
 

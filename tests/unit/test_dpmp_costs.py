@@ -10,9 +10,6 @@ import pytest
 from policies.dpmp.costs import (
     Block,
     WorkerSpec,
-    best_partition,
-    brute_force_cuts,
-    dp_cuts,
     fits,
     memory_poor,
     micro_batch,
@@ -20,6 +17,7 @@ from policies.dpmp.costs import (
     replica_cost,
     split_batch,
 )
+from policies.dpmp.search import best_partition, brute_force_cuts, dp_cuts
 
 
 def _even(n: int, p: float = 100.0, act: float = 10.0) -> list[Block]:

@@ -10,7 +10,8 @@ import statistics
 import pytest
 
 from hetd.sim.dpmp import SCENARIOS, budget_run, compare, pipeline_makespan
-from policies.dpmp.costs import Block, WorkerSpec, dp_cuts, replica_cost, stage_order
+from policies.dpmp.costs import Block, WorkerSpec, replica_cost, stage_order
+from policies.dpmp.search import dp_cuts
 
 
 def test_stage_order_is_1f1b() -> None:

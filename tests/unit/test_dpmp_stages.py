@@ -10,16 +10,15 @@ import numpy as np
 import pytest
 
 from hetd.sim.dpmp import mlp_blocks as sim_mlp_blocks
+from hetd.zoo.blocks import mlp_blocks, transformer_blocks
 from hetd.zoo.stages import (
     StageRunner,
     as_model,
     block_costs,
     init_blocks,
     make_stages,
-    mlp_blocks,
     run_1f1b,
     slice_params,
-    transformer_blocks,
 )
 
 MLP = mlp_blocks(10, hidden=(32, 24, 16))  # 4 blocks
