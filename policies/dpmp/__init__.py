@@ -1,7 +1,9 @@
 """Joint data + model parallelism (pipeline replicas of memory-poor workers), pure parts.
 
-* :mod:`policies.dpmp.costs`: the cost model of a replica (per-stage times, memory), the cut
-  search and the equal-finish split of a global batch across replicas in micro-batch units;
+* :mod:`policies.dpmp.costs`: the cost model of a replica (per-stage times, memory), the
+  equal-finish split of a global batch across replicas in micro-batch units, a stage's 1F1B
+  order;
+* :mod:`policies.dpmp.search`: the cuts and stage order of a group;
 * :mod:`policies.dpmp.groups`: which workers form which replicas, with hysteresis;
 * :mod:`policies.dpmp.lyapunov`: the drift-plus-penalty controller over time-averaged costs;
 * :mod:`policies.dpmp.assembler`: turning per-stage partial pushes into one whole update;
@@ -9,5 +11,6 @@
   feedback, combining the three above.
 
 No jax, numpy, clock or I/O here (import-linter enforces it); the JAX stage execution is
-:mod:`hetd.zoo.stages`.
+:mod:`hetd.zoo.stages` (workloads as blocks: :mod:`hetd.zoo.blocks`), the event simulator
+:mod:`hetd.sim.dpmp`.
 """
