@@ -8,7 +8,7 @@
 * :mod:`policies.dpmp.lyapunov`: the drift-plus-penalty controller over time-averaged costs;
 * :mod:`policies.dpmp.assembler`: turning per-stage partial pushes into one whole update;
 * :mod:`policies.dpmp.controller`: one round's plan (replica specs with generations) and its
-  feedback, combining the three above.
+  feedback, combining groups and the Lyapunov choice.
 
 No jax, numpy, clock or I/O here (import-linter enforces it); the JAX stage execution is
 :mod:`hetd.zoo.stages` (workloads as blocks: :mod:`hetd.zoo.blocks`), the event simulator
