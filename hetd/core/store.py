@@ -15,11 +15,11 @@ loop free. A lock makes a snapshot taken on the loop (an evaluation) wait for a 
 the thread instead of racing it.
 
 With :attr:`Store.combine` (the daemon sets it), the updates queued between two flushes are applied
-*once*: per kind, ``Σ scale_i · u_i`` goes through one optimizer step with scale 1 (each update
-counted once, with its own weight). For SGD and plain deltas that is the same parameters as one step
-per update (the transform is linear and stateless); for a stateful optimizer (Adam) it is one step
-of the weighted sum, as a synchronous round's flush is. Unset (the simulator, unit tests), every
-update is its own step, in order.
+*once*: per kind whose optimizer keeps state (Adam, momentum, an outer optimizer), ``Σ scale_i ·
+u_i`` goes through one optimizer step with scale 1 (each update counted once, with its own
+weight), as a synchronous round's flush is. For a kind without state (SGD, plain deltas) one step
+per update gives the same parameters (the transform is linear) for less work, so those still run
+one by one. Unset (the simulator, unit tests), every update is its own step, in order.
 """
 
 from __future__ import annotations
@@ -278,16 +278,25 @@ class Store:
         update in order, or with :attr:`combine` one per kind, of the weighted sum."""
         with self._lock:
             pending, self._pending = self._pending, []
-            if self.combine and len(pending) > 1:
+            if self.combine and len(pending) > 1 and any(map(self._stateful, KINDS)):
                 for kind in KINDS:
                     group = [(t, scale) for k, t, scale in pending if k == kind]
-                    if len(group) == 1:
-                        self._step(kind, group[0][0], group[0][1])
-                    elif group:
+                    if len(group) > 1 and self._stateful(kind):
                         self._step(kind, self._sum(group), 1.0)
+                    else:
+                        for tensors, scale in group:
+                            self._step(kind, tensors, scale)
                 return
             for kind, tensors, scale in pending:
                 self._step(kind, tensors, scale)
+
+    def _stateful(self, kind: str) -> bool:
+        """Whether ``kind``'s optimizer keeps state (Adam, momentum, an outer optimizer). Without
+        state (SGD, plain deltas) one step per update is the step of their sum, and cheaper: the
+        sum costs a pass and a fresh buffer per update (at 10M parameters, int8, SGD: 11 ms per
+        update combined against 3.7 ms one by one)."""
+        state = self._opt_state if kind == "grad" else self._outer_state
+        return bool(jax.tree.leaves(state))
 
     def _sum(self, group: list[tuple[Tensors, float]]) -> dict[str, jax.Array]:
         """``Σ scale · update`` on the device, one pass per update (int8 dequantized in jit)."""
