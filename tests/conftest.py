@@ -146,10 +146,11 @@ class Cluster:
         pytest.fail(f"timed out after {timeout}s waiting for {what}; worker errors: {errors}")
 
 
-@pytest.fixture
-async def cluster() -> AsyncIterator[Callable[..., Awaitable[Cluster]]]:
-    """``await cluster(policy, params, server={...}, store={...}, **train)`` starts a daemon;
-    everything is stopped at the end."""
+@contextlib.asynccontextmanager
+async def clusters() -> AsyncIterator[Callable[..., Awaitable[Cluster]]]:
+    """``make(policy, params, server={...}, store={...}, **train)`` starts a daemon; everything
+    made is stopped on the way out. Behind :func:`cluster` and the module-scoped clusters that
+    several tests of one module share (one daemon and worker start-up for all their asserts)."""
     from hetd import config as config_mod
     from hetd.local.demo import stop_processes
     from hetd.server.daemon import Daemon
@@ -172,11 +173,21 @@ async def cluster() -> AsyncIterator[Callable[..., Awaitable[Cluster]]]:
         made.append(c)
         return c
 
-    yield make
-    for c in made:
-        await stop_processes(c.procs)
-        with contextlib.suppress(Exception):
-            await c.daemon.stop()
+    try:
+        yield make
+    finally:
+        for c in made:
+            await stop_processes(c.procs)
+            with contextlib.suppress(Exception):
+                await c.daemon.stop()
+
+
+@pytest.fixture
+async def cluster() -> AsyncIterator[Callable[..., Awaitable[Cluster]]]:
+    """``await cluster(policy, params, server={...}, store={...}, **train)`` starts a daemon;
+    everything is stopped at the end."""
+    async with clusters() as make:
+        yield make
 
 
 # --- a raw protocol-v1 client (tests that speak to the daemon without a worker process) ----------

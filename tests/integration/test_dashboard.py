@@ -1,21 +1,26 @@
 """The dashboard on a real daemon with two real workers: over HTTP (always), and in headless
 Chromium driven by selenium (when Debian's chromium and chromium-driver are installed; ``.ci/run``
-installs them when it runs as root)."""
+installs them when it runs as root).
+
+Both tests share one daemon and its workers (one start-up, not two); each swaps to a policy of its
+own (HTTP: ssp, browser: dssp), so either passes alone or after the other, in any order."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import shutil
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+import pytest_asyncio
 
-from tests.conftest import ADMIN_TOKEN, Cluster
+from tests.conftest import ADMIN_TOKEN, Cluster, clusters
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 LIVE_TIMEOUT_S = 120.0  # two workers importing JAX and compiling on a loaded 2-core machine
 
@@ -47,6 +52,16 @@ async def state_where(
     raise AssertionError(f"no state with {what} within {timeout} s; last: {last}")
 
 
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def shared() -> AsyncIterator[Cluster]:
+    """One asp daemon with a fast and a slow worker, for every test of this module."""
+    async with clusters() as make:
+        c = await make("asp")
+        await c.spawn(1.0, 0.02)
+        await c.spawn(2.0, 0.02)
+        yield c
+
+
 def live(doc: dict[str, Any]) -> bool:
     """Two workers joined, both pushed, and the model moved."""
     workers = doc["workers"]
@@ -55,10 +70,8 @@ def live(doc: dict[str, Any]) -> bool:
     )
 
 
-async def test_dashboard_over_http_login_cookie_live_stream_and_swap(cluster: Any) -> None:
-    c: Cluster = await cluster("asp")
-    await c.spawn(1.0, 0.02)
-    await c.spawn(2.0, 0.02)
+async def test_dashboard_over_http_login_cookie_live_stream_and_swap(shared: Cluster) -> None:
+    c = shared
     port = c.daemon.admin_port
     jar = aiohttp.CookieJar(unsafe=True)  # keep cookies for 127.0.0.1
     async with aiohttp.ClientSession(cookie_jar=jar) as http:
@@ -139,7 +152,7 @@ def _browser() -> tuple[str, str] | str:
     return chromium, driver
 
 
-async def test_dashboard_in_headless_chromium(cluster: Any, tmp_path: Path) -> None:
+async def test_dashboard_in_headless_chromium(shared: Cluster, tmp_path: Path) -> None:
     found = _browser()
     if isinstance(found, str):
         pytest.skip(found)
@@ -149,9 +162,7 @@ async def test_dashboard_in_headless_chromium(cluster: Any, tmp_path: Path) -> N
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
-    c: Cluster = await cluster("asp")
-    await c.spawn(1.0, 0.02)
-    await c.spawn(2.0, 0.02)
+    c = shared
 
     def drive() -> dict[str, Any]:
         options = webdriver.ChromeOptions()
@@ -173,14 +184,14 @@ async def test_dashboard_in_headless_chromium(cluster: Any, tmp_path: Path) -> N
             cookies = browser.get_cookies()
             url_after_login = browser.current_url
 
-            Select(browser.find_element(By.ID, "swap-name")).select_by_value("ssp")
+            Select(browser.find_element(By.ID, "swap-name")).select_by_value("dssp")
             params = browser.find_element(By.ID, "swap-params")
             params.clear()
-            params.send_keys('{"staleness": 2}')
+            params.send_keys('{"s_lo": 2}')
             browser.find_element(By.ID, "swap-button").click()
             WebDriverWait(browser, 30, poll_frequency=0.25).until(
                 lambda b: (
-                    b.find_element(By.ID, "policy-name").text == "ssp"
+                    b.find_element(By.ID, "policy-name").text == "dssp"
                     and "swap" in b.find_element(By.ID, "events").text
                 )
             )
@@ -199,8 +210,8 @@ async def test_dashboard_in_headless_chromium(cluster: Any, tmp_path: Path) -> N
     (session,) = [k for k in seen["cookies"] if k["name"].startswith("hetd_session_")]
     assert session["httpOnly"] is True and session["sameSite"] == "Strict"
     assert ADMIN_TOKEN not in seen["url"] and ADMIN_TOKEN not in session["value"]
-    assert seen["result"].startswith("now ssp") and json.loads(seen["params"])["staleness"] == 2
+    assert seen["result"].startswith("now dssp") and json.loads(seen["params"])["s_lo"] == 2
     assert "w0-x1" in seen["workers"] and "w1-x2" in seen["workers"]
-    assert c.engine.policy.name == "ssp"
+    assert c.engine.policy.name == "dssp"
     shot = tmp_path / "dashboard.png"
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
