@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from policies import profiling as prof
@@ -73,13 +73,14 @@ def _check_h(name: str, value: object) -> None:
 
 @dataclass(frozen=True, slots=True)
 class DilocoState:
-    """Per worker: the timing of one inner step at its batch (EWMA fit ``a + c·b``) and its batch;
-    ``fresh`` until the first event told the engine every plan."""
+    """Per worker: the timing of one inner step at its batch (EWMA fit ``a + c·b``), its batch and
+    the local steps announced to it; ``fresh`` until the first event told the engine every plan."""
 
     timing: Mapping[int, Timing]
     batches: Mapping[int, int]
     rounds: int = 0  # outer rounds completed (flushed)
     fresh: bool = True
+    steps: Mapping[int, int] = field(default_factory=dict)
 
 
 def equal_finish_batches(
@@ -110,12 +111,16 @@ def diloco(
     eps: float = 0.05,
     quantum: int = 0,
     shares: bool = True,
+    calibrate: bool = True,
 ) -> Policy:
     """DiLoCo (Douillard et al. 2023): synchronous outer rounds of ``H`` inner steps; each worker's
     batch sized so that all finish together (``global_batch`` samples per step in total, None: the
     config's; ``shares=False``: every worker keeps ``B/N``, the paper's setting, where the round
     waits for the slowest); the round's deltas averaged by samples and applied once through the
-    outer optimizer (run it with ``[train] outer_optimizer = "nesterov:lr=0.7,momentum=0.9"``)."""
+    outer optimizer (run it with ``[train] outer_optimizer = "nesterov:lr=0.7,momentum=0.9"``).
+    ``calibrate``: a worker whose step time is not known yet (no push, no profile) runs rounds of
+    one inner step, so the first ``H``-step round is already sized to finish together instead of
+    waiting ``H`` steps for the slowest worker at ``B/N``."""
     _check_h("H", H)
     if global_batch is not None and not is_int(global_batch, 1):
         raise ValueError(f"global_batch must be a positive int or None, got {global_batch!r}")
@@ -127,6 +132,28 @@ def diloco(
         raise ValueError(f"quantum must be an int >= 0 (0: automatic), got {quantum!r}")
     if not isinstance(shares, bool):
         raise ValueError(f"shares must be true or false, got {shares!r}")
+    if not isinstance(calibrate, bool):
+        raise ValueError(f"calibrate must be true or false, got {calibrate!r}")
+
+    def profiled(st: DilocoState, view: ClusterView) -> DilocoState:
+        """Timings seeded from the engine's profile exchange for workers that have none yet."""
+        t = dict(st.timing)
+        for w, f in view.workers.items():
+            sample_s = (f.profile or {}).get("sample_s")
+            if w not in t and isinstance(sample_s, int | float) and 0 < sample_s < math.inf:
+                b = max(1, f.batch_size)
+                t[w] = Timing().add(float(b), float(sample_s) * b)
+        return st if len(t) == len(st.timing) else replace(st, timing=freeze(t))
+
+    def local_steps(st: DilocoState, view: ClusterView, joined: int | None) -> list[SetPlan]:
+        """Announce ``H`` (1 while a worker's speed is unknown, with ``calibrate``) on a change,
+        and to a worker that (re)joined."""
+        out: list[SetPlan] = []
+        for w in sorted(view.workers):
+            want = H if (not calibrate or w in st.timing) else 1
+            if st.steps.get(w) != want or w == joined:
+                out.append(SetPlan(w, {"local_steps": want, "push_kind": "delta"}))
+        return out
 
     def init(view: ClusterView) -> DilocoState:
         return DilocoState(freeze({}), freeze({w: f.batch_size for w, f in view.workers.items()}))
@@ -156,7 +183,7 @@ def diloco(
     def update(
         event: Event, state: DilocoState, view: ClusterView
     ) -> tuple[Sequence[Decision], DilocoState]:
-        st = state
+        st = profiled(state, view)
         head: list[Decision] = []
         out: list[Decision] = []
         lo = view.min_clock()
@@ -186,12 +213,12 @@ def diloco(
             out.extend(decisions)
         if round_done:
             st = replace(st, rounds=st.rounds + 1)
-        if st.fresh:
-            fields = {"local_steps": H, "push_kind": "delta"}
-            out = [SetPlan(w, fields) for w in sorted(view.workers)] + out
-            st = replace(st, fresh=False)
-        elif isinstance(event, Join) and event.worker in view.workers:
-            out.insert(0, SetPlan(event.worker, {"local_steps": H, "push_kind": "delta"}))
+        steps = local_steps(st, view, event.worker if isinstance(event, Join) else None)
+        if steps or st.fresh:
+            announced = {w: st.steps[w] for w in view.workers if w in st.steps}
+            announced.update({d.worker: int(d.fields["local_steps"]) for d in steps})
+            st = replace(st, steps=freeze(announced), fresh=False)
+        out = [*steps, *out]
         out.extend(release_waiting(view, lambda f: f.clock <= lo))
         return [*head, *out], st
 
@@ -202,6 +229,7 @@ def diloco(
         "eps": eps,
         "quantum": quantum,
         "shares": shares,
+        "calibrate": calibrate,
     }
     return Policy("diloco", init, update, params)
 
@@ -214,15 +242,19 @@ def local_steps_for(
     H: int,
     h_min: int,
     h_max: int,
+    unknown: int | None = None,
 ) -> dict[int, int]:
     """DyLU: ``H_i = max(h_min, round(H · c_min / c_i))`` (at most ``h_max``), ``c_i`` the step
-    time; the fastest worker runs ``H`` steps and every worker's round takes about as long."""
+    time; the fastest worker runs ``H`` steps and every worker's round takes about as long.
+    A worker whose step time is unknown (0) runs ``unknown`` steps (None: ``H``)."""
+    blind = H if unknown is None else unknown
     known = {w: c for w, c in step_s.items() if c > 0 and math.isfinite(c)}
     if not known:
-        return dict.fromkeys(step_s, H)
+        return dict.fromkeys(step_s, blind)
     c_min = min(known.values())
     return {
-        w: min(h_max, max(h_min, round(H * c_min / known[w]))) if w in known else H for w in step_s
+        w: min(h_max, max(h_min, round(H * c_min / known[w]))) if w in known else blind
+        for w in step_s
     }
 
 
@@ -273,13 +305,15 @@ def diloco_async(
     drift: float = 0.3,
     drift_patience: int = 3,
     alpha: float = 0.5,
+    calibrate: bool = True,
 ) -> Policy:
     """Asynchronous local SGD (Liu et al. 2024): the fastest worker runs ``H`` inner steps, the
     others ``H_i = max(h_min, round(H · c_min / c_i))``; each delta is applied on arrival with weight
     ``1/√(1+τ) / N`` (``staleness=False``: ``1/N``), fed into the outer optimizer (run it with
     ``delayed_nesterov:lr=0.7,momentum=0.9,period=N``); never holds; re-plans on a join, a leave
     or a speed drift. Until a worker has a profile (the engine's profile exchange, else its first
-    ``profile_pushes`` pushes) it runs ``H`` steps."""
+    ``profile_pushes`` pushes) it runs ``h_min`` steps (``calibrate=False``: ``H``), so a slow
+    worker's first delta is not ``H`` of its steps late."""
     _check_h("H", H)
     _check_h("h_min", h_min)
     _check_h("max_local_steps", max_local_steps)
@@ -289,6 +323,9 @@ def diloco_async(
         )
     if not isinstance(staleness, bool):
         raise ValueError(f"staleness must be true or false, got {staleness!r}")
+    if not isinstance(calibrate, bool):
+        raise ValueError(f"calibrate must be true or false, got {calibrate!r}")
+    blind = h_min if calibrate else H
     pcfg = ProfilingConfig(profile_pushes, trim, drift, drift_patience, alpha)
 
     def step_times(st: DilocoAsyncState, view: ClusterView) -> dict[int, float]:
@@ -303,7 +340,8 @@ def diloco_async(
         tracks = prof.init_tracks(view, pcfg)
         st = DilocoAsyncState(tracks, freeze({}))
         return replace(
-            st, steps=freeze(local_steps_for(step_times(st, view), H, h_min, max_local_steps))
+            st,
+            steps=freeze(local_steps_for(step_times(st, view), H, h_min, max_local_steps, blind)),
         )
 
     def update(
@@ -323,7 +361,7 @@ def diloco_async(
         out: list[Decision] = []
         joined = event.worker if isinstance(event, Join) and event.worker in view.workers else None
         if st.fresh or ch.replan or ch.joined or joined is not None:
-            steps = local_steps_for(step_times(st, view), H, h_min, max_local_steps)
+            steps = local_steps_for(step_times(st, view), H, h_min, max_local_steps, blind)
             for w in sorted(view.workers):
                 if st.fresh or w == joined or steps[w] != st.steps.get(w):
                     out.append(SetPlan(w, {"local_steps": steps[w], "push_kind": "delta"}))
@@ -344,6 +382,7 @@ def diloco_async(
         "drift": drift,
         "drift_patience": drift_patience,
         "alpha": alpha,
+        "calibrate": calibrate,
     }
     return Policy("diloco_async", init, update, params)
 

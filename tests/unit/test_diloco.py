@@ -52,6 +52,9 @@ def plans(decisions: list[Decision] | Any) -> dict[int, dict[str, Any]]:
     return out
 
 
+PROFILE = {"sample_s": 0.001, "push_s": 0.01, "pull_s": 0.01, "compress_s": 0.0}
+
+
 def releases(decisions: list[Decision] | Any) -> set[int]:
     return {d.worker for d in decisions if isinstance(d, Release)}
 
@@ -61,7 +64,7 @@ def releases(decisions: list[Decision] | Any) -> set[int]:
 
 def test_diloco_announces_h_and_delta_pushes_then_waits_for_the_round() -> None:
     p = make_policy("diloco", {"H": 20})
-    v = view_of(fact(0), fact(1))
+    v = view_of(fact(0, profile=PROFILE), fact(1, profile=PROFILE))  # speeds known: H at once
     d, s = p.update(Tick(1.0), p.init(v), v)
     assert {w: (f["local_steps"], f["push_kind"]) for w, f in plans(d).items()} == {
         0: (20, "delta"),
@@ -84,7 +87,7 @@ def test_diloco_announces_h_and_delta_pushes_then_waits_for_the_round() -> None:
 
 def test_diloco_sizes_batches_so_workers_finish_together() -> None:
     """Worker 1 takes twice as long per sample: after one round it gets a third of the batch."""
-    p = make_policy("diloco", {"H": 10, "quantum": 1})
+    p = make_policy("diloco", {"H": 10, "quantum": 1, "calibrate": False})
     v = view_of(fact(0, batch=64), fact(1, batch=64))
     d, s = p.update(Tick(1.0), p.init(v), v)
     v = view_of(fact(0, 1, True, 64), fact(1, 0, False, 64))
@@ -93,6 +96,29 @@ def test_diloco_sizes_batches_so_workers_finish_together() -> None:
     d, s = p.update(push(1, 640, 10, 1.28), s, v)  # 2 ms per sample
     assert plans(d) == {0: {"batch_size": 85}, 1: {"batch_size": 43}}
     assert releases(d) == {0, 1}
+
+
+def test_diloco_calibrates_with_one_step_rounds_until_speeds_are_known() -> None:
+    """No profile: round 1 is one inner step each; its pushes size the batches, and the first
+    H-step round is already balanced (not H steps of the slowest at B/N)."""
+    p = make_policy("diloco", {"H": 10, "quantum": 1})
+    v = view_of(fact(0, batch=64), fact(1, batch=64))
+    d, s = p.update(Tick(1.0), p.init(v), v)
+    assert {w: f["local_steps"] for w, f in plans(d).items()} == {0: 1, 1: 1}
+    v = view_of(fact(0, 1, True, 64), fact(1, 0, False, 64))
+    d, s = p.update(push(0, 64, 1, 0.064), s, v)  # 1 ms per sample
+    assert plans(d) == {0: {"local_steps": 10, "push_kind": "delta"}}  # known now
+    v = view_of(fact(0, 1, True, 64), fact(1, 1, True, 64), buffered=1)
+    d, s = p.update(push(1, 64, 1, 0.128), s, v)  # 2 ms per sample
+    assert plans(d) == {
+        0: {"batch_size": 85},
+        1: {"batch_size": 43, "local_steps": 10, "push_kind": "delta"},
+    }
+    assert releases(d) == {0, 1}
+    # a profile from the engine's exchange counts as known: a joiner with one runs H at once
+    v = view_of(fact(0, 1), fact(1, 1), fact(2, profile=PROFILE))
+    d, _ = p.update(Join(2.0, 2), s, v)
+    assert plans(d)[2]["local_steps"] == 10
 
 
 def test_diloco_without_shares_keeps_b_over_n() -> None:
@@ -108,9 +134,9 @@ def test_diloco_without_shares_keeps_b_over_n() -> None:
 
 def test_a_joining_worker_gets_the_local_step_plan() -> None:
     p = make_policy("diloco", {"H": 7})
-    v = view_of(fact(0))
+    v = view_of(fact(0, profile=PROFILE))
     _, s = p.update(Tick(1.0), p.init(v), v)
-    v = view_of(fact(0), fact(1))
+    v = view_of(fact(0, profile=PROFILE), fact(1, profile=PROFILE))
     d, _ = p.update(Join(1.0, 1), s, v)
     assert plans(d)[1]["local_steps"] == 7 and plans(d)[1]["push_kind"] == "delta"
 
@@ -139,6 +165,24 @@ def test_dylu_local_steps_follow_measured_speed() -> None:
     assert got == {0: 50, 1: 50, 2: 25, 3: 12}  # 12.5 rounds half to even
     assert local_steps_for({0: 0.01, 1: 1.0}, 50, 2, 10_000) == {0: 50, 1: 2}
     assert local_steps_for({0: 0.0, 1: 0.0}, 30, 1, 100) == {0: 30, 1: 30}  # unknown: H
+    assert local_steps_for({0: 0.01, 1: 0.0}, 30, 1, 100, unknown=1) == {0: 30, 1: 1}
+
+
+def test_diloco_async_runs_h_min_steps_until_a_worker_is_profiled() -> None:
+    """Without a profile a worker's first delta is h_min steps, not H of an unknown (maybe very
+    slow) speed; the profile re-plans it to DyLU's H_i."""
+    p = make_policy("diloco_async", {"H": 40})
+    slow = {"sample_s": 0.004, "push_s": 0.0, "pull_s": 0.0, "compress_s": 0.0}
+    v = view_of(fact(0, profile=PROFILE), fact(1))
+    d, s = p.update(Tick(1.0), p.init(v), v)
+    assert {w: f["local_steps"] for w, f in plans(d).items()} == {0: 40, 1: 1}
+    v = view_of(fact(0, profile=PROFILE), fact(1, profile=slow))
+    d, s = p.update(Tick(2.0), s, v)
+    assert plans(d) == {1: {"local_steps": 10, "push_kind": "delta"}}
+    blind = make_policy("diloco_async", {"H": 40, "calibrate": False})
+    v = view_of(fact(0, profile=PROFILE), fact(1))
+    d, _ = blind.update(Tick(1.0), blind.init(v), v)
+    assert {w: f["local_steps"] for w, f in plans(d).items()} == {0: 40, 1: 40}
 
 
 def test_staleness_factor() -> None:
