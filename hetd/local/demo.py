@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import secrets
 import signal
@@ -38,10 +39,39 @@ class DemoOptions:
     hidden: int = 256
     lr: float = 0.2
     base_step_s: float = 0.01  # emulated seconds per step of the fastest worker
-    target: float = 0.92
+    target: float = 0.92  # test accuracy; a language model's (target_loss > 0) is its loss
     budget_s: float = 150.0
     out: str | None = None
     quiet: bool = False
+    model_kwargs: tuple[tuple[str, Any], ...] = ()  # besides mlp's hidden
+    dataset_kwargs: tuple[tuple[str, Any], ...] = ()
+    optimizer: str = "sgd"  # the daemon's, as [train] optimizer
+    target_loss: float = 0.0  # > 0: stop at this test loss instead of an accuracy
+    prompt: str = ""  # a language model writes after this at the end (empty: no samples)
+    sample_bytes: int = 160  # bytes written per sample
+    temperatures: tuple[float, ...] = (0.0, 0.8)  # one sample each; 0: greedy
+
+
+TRANSFORMER = DemoOptions(
+    dataset="pydoc",
+    dataset_kwargs=(("context", 64),),
+    model="transformer",
+    model_kwargs=(("size", "0.5m"),),
+    optimizer="adam",
+    lr=0.003,
+    base_step_s=0.02,
+    target_loss=2.6,
+    prompt="The ",
+)
+"""``hetd demo --model transformer``: the 0.5M byte-level LM on the standard library's docs
+(``pydoc``), to a test loss of 2.6 nats per byte (3.75 bits), then text written from a prompt."""
+
+
+def reached_target(opts: DemoOptions, loss: float | None, acc: float | None) -> bool:
+    """Whether one evaluation meets the demo's target (a loss, or an accuracy)."""
+    if opts.target_loss > 0:
+        return loss is not None and loss <= opts.target_loss
+    return acc is not None and acc >= opts.target
 
 
 def worker_env(token: str) -> dict[str, str]:
@@ -149,10 +179,13 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
         "train",
         dataset=opts.dataset,
         model=opts.model,
-        model_kwargs={"hidden": [opts.hidden]} if opts.model == "mlp" else {},
+        model_kwargs=({"hidden": [opts.hidden]} if opts.model == "mlp" else {})
+        | dict(opts.model_kwargs),
+        dataset_kwargs=dict(opts.dataset_kwargs),
+        optimizer=opts.optimizer,
         lr=opts.lr,
         eval_interval_s=0.5,
-        target_accuracy=opts.target,
+        target_accuracy=opts.target if opts.target_loss <= 0 else 0.0,
     )
     cfg = config_mod.replace(cfg, "policy", name=opts.policy, params=dict(opts.policy_params))
     daemon = Daemon(cfg)
@@ -177,6 +210,7 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     first_push: float | None = None
     reached: float | None = None
     stop_acc: float | None = None
+    stop_loss: float | None = None
     stop_version: int | None = None
     bar = tqdm(total=100, disable=opts.quiet, unit="%", bar_format="{l_bar}{bar}| {postfix}")
     try:
@@ -191,17 +225,24 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
             alive = sum(p.returncode is None for p in procs)
             waiting = waiting_for(status, len(procs), alive)
             acc = (status or {}).get("accuracy") or 0.0
+            loss = (status or {}).get("loss")
             if status is not None and first_push is None and status["updates_applied"]:
                 first_push = time.monotonic()
-            bar.n = round(100 * acc, 1)
+            bar.n = round(100 * _progress(opts, loss, acc), 1)
             version = status["version"] if status is not None else 0
             bar.set_postfix_str(
-                f"acc {acc:.3f} (target {opts.target}) v{version}, {waiting}, "
+                f"{_metric_text(opts, loss, acc)} v{version}, {waiting}, "
                 f"t {time.monotonic() - launched:.0f}s"
             )
-            if status is not None and reached is None and acc >= opts.target:
+            if (
+                status is not None
+                and reached is None
+                and status["accuracy"] is not None
+                and reached_target(opts, loss, acc)
+            ):
                 reached = time.monotonic() - (t0 or launched)
                 stop_acc = acc
+                stop_loss = loss
                 # the version that evaluation saw (the store has moved on since)
                 seen = [v for v, a in evaluated if a == acc]
                 stop_version = seen[-1] if seen else int(status["version"])
@@ -231,14 +272,18 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     engine = daemon.engine
     evaluate = engine.evaluator
     assert evaluate is not None  # build_engine always sets one
-    final_loss, final_acc = await asyncio.to_thread(evaluate, engine.store.snapshot())
+    final = engine.store.snapshot()
+    final_loss, final_acc = await asyncio.to_thread(evaluate, final)
     await daemon.stop()
+    samples = await asyncio.to_thread(write_samples, opts, dict(final.tensors))
     pushes = sum(w["pushes"] for w in workers)
     train_s = time.monotonic() - (first_push or t0 or launched)
     summary = {
         "policy": engine.policy.describe(),
         "dataset": opts.dataset,
-        "target_accuracy": opts.target,
+        "target_accuracy": opts.target if opts.target_loss <= 0 else None,
+        "target_loss": opts.target_loss if opts.target_loss > 0 else None,
+        "stop_loss": stop_loss,
         # the evaluation that met the target (the stop rule), and when
         "stop_accuracy": stop_acc,
         "stop_version": stop_version,
@@ -259,17 +304,63 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
             for w in workers
         ],
         "curve": [[t, acc] for t, _, acc in engine.evals],
+        "loss_curve": [[t, loss] for t, loss, _ in engine.evals],
+        "samples": samples,
     }
     if opts.out:
         write_outputs(Path(opts.out), summary)
     return summary
 
 
+def _progress(opts: DemoOptions, loss: float | None, acc: float) -> float:
+    """The progress bar's fraction: accuracy, or how far the loss came from a uniform guess's."""
+    if opts.target_loss <= 0:
+        return acc
+    if loss is None:
+        return 0.0
+    start = math.log(256)  # a byte-level model's loss before it learns anything
+    return min(1.0, max(0.0, (start - loss) / max(1e-9, start - opts.target_loss)))
+
+
+def _metric_text(opts: DemoOptions, loss: float | None, acc: float) -> str:
+    if opts.target_loss <= 0:
+        return f"acc {acc:.3f} (target {opts.target})"
+    shown = "-" if loss is None else f"{loss:.3f}"
+    return f"loss {shown} (target {opts.target_loss})"
+
+
+def write_samples(opts: DemoOptions, params: dict[str, Any]) -> list[dict[str, Any]]:
+    """Text the trained language model writes after ``opts.prompt``, once per temperature
+    (none when the prompt is empty or the model is not a language model)."""
+    if not opts.prompt or opts.model != "transformer":
+        return []
+    from hetd.zoo.lm import generate
+    from hetd.zoo.models import get_model
+    from hetd.zoo.text import VOCAB
+
+    model = get_model(opts.model, VOCAB, **dict(opts.model_kwargs))
+    context = int(params["pos"].shape[0])  # the position table is as long as the training windows
+    prompt = opts.prompt.encode()
+    return [
+        {
+            "temperature": temp,
+            "prompt": opts.prompt,
+            "text": generate(
+                model.logits, params, prompt, context, opts.sample_bytes, temp, i
+            ).decode("utf-8", errors="replace"),
+        }
+        for i, temp in enumerate(opts.temperatures)
+    ]
+
+
 def result_text(summary: dict[str, Any]) -> str:
     """What ``hetd demo`` prints at the end: the stop and the final evaluation, each labelled."""
-    target = summary["target_accuracy"]
+    lm = summary.get("target_loss") is not None
+    target = summary["target_loss"] if lm else summary["target_accuracy"]
+    what = "test loss" if lm else "test accuracy"
+    final_value = summary["final_loss"] if lm else summary["final_accuracy"]
     final = (
-        f"final model: test accuracy {summary['final_accuracy']:.4f} at version "
+        f"final model: {what} {final_value:.4f} at version "
         f"{summary['final_version']} (evaluated after the workers stopped; pushes in flight "
         "were applied)"
     )
@@ -277,8 +368,8 @@ def result_text(summary: dict[str, Any]) -> str:
         stop = f"target {target} not reached in {summary['elapsed_s']:.1f}s"
     else:
         stop = (
-            f"target {target} reached at {summary['time_to_target_s']:.1f}s: test accuracy "
-            f"{summary['stop_accuracy']:.4f} at version {summary['stop_version']} (the evaluation "
+            f"target {target} reached at {summary['time_to_target_s']:.1f}s: {what} "
+            f"{summary['stop_loss' if lm else 'stop_accuracy']:.4f} at version {summary['stop_version']} (the evaluation "
             "that stopped the run)"
         )
     first = summary.get("first_update_s")
@@ -289,7 +380,12 @@ def result_text(summary: dict[str, Any]) -> str:
         f"times count from the daemon being ready, {summary['daemon_build_s']:.1f}s after "
         "launch; the workers started meanwhile"
     )
-    return f"{stop}\n{final}\n({rate}; {clock})"
+    text = f"{stop}\n{final}\n({rate}; {clock})"
+    for sample in summary.get("samples", []):
+        how = "greedy" if sample["temperature"] == 0 else f"temperature {sample['temperature']:g}"
+        text += f"\n--- the model writes after {sample['prompt']!r} ({how}):\n"
+        text += sample["prompt"] + sample["text"]
+    return text
 
 
 def write_outputs(out: Path, summary: dict[str, Any]) -> None:
@@ -302,14 +398,17 @@ def write_outputs(out: Path, summary: dict[str, Any]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     fig, ax = plt.subplots(figsize=(6, 4))
-    curve = summary["curve"]
+    lm = summary.get("target_loss") is not None
+    curve = summary["loss_curve" if lm else "curve"]
     ax.plot([c[0] for c in curve], [c[1] for c in curve], label=summary["policy"]["name"])
-    ax.axhline(summary["target_accuracy"], color="grey", ls="--", lw=0.8, label="target")
+    target = summary["target_loss" if lm else "target_accuracy"]
+    ax.axhline(target, color="grey", ls="--", lw=0.8, label="target")
     ax.set_xlabel("time (s)")
-    ax.set_ylabel("test accuracy")
+    ax.set_ylabel("test loss (nats per byte)" if lm else "test accuracy")
     ax.set_title(f"hetd demo: {summary['dataset']}, {len(summary['workers'])} workers")
-    ax.set_ylim(0, 1)
-    ax.legend(loc="lower right")
+    if not lm:
+        ax.set_ylim(0, 1)
+    ax.legend(loc="upper right" if lm else "lower right")
     fig.tight_layout()
     fig.savefig(out / "accuracy.png", dpi=100)
     plt.close(fig)
