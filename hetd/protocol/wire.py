@@ -15,6 +15,8 @@ from typing import Any, Final
 
 import msgpack
 
+from hetd.protocol import pipeline
+
 PROTOCOL_VERSION: Final = 1
 DEFAULT_MAX_FRAME: Final = 64 * 1024 * 1024  # bytes; aiohttp's max_msg_size is set from this
 
@@ -58,6 +60,7 @@ SCHEMA: Final[dict[str, dict[str, tuple[tuple[type, ...], bool]]]] = {
         "pull_s": (_OPT_NUM, False),
         "sent_at": (_OPT_NUM, False),
         "idle_s": (_OPT_NUM, False),
+        **pipeline.PUSH_FIELDS,  # a pipeline stage's slice of a replica step (all four or none)
     },
     "profile_result": {"result": ((dict,), True)},
     # either way: one piece of a message larger than the websocket frame cap (see chunks())
@@ -92,6 +95,8 @@ SCHEMA: Final[dict[str, dict[str, tuple[tuple[type, ...], bool]]]] = {
     "plan": {"plan": ((dict,), True)},
     "profile": {"spec": ((dict,), True)},
     "error": {"code": ((str,), True), "message": ((str,), True)},
+    # pipeline replicas: stage, step, abort (daemon -> worker), act, gact (relayed worker to worker)
+    **pipeline.SCHEMA,
 }
 
 ACK_STATUSES: Final = ("applied", "buffered", "dropped", "duplicate")
@@ -275,6 +280,9 @@ def _validate(raw: Mapping[str, Any]) -> Message:
             value = body.get(name)
             if value is not None and not math.isfinite(value):
                 raise ProtocolError("malformed", f"push: {name} must be finite, got {value!r}")
+    wrong = pipeline.check(type_, body)
+    if wrong is not None:
+        raise ProtocolError("malformed", wrong)
     return Message(type_, id_, body)
 
 

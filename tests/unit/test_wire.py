@@ -73,6 +73,31 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "profile": {"spec": {"batches": [16, 32, 64], "steps": 3}},
     "error": {"code": "malformed", "message": "push: missing field 'base'"},
     "chunk": {"seq": 2, "last": False, "data": b"\x93\x01"},
+    # pipeline replicas (hetd.protocol.pipeline; their own checks: tests/unit/test_wire_pipeline.py)
+    "stage": {
+        "replica": 1,
+        "gen": 2,
+        "stage": 0,
+        "of": 2,
+        "blocks": [0, 2],
+        "micro": 16,
+        "inflight": 2,
+        "prev": None,
+        "next": 5,
+    },
+    "step": {
+        "replica": 1,
+        "gen": 2,
+        "step": 7,
+        "base": 40,
+        "micro_batches": 4,
+        "micro": 16,
+        "shard": 0,
+        "offset": 128,
+    },
+    "abort": {"replica": 1, "gen": 2, "step": 7, "reason": "stage 1 left"},
+    "act": {"replica": 1, "gen": 2, "step": 7, "mb": 3, "tensor": TENSOR},
+    "gact": {"replica": 1, "gen": 2, "step": 7, "mb": 3, "tensor": TENSOR},
 }
 
 
