@@ -33,6 +33,7 @@ from aiohttp import web
 from hetd import config as config_mod
 from hetd.server import admin
 from hetd.server.auth import bearer_ok
+from hetd.server.relay import Relay
 
 if TYPE_CHECKING:  # the heavy modules (JAX, flax, optax) load behind the listening sockets
     from hetd.core.engine import Clock, Engine
@@ -118,7 +119,12 @@ def make_worker_app(daemon: Daemon) -> web.Application:
         from hetd.server import sessions
 
         return await sessions.handle(
-            request, engine, server.worker_token, server.max_frame_bytes, server.outbox_frames
+            request,
+            engine,
+            server.worker_token,
+            server.max_frame_bytes,
+            server.outbox_frames,
+            daemon.relay,
         )
 
     setup = config_mod.worker_setup(daemon.cfg)
@@ -173,6 +179,8 @@ class Daemon:
         self.admin_port: int | None = None  # the bound admin port (None: admin API off)
         self.admin_app: web.Application | None = None
         self._admin_slot = admin.AdminSlot(cfg.server.admin_token, tls=self.ssl_context is not None)
+        # pipeline replicas' act/gact frames between workers (routes installed by their owner)
+        self.relay = Relay()
 
     @property
     def engine(self) -> Engine:

@@ -15,6 +15,7 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 from aiohttp import WSCloseCode, WSMsgType, web
@@ -26,10 +27,12 @@ from hetd.core.ingest import decode_hello, decode_push
 from hetd.protocol import wire
 from hetd.protocol.messages import PushIn, Reply
 from hetd.server.auth import bearer_ok
+from hetd.server.relay import NoRoute, Relay
 
 log = logging.getLogger("hetd.server.sessions")
 
 OFF_LOOP_BYTES = 256 * 1024  # frames larger than this are decoded in a worker thread
+RELAY_SLACK = 256  # relayed frames a session may hold queued beyond its control frames
 
 
 authorized = bearer_ok  # the worker token: ``Authorization: Bearer <token>``
@@ -77,6 +80,16 @@ class Outbox:
                 self._owed = True
             return
         self._put(frame, params=True, full=full)
+
+    def send_relayed(self, frame: bytes) -> None:
+        """Queue an ``act``/``gact`` frame from another worker, as it came; a worker that lets
+        :data:`RELAY_SLACK` more frames than its limit pile up is stuck and is closed."""
+        if self.closing is not None:
+            return
+        self._frames.append((frame, False))
+        if len(self._frames) > self._limit + RELAY_SLACK:
+            self.close("outbox overflow: the worker does not read its relayed frames")
+        self._wake.set()
 
     def send_error(self, code: str, message: str, id_: int = 0) -> None:
         """Queue an ``error`` reply to a frame the session refused."""
@@ -130,11 +143,19 @@ def message_cap(engine: Engine, cap: int) -> int:
     return max(cap, 4 * engine.store.n_params + (1 << 20) + 1024 * len(shapes))
 
 
+@dataclass(frozen=True, slots=True)
+class Relayed:
+    """An ``act``/``gact`` frame: its checked header and its bytes as they came."""
+
+    msg: wire.Message
+    frame: bytes
+
+
 def _decode(
     engine: Engine, wid: int | None, data: bytes, cap: int, parts: wire.Reassembler
-) -> wire.Message | PushIn | None:
-    """A frame as a message, or as a validated push once the worker is known; None for a chunk
-    of a message not yet complete (``parts`` gathers them)."""
+) -> wire.Message | PushIn | Relayed | None:
+    """A frame as a message, as a validated push once the worker is known, or as a frame to
+    relay; None for a chunk of a message not yet complete (``parts`` gathers them)."""
     msg = wire.decode(data, cap)
     if msg.type == "chunk":
         whole = parts.feed(msg)
@@ -144,6 +165,12 @@ def _decode(
         msg = wire.decode(data, parts.max_bytes)
         if msg.type == "chunk":
             raise wire.ProtocolError("malformed", "a chunk may not carry another chunk")
+    if msg.type in ("act", "gact") and wid is not None:
+        return Relayed(msg, data)
+    if msg.type == "push" and msg.get("stage") is not None:
+        raise wire.ProtocolError(
+            "unexpected", "push: this daemon's engine runs no pipeline replicas yet", msg.id
+        )
     if msg.type == "push" and wid is not None:
         try:
             return decode_push(engine.store.shapes, wid, msg, len(data), fused=True)
@@ -155,9 +182,15 @@ def _decode(
 
 
 async def handle(
-    request: web.Request, engine: Engine, token: str, cap: int, limit: int
+    request: web.Request,
+    engine: Engine,
+    token: str,
+    cap: int,
+    limit: int,
+    relay: Relay | None = None,
 ) -> web.StreamResponse:
-    """The websocket endpoint ``/v1/ws``."""
+    """The websocket endpoint ``/v1/ws``; ``relay`` forwards pipeline stages' ``act``/``gact``
+    frames (None: they are refused)."""
     if not authorized(request, token):
         return web.Response(
             status=401, text="missing or wrong worker token (Authorization: Bearer)"
@@ -196,6 +229,15 @@ async def handle(
             if isinstance(item, PushIn):
                 engine.submit(partial(engine.push, item))
                 continue
+            if isinstance(item, Relayed):
+                try:
+                    if relay is None or wid is None:  # (_decode relays only for a known worker)
+                        raise NoRoute("no_route", "this daemon relays no pipeline frames")
+                    relay.forward(wid, item.msg, item.frame)
+                except NoRoute as exc:
+                    log.info("worker %s: %s: %s", wid, exc.code, exc.message)
+                    outbox.send_error(exc.code, exc.message, item.msg.id)
+                continue
             msg = item
             if wid is None:
                 if msg.type != "hello":
@@ -205,6 +247,8 @@ async def handle(
                     hello = decode_hello(msg, same_host=is_loopback(request.remote))
                     wid = await engine.call(partial(engine.join, hello, outbox))
                     outbox.resend = partial(engine.submit, partial(engine.resend, wid, outbox))
+                    if relay is not None:
+                        relay.attach(wid, outbox)
                 except codecs.CodecError as exc:
                     outbox.send_error("no_codec", str(exc), msg.id)
                     reason = "no usable codec"
@@ -226,6 +270,8 @@ async def handle(
     finally:
         reason = outbox.closing or reason  # the daemon's own reason, when it closed first
         if wid is not None:
+            if relay is not None:
+                relay.detach(wid, outbox)
             engine.submit(partial(engine.leave, wid, reason, outbox))
         outbox.close(reason)
         with contextlib.suppress(asyncio.TimeoutError, Exception):
