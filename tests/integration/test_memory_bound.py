@@ -13,7 +13,7 @@ import tracemalloc
 import aiohttp
 
 from hetd.bench.system import make_daemon, n_params, synthetic_shapes
-from hetd.bench.system_peers import PushFrame, _hello, ready_update
+from hetd.bench.system_peers import PushFrame, ready_update
 from hetd.protocol import wire
 
 PARAMS = 2_000_000  # 8 MB frames: a few fill the loopback socket buffers of a reader that stops
@@ -27,6 +27,11 @@ def _live_frames(min_bytes: int) -> int:
         for t in snap.traces
         if t.size >= min_bytes and t.traceback[0].filename.endswith("hetd/protocol/wire.py")
     )
+
+
+def _hello(name: str) -> bytes:
+    device = {"platform": "cpu", "kind": "test", "memory": 0}
+    return wire.encode("hello", 1, name=name, device=device, codecs=["none"])
 
 
 async def _next_params(ws: aiohttp.ClientWebSocketResponse) -> int:
@@ -52,10 +57,10 @@ async def _scenario() -> None:
         async with aiohttp.ClientSession() as http:
             # The slow reader: it joins and pushes, and reads nothing until told.
             slow = await http.ws_connect(url, max_msg_size=1 << 30, compress=0)
-            await slow.send_bytes(_hello("slow", "none"))
+            await slow.send_bytes(_hello("slow"))
             push = PushFrame(tensors)
             fast = await http.ws_connect(url, max_msg_size=1 << 30, compress=0)
-            await fast.send_bytes(_hello("fast", "none"))
+            await fast.send_bytes(_hello("fast"))
             held = await _next_params(fast)
             fast_push = PushFrame(tensors)
             # Each slow push is applied and answered with a full frame, which its socket
