@@ -63,6 +63,11 @@ def outer_for(policy: str, params: Mapping[str, Any], workers: int) -> str | Non
     return None
 
 
+def _check_codec(codec: object) -> None:
+    if codec is not None and not (isinstance(codec, str) and codec.strip()):
+        raise ValueError(f"codec must be a codec spec such as 'int8', or None, got {codec!r}")
+
+
 def _check_h(name: str, value: object) -> None:
     if not is_int(value, 1):
         raise ValueError(f"{name} must be an int >= 1 (inner steps per outer round), got {value!r}")
@@ -112,6 +117,7 @@ def diloco(
     quantum: int = 0,
     shares: bool = True,
     calibrate: bool = True,
+    codec: str | None = None,
 ) -> Policy:
     """DiLoCo (Douillard et al. 2023): synchronous outer rounds of ``H`` inner steps; each worker's
     batch sized so that all finish together (``global_batch`` samples per step in total, None: the
@@ -120,8 +126,10 @@ def diloco(
     outer optimizer (run it with ``[train] outer_optimizer = "nesterov:lr=0.7,momentum=0.9"``).
     ``calibrate``: a worker whose step time is not known yet (no push, no profile) runs rounds of
     one inner step, so the first ``H``-step round is already sized to finish together instead of
-    waiting ``H`` steps for the slowest worker at ``B/N``."""
+    waiting ``H`` steps for the slowest worker at ``B/N``. ``codec``: the pseudo-gradients' codec
+    (e.g. ``"int8"``, with the worker's error feedback; None: the configuration's)."""
     _check_h("H", H)
+    _check_codec(codec)
     if global_batch is not None and not is_int(global_batch, 1):
         raise ValueError(f"global_batch must be a positive int or None, got {global_batch!r}")
     if not is_int(b_min, 1):
@@ -134,6 +142,8 @@ def diloco(
         raise ValueError(f"shares must be true or false, got {shares!r}")
     if not isinstance(calibrate, bool):
         raise ValueError(f"calibrate must be true or false, got {calibrate!r}")
+
+    fields: dict[str, Any] = {"push_kind": "delta"} | ({"codec": codec} if codec else {})
 
     def profiled(st: DilocoState, view: ClusterView) -> DilocoState:
         """Timings seeded from the engine's profile exchange for workers that have none yet."""
@@ -152,7 +162,7 @@ def diloco(
         for w in sorted(view.workers):
             want = H if (not calibrate or w in st.timing) else 1
             if st.steps.get(w) != want or w == joined:
-                out.append(SetPlan(w, {"local_steps": want, "push_kind": "delta"}))
+                out.append(SetPlan(w, {"local_steps": want, **fields}))
         return out
 
     def init(view: ClusterView) -> DilocoState:
@@ -230,6 +240,7 @@ def diloco(
         "quantum": quantum,
         "shares": shares,
         "calibrate": calibrate,
+        "codec": codec,
     }
     return Policy("diloco", init, update, params)
 
@@ -306,6 +317,7 @@ def diloco_async(
     drift_patience: int = 3,
     alpha: float = 0.5,
     calibrate: bool = True,
+    codec: str | None = None,
 ) -> Policy:
     """Asynchronous local SGD (Liu et al. 2024): the fastest worker runs ``H`` inner steps, the
     others ``H_i = max(h_min, round(H · c_min / c_i))``; each delta is applied on arrival with weight
@@ -313,7 +325,8 @@ def diloco_async(
     ``delayed_nesterov:lr=0.7,momentum=0.9,period=N``); never holds; re-plans on a join, a leave
     or a speed drift. Until a worker has a profile (the engine's profile exchange, else its first
     ``profile_pushes`` pushes) it runs ``h_min`` steps (``calibrate=False``: ``H``), so a slow
-    worker's first delta is not ``H`` of its steps late."""
+    worker's first delta is not ``H`` of its steps late. ``codec``: the deltas' codec (None: the
+    configuration's)."""
     _check_h("H", H)
     _check_h("h_min", h_min)
     _check_h("max_local_steps", max_local_steps)
@@ -325,7 +338,9 @@ def diloco_async(
         raise ValueError(f"staleness must be true or false, got {staleness!r}")
     if not isinstance(calibrate, bool):
         raise ValueError(f"calibrate must be true or false, got {calibrate!r}")
+    _check_codec(codec)
     blind = h_min if calibrate else H
+    fields: dict[str, Any] = {"push_kind": "delta"} | ({"codec": codec} if codec else {})
     pcfg = ProfilingConfig(profile_pushes, trim, drift, drift_patience, alpha)
 
     def step_times(st: DilocoAsyncState, view: ClusterView) -> dict[int, float]:
@@ -364,7 +379,7 @@ def diloco_async(
             steps = local_steps_for(step_times(st, view), H, h_min, max_local_steps, blind)
             for w in sorted(view.workers):
                 if st.fresh or w == joined or steps[w] != st.steps.get(w):
-                    out.append(SetPlan(w, {"local_steps": steps[w], "push_kind": "delta"}))
+                    out.append(SetPlan(w, {"local_steps": steps[w], **fields}))
             reason = "start" if st.fresh else (ch.reason() or "join")
             st = replace(
                 st, steps=freeze(steps), replans=(*st.replans, reason)[-_KEEP:], fresh=False
@@ -383,6 +398,7 @@ def diloco_async(
         "drift_patience": drift_patience,
         "alpha": alpha,
         "calibrate": calibrate,
+        "codec": codec,
     }
     return Policy("diloco_async", init, update, params)
 

@@ -273,3 +273,16 @@ def test_the_family_runs_with_its_own_outer_optimizer_unless_the_scenario_names_
     assert scenario_for(s7, PolicySpec("ashl")) is s7  # delta averaging stays theirs
     named = replace(s7, outer_optimizer="sgd:lr=0.5")
     assert scenario_for(named, PolicySpec("diloco")) is named  # a scenario's choice is kept
+
+
+@pytest.mark.parametrize("name", ["diloco", "diloco_async"])
+def test_the_family_can_compress_its_pseudo_gradients(name: str) -> None:
+    p = make_policy(name, {"H": 5, "codec": "int8"})
+    v = view_of(fact(0, profile=PROFILE), fact(1, profile=PROFILE))
+    d, _ = p.update(Tick(1.0), p.init(v), v)
+    assert {w: f["codec"] for w, f in plans(d).items()} == {0: "int8", 1: "int8"}
+    plain = make_policy(name, {"H": 5})
+    d, _ = plain.update(Tick(1.0), plain.init(v), v)
+    assert all("codec" not in f for f in plans(d).values())  # the configuration's
+    with pytest.raises(PolicyError, match="codec"):
+        make_policy(name, {"codec": ""})
