@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import pytest
+import pytest_asyncio
 
 if TYPE_CHECKING:
     from hetd import config as config_mod
@@ -188,6 +189,19 @@ async def cluster() -> AsyncIterator[Callable[..., Awaitable[Cluster]]]:
     everything is stopped at the end."""
     async with clusters() as make:
         yield make
+
+
+# The mark of a test on a module-scoped cluster: it runs in the module's event loop, where that
+# cluster's daemon lives.
+SHARED_LOOP = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def raw_asp() -> AsyncIterator[Cluster]:
+    """An asp daemon without workers, shared by a module's raw-client tests (mark them
+    :data:`SHARED_LOOP`): each opens and closes its own sessions, and none changes the policy."""
+    async with clusters() as make:
+        yield await make("asp")
 
 
 # --- a raw protocol-v1 client (tests that speak to the daemon without a worker process) ----------

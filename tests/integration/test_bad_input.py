@@ -12,6 +12,7 @@ import pytest
 from hetd.codecs import registry as codecs
 from hetd.local.demo import stop_processes
 from hetd.protocol import wire
+from tests.conftest import SHARED_LOOP, Cluster
 from tests.conftest import WORKER_AUTH as AUTH
 from tests.conftest import raw_hello as hello
 from tests.conftest import recv_type as recv
@@ -130,20 +131,22 @@ async def test_each_bad_frame_gets_its_error_and_nothing_is_applied(cluster) -> 
         await ws2.close()
 
 
-async def test_push_before_hello_is_refused(cluster) -> None:  # type: ignore[no-untyped-def]
-    c = await cluster("asp")
+@SHARED_LOOP
+async def test_push_before_hello_is_refused(raw_asp: Cluster) -> None:
+    c = raw_asp
     async with aiohttp.ClientSession() as http:
         ws = await http.ws_connect(c.url + "/v1/ws", headers=AUTH)
         await ws.send_bytes(push({}, 0))
         err = await recv(ws, "error")
         assert err["code"] == "no_hello"
-        assert c.engine.store.version == 0
+        assert c.engine.store.version == 0  # no test on this daemon pushes anything it applies
         assert not c.engine.facts
 
 
 @pytest.mark.parametrize("offered", [["int9"], []])
-async def test_no_usable_codec(cluster, offered: list[str]) -> None:  # type: ignore[no-untyped-def]
-    c = await cluster("asp")
+@SHARED_LOOP
+async def test_no_usable_codec(raw_asp: Cluster, offered: list[str]) -> None:
+    c = raw_asp
     async with aiohttp.ClientSession() as http:
         ws = await http.ws_connect(c.url + "/v1/ws", headers=AUTH)
         await ws.send_bytes(wire.encode("hello", 1, name="x", device={}, codecs=offered))

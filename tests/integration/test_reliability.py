@@ -11,6 +11,7 @@ import pytest
 
 from hetd.codecs import registry as codecs
 from hetd.protocol import wire
+from tests.conftest import SHARED_LOOP, Cluster
 from tests.conftest import WORKER_AUTH as AUTH
 from tests.conftest import raw_hello as hello
 from tests.conftest import recv_type as recv
@@ -53,8 +54,9 @@ def test_an_id_that_cannot_be_read_is_zero() -> None:
     assert info.value.id == 0
 
 
-async def test_a_malformed_push_is_answered_with_its_own_id(cluster) -> None:  # type: ignore[no-untyped-def]
-    c = await cluster("asp")
+@SHARED_LOOP
+async def test_a_malformed_push_is_answered_with_its_own_id(raw_asp: Cluster) -> None:
+    c = raw_asp
     async with aiohttp.ClientSession() as http:
         ws = await http.ws_connect(c.url + "/v1/ws", headers=AUTH)
         await ws.send_bytes(hello())
@@ -134,10 +136,11 @@ async def test_a_plug_in_factory_that_raises_exits_2_with_one_line(
 # --- the update guard: a poisoned push is refused, the model survives ----------------------------
 
 
-async def test_a_poisoned_push_is_refused_by_the_daemon(cluster) -> None:  # type: ignore[no-untyped-def]
+@SHARED_LOOP
+async def test_a_poisoned_push_is_refused_by_the_daemon(raw_asp: Cluster) -> None:
     from tests.conftest import ADMIN_TOKEN
 
-    c = await cluster("asp")
+    c = raw_asp
     assert c.engine.config.guard_factor == 100.0  # [train] guard_factor's default
     async with aiohttp.ClientSession() as http:
         ws = await http.ws_connect(c.url + "/v1/ws", headers=AUTH)
@@ -172,8 +175,9 @@ async def test_a_poisoned_push_is_refused_by_the_daemon(cluster) -> None:  # typ
 # --- identity: resuming a worker's id needs the secret its welcome gave it ------------------------
 
 
-async def test_a_departed_id_is_not_taken_over_with_the_token_alone(cluster) -> None:  # type: ignore[no-untyped-def]
-    c = await cluster("asp")
+@SHARED_LOOP
+async def test_a_departed_id_is_not_taken_over_with_the_token_alone(raw_asp: Cluster) -> None:
+    c = raw_asp
     async with aiohttp.ClientSession() as http:
         ws = await http.ws_connect(c.url + "/v1/ws", headers=AUTH)
         await ws.send_bytes(hello())
