@@ -12,6 +12,7 @@ import ssl
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -26,6 +27,7 @@ from hetd.protocol.plan import Plan, codec_for, local_steps_for
 from workers.emulate import Emulation
 from workers.loop import Core, Trainer, device_info, host_free_memory
 from workers.prepare import prepared, start_preparing
+from workers.stage import PIPELINE_TYPES, StageHost, handle, new_params
 
 log = logging.getLogger("hetd.worker")
 
@@ -80,6 +82,13 @@ class WorkerState:
     # reconnect: one the daemon did not see is not lost, one it did see is not applied twice.
     push_id: int = 0  # the request id of the last push made
     unacked: dict[int, bytes] = field(default_factory=dict)  # request id -> push frame
+    model_setup: dict[str, Any] = field(default_factory=dict)  # the welcome's ``model``
+    stage_host: StageHost | None = None  # the pipeline stage the daemon assigned, if any
+
+    def next_push_id(self) -> int:
+        """A fresh request id for a push."""
+        self.push_id += 1
+        return self.push_id
 
     def keep_unacked(self, push_id: int, frame: bytes) -> None:
         """Remember a push until the daemon answers it (at most :data:`MAX_UNACKED`)."""
@@ -134,6 +143,7 @@ class Inbox:
         self.pushes: set[int] = set()  # request ids of pushes the daemon has not answered
         self.resent: set[int] = set()  # ... of earlier sessions' pushes sent again (not in flight)
         self.rejected_in_a_row = 0  # pushes the daemon refused with ``error`` since one went in
+        self.staged = False  # a pipeline stage is assigned: only replica steps run
 
     def deliver(self, held: Held) -> None:
         """New parameters arrived."""
@@ -183,7 +193,7 @@ class Inbox:
                 raise self.closed
             if self.closed is not None:
                 raise ConnectionError(f"daemon connection ended: {self.closed}")
-            if self.params is not None and self.in_flight <= depth:
+            if self.params is not None and self.in_flight <= depth and not self.staged:
                 return self.params
             self.changed.clear()
             await self.changed.wait()
@@ -341,6 +351,17 @@ async def _read(
                     await ws.send_bytes(wire.encode("pull", 0, have=None))
                 else:
                     inbox.deliver(held)
+                    if state.stage_host is not None:
+                        await new_params(state.stage_host, held, partial(_send, ws, opts=opts))
+            elif msg.type in PIPELINE_TYPES:
+                if state.stage_host is None and state.trainer is not None:
+                    state.stage_host = StageHost(
+                        state.model_setup, state.trainer.data, state.next_push_id
+                    )
+                if state.stage_host is not None:
+                    inbox.staged = True  # the compute loop runs no data-parallel step now
+                    send = partial(_send, ws, opts=opts)
+                    await handle(state.stage_host, msg, inbox.params, send)
             elif msg.type == "ack":
                 state.unacked.pop(msg.id, None)
                 inbox.answered(msg.id, msg["status"])
@@ -370,6 +391,7 @@ def _welcome(
     """Take the welcome; the trainer reuses ``core`` (a prepared one) or the last trainer's core
     when they were built for the same model, data and settings."""
     state.worker_id = msg["worker_id"]
+    state.model_setup = dict(msg["model"])
     state.secret = msg.get("secret")
     state.plan = Plan.from_wire(msg["plan"])
     state.heartbeat_s = float(msg["heartbeat_s"])

@@ -14,7 +14,7 @@ stalls the daemon or another session.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Protocol
@@ -57,6 +57,9 @@ class Relay:
         self._stage_of: Mapping[tuple[int, int, int], tuple[int, int]] = MappingProxyType({})
         self._sinks: dict[int, Sink] = {}
         self._frames = self._bytes = self._dropped = 0
+        # who takes a stage's slice of a replica step (a push with ``stage``): the worker id and
+        # the checked message, tensors still on the wire; None: such pushes are refused
+        self.on_part: Callable[[int, wire.Message], None] | None = None
 
     @property
     def routes(self) -> Mapping[Route, int]:
@@ -93,6 +96,14 @@ class Relay:
         """Worker ``wid``'s session ended (a newer session of the same id is kept)."""
         if self._sinks.get(wid) is sink:
             del self._sinks[wid]
+
+    def send(self, wid: int, frame: bytes) -> None:
+        """Send worker ``wid`` a pipeline control frame (``stage``, ``step``, ``abort``) after
+        what its session has queued; :class:`NoRoute` when it is not connected."""
+        sink = self._sinks.get(wid)
+        if sink is None:
+            raise NoRoute("route_down", f"worker {wid} is not connected")
+        sink.send_relayed(frame)
 
     def stats(self) -> RelayStats:
         return RelayStats(self._frames, self._bytes, self._dropped)

@@ -165,12 +165,8 @@ def _decode(
         msg = wire.decode(data, parts.max_bytes)
         if msg.type == "chunk":
             raise wire.ProtocolError("malformed", "a chunk may not carry another chunk")
-    if msg.type in ("act", "gact") and wid is not None:
-        return Relayed(msg, data)
-    if msg.type == "push" and msg.get("stage") is not None:
-        raise wire.ProtocolError(
-            "unexpected", "push: this daemon's engine runs no pipeline replicas yet", msg.id
-        )
+    if wid is not None and (msg.type in ("act", "gact") or msg.get("stage") is not None):
+        return Relayed(msg, data)  # relayed, or a stage's slice of a replica step (a push)
     if msg.type == "push" and wid is not None:
         try:
             return decode_push(engine.store.shapes, wid, msg, len(data), fused=True)
@@ -228,6 +224,16 @@ async def handle(
                 continue
             if isinstance(item, PushIn):
                 engine.submit(partial(engine.push, item))
+                continue
+            if isinstance(item, Relayed) and item.msg.type == "push":
+                if relay is None or relay.on_part is None or wid is None:
+                    outbox.send_error(
+                        "unexpected",
+                        "push: this daemon takes no pipeline stage slices",
+                        item.msg.id,
+                    )
+                else:
+                    relay.on_part(wid, item.msg)
                 continue
             if isinstance(item, Relayed):
                 try:

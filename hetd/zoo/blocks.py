@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -14,7 +15,8 @@ import jax.numpy as jnp
 
 from hetd.zoo.lm import _Block as _LMBlock
 from hetd.zoo.lm import resolve_size
-from hetd.zoo.stages import BlockModel
+from hetd.zoo.models import Model
+from hetd.zoo.stages import BlockModel, as_model
 
 
 class _Dense(nn.Module):
@@ -89,3 +91,20 @@ def transformer_blocks(
     blocks += [(f"layer{j}", _Causal(shape.d_model, shape.heads)) for j in range(shape.layers)]
     blocks.append(("head", _Head(num_classes)))
     return BlockModel("transformer", tuple(blocks))
+
+
+def mlp_model(num_classes: int, hidden: Sequence[int] = (128,)) -> Model:
+    """The ``mlp`` workload as blocks, as an ordinary model: serve it as
+    ``model = "hetd.zoo.blocks:mlp_model"`` to train it with pipeline stages (parameters
+    ``b00/...``, one block per Dense layer)."""
+    return as_model(mlp_blocks(num_classes, hidden))
+
+
+_BLOCK_MODELS = {"hetd.zoo.blocks:mlp_model": mlp_blocks}
+
+
+def blocks_for(spec: str, num_classes: int, **kwargs: Any) -> BlockModel | None:
+    """The blocks behind a model spec that has them (None for a model that is not
+    block-structured)."""
+    factory = _BLOCK_MODELS.get(spec)
+    return None if factory is None else factory(num_classes, **kwargs)
