@@ -159,8 +159,10 @@ class StageHost:
         array = codecs.decode_tensor(msg["tensor"], f"{msg.type}[{msg['mb']}]")
         try:
             out = s.runner.offer(msg.type, msg["mb"], array)
-        except Exception as exc:  # a wrong shape or a message for the wrong side
-            raise StageError(f"{msg.type} {msg['mb']}: {exc}") from None
+        except Exception as exc:  # a wrong shape or a message for the wrong side: the runner
+            self.step = None  # may be half-way through it, so the step is given up
+            self.dropped += 1
+            raise StageError(f"{msg.type} {msg['mb']}: {exc}; step given up") from None
         return self._frames(out)
 
     def abort(self, msg: wire.Message) -> None:
