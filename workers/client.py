@@ -362,6 +362,10 @@ async def _read(
                     inbox.staged = True  # the compute loop runs no data-parallel step now
                     send = partial(_send, ws, opts=opts)
                     await handle(state.stage_host, msg, inbox.params, send)
+                    if state.stage_host.assignment is None:  # dissolved (or never assigned)
+                        inbox.staged = False
+                        inbox.in_flight = 0
+                        inbox.changed.set()
             elif msg.type == "ack":
                 state.unacked.pop(msg.id, None)
                 inbox.answered(msg.id, msg["status"])

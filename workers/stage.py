@@ -165,11 +165,21 @@ class StageHost:
             raise StageError(f"{msg.type} {msg['mb']}: {exc}; step given up") from None
         return self._frames(out)
 
-    def abort(self, msg: wire.Message) -> None:
-        """Take an ``abort``: forget the step it names."""
+    def abort(self, msg: wire.Message) -> bool:
+        """Take an ``abort``: forget the step it names; with ``dissolve``, the assignment too.
+        True when this worker is no stage any more."""
         if self._ours(msg):
             self.step = None
             self.dropped += 1
+        if msg.get("dissolve") and self._ours(msg, step=False):
+            self.assignment = None
+            self.step = None
+            log.info(
+                "replica %d gen %d dissolved: back to data-parallel steps",
+                msg["replica"],
+                msg["gen"],
+            )
+        return self.assignment is None
 
     def _frames(self, out: list[tuple[str, int, np.ndarray]]) -> list[bytes]:
         s = self.step

@@ -10,7 +10,8 @@ unaffected (they are new types, and the new ``push`` fields are optional).
   ``next`` are the worker ids of its neighbours (None at the ends).
 * ``step`` (daemon → worker): run step ``step`` of the replica on parameter version ``base``:
   ``micro_batches`` micro-batches of ``micro`` samples from shard ``shard`` at sample ``offset``.
-* ``abort`` (daemon → worker): forget step ``step`` (nothing of it will be applied).
+* ``abort`` (daemon → worker): forget step ``step`` (nothing of it will be applied); with
+  ``dissolve`` the replica generation ends and the worker goes back to data-parallel steps.
 * ``act`` / ``gact`` (worker → daemon → worker): micro-batch ``mb``'s activation for the next
   stage, or its gradient for the stage before. The daemon reads the header only and forwards
   the frame's bytes as they came; ``tensor`` is one wire tensor (:mod:`hetd.codecs`).
@@ -62,6 +63,7 @@ SCHEMA: Final[dict[str, dict[str, tuple[tuple[type, ...], bool]]]] = {
         "gen": (_INT, True),
         "step": (_INT, True),
         "reason": (_OPT_STR, False),
+        "dissolve": ((bool,), False),  # the replica generation ends: back to data parallel
     },
     "act": {
         "replica": (_INT, True),

@@ -60,6 +60,8 @@ class Relay:
         # who takes a stage's slice of a replica step (a push with ``stage``): the worker id and
         # the checked message, tensors still on the wire; None: such pushes are refused
         self.on_part: Callable[[int, wire.Message], None] | None = None
+        # told the id of a worker whose session ended (a stage may be lost)
+        self.on_detach: Callable[[int], None] | None = None
 
     @property
     def routes(self) -> Mapping[Route, int]:
@@ -96,6 +98,8 @@ class Relay:
         """Worker ``wid``'s session ended (a newer session of the same id is kept)."""
         if self._sinks.get(wid) is sink:
             del self._sinks[wid]
+            if self.on_detach is not None:
+                self.on_detach(wid)
 
     def send(self, wid: int, frame: bytes) -> None:
         """Send worker ``wid`` a pipeline control frame (``stage``, ``step``, ``abort``) after

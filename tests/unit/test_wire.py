@@ -95,7 +95,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
         "shard": 0,
         "offset": 128,
     },
-    "abort": {"replica": 1, "gen": 2, "step": 7, "reason": "stage 1 left"},
+    "abort": {"replica": 1, "gen": 2, "step": 7, "reason": "stage 1 left", "dissolve": True},
     "act": {"replica": 1, "gen": 2, "step": 7, "mb": 3, "tensor": TENSOR},
     "gact": {"replica": 1, "gen": 2, "step": 7, "mb": 3, "tensor": TENSOR},
 }

@@ -1,0 +1,237 @@
+"""One pipeline replica run beside the engine's data-parallel workers (docs/policies.md §11): the
+first real-mode cut of DP+MP, before the engine and the ``dpmp`` policy see replicas.
+
+A :class:`ReplicaDriver` takes an ordered group of connected workers and the cuts between their
+blocks, installs the relay's routes, sends each its ``stage``, and then runs steps: each step it
+sends every stage the full parameters of one version ``v`` and ``step{base: v}`` (so every stage
+computes on the same version), collects the stages' slices through the assembler
+(:mod:`policies.dpmp.assembler`: only a complete, disjoint, covering set of one released step
+goes on), and hands the assembled gradient to the engine as one push of the replica's stage-0
+worker, which the policy treats like any other. If a stage's worker leaves, the step is aborted
+(nothing of it applied), the survivors get ``abort{dissolve}`` and go back to data-parallel
+steps, and the routes are withdrawn.
+
+Limits (what the engine's replicas will lift): the other stages' workers stay in the policy's
+view without pushing, so this suits policies without a barrier over every worker (``asp``); each
+stage is sent the whole parameter set, not its slice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from hetd.codecs import registry as codecs
+from hetd.core.engine import Engine
+from hetd.protocol import wire
+from hetd.protocol.messages import PushIn
+from hetd.server.relay import NoRoute, Relay
+from policies.dpmp import assembler as asm
+
+log = logging.getLogger("hetd.server.replicas")
+
+
+class ReplicaDriver:
+    """Runs one pipeline replica (``replica`` id) through ``relay`` for ``engine``."""
+
+    def __init__(self, engine: Engine, relay: Relay, replica: int = 0) -> None:
+        self.engine = engine
+        self.relay = relay
+        self.replica = replica
+        self.members: tuple[int, ...] = ()
+        self.gen = 0
+        self.step = 0
+        self.micro = self.micro_batches = 0
+        self.state = asm.AssemblerState(model=frozenset(engine.store.shapes))
+        self.assembled = 0  # steps applied as one push
+        self.aborted = 0  # steps discarded (a stage lost, a bad or unfitting part)
+        self.dropped: list[str] = []  # why parts were dropped (the last few)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        relay.on_part = self.part
+        relay.on_detach = self.lost
+
+    def form(
+        self,
+        members: Sequence[int],
+        cuts: Sequence[int],
+        micro: int,
+        micro_batches: int,
+        inflight: Sequence[int] = (),
+    ) -> None:
+        """Make ``members`` (worker ids, stage order) a new generation of the replica, stage
+        ``s`` holding blocks ``[cuts[s], cuts[s+1])``, and release its first step."""
+        n = len(members)
+        if n < 2 or len(cuts) != n + 1 or list(cuts) != sorted(set(cuts)):
+            raise ValueError(f"need >= 2 members and {n + 1} increasing cuts, got {list(cuts)}")
+        self.gen += 1
+        self.members = tuple(members)
+        self.micro, self.micro_batches = micro, micro_batches
+        self.relay.install(
+            {
+                **{k: w for k, w in self.relay.routes.items() if k[0] != self.replica},
+                **{(self.replica, self.gen, s): w for s, w in enumerate(members)},
+            }
+        )
+        self.state = asm.regroup(self.state, self.replica, self.gen, n)
+        for s, w in enumerate(members):
+            cap = inflight[s] if inflight else n - s
+            self._send(
+                w,
+                wire.encode(
+                    "stage",
+                    0,
+                    replica=self.replica,
+                    gen=self.gen,
+                    stage=s,
+                    of=n,
+                    blocks=[cuts[s], cuts[s + 1]],
+                    micro=micro,
+                    inflight=cap,
+                    prev=members[s - 1] if s > 0 else None,
+                    next=members[s + 1] if s < n - 1 else None,
+                ),
+            )
+        self.release()
+
+    def release(self) -> None:
+        """Send every stage the current version in full and the next step on it."""
+        if not self.members:
+            return
+        snap = self.engine.store.snapshot()
+        if snap.frame is None:  # pragma: no cover - the store always packs its snapshots
+            raise RuntimeError("the store's snapshot has no params frame")
+        self.step += 1
+        samples = self.micro * self.micro_batches
+        now = self.engine.clock.now()
+        self.state = asm.release(self.state, self.replica, self.step, snap.version, samples, now)
+        step = wire.encode(
+            "step",
+            0,
+            replica=self.replica,
+            gen=self.gen,
+            step=self.step,
+            base=snap.version,
+            micro_batches=self.micro_batches,
+            micro=self.micro,
+            shard=0,
+            offset=self.step * samples,
+        )
+        for w in self.members:  # params first: the stage holds ``base`` when the step comes
+            self._send(w, bytes(snap.frame))
+            self._send(w, step)
+
+    def part(self, wid: int, msg: wire.Message) -> None:
+        """A stage's slice arrived (the relay's ``on_part``)."""
+        try:
+            tensors = self._decode(msg["tensors"])
+        except (codecs.CodecError, ValueError) as exc:
+            self._drop(f"worker {wid} step {msg['step']}: {exc}", abort=True)
+            return
+        part = asm.Part(
+            replica=msg["replica"],
+            gen=msg["gen"],
+            step=msg["step"],
+            stage=msg["stage"],
+            base_version=msg["base"],
+            samples=msg["samples"],
+            paths=frozenset(tensors),
+            payload=(wid, msg.id, tensors, msg.get("loss")),
+            compute_s=float(msg["compute_s"]),
+        )
+        if part.replica != self.replica or self.members[part.stage : part.stage + 1] != (wid,):
+            self._drop(f"worker {wid} is not stage {part.stage} of replica {part.replica}")
+            return
+        outcome, self.state = asm.offer(self.state, part, self.engine.clock.now())
+        if isinstance(outcome, asm.Dropped):
+            current = (self.replica, self.gen, self.step) in self.state.released
+            self._drop(outcome.reason, abort=not current and part.step == self.step)
+        elif isinstance(outcome, asm.Assembled):
+            self._spawn(self._apply(outcome))
+
+    def lost(self, wid: int) -> None:
+        """A worker's session ended (the relay's ``on_detach``): a lost stage aborts the step
+        and dissolves the replica; the survivors go back to data-parallel steps."""
+        if wid not in self.members:
+            return
+        self.state = asm.abort(self.state, self.replica, f"worker {wid} left")
+        self.state = asm.regroup(self.state, self.replica, self.gen, 0)
+        self.aborted += 1
+        self.relay.install({k: w for k, w in self.relay.routes.items() if k[0] != self.replica})
+        survivors, self.members = [w for w in self.members if w != wid], ()
+        frame = wire.encode(
+            "abort",
+            0,
+            replica=self.replica,
+            gen=self.gen,
+            step=self.step,
+            reason=f"stage worker {wid} left",
+            dissolve=True,
+        )
+        for w in survivors:
+            self._send(w, frame)
+        log.info("replica %d gen %d dissolved: worker %d left", self.replica, self.gen, wid)
+
+    async def _apply(self, done: asm.Assembled) -> None:
+        """The assembled step as one push of the stage-0 worker, then the next step."""
+        tensors: dict[str, np.ndarray] = {}
+        loss = None
+        for p in done.parts:
+            _, _, part_tensors, part_loss = p.payload
+            tensors.update(part_tensors)
+            loss = part_loss if part_loss is not None else loss
+        head, push_id = done.parts[0].payload[0], done.parts[0].payload[1]
+        push = PushIn(
+            worker=head,
+            id=push_id,
+            base=done.base_version,
+            kind="grad",
+            tensors=tensors,
+            samples=done.samples,
+            steps=1,
+            compute_s=done.wall_s,
+            loss=loss,
+            free_mem=None,
+            nbytes=sum(int(t.nbytes) for t in tensors.values()),
+        )
+        await self.engine.call(partial(self.engine.push, push))
+        self.assembled += 1
+        if done.gen == self.gen and self.members:
+            self.release()
+
+    def _decode(self, wire_tensors: Any) -> dict[str, np.ndarray]:
+        shapes = self.engine.store.shapes
+        tensors = codecs.decode_tree(wire_tensors)
+        for path, x in tensors.items():
+            if shapes.get(path) != tuple(x.shape):
+                raise ValueError(f"tensor {path!r}: not a parameter of that shape")
+            if not np.isfinite(x).all():
+                raise ValueError(f"tensor {path!r} holds NaN or Inf")
+        return tensors
+
+    def _drop(self, why: str, abort: bool = False) -> None:
+        log.info("replica %d: part dropped: %s", self.replica, why)
+        self.dropped = [*self.dropped[-9:], why]
+        if abort and self.members:
+            self.state = asm.abort(self.state, self.replica, why)
+            self.aborted += 1
+            self.release()
+
+    def _send(self, wid: int, frame: bytes) -> None:
+        try:
+            self.relay.send(wid, frame)
+        except NoRoute as exc:
+            log.info("replica %d: %s", self.replica, exc.message)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    @property
+    def routes(self) -> Mapping[tuple[int, int, int], int]:
+        return self.relay.routes

@@ -1,0 +1,45 @@
+"""Real mode of DP+MP: one 2-stage pipeline replica of real ``hetd-worker`` processes beside a
+data-parallel worker, through a real daemon. Assembled steps are applied as whole pushes; killing
+stage 1 mid-run discards that step (nothing partial applied), and stage 0 goes on as a
+data-parallel worker."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetd.server.replicas import ReplicaDriver
+
+pytestmark = pytest.mark.slow
+
+
+async def test_a_replica_trains_beside_dp_and_falls_back_when_a_stage_dies(cluster) -> None:  # type: ignore[no-untyped-def]
+    c = await cluster("asp", model="hetd.zoo.blocks:mlp_model")
+    procs = [await c.spawn(1.0, 0.01) for _ in range(3)]
+    await c.wait_for(lambda: len(c.engine.facts) == 3, 120, "3 workers to join")
+    by_name = {f.name.split("-")[0]: w for w, f in c.engine.facts.items()}
+    w0, w1 = by_name["w0"], by_name["w1"]
+    driver = ReplicaDriver(c.engine, c.daemon.relay)
+    a0, p1 = c.engine.stats[w0].applied, c.engine.stats[w1].pushes
+    driver.form([w0, w1], cuts=[0, 1, 2], micro=16, micro_batches=4)
+
+    def trained() -> bool:
+        acc = c.engine.evals[-1][2] if c.engine.evals else 0.0
+        return driver.assembled >= 10 and acc > 0.8
+
+    await c.wait_for(trained, 180, "10 assembled replica steps and accuracy > 0.8")
+    assert driver.aborted == 0, driver.dropped
+    # staged, the two run replica steps only (one data-parallel push may have been under way)
+    assert c.engine.stats[w0].applied - a0 - driver.assembled in (0, 1)
+    assert c.engine.stats[w1].pushes - p1 in (0, 1)
+
+    procs[1].kill()  # stage 1 dies mid-run
+    await c.wait_for(lambda: not driver.members, 60, "the replica to dissolve")
+    assert driver.aborted == 1
+    assembled, applied = driver.assembled, c.engine.stats[w0].applied
+    # stage 0 goes back to data-parallel steps: its own pushes are applied again
+    await c.wait_for(
+        lambda: c.engine.stats[w0].applied >= applied + 5, 90, "stage 0's data-parallel pushes"
+    )
+    assert driver.assembled == assembled  # the lost step was never applied, nor any part of it
+    assert c.daemon.relay.routes == {}
+    assert c.engine.updates_applied == c.engine.store.version
