@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # the heavy modules (JAX, flax, optax) load behind the listen
     from hetd.core.store import Snapshot
     from hetd.server import checkpoint
     from hetd.server.metrics import Metrics
+    from hetd.server.replicas import ReplicaDriver
     from hetd.zoo.data import Dataset
     from hetd.zoo.models import Model
 
@@ -181,6 +182,7 @@ class Daemon:
         self._admin_slot = admin.AdminSlot(cfg.server.admin_token, tls=self.ssl_context is not None)
         # pipeline replicas' act/gact frames between workers (routes installed by their owner)
         self.relay = Relay()
+        self.replicas: ReplicaDriver | None = None  # one pipeline replica beside DP (built later)
 
     @property
     def engine(self) -> Engine:
@@ -244,6 +246,9 @@ class Daemon:
             if self.checkpointer is not None:
                 self.resumed_from = await asyncio.to_thread(self.checkpointer.restore, engine)
             self.metrics = Metrics(engine, extra=self._metric_extras)
+            from hetd.server.replicas import ReplicaDriver
+
+            self.replicas = ReplicaDriver(engine, self.relay)  # formed by POST /v1/replicas
             self._engine_task = asyncio.create_task(engine.run(), name="hetd-engine")
         except BaseException:
             await self.stop(final_checkpoint=False)
@@ -260,6 +265,7 @@ class Daemon:
                     daemon_status=self.describe,
                     timeout_s=self.cfg.server.stop_timeout_s,
                     export=self.export,
+                    replicas=self.replicas,
                 )
             )
         if self.checkpointer is not None and self.cfg.store.interval_s > 0:

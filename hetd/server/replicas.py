@@ -35,6 +35,8 @@ from policies.dpmp import assembler as asm
 
 log = logging.getLogger("hetd.server.replicas")
 
+BARRIER_FREE = ("asp",)  # policies that never wait for a worker that does not push
+
 
 class ReplicaDriver:
     """Runs one pipeline replica (``replica`` id) through ``relay`` for ``engine``."""
@@ -66,8 +68,20 @@ class ReplicaDriver:
         """Make ``members`` (worker ids, stage order) a new generation of the replica, stage
         ``s`` holding blocks ``[cuts[s], cuts[s+1])``, and release its first step."""
         n = len(members)
-        if n < 2 or len(cuts) != n + 1 or list(cuts) != sorted(set(cuts)):
-            raise ValueError(f"need >= 2 members and {n + 1} increasing cuts, got {list(cuts)}")
+        if n < 2 or len(cuts) != n + 1 or list(cuts) != sorted(set(cuts)) or cuts[0] != 0:
+            raise ValueError(
+                f"need >= 2 members and {n + 1} increasing cuts from 0, got {list(cuts)}"
+            )
+        if self.engine.policy.name not in BARRIER_FREE:
+            raise ValueError(
+                f"policy {self.engine.policy.name!r} may wait for every worker; a replica's later "
+                f"stages never push on their own, so use one of {', '.join(BARRIER_FREE)}"
+            )
+        gone = [w for w in members if w not in self.engine.facts]
+        if gone or len(set(members)) != n:
+            raise ValueError(f"members must be distinct connected workers; not connected: {gone}")
+        if self.members:
+            raise ValueError(f"replica {self.replica} is running (members {list(self.members)})")
         self.gen += 1
         self.members = tuple(members)
         self.micro, self.micro_batches = micro, micro_batches
@@ -231,6 +245,18 @@ class ReplicaDriver:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def describe(self) -> dict[str, Any]:
+        """What the admin API shows."""
+        return {
+            "replica": self.replica,
+            "members": list(self.members),
+            "gen": self.gen,
+            "step": self.step,
+            "assembled": self.assembled,
+            "aborted": self.aborted,
+            "dropped": list(self.dropped),
+        }
 
     @property
     def routes(self) -> Mapping[tuple[int, int, int], int]:

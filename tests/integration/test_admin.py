@@ -33,6 +33,13 @@ ROUTES: list[tuple[str, str, Any]] = [
     ("GET", "/metrics", None),
     ("GET", "/openapi.json", None),
     ("GET", "/v1/dashboard", None),
+    ("GET", "/v1/replicas", None),
+    # no workers here: refused (409) with the reason
+    (
+        "POST",
+        "/v1/replicas",
+        {"members": [1, 2], "cuts": [0, 1, 2], "micro": 8, "micro_batches": 2},
+    ),
 ]
 # Routes a test reads only in part: the token is checked all the same.
 STREAMS = [("GET", "/v1/dashboard/stream", None)]
@@ -97,7 +104,8 @@ async def test_every_route_wants_the_admin_token_and_is_documented(cluster) -> N
                 continue
             status, reply = await call(http, c, method, path, body)
             # No state directory is configured here: checkpointing is refused with a reason.
-            assert status == (409 if path == "/v1/checkpoint" else 200), (method, path, reply)
+            conflict = path == "/v1/checkpoint" or (method, path) == ("POST", "/v1/replicas")
+            assert status == (409 if conflict else 200), (method, path, reply)
         status, reply = await call(http, c, "GET", "/healthz", headers={})
         assert status == 200 and reply["ok"] is True
 

@@ -5,9 +5,10 @@ data-parallel worker."""
 
 from __future__ import annotations
 
+import aiohttp
 import pytest
 
-from hetd.server.replicas import ReplicaDriver
+from tests.conftest import ADMIN_TOKEN
 
 pytestmark = pytest.mark.slow
 
@@ -18,9 +19,16 @@ async def test_a_replica_trains_beside_dp_and_falls_back_when_a_stage_dies(clust
     await c.wait_for(lambda: len(c.engine.facts) == 3, 120, "3 workers to join")
     by_name = {f.name.split("-")[0]: w for w, f in c.engine.facts.items()}
     w0, w1 = by_name["w0"], by_name["w1"]
-    driver = ReplicaDriver(c.engine, c.daemon.relay)
+    driver = c.daemon.replicas
+    assert driver is not None
     a0, p1 = c.engine.stats[w0].applied, c.engine.stats[w1].pushes
-    driver.form([w0, w1], cuts=[0, 1, 2], micro=16, micro_batches=4)
+    body = {"members": [w0, w1], "cuts": [0, 1, 2], "micro": 16, "micro_batches": 4}
+    auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    async with aiohttp.ClientSession(headers=auth) as http:
+        async with http.post(c.admin_url + "/v1/replicas", json={**body, "cuts": [0, 2]}) as r:
+            assert r.status == 409 and "cuts" in (await r.json())["message"]
+        async with http.post(c.admin_url + "/v1/replicas", json=body) as r:
+            assert r.status == 200 and (await r.json())["members"] == [w0, w1]
 
     def trained() -> bool:
         acc = c.engine.evals[-1][2] if c.engine.evals else 0.0
