@@ -218,6 +218,7 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     stop_loss: float | None = None
     stop_version: int | None = None
     bar = tqdm(total=100, disable=opts.quiet, unit="%", bar_format="{l_bar}{bar}| {postfix}")
+    finished = False  # False on the way out with an error: the daemon is stopped here then
     try:
         while t0 is None or time.monotonic() - t0 < opts.budget_s:
             await asyncio.sleep(0.5)
@@ -260,6 +261,7 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
                 )
                 raise RuntimeError(f"every worker process exited:\n{said}")
         await building  # within the budget or not, the engine must exist for the summary
+        finished = True
     finally:
         bar.close()
         workers = daemon.engine.workers() if daemon.ready else []  # before they leave
@@ -272,7 +274,7 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
                 await building
         elapsed = time.monotonic() - (t0 or launched)
         build_s = (t0 or time.monotonic()) - launched
-        if not daemon.ready:
+        if not daemon.ready or not finished:  # no summary to make: close its ports now
             await daemon.stop()
     engine = daemon.engine
     evaluate = engine.evaluator

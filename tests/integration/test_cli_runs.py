@@ -9,6 +9,7 @@ real subprocess (no daemon in this test's process), checked by the files it leav
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -197,13 +198,32 @@ def test_bench_codecs_suite_writes_every_codec(tmp_path: Path) -> None:
             assert r["rel_error"] > 0, r
 
 
+def listening() -> set[str]:
+    """The TCP sockets this process has listening, by inode (Linux: /proc)."""
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # an fd closed since the listing
+            mine.add(os.readlink(f"/proc/self/fd/{fd}"))
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                cols = row.split()
+                if cols[3] == "0A" and f"socket:[{cols[9]}]" in mine:  # 0A: LISTEN
+                    found.add(cols[9])
+    return found
+
+
 async def test_a_demo_whose_workers_all_die_says_why(tmp_path: Path) -> None:
-    """The workers' own error messages reach the user, not just "they exited"."""
+    """The workers' own error messages reach the user, not just "they exited"; and the daemon
+    is stopped on that way out too (its ports were once left open to the garbage collector)."""
     from hetd.local.demo import DemoOptions, run_demo
 
     opts = DemoOptions(
         dataset="digits", slowdowns=(1.0, 2.0), base_step_s=-1.0, budget_s=60.0, quiet=True
     )
+    before = listening()
     with pytest.raises(RuntimeError, match="every worker process exited") as err:
         await run_demo(opts)
     assert str(err.value).count("base step time must be >= 0, got -1.0") == 2
+    assert listening() <= before, "the demo left its daemon listening"
