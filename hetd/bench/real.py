@@ -31,8 +31,9 @@ worker process starts inside a network namespace of its own behind a veth pair s
 its bandwidth both ways (:mod:`hetd.bench.links`), the daemon listens on the run's head address, and
 the worker sleeps only for the latency (no netem here). The run's ``RunResult.links`` says which.
 
-**A fresh start at t = 0.** While the slowest worker still compiles, the others train (under asp,
-whatever the run's policy, so that a worker is at most one step into its work at t = 0): each
+**A fresh start at t = 0.** While the slowest worker still compiles, the others train (under bsp,
+whatever the run's policy, so that at t = 0 a worker is at most one step into its work and one
+round from the others): each
 pushes once at least, and the faster ones many times. None of that is in the simulator's run, which starts
 every worker at t = 0 from the initial model with the policy just built (profiling included). So at
 t = 0 the bench starts the run afresh, on the engine's task: the policy is swapped for a new one of
@@ -68,7 +69,7 @@ from policies.types import Decision, Event, Leave, Push, Release
 LINKS = ("emulated", "netns")  # --links: the worker sleeps for its link, or a real shaped one
 JOIN_TIMEOUT_S = 120.0  # worker processes import jax and build their trainer first
 POLL_S = 0.05  # how often the engine is sampled for batch shares and progress
-WARMUP = PolicySpec("asp")  # the daemon's policy until the t = 0 restart swaps in the run's
+WARMUP = PolicySpec("bsp")  # the daemon's policy until the t = 0 restart swaps in the run's
 
 
 class Recorder:
@@ -247,10 +248,12 @@ async def _run_on(
 ) -> RunResult:
     """One run; with ``net`` the daemon listens on the head side of the run's links and each
     worker process starts inside its own namespace."""
-    # Until t = 0 the workers compile and warm up under asp: one step per release, so what a
-    # worker still computes at t = 0 is one step. Under the run's policy it could be a whole
-    # plan of local steps (adsp's first period was 2.5-4.6 s on a loaded host, and the first
-    # commit after t = 0 came that late); the restart then swaps in the run's policy.
+    # Until t = 0 the workers compile and warm up under bsp: one step per release, so what a
+    # worker still computes at t = 0 is one step (under the run's policy it could be a whole
+    # plan of local steps: adsp's first period was 2.5-4.6 s on a loaded host, and the first
+    # commit after t = 0 came that late), and every worker's clock stays within one round of the
+    # others (under asp the fast ones ran 50 rounds ahead, and a synchronous policy swapped in
+    # at t = 0 held them until the slowest caught up: 2 s). The restart swaps in the run's.
     cfg = _config(sc, WARMUP, seed, lr, "127.0.0.1" if net is None else net.head)
     daemon = Daemon(cfg)
     port = await daemon.start()  # listens, then builds the engine; no worker has started yet
