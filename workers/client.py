@@ -68,6 +68,8 @@ class WorkerState:
     hash_checked: bool = False  # a verified full pull was logged (since the last mismatch)
     trainer: Trainer | None = None
     trainer_key: str = ""
+    # the daemon refused our hello's ``features`` (a daemon from before that field): say none
+    plain_hello: bool = False
     # the core being built from the daemon's /v1/prepare while it starts (workers.prepare)
     preparing: asyncio.Task[Core | None] | None = None
     plan: Plan = field(default_factory=Plan)  # the daemon's latest plan for this worker
@@ -230,9 +232,17 @@ async def _session(http: aiohttp.ClientSession, opts: WorkerOptions, state: Work
             if state.worker_id is not None
             else None
         )
+        # Named features only to a daemon that takes the field (an older one refuses it).
+        extra = {} if state.plain_hello else {"features": list(wire.WORKER_FEATURES)}
         await ws.send_bytes(
             wire.encode(
-                "hello", 1, name=opts.name, device=info, codecs=codecs.names(), resume=resume
+                "hello",
+                1,
+                name=opts.name,
+                device=info,
+                codecs=codecs.names(),
+                resume=resume,
+                **extra,
             )
         )
         hello_at = time.perf_counter()
@@ -375,6 +385,15 @@ async def _read(
                 log.warning("daemon error %s: %s", msg["code"], msg["message"])
                 if msg["code"] == "no_codec":
                     raise FatalError(msg["message"])
+                if (
+                    msg["code"] == "malformed"
+                    and "features" in msg["message"]
+                    and not state.plain_hello
+                    and not inbox.joined.is_set()
+                ):
+                    # A daemon from before hello's ``features``: say hello again without them.
+                    state.plain_hello = True
+                    raise ConnectionError("the daemon takes no hello features; saying hello again")
                 state.unacked.pop(msg.id, None)  # a refused push is not sent again
                 if inbox.refused(msg.id) and inbox.rejected_in_a_row >= MAX_REFUSED:
                     # Leaving frees every barrier this worker holds; the operator sees why.

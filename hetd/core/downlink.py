@@ -83,7 +83,8 @@ class Downlink:
         self._refs: dict[int, _Reference] = {}
         self._next_ref = 1
         self._tick = 0
-        self._full: dict[tuple[int, str], bytes] = {}  # (version, codec) -> full frame
+        # (version, codec, with the hash) -> full frame
+        self._full: dict[tuple[int, str, bool], bytes] = {}
         self._snap_refs: dict[int, int] = {}  # version -> the reference that is the snapshot
         self._deltas: dict[tuple[str, int, int], Outgoing] = {}  # (codec, base ref, version)
         self._codecs: dict[str, codecs.Codec] = {}
@@ -107,22 +108,26 @@ class Downlink:
         snap: Snapshot,
         ref: int | None = None,
         link_bps: float | None = None,
+        *,
+        hashes: bool = True,
     ) -> Outgoing:
         """The release that brings a worker of codec ``spec`` holding version ``held`` (None or -1:
         nothing usable) through reference ``ref`` (what an earlier release returned) to ``snap``;
-        ``link_bps``: the worker's measured link (None: unknown, deltas are worth it)."""
+        ``link_bps``: the worker's measured link (None: unknown, deltas are worth it); ``hashes``:
+        the worker takes the ``hash`` field (a worker from before it refuses a frame with one)."""
         codec = self._codec(spec)
+        hashes = hashes and self.hashes
         if codec.lossless:
-            return Outgoing([self._full_frame(snap, spec)], snap.version, True)
+            return Outgoing([self._full_frame(snap, spec, hashes)], snap.version, True)
         if link_bps == math.inf:
             # Never a delta on this link (the same host, or the operator said so): no reference
             # to keep. One would hold the snapshot's frame until evicted (at 10M parameters, 12
             # old frames under the 512 MiB cap), and each new frame would need fresh pages.
-            return Outgoing([self._full_frame(snap, "none")], snap.version, True)
+            return Outgoing([self._full_frame(snap, "none", hashes)], snap.version, True)
         self._forget_older(snap.version)
         base = self._refs.get(ref) if ref is not None else None
         if base is None or held is None or base.version != held or held > snap.version:
-            return self._full_release(snap)
+            return self._full_release(snap, hashes)
         self._tick += 1
         base.used = self._tick
         if base.version == snap.version:
@@ -134,7 +139,7 @@ class Downlink:
             self._refs[hit.ref].used = self._tick
             return hit
         if self._full_is_cheaper(spec, codec, base, link_bps):
-            return self._full_release(snap)
+            return self._full_release(snap, hashes)
         started = time.perf_counter()
         release = self._delta(codec, ref, base, snap)
         took = time.perf_counter() - started
@@ -171,7 +176,7 @@ class Downlink:
         new = self._add(_Reference(snap.version, tensors, self._tick))
         return Outgoing([frame], snap.version, False, new)
 
-    def _full_release(self, snap: Snapshot) -> Outgoing:
+    def _full_release(self, snap: Snapshot, hashes: bool) -> Outgoing:
         """The snapshot in full; its reference shares the snapshot's read-only arrays."""
         ref = self._snap_refs.get(snap.version)
         if ref is None or ref not in self._refs:
@@ -183,7 +188,7 @@ class Downlink:
                 _Reference(snap.version, tensors, self._tick)
             )
         self._refs[ref].used = self._tick
-        frame = self._full_frame(snap, "none")
+        frame = self._full_frame(snap, "none", hashes)
         return Outgoing([frame], snap.version, True, ref)
 
     def _add(self, reference: _Reference) -> int:
@@ -210,18 +215,18 @@ class Downlink:
         """A delta of nothing: the worker may go on with what it has."""
         return wire.encode("params", 0, version=version, full=False, base=version, tensors={})
 
-    def _full_frame(self, snap: Snapshot, spec: str) -> bytes:
-        """The full frame of ``snap`` in lossless codec ``spec``, with the snapshot's hash (the
-        worker checks it after applying the frame)."""
+    def _full_frame(self, snap: Snapshot, spec: str, hashes: bool) -> bytes:
+        """The full frame of ``snap`` in lossless codec ``spec``, with the snapshot's hash when
+        ``hashes`` (the worker checks it after applying the frame)."""
         if spec == "none":  # packed once by the store, from the snapshot's own memory
-            packed = snap.hashed_frame() if self.hashes else snap.plain_frame()
+            packed = snap.hashed_frame() if hashes else snap.plain_frame()
             if packed is not None:
                 return packed
         version = snap.version
-        key = (version, spec)
+        key = (version, spec, hashes)
         frame = self._full.get(key)
         if frame is None:
-            extra = {"hash": snap.hash} if self.hashes else {}
+            extra = {"hash": snap.hash} if hashes else {}
             frame = wire.encode(
                 "params",
                 0,

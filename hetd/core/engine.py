@@ -184,6 +184,7 @@ class WorkerEntry:
     peer: Peer | None
     held_ref: int | None = None  # the downlink reference it holds (its parameters' base)
     same_host: bool = False  # it connected over loopback: parameters in full are cheaper
+    hashes: bool = False  # its hello named "hash": its full frames carry the parameters' hash
     # the request id of the last push the engine answered with an ack (applied, buffered or
     # dropped); a push with this id or an older one is a duplicate. Kept across reconnects and in
     # checkpoints: a worker's push ids increase for as long as it is that worker.
@@ -436,9 +437,16 @@ class Engine:
             for wid, *_ in wants:
                 self._send_params(wid, frames[wid])
 
-    def _take_releases(self) -> list[tuple[int, str, int, int | None, float | None]]:
+    def _take_releases(self) -> list[tuple[int, str, int, int | None, float | None, bool]]:
         wants = [
-            (wid, entry.facts.codec, entry.facts.version, entry.held_ref, self._link(entry))
+            (
+                wid,
+                entry.facts.codec,
+                entry.facts.version,
+                entry.held_ref,
+                self._link(entry),
+                entry.hashes,
+            )
             for wid in self._releases
             if (entry := self._workers.get(wid)) is not None
         ]
@@ -469,20 +477,21 @@ class Engine:
             self._send_params(wid, frames[wid])
 
     def _encode_releases(
-        self, wants: list[tuple[int, str, int, int | None, float | None]]
+        self, wants: list[tuple[int, str, int, int | None, float | None, bool]]
     ) -> dict[int, Outgoing]:
-        """The release for each (worker, codec, held version, held reference, link bytes/s); one
-        encoding per (codec, version, reference), shared by every worker holding it."""
+        """The release for each (worker, codec, held version, held reference, link bytes/s, takes
+        the hash); one encoding per (codec, version, reference, hash), shared by every worker
+        holding it."""
         self.store.flush()
         if not wants:
             return {}
         snap = self.store.snapshot()
-        made: dict[tuple[str, int, int | None], Outgoing] = {}
+        made: dict[tuple[str, int, int | None, bool], Outgoing] = {}
         out = {}
-        for wid, codec, held, ref, link in wants:
-            key = (codec, held, ref)
+        for wid, codec, held, ref, link, hashes in wants:
+            key = (codec, held, ref, hashes)
             if key not in made:
-                made[key] = self.downlink.frames(codec, held, snap, ref, link)
+                made[key] = self.downlink.frames(codec, held, snap, ref, link, hashes=hashes)
             out[wid] = made[key]
         return out
 
@@ -546,6 +555,7 @@ class Engine:
             plan=self._default_plan(facts, self.stage),
             peer=peer,
             same_host=hello.same_host,
+            hashes="hash" in hello.features,
             last_push=last_push,
             secret=secret,
         )
@@ -590,6 +600,7 @@ class Engine:
         del self._workers[wid]
         del self._facts[wid]
         peer, entry.peer, entry.held_ref, entry.same_host = entry.peer, None, None, False
+        entry.hashes = False
         self._departed[wid] = entry
         if peer is not None:
             peer.close(reason)
@@ -944,6 +955,7 @@ class Engine:
             self.store.snapshot(),
             entry.held_ref,
             self._link(entry),
+            hashes=entry.hashes,
         )
         self._send_params(wid, release)
 
@@ -962,7 +974,9 @@ class Engine:
             self._releases[wid] = None
             return
         snap = self.store.snapshot()
-        release = self.downlink.frames(entry.facts.codec, -1, snap, None, self._link(entry))
+        release = self.downlink.frames(
+            entry.facts.codec, -1, snap, None, self._link(entry), hashes=entry.hashes
+        )
         self._send_params(wid, release)
 
     def _link(self, entry: WorkerEntry) -> float | None:

@@ -52,6 +52,9 @@ def decode_hello(msg: wire.Message, same_host: bool = False) -> JoinIn:
         resume_secret=secret if isinstance(secret, str) and 0 < len(secret) <= 200 else None,
         free_mem=free_mem if isinstance(free_mem, int) else None,
         same_host=same_host,
+        features=frozenset(
+            f for f in msg.get("features") or () if isinstance(f, str) and f in wire.WORKER_FEATURES
+        ),
     )
 
 

@@ -37,6 +37,7 @@ class JoinIn:
     resume_secret: str | None = None  # ... and the secret its welcome gave it, to prove it
     free_mem: int | None = None  # bytes, the device's ``free_memory`` when it reports one
     same_host: bool = False  # it connected over loopback (parameters in full are cheaper)
+    features: frozenset[str] = frozenset()  # the optional fields it takes (wire.WORKER_FEATURES)
 
 
 @dataclass(frozen=True, slots=True)

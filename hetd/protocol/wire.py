@@ -46,6 +46,8 @@ SCHEMA: Final[dict[str, dict[str, tuple[tuple[type, ...], bool]]]] = {
         "device": ((dict,), True),
         "codecs": ((list,), True),
         "resume": (_OPT_MAP, False),
+        # what else it understands (WORKER_FEATURES); workers from before this field send none
+        "features": ((list, type(None)), False),
     },
     "pull": {"have": (_OPT_INT, False)},
     "push": {
@@ -100,6 +102,10 @@ SCHEMA: Final[dict[str, dict[str, tuple[tuple[type, ...], bool]]]] = {
 }
 
 ACK_STATUSES: Final = ("applied", "buffered", "dropped", "duplicate")
+# Optional fields a worker can take, named in its hello's ``features``; the daemon sends a field
+# only to workers that name it (an older worker's strict decoder refuses fields it does not know):
+# "hash": full ``params`` frames carry the version's parameter hash.
+WORKER_FEATURES: Final = ("hash",)
 PUSH_KINDS: Final = ("grad", "delta")
 
 
