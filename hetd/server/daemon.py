@@ -347,10 +347,19 @@ class Daemon:
         }
 
     def _metric_extras(self) -> dict[str, float]:
+        relayed = self.relay.stats()
+        extras = {
+            "hetd_relay_frames": float(relayed.frames),  # act/gact frames forwarded
+            "hetd_relay_bytes": float(relayed.bytes),
+            "hetd_relay_dropped": float(relayed.dropped),  # ... dropped for want of a route
+        }
+        if self.replicas is not None:
+            extras["hetd_replica_steps_assembled"] = float(self.replicas.assembled)
+            extras["hetd_replica_steps_aborted"] = float(self.replicas.aborted)
         ck = self.checkpointer
         if ck is None:
-            return {}
-        extras = {"hetd_checkpoints_written": float(ck.written)}
+            return extras
+        extras["hetd_checkpoints_written"] = float(ck.written)
         if ck.last is not None:
             extras["hetd_last_checkpoint_version"] = float(ck.last.version)
         return extras

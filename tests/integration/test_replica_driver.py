@@ -50,4 +50,12 @@ async def test_a_replica_trains_beside_dp_and_falls_back_when_a_stage_dies(clust
     )
     assert driver.assembled == assembled  # the lost step was never applied, nor any part of it
     assert c.daemon.relay.routes == {}
+    async with (
+        aiohttp.ClientSession(headers=auth) as http,
+        http.get(c.admin_url + "/metrics") as r,
+    ):
+        text = await r.text()
+    assert f"hetd_replica_steps_assembled {float(assembled)}" in text
+    assert "hetd_replica_steps_aborted 1.0" in text
+    assert "hetd_relay_frames " in text and "hetd_relay_dropped " in text
     assert c.engine.updates_applied == c.engine.store.version
