@@ -178,7 +178,14 @@ async def _message_s(engine: Engine, frame: bytes, repeats: int) -> float:
     try:
         peer = _Peer()
         hello = wire.decode(
-            wire.encode("hello", 1, name="calibrate", device={}, codecs=codecs.names())
+            wire.encode(
+                "hello",
+                1,
+                name="calibrate",
+                device={},
+                codecs=codecs.names(),
+                features=list(wire.WORKER_FEATURES),  # as a real worker: frames with the hash
+            )
         )
         wid = await engine.call(lambda: engine.join(decode_hello(hello), peer))
         push = decode_push(engine.store.shapes, wid, wire.decode(frame), len(frame), fused=True)

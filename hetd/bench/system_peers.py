@@ -191,7 +191,10 @@ def chunk_head(frame: bytes) -> tuple[int, bool, int] | None:
 def _hello(name: str, codec: str) -> bytes:
     device = {"platform": "cpu", "kind": "bench", "memory": 0}
     offered = sorted({codecs.spec_name(codec), "none"})
-    return wire.encode("hello", 1, name=name, device=device, codecs=offered)
+    # the features a real worker names: the daemon's cost per update includes the hash it pays
+    return wire.encode(
+        "hello", 1, name=name, device=device, codecs=offered, features=list(wire.WORKER_FEATURES)
+    )
 
 
 async def _watch_stop(conn: Connection, stop: asyncio.Event) -> None:
