@@ -233,7 +233,11 @@ async def handle(
                         item.msg.id,
                     )
                 else:
-                    relay.on_part(wid, item.msg)
+                    try:
+                        relay.on_part(wid, item.msg)
+                    except Exception as exc:  # a bug there must not end the session
+                        log.exception("worker %s: stage slice not taken", wid)
+                        outbox.send_error("internal", f"stage slice not taken: {exc}", item.msg.id)
                 continue
             if isinstance(item, Relayed):
                 try:
