@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -77,6 +78,13 @@ class ReplicaDriver:
                 f"policy {self.engine.policy.name!r} may wait for every worker; a replica's later "
                 f"stages never push on their own, so use one of {', '.join(BARRIER_FREE)}"
             )
+        blocks = {path.split("/", 1)[0] for path in self.engine.store.shapes}
+        if not all(re.fullmatch(r"b\d\d", b) for b in blocks):
+            raise ValueError(
+                "the model is not block-structured (serve one, e.g. hetd.zoo.blocks:mlp_model)"
+            )
+        if cuts[-1] != len(blocks):
+            raise ValueError(f"the cuts must end at the model's {len(blocks)} blocks")
         gone = [w for w in members if w not in self.engine.facts]
         if gone or len(set(members)) != n:
             raise ValueError(f"members must be distinct connected workers; not connected: {gone}")

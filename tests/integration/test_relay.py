@@ -55,7 +55,7 @@ async def _send_all(ws: Any, frame: bytes) -> None:
 
 
 async def test_relay_forwards_between_neighbours_and_drops_what_has_no_route(cluster) -> None:  # type: ignore[no-untyped-def]
-    c = await cluster("asp", server={"max_frame_bytes": CAP})
+    c = await cluster("asp", server={"max_frame_bytes": CAP}, model="hetd.zoo.blocks:mlp_model")
     relay = c.daemon.relay
     url = c.url + "/v1/ws"
     async with aiohttp.ClientSession() as http:
@@ -113,5 +113,40 @@ async def test_relay_forwards_between_neighbours_and_drops_what_has_no_route(clu
         # the daemon and the other sessions go on
         await other.send_bytes(wire.encode("pull", 11, have=None))
         assert (await _next(other, "params"))["version"] == c.engine.store.version
+
+        # the replica driver with raw clients as its stages: a bad slice aborts the step and a
+        # new one is released; a stage that leaves dissolves the replica
+        driver = c.daemon.replicas
+        assert driver is not None
+        with pytest.raises(ValueError, match="end at the model's 2 blocks"):
+            driver.form([w0, w2], [0, 1, 3], 8, 1)
+        with pytest.raises(ValueError, match="not connected"):
+            driver.form([w0, w1], [0, 1, 2], 8, 1)
+        driver.form([w0, w2], [0, 1, 2], micro=8, micro_batches=1)
+        assigned = await _next(s0, "stage")
+        assert (assigned["stage"], assigned["next"], assigned["blocks"]) == (0, w2, [0, 1])
+        step = await _next(s0, "step")
+        held = await _next(other, "step")
+        assert (held["step"], held["base"]) == (step["step"], step["base"])
+        ids = {"replica": 0, "gen": step["gen"], "step": step["step"]}
+        wrong = {"b00/Dense_0/kernel": codecs.get_codec("none").encode(np.ones((2, 2), np.float32))}
+        bad = wire.encode(
+            "push",
+            50,
+            base=step["base"],
+            kind="grad",
+            tensors=wrong,
+            samples=8,
+            steps=1,
+            compute_s=0.1,
+            stage=0,
+            **ids,
+        )
+        await s0.send_bytes(bad)
+        again = await _next(s0, "step")
+        assert again["step"] == step["step"] + 1 and driver.aborted == 1
+        assert "not a parameter of that shape" in driver.dropped[-1]
+        await other.close()  # stage 1 leaves
+        gone = await _next(s0, "abort")
+        assert gone["dissolve"] is True and driver.members == () and driver.assembled == 0
         await s0.close()
-        await other.close()
