@@ -1,13 +1,23 @@
 """Real mode of DP+MP: one 2-stage pipeline replica of real ``hetd-worker`` processes beside a
-data-parallel worker, through a real daemon. Assembled steps are applied as whole pushes; killing
-stage 1 mid-run discards that step (nothing partial applied), and stage 0 goes on as a
-data-parallel worker."""
+data-parallel worker, through a real daemon. The stages' slices of a step are disjoint, cover the
+model and equal the whole model's ``jax.grad`` on the same samples; assembled steps are applied as
+whole pushes; killing stage 1 mid-run discards that step (nothing partial applied), and stage 0
+goes on as a data-parallel worker."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import aiohttp
+import jax
+import numpy as np
 import pytest
 
+from hetd import config as config_mod
+from hetd.codecs import registry as codecs
+from hetd.protocol import wire
+from hetd.zoo.blocks import mlp_model
+from hetd.zoo.data import load_dataset
 from tests.conftest import ADMIN_TOKEN
 
 pytestmark = pytest.mark.slow
@@ -22,6 +32,18 @@ async def test_a_replica_trains_beside_dp_and_falls_back_when_a_stage_dies(clust
     driver = c.daemon.replicas
     assert driver is not None
     a0, p1 = c.engine.stats[w0].applied, c.engine.stats[w1].pushes
+    # what the stages were released (the version every stage computes on) and what they sent
+    released: dict[int, Any] = {}
+    slices: list[tuple[int, wire.Message]] = []
+    release, take = driver.release, c.daemon.relay.on_part
+    assert take is not None
+
+    def spy_release() -> None:
+        release()
+        released[driver.step] = c.engine.store.snapshot()  # taken in the same engine turn
+
+    driver.release = spy_release  # type: ignore[method-assign]
+    c.daemon.relay.on_part = lambda wid, msg: (slices.append((wid, msg)), take(wid, msg))[1]
     body = {"members": [w0, w1], "cuts": [0, 1, 2], "micro": 16, "micro_batches": 4}
     auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     async with aiohttp.ClientSession(headers=auth) as http:
@@ -39,6 +61,26 @@ async def test_a_replica_trains_beside_dp_and_falls_back_when_a_stage_dies(clust
     # staged, the two run replica steps only (one data-parallel push may have been under way)
     assert c.engine.stats[w0].applied - a0 - driver.assembled in (0, 1)
     assert c.engine.stats[w1].pushes - p1 in (0, 1)
+
+    # step 1's two slices: disjoint, covering, and the whole model's gradient on its samples
+    first = {w: m for w, m in slices if m["step"] == 1}
+    assert set(first) == {w0, w1}
+    got = {w: codecs.decode_tree(m["tensors"]) for w, m in first.items()}
+    assert all(p.startswith("b00/") for p in got[w0]) and all(p.startswith("b01/") for p in got[w1])
+    assert set(got[w0]).isdisjoint(got[w1])
+    assert set(got[w0]) | set(got[w1]) == set(c.engine.store.shapes)
+    assert first[w0]["base"] == released[1].version
+    setup = config_mod.worker_setup(c.daemon.cfg)["dataset"]
+    data = load_dataset(setup["spec"], seed=setup["seed"], **setup["kwargs"])
+    rows = (64 + np.arange(64)) % len(data.y_train)  # step 1 of 4 x 16 samples starts at 64
+    params = {k: np.asarray(v) for k, v in released[1].tensors.items()}
+    loss, ref = jax.value_and_grad(mlp_model(data.num_classes).loss)(
+        params, data.x_train[rows], data.y_train[rows]
+    )
+    whole = {**got[w0], **got[w1]}
+    for path, g in ref.items():
+        np.testing.assert_allclose(whole[path], np.asarray(g), atol=2e-5, err_msg=path)
+    assert first[w1]["loss"] == pytest.approx(float(loss), abs=1e-4)
 
     procs[1].kill()  # stage 1 dies mid-run
     await c.wait_for(lambda: not driver.members, 60, "the replica to dissolve")
