@@ -347,57 +347,6 @@ async def post_export(request: web.Request) -> web.Response:
     return web.json_response(reply)
 
 
-def _replicas(ctx: AdminContext) -> ReplicaDriver:
-    if ctx.replicas is None:  # pragma: no cover - the daemon always makes one
-        raise ApiError(409, "no_replicas", "this daemon runs no pipeline replicas")
-    return ctx.replicas
-
-
-async def get_replicas(request: web.Request) -> web.Response:
-    """The pipeline replica: members, generation, steps assembled and aborted."""
-    return web.json_response(_replicas(context(request)).describe())
-
-
-async def post_replicas(request: web.Request) -> web.Response:
-    """Form the pipeline replica from connected workers (stage order) and block cuts."""
-    ctx = context(request)
-    body = await _json_object(
-        request,
-        {"members", "cuts", "micro", "micro_batches", "inflight"},
-        {"members", "cuts", "micro", "micro_batches"},
-    )
-    driver = _replicas(ctx)
-    try:
-        driver.form(
-            _ints(body, "members"),
-            _ints(body, "cuts"),
-            _int(body, "micro"),
-            _int(body, "micro_batches"),
-            _ints(body, "inflight") if "inflight" in body else (),
-        )
-    except ValueError as exc:
-        raise ApiError(409, "bad_replica", str(exc)) from None
-    return web.json_response(driver.describe())
-
-
-def _int(body: Mapping[str, Any], name: str) -> int:
-    value = body[name]
-    if type(value) is not int or not 1 <= value <= 1 << 16:
-        raise ApiError(400, "bad_request", f"{name} must be an integer in 1..65536")
-    return value
-
-
-def _ints(body: Mapping[str, Any], name: str) -> list[int]:
-    value = body[name]
-    if (
-        not isinstance(value, list)
-        or not 0 < len(value) <= 65
-        or not all(type(v) is int and 0 <= v < 1 << 62 for v in value)
-    ):
-        raise ApiError(400, "bad_request", f"{name} must be a list of at most 65 integers >= 0")
-    return value
-
-
 def make_admin_app(slot: AdminSlot | AdminContext) -> web.Application:
     """The admin application (mounted on ``[server] admin_host:admin_port``) with the dashboard.
 
@@ -416,8 +365,9 @@ def make_admin_app(slot: AdminSlot | AdminContext) -> web.Application:
     app.router.add_patch("/v1/policy", patch_policy)
     app.router.add_post("/v1/checkpoint", post_checkpoint)
     app.router.add_post("/v1/export", post_export)
-    app.router.add_get("/v1/replicas", get_replicas)
-    app.router.add_post("/v1/replicas", post_replicas)
+    from hetd.server import admin_replicas
+
+    admin_replicas.add_routes(app)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
     from hetd.server import dashboard
