@@ -764,11 +764,15 @@ class Engine:
         new = make_policy(name, params)
         now = self.clock.now()
         plans = {wid: self._default_plan(e.facts, "main") for wid, e in self._workers.items()}
+        # Every worker starts the new policy's first round together: clocks counted under the
+        # old one (under asp the fast workers run rounds ahead) would make a synchronous policy
+        # hold them until the slowest caught up (seen: 2 s without an update after asp -> bsp).
+        top = max((e.facts.clock for e in self._workers.values()), default=0)
         trial = ClusterView(
             now=now,
             version=self.store.version,
             workers={
-                wid: dataclasses.replace(e.facts, batch_size=plans[wid].batch_size)
+                wid: dataclasses.replace(e.facts, batch_size=plans[wid].batch_size, clock=top)
                 for wid, e in self._workers.items()
             },
             global_batch=self.config.global_batch,
@@ -801,11 +805,15 @@ class Engine:
             self.stages.append((at, stage))
         for wid, plan in plans.items():
             entry = self._workers[wid]
-            if plan != entry.plan:
-                entry.plan = plan
-                self._put(entry, dataclasses.replace(entry.facts, batch_size=plan.batch_size))
-                if entry.peer is not None:
-                    entry.peer.send(PlanUpdate(plan))
+            changed = plan != entry.plan
+            entry.plan = plan
+            self._put(
+                entry, dataclasses.replace(entry.facts, batch_size=plan.batch_size, clock=top)
+            )
+            if changed and entry.peer is not None:
+                entry.peer.send(PlanUpdate(plan))
+        for entry in self._departed.values():  # one that returns rejoins the same round
+            entry.facts = dataclasses.replace(entry.facts, clock=min(entry.facts.clock, top))
         log.info("policy swapped: %s -> %s %s", old, new.name, dict(new.params))
         self._execute(Resolved((), first.scale, first.actions), None)
         return new.describe()

@@ -111,3 +111,29 @@ def test_a_refused_swap_changes_nothing(name: str, params: dict[str, Any] | None
     assert after == before
     assert e.policy_state is before[1]
     assert {wid: len(p.replies) for wid, p in peers.items()} == sent  # nothing sent to anyone
+
+
+def test_a_swap_starts_every_worker_on_the_same_round() -> None:
+    """Under asp a fast worker runs rounds ahead; after a swap to bsp the first round is one
+    push from each worker, not a wait until the slow one has caught up."""
+    params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    e = Engine(Store(params, optax.sgd(0.1)), make_policy("asp", {}), CONFIG, FakeClock())
+    fast, slow = FakePeer(), FakePeer()
+    wf = e.join(JoinIn(1, "fast", {}, ("none",)), fast)
+    ws = e.join(JoinIn(1, "slow", {}, ("none",)), slow)
+    tensors = {k: np.full(s, 0.01, np.float32) for k, s in SHAPES.items()}
+
+    def push(wid: int, n: int) -> None:
+        e.push(PushIn(wid, n, e.store.version, "grad", dict(tensors), 16, 1, 0.01, None, None, 1))
+
+    for n in range(1, 6):
+        push(wf, n)
+    push(ws, 1)
+    assert e.facts[wf].clock - e.facts[ws].clock == 4
+    e.swap_policy("bsp")
+    assert e.facts[wf].clock == e.facts[ws].clock
+    version, sent = e.store.version, (len(fast.frames), len(slow.frames))
+    push(wf, 6)
+    push(ws, 2)
+    assert e.store.version == version + 1  # one round: both pushes in one step
+    assert len(fast.frames) > sent[0] and len(slow.frames) > sent[1]  # both released at once
