@@ -359,3 +359,19 @@ def test_evaluations_keep_to_their_grid_from_the_anchor() -> None:
         h.engine.tick()
     started = h.engine.started_at
     assert [round(t + started, 2) for t, _, _ in h.engine.evals] == [10.6, 11.05, 12.3, 12.55]
+
+
+def test_a_worker_link_is_the_fastest_of_its_recent_pushes() -> None:
+    """A busy host only makes a transfer look slower: the link estimate is the max of the last
+    pushes' rates, so one slow reading does not halve it, and a link that really slowed down is
+    read once its fast readings have left the window."""
+    from hetd.core.engine import LINK_WINDOW, Engine, WorkerStats
+
+    st = WorkerStats()
+    rate = Engine._link_rate
+    assert rate(st, 1_000_000, None, None) is None  # no stamp: nothing known
+    assert rate(st, 1_000_000, 0.01, None) == pytest.approx(1e8)
+    assert rate(st, 1_000_000, 0.05, 1e8) == pytest.approx(1e8)  # a slow reading: unchanged
+    for _ in range(LINK_WINDOW):  # the link itself became 10x slower
+        got = rate(st, 1_000_000, 0.1, 1e8)
+    assert got == pytest.approx(1e7)
