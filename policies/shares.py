@@ -68,6 +68,33 @@ class Timing:
         return 0.0, max(self.t, 1e-9) / self.b
 
 
+def fluid_finish(
+    total: float,
+    a: Sequence[float],
+    c: Sequence[float],
+    lo: Sequence[float],
+    hi: Sequence[float],
+    iters: int = 100,
+) -> list[float]:
+    """Fractional shares ``x_i = clip((τ-a_i)/c_i, lo_i, hi_i)`` with ``Σ x_i = total``: the
+    equal-finish point, found by bisection on ``τ`` (the sum is non-decreasing in ``τ``). The
+    integer planners (:func:`equal_finish`, the pipeline replicas' split) round it their way."""
+    n = len(c)
+
+    def sizes(tau: float) -> list[float]:
+        return [min(hi[i], max(lo[i], (tau - a[i]) / c[i])) for i in range(n)]
+
+    t_lo = min(a[i] + c[i] * lo[i] for i in range(n))
+    t_hi = max(a[i] + c[i] * hi[i] for i in range(n))
+    for _ in range(iters):
+        mid = (t_lo + t_hi) / 2
+        if sum(sizes(mid)) < total:
+            t_lo = mid
+        else:
+            t_hi = mid
+    return sizes(t_hi)
+
+
 def equal_finish(
     total: int, a: Sequence[float], c: Sequence[float], lo: Sequence[int], hi: Sequence[int]
 ) -> list[int]:
@@ -82,20 +109,7 @@ def equal_finish(
     if any(ci <= 0 for ci in c) or any(lo[i] > hi[i] for i in range(n)):
         raise ValueError("equal_finish needs c_i > 0 and lo_i <= hi_i")
     total = max(sum(lo), min(sum(hi), total))
-
-    def sizes(tau: float) -> list[float]:
-        return [min(hi[i], max(lo[i], (tau - a[i]) / c[i])) for i in range(n)]
-
-    # Σ clip((τ - a_i)/c_i, lo_i, hi_i) is non-decreasing in τ: bisect for the τ that gives B.
-    t_lo = min(a[i] + c[i] * lo[i] for i in range(n))
-    t_hi = max(a[i] + c[i] * hi[i] for i in range(n))
-    for _ in range(100):
-        mid = (t_lo + t_hi) / 2
-        if sum(sizes(mid)) < total:
-            t_lo = mid
-        else:
-            t_hi = mid
-    x = sizes(t_hi)
+    x = fluid_finish(total, a, c, lo, hi)
     base = [min(hi[i], max(lo[i], math.floor(x[i]))) for i in range(n)]
     short = total - sum(base)
     order = sorted(range(n), key=lambda i: (-(x[i] - math.floor(x[i])), i))

@@ -91,6 +91,27 @@ def make_config(
     return config_mod.replace(cfg, "policy", name=policy, params=params or {})
 
 
+async def start_worker(port: int, steps: int) -> asyncio.subprocess.Process:
+    """One real ``hetd-worker`` process (verbose: its log on ``stderr``, a pipe) that makes
+    ``steps`` pushes to the daemon on ``port`` and exits."""
+    from hetd.local.demo import worker_env
+
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "workers.cli",
+        f"ws://127.0.0.1:{port}",
+        "--steps",
+        str(steps),
+        "--max-retries",
+        "3",
+        "-v",
+        env=worker_env(WORKER_TOKEN),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+
+
 class Cluster:
     """A daemon plus the worker processes started for it."""
 

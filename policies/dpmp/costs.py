@@ -23,6 +23,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from policies.shares import fluid_finish
+
 RHO = 0.8  # the usable fraction of a worker's memory
 
 
@@ -282,18 +284,7 @@ def split_batch(
         raise ValueError(f"the replicas' caps {hi} hold {sum(hi)} samples, fewer than {total}")
     a = [r.fill_s for r in replicas]
     c = [r.per_sample_s for r in replicas]
-
-    def sizes(tau: float) -> list[float]:
-        return [min(hi[i], max(0.0, (tau - a[i]) / c[i])) for i in range(n)]
-
-    t_lo, t_hi = min(a), max(a[i] + c[i] * hi[i] for i in range(n))
-    for _ in range(200):
-        mid = (t_lo + t_hi) / 2
-        if sum(sizes(mid)) < total:
-            t_lo = mid
-        else:
-            t_hi = mid
-    x = sizes(t_hi)
+    x = fluid_finish(total, a, c, [0.0] * n, hi, iters=200)
     out = [min(hi[i], replicas[i].micro * math.floor(x[i] / replicas[i].micro)) for i in range(n)]
     rest = total - sum(out)
 

@@ -6,16 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 
 import aiohttp
 import pytest
 
-from hetd.local.demo import stop_processes, worker_env
+from hetd.local.demo import stop_processes
 from hetd.protocol import wire
 from hetd.protocol.params import apply_params, hash_matches
 from hetd.server.daemon import Daemon
-from tests.conftest import SHARED_LOOP, WORKER_AUTH, WORKER_TOKEN, Cluster, make_config, recv_type
+from tests.conftest import (
+    SHARED_LOOP,
+    WORKER_AUTH,
+    Cluster,
+    make_config,
+    recv_type,
+    start_worker,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -55,20 +61,7 @@ async def test_a_new_worker_trains_with_a_daemon_that_refuses_hello_features(
     procs: list[asyncio.subprocess.Process] = []
     try:
         port = await daemon.start()
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "workers.cli",
-            f"ws://127.0.0.1:{port}",
-            "--steps",
-            "2",
-            "--max-retries",
-            "3",
-            "-v",
-            env=worker_env(WORKER_TOKEN),
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-        )
+        proc = await start_worker(port, 2)
         procs.append(proc)
         assert proc.stderr is not None
         log = (await asyncio.wait_for(proc.stderr.read(), 180)).decode(errors="replace")

@@ -6,15 +6,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import sys
 
 import aiohttp
 import pytest
 
 from hetd import config as config_mod
-from hetd.local.demo import stop_processes, worker_env
+from hetd.local.demo import stop_processes
 from hetd.server.daemon import Daemon
-from tests.conftest import WORKER_AUTH, WORKER_TOKEN, make_config
+from tests.conftest import WORKER_AUTH, make_config, start_worker
 
 pytestmark = pytest.mark.slow
 
@@ -50,20 +49,7 @@ async def test_a_worker_prepares_while_the_daemon_builds() -> None:
         assert setup == json.loads(json.dumps(config_mod.worker_setup(cfg)))
         assert setup["model"]["spec"] == "mlp" and setup["dataset"]["spec"] == "digits"
 
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "workers.cli",
-            f"ws://127.0.0.1:{port}",
-            "--steps",
-            "3",
-            "--max-retries",
-            "3",
-            "-v",
-            env=worker_env(WORKER_TOKEN),
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-        )
+        proc = await start_worker(port, 3)
         procs.append(proc)
         assert proc.stderr is not None
         # The worker's data and compiled step are ready while the daemon has built nothing.
