@@ -317,13 +317,17 @@ _scalars = st.one_of(
     st.text(max_size=8),
     st.binary(max_size=8),
 )
-_values = st.recursive(
-    _scalars,
-    lambda inner: (
-        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
-    ),
-    max_leaves=8,
-)
+
+
+def _nest(inner: st.SearchStrategy[object]) -> st.SearchStrategy[object]:
+    return st.one_of(
+        inner, st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    )
+
+
+# Containers two deep, spelled out: st.recursive's check that `extend` uses its argument raises a
+# HypothesisDeprecationWarning on some draws (seen once in a full run; warnings fail the suite).
+_values = _nest(_nest(_scalars))
 _keys = st.one_of(
     st.sampled_from(["v", "type", "id", "base", "kind", "samples", "steps"]),
     st.text(max_size=6),
