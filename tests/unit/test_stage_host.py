@@ -21,6 +21,21 @@ SETUP = {"spec": "hetd.zoo.blocks:mlp_model", "kwargs": {"hidden": [32]}}
 M, MICRO = 3, 8
 
 
+def _act(width: int) -> wire.Message:
+    """An ``act`` frame of step 1, micro-batch 0, for replica 2 generation 1: ones of ``width``."""
+    return wire.decode(
+        wire.encode(
+            "act",
+            0,
+            replica=2,
+            gen=1,
+            step=1,
+            mb=0,
+            tensor=codecs.get_codec("none").encode(np.ones((MICRO, width), np.float32), None),
+        )
+    )
+
+
 def _stage(s: int) -> wire.Message:
     return wire.decode(
         wire.encode(
@@ -118,17 +133,7 @@ def test_what_a_host_cannot_act_on_is_refused(world) -> None:  # type: ignore[no
     host = StageHost(SETUP, data, lambda: 1)
     with pytest.raises(StageError, match="holds no stage"):
         host.begin(_step(1, 0), Held(0, params))
-    act = wire.decode(
-        wire.encode(
-            "act",
-            0,
-            replica=2,
-            gen=1,
-            step=1,
-            mb=0,
-            tensor=codecs.get_codec("none").encode(np.ones((MICRO, 32), np.float32), None),
-        )
-    )
+    act = _act(32)
     with pytest.raises(StageError, match="not running"):
         host.offer(act)
     plain = StageHost({"spec": "mlp", "kwargs": {}}, data, lambda: 1)
@@ -139,17 +144,7 @@ def test_what_a_host_cannot_act_on_is_refused(world) -> None:  # type: ignore[no
     with pytest.raises(StageError, match="holds no stage"):
         host.begin(stale, Held(0, params))
     host.begin(_step(1, 0), Held(0, params))
-    wrong = wire.decode(
-        wire.encode(
-            "act",
-            0,
-            replica=2,
-            gen=1,
-            step=1,
-            mb=0,
-            tensor=codecs.get_codec("none").encode(np.ones((MICRO, 5), np.float32), None),
-        )
-    )
+    wrong = _act(5)
     with pytest.raises(StageError, match=r"act 0: .*step given up"):
         host.offer(wrong)
     assert host.step is None  # a runner that failed half-way is not trusted again
