@@ -35,19 +35,27 @@ import secrets
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import Any, Generic, Literal, Protocol, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
-import jax
 import numpy as np
 
 from hetd.codecs import registry as codecs
-from hetd.core.downlink import Downlink, Outgoing
+from hetd.core.entries import (
+    LINK_WINDOW,
+    Clock,
+    EngineBase,
+    EngineConfig,
+    MonotonicClock,
+    Peer,
+    WorkerEntry,
+    WorkerStats,
+)
 from hetd.core.ingest import update_norm
-from hetd.core.rates import LatencyRecorder, RateMeter
-from hetd.core.store import Aggregator, Snapshot, Store
+from hetd.core.publish import OFF_LOOP_PARAMS, PublishMixin
+from hetd.core.saved import EngineState, SavedWorker, StateMixin
+from hetd.core.store import Aggregator, Snapshot
+from hetd.core.views import ViewsMixin
 from hetd.protocol.messages import (
     Ack,
     AckStatus,
@@ -57,10 +65,9 @@ from hetd.protocol.messages import (
     PlanUpdate,
     ProfileRequest,
     PushIn,
-    Reply,
     Welcome,
 )
-from policies.compose import Resolved, describe_state, resolve
+from policies.compose import Resolved, resolve
 from policies.registry import PolicyError, make_policy
 from policies.types import (
     Apply,
@@ -73,7 +80,6 @@ from policies.types import (
     Join,
     Leave,
     Plan,
-    Policy,
     Pull,
     Push,
     PushDecision,
@@ -83,280 +89,37 @@ from policies.types import (
     WorkerFacts,
 )
 
+__all__ = [
+    "BATCH",
+    "LINK_WINDOW",
+    "OFF_LOOP_PARAMS",
+    "Clock",
+    "Engine",
+    "EngineBase",
+    "EngineConfig",
+    "EngineState",
+    "MonotonicClock",
+    "Peer",
+    "SavedWorker",
+    "WorkerEntry",
+    "WorkerStats",
+]
+
 log = logging.getLogger("hetd.core.engine")
 
 BATCH = 64  # commands at most taken before one publish
-OFF_LOOP_PARAMS = (
-    65_536  # models this big publish in a worker thread (smaller: a thread hop costs more)
-)
 PROFILE_KEYS = frozenset({"sample_s", "push_s", "pull_s", "compress_s"})
 EWMA = 0.5  # smoothing of per-worker timing facts (docs/policies.md)
-# A worker's link is the fastest of its last pushes, send to receipt: a busy host (a worker not
-# yet scheduled, a daemon loop with other work) only ever makes a transfer look slower, never
-# faster, so the max of a short window reads the link and the mean reads the host's load (seen:
-# 36-98 MB/s measured on 1 GB/s links under load, and H-PS cutting bits it did not need to).
-LINK_WINDOW = 8
 GUARD_WINDOW = 256  # accepted pushes' norms per kind the update guard takes its median over
 MAX_NORM = math.sqrt(float(np.finfo(np.float32).max))  # a larger norm's square overflows float32
 
 
-class Clock(Protocol):
-    """Where the engine reads the time (seconds)."""
-
-    def now(self) -> float: ...
-
-
-class MonotonicClock:
-    """Wall time for the real daemon."""
-
-    def now(self) -> float:
-        return time.monotonic()
-
-
-class Peer(Protocol):
-    """A session's outbox as the engine sees it; nothing here blocks."""
-
-    def send(self, reply: Reply) -> None:
-        """Queue a control reply (the peer encodes it, or reads it as it is)."""
-        ...
-
-    def send_params(self, frame: bytes, *, full: bool) -> None:
-        """Queue one encoded ``params`` frame of a release (``full``: it replaces every
-        parameter frame still queued)."""
-        ...
-
-    def close(self, reason: str) -> None:
-        """End the session after what is queued."""
-        ...
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """What the engine needs to know besides the store and the policy."""
-
-    global_batch: int = 128
-    batch_size: int = 32  # initial per-worker batch
-    codec: str = "none"  # preferred codec
-    downlink: str = "auto"  # lossy codecs' parameters: auto (by link speed), delta, full
-    delta_s_per_param: float | None = None  # fixed delta cost for "auto" (None: measured)
-    param_hashes: bool = True  # full params frames carry the version's hash (workers verify)
-    heartbeat_s: float = 2.0
-    heartbeat_timeout_s: float = 10.0
-    tick_s: float = 0.25
-    eval_interval_s: float = 1.0
-    max_staleness: int = 1000
-    shards: int = 0  # 0: max(4, workers present), fixed per worker at its join
-    profile_steps: int = 3  # steps a joining worker times for its profile (0: no profile)
-    eval_inline: bool = False  # evaluate inside tick() (the simulator: virtual time, no threads)
-    # The update guard ([train] guard_factor, guard_warmup): refuse a push whose norm is over
-    # guard_factor x the median norm of the accepted pushes of its kind, once guard_warmup of them
-    # were accepted. 0: off (the default here: the simulator's emulated workers do not take an
-    # ``error`` reply; the daemon sets it from its config).
-    guard_factor: float = 0.0
-    guard_warmup: int = 20
-    welcome: Mapping[str, Any] = field(default_factory=dict)  # model/dataset/train for the welcome
-
-
-@dataclass
-class WorkerStats:
-    """Counters per worker, for status and metrics (engine-owned, mutable)."""
-
-    pushes: int = 0
-    applied: int = 0
-    buffered: int = 0
-    dropped: int = 0
-    refused: int = 0  # pushes the update guard refused (not counted in ``pushes``)
-    duplicates: int = 0  # pushes acked ``duplicate``: seen before, never applied twice (ditto)
-    bytes_in: int = 0
-    bytes_out: int = 0
-    releases: int = 0  # parameter sends (a full set or a delta, however many frames)
-    worker_idle_s: float = 0.0  # s the worker reported waiting for parameters
-    staleness: list[int] = field(default_factory=list)
-    last_seen: float = 0.0
-    device: Mapping[str, Any] = field(default_factory=dict)
-    slot: int = 0
-    # bytes/s of its last LINK_WINDOW pushes, send to receipt (the link estimate is their max)
-    link_rates: deque[float] = field(default_factory=lambda: deque(maxlen=LINK_WINDOW))
-
-
-@dataclass(eq=False, slots=True)
-class WorkerEntry:
-    """Everything the engine keeps about one worker (engine-owned, mutable). ``facts`` is what
-    policies see (replaced, never mutated: the engine keeps its view index in step); ``peer`` is
-    None once the worker left."""
-
-    facts: WorkerFacts
-    stats: WorkerStats
-    plan: Plan
-    peer: Peer | None
-    held_ref: int | None = None  # the downlink reference it holds (its parameters' base)
-    same_host: bool = False  # it connected over loopback: parameters in full are cheaper
-    hashes: bool = False  # its hello named "hash": its full frames carry the parameters' hash
-    # the request id of the last push the engine answered with an ack (applied, buffered or
-    # dropped); a push with this id or an older one is a duplicate. Kept across reconnects and in
-    # checkpoints: a worker's push ids increase for as long as it is that worker.
-    last_push: int = 0
-    # what the worker must show to resume this id (its welcome gave it; "" from an old
-    # checkpoint: nobody can resume it)
-    secret: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class SavedWorker:
-    """A worker as a restart remembers it: enough to give it its clock back when it returns."""
-
-    name: str
-    clock: int
-    samples: int = 0
-    idle_s: float = 0.0
-    batch_size: int = 32
-    codec: str = "none"
-    active: bool = False  # it was connected when the state was taken
-    last_push: int = 0  # the request id of its last push answered (exactly-once)
-    secret: str = ""  # what it must show to resume its id ("": nobody can)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineState:
-    """Everything a restart needs (what a checkpoint stores), as host values.
-
-    ``policy_state`` is the policy's own state object; a checkpoint stores a serialised form of it
-    (or None: the restored policy's ``init`` rebuilds one), turned back by :meth:`Engine.restore`'s
-    ``revive``.
-    """
-
-    params: Mapping[str, np.ndarray]  # host copies
-    opt_state: Any  # the store's optimizer state (host pytree)
-    version: int
-    buffers: Mapping[int, Mapping[str, Any]]  # round -> Aggregator.state(), non-empty ones only
-    policy: str
-    policy_params: Mapping[str, Any]
-    policy_state: Any
-    stage: str
-    updates_applied: int
-    next_id: int  # the id the next new worker gets
-    workers: Mapping[int, SavedWorker]  # every worker known, active or departed
-
-
-_V = TypeVar("_V")
-
-
-class _Column(Mapping[int, _V], Generic[_V]):
-    """One field of the worker entries of some tables, by worker id: read-only and live."""
-
-    __slots__ = ("_attr", "_tables")
-
-    def __init__(self, attr: str, *tables: Mapping[int, WorkerEntry]) -> None:
-        self._attr = attr
-        self._tables = tables
-
-    def __getitem__(self, wid: int) -> _V:
-        for table in self._tables:
-            entry = table.get(wid)
-            if entry is not None:
-                value: _V = getattr(entry, self._attr)
-                return value
-        raise KeyError(wid)
-
-    def __iter__(self) -> Iterator[int]:
-        for table in self._tables:
-            yield from table
-
-    def __len__(self) -> int:
-        return sum(len(table) for table in self._tables)
-
-
-class Engine:
-    """Owns the workers' entries, policy state, the store and the aggregation buffers."""
-
-    def __init__(
-        self,
-        store: Store,
-        policy: Policy,
-        config: EngineConfig,
-        clock: Clock | None = None,
-        evaluator: Callable[[Snapshot], tuple[float, float]] | None = None,
-    ) -> None:
-        self.store = store
-        store.hashes = config.param_hashes  # a snapshot's frame carries its hash (or not)
-        self.config = config
-        self.clock: Clock = clock or MonotonicClock()
-        self.evaluator = evaluator
-        self.policy = policy
-        self._workers: dict[int, WorkerEntry] = {}  # active workers
-        self._departed: dict[int, WorkerEntry] = {}  # left (or known from a checkpoint)
-        self._facts: dict[int, WorkerFacts] = {}  # the active workers' facts: the policy's view
-        self.departures: deque[tuple[float, int, str]] = deque(maxlen=64)  # (t, worker, reason)
-        self.buffers: dict[int, Aggregator] = {}  # group (e.g. round) -> buffered updates
-        self.stage = "main"
-        self.started_at = self.clock.now()
-        self.updates_applied = 0
-        self.publishes = 0  # batches published by run() (updates_applied / publishes: batch size)
-        self.max_release_gap = 0  # the largest clock lead any worker was released with
-        self.evals: list[tuple[float, float, float]] = []  # (t since start, loss, accuracy)
-        self.stages: list[tuple[float, str]] = []  # (t since start, stage entered), each switch
-        self._next_id = 1
-        self.downlink = Downlink(s_per_param=config.delta_s_per_param, hashes=config.param_hashes)
-        self.bytes_in = 0  # push bytes received, all workers, since start
-        self.bytes_out = 0  # parameter bytes sent, all workers, since start
-        self.latency = LatencyRecorder()  # s to decide one event: policy, bookkeeping, acks
-        self.publish_latency = LatencyRecorder()  # s per publish: steps, snapshot, param frames
-        self.wait = LatencyRecorder()  # s a command waited in the queue
-        self.rates = RateMeter()  # updates/s and MB/s over the last seconds, sampled on ticks
-        # the update guard's window: kind -> the norms of its last accepted pushes, newest last
-        self.guard_norms: dict[str, deque[float]] = {}
-        self._queue: asyncio.Queue[tuple[float, Callable[[], Any]]] = asyncio.Queue()
-        self._last_eval = -math.inf
-        self._eval_task: asyncio.Task[None] | None = None
-        self._deferred = False  # True while run() drives the engine: releases wait to be published
-        self._releases: dict[int, None] = {}  # workers released, not yet sent parameters (ordered)
-        self.policy_state: Any = policy.init(self.view())
-
-    # --- the workers -----------------------------------------------------------------------------
-
-    @property
-    def entries(self) -> Mapping[int, WorkerEntry]:
-        """The active workers' entries, by id (read-only, live)."""
-        return MappingProxyType(self._workers)
-
-    @property
-    def facts(self) -> Mapping[int, WorkerFacts]:
-        """The active workers' facts, by id (read-only, live)."""
-        return MappingProxyType(self._facts)
-
-    @property
-    def departed(self) -> Mapping[int, WorkerFacts]:
-        """The facts of workers that left (or that a restored checkpoint knows), by id: each gets
-        its clock back when it reconnects (read-only, live)."""
-        return _Column("facts", self._departed)
-
-    @property
-    def stats(self) -> Mapping[int, WorkerStats]:
-        """Every worker's counters, active or departed, by id (read-only, live)."""
-        return _Column("stats", self._workers, self._departed)
-
-    @property
-    def plans(self) -> Mapping[int, Plan]:
-        """The active workers' plans, by id (read-only, live)."""
-        return _Column("plan", self._workers)
-
-    def _put(self, entry: WorkerEntry, facts: WorkerFacts) -> None:
-        """Replace an active worker's facts (in its entry and in the policy's view)."""
-        entry.facts = facts
-        self._facts[facts.worker] = facts
-
-    # --- the view --------------------------------------------------------------------------------
-
-    def view(self) -> ClusterView:
-        """The facts as the policy sees them (active replicas only)."""
-        return ClusterView(
-            now=self.clock.now(),
-            version=self.store.version,
-            workers=self._facts,
-            global_batch=self.config.global_batch,
-            buffered=self.buffered(),
-            stage=self.stage,
-        )
+class Engine(ViewsMixin, StateMixin, PublishMixin):
+    """Owns the workers' entries, policy state, the store and the aggregation buffers. Its parts:
+    :class:`~hetd.core.entries.EngineBase` (fields, tables, the view),
+    :class:`~hetd.core.publish.PublishMixin` (releases, publishing),
+    :class:`~hetd.core.saved.StateMixin` (checkpoints) and
+    :class:`~hetd.core.views.ViewsMixin` (summaries)."""
 
     # --- the single writer -----------------------------------------------------------------------
 
@@ -426,81 +189,6 @@ class Engine:
             command()
         except Exception:  # a bug in one command must not stop training
             log.exception("engine command failed")
-
-    def defer_publishing(self) -> None:
-        """Publish as the daemon does, for a caller that runs commands in batches without
-        :meth:`run` (the simulator's daemon server): releases wait for :meth:`publish_batch`,
-        and the updates queued in between go through one optimizer step of their weighted sum."""
-        self._deferred = True
-        self.store.combine = True
-
-    def publish_batch(self) -> None:
-        """What :meth:`run` does after each batch, synchronously: apply the batch's updates,
-        encode the released workers' frames once per (codec, held version) and send them."""
-        if self._releases or self.store.pending:
-            self.publishes += 1
-            wants = self._take_releases()
-            frames = self._encode_releases(wants)
-            for wid, *_ in wants:
-                self._send_params(wid, frames[wid])
-
-    def _take_releases(self) -> list[tuple[int, str, int, int | None, float | None, bool]]:
-        wants = [
-            (
-                wid,
-                entry.facts.codec,
-                entry.facts.version,
-                entry.held_ref,
-                self._link(entry),
-                entry.hashes,
-            )
-            for wid in self._releases
-            if (entry := self._workers.get(wid)) is not None
-        ]
-        self._releases = {}
-        return wants
-
-    async def _publish(self) -> None:
-        """Run queued steps and encode the released workers' frames (off the loop for big
-        models, the engine task awaiting), then hand the frames to their outboxes."""
-        wants = self._take_releases()
-        try:
-            if self.store.n_params >= OFF_LOOP_PARAMS:
-                frames = await asyncio.to_thread(self._encode_releases, wants)
-            else:
-                frames = self._encode_releases(wants)
-        except Exception:
-            # Nothing to send: rather than leave the released workers waiting for parameters,
-            # drop their sessions; they reconnect as themselves and get parameters in full.
-            log.exception("publishing parameters failed; dropping %d session(s)", len(wants))
-            for wid, *_ in wants:
-                entry = self._workers.get(wid)
-                if entry is not None and entry.peer is not None:
-                    entry.peer.close(
-                        "the daemon could not encode parameters for this worker; reconnect"
-                    )
-            return
-        for wid, *_ in wants:
-            self._send_params(wid, frames[wid])
-
-    def _encode_releases(
-        self, wants: list[tuple[int, str, int, int | None, float | None, bool]]
-    ) -> dict[int, Outgoing]:
-        """The release for each (worker, codec, held version, held reference, link bytes/s, takes
-        the hash); one encoding per (codec, version, reference, hash), shared by every worker
-        holding it."""
-        self.store.flush()
-        if not wants:
-            return {}
-        snap = self.store.snapshot()
-        made: dict[tuple[str, int, int | None, bool], Outgoing] = {}
-        out = {}
-        for wid, codec, held, ref, link, hashes in wants:
-            key = (codec, held, ref, hashes)
-            if key not in made:
-                made[key] = self.downlink.frames(codec, held, snap, ref, link, hashes=hashes)
-            out[wid] = made[key]
-        return out
 
     async def _ticker(self) -> None:
         while True:
@@ -927,10 +615,6 @@ class Engine:
             st.dropped += 1
             self._ack(p, "dropped", d.reason)
 
-    def buffered(self) -> int:
-        """Pushes waiting in aggregation buffers."""
-        return sum(b.count for b in self.buffers.values())
-
     def _flush(self, d: Flush) -> None:
         groups = sorted(g for g in self.buffers if d.upto is None or g <= d.upto)
         for g in groups:
@@ -940,87 +624,6 @@ class Engine:
             for kind, tensors in agg.take(d.normalize):
                 self.store.apply(kind, tensors, d.scale)
             self.updates_applied += 1
-
-    def _release(self, wid: int) -> None:
-        entry = self._workers.get(wid)
-        if entry is None or not entry.facts.waiting:
-            return
-        facts = entry.facts
-        now = self.clock.now()
-        gap = facts.clock - min(f.clock for f in self._facts.values())
-        self.max_release_gap = max(self.max_release_gap, gap)
-        idle = now - facts.waiting_since if facts.waiting_since is not None else 0.0
-        self._put(
-            entry,
-            dataclasses.replace(
-                facts,
-                waiting=False,
-                waiting_since=None,
-                idle_s=facts.idle_s + idle,
-            ),
-        )
-        if self._deferred:
-            self._releases[wid] = None
-            return
-        release = self.downlink.frames(
-            facts.codec,
-            facts.version,
-            self.store.snapshot(),
-            entry.held_ref,
-            self._link(entry),
-            hashes=entry.hashes,
-        )
-        self._send_params(wid, release)
-
-    def resend(self, wid: int, peer: Peer | None = None) -> None:
-        """Send a worker the newest parameters in full, in place of a full frame its outbox
-        dropped because it was still writing an earlier one (a slow reader: the dropped frame
-        would have pinned one more snapshot). Not a release: the policy is not asked and the
-        worker's gates do not change; what the engine records it holds is what goes now.
-        ``peer``: the session that asked (nothing happens when the worker is on another one)."""
-        entry = self._workers.get(wid)
-        if entry is None or entry.peer is None or (peer is not None and entry.peer is not peer):
-            return
-        self._put(entry, dataclasses.replace(entry.facts, version=-1))  # full, not a delta
-        entry.held_ref = None
-        if self._deferred:
-            self._releases[wid] = None
-            return
-        snap = self.store.snapshot()
-        release = self.downlink.frames(
-            entry.facts.codec, -1, snap, None, self._link(entry), hashes=entry.hashes
-        )
-        self._send_params(wid, release)
-
-    @staticmethod
-    def _link_rate(
-        st: WorkerStats, nbytes: int, transfer_s: float | None, old: float | None
-    ) -> float | None:
-        """The worker's link estimate after a push of ``nbytes`` taking ``transfer_s``."""
-        if not transfer_s or transfer_s <= 0:
-            return old
-        st.link_rates.append(nbytes / transfer_s)
-        return max(st.link_rates)
-
-    def _link(self, entry: WorkerEntry) -> float | None:
-        """The worker's link in bytes/s for the downlink's choice: unbounded for loopback or
-        ``downlink = "full"``, unknown (deltas) for ``"delta"``."""
-        mode = self.config.downlink
-        if mode == "full" or (mode == "auto" and entry.same_host):
-            return math.inf
-        return None if mode == "delta" else entry.facts.link_bps
-
-    def _send_params(self, wid: int, release: Outgoing) -> None:
-        entry = self._workers.get(wid)
-        if entry is None or entry.peer is None:
-            return
-        self._put(entry, dataclasses.replace(entry.facts, version=release.version))
-        entry.held_ref = release.ref
-        entry.stats.releases += 1
-        for frame in release.frames:
-            entry.stats.bytes_out += len(frame)
-            self.bytes_out += len(frame)
-            entry.peer.send_params(frame, full=release.full)
 
     def _set_plan(self, wid: int, fields: Mapping[str, Any]) -> None:
         entry = self._workers.get(wid)
@@ -1049,153 +652,3 @@ class Engine:
         entry = self._workers.get(p.worker)
         if entry is not None and entry.peer is not None:
             entry.peer.send(Ack(p.id, self.store.version, status, reason))
-
-    # --- the whole state (checkpoints) -------------------------------------------------------------
-
-    def state(self) -> EngineState:
-        """Everything a restart needs, as host copies: parameters, optimizer state and version,
-        the non-empty aggregation buffers (a half-finished round is not lost), the policy's name,
-        parameters and state, the stage, the counters, and every worker's clock by id and name,
-        departed or active (so a reconnecting worker gets its clock back). Run on the engine task.
-        """
-        params, opt_state, version = self.store.state()
-        workers: dict[int, SavedWorker] = {}
-        for active, table in ((False, self._departed), (True, self._workers)):
-            for wid, entry in table.items():
-                f = entry.facts
-                workers[wid] = SavedWorker(
-                    name=f.name,
-                    clock=f.clock,
-                    samples=f.samples,
-                    idle_s=f.idle_s,
-                    batch_size=f.batch_size,
-                    codec=f.codec,
-                    active=active,
-                    last_push=entry.last_push,
-                    secret=entry.secret,
-                )
-        return EngineState(
-            params={k: np.array(v, copy=True) for k, v in params.items()},
-            # the next step may donate (reuse) the buffers a host view would share
-            opt_state=jax.tree.map(lambda x: np.array(x, copy=True), opt_state),
-            version=version,
-            buffers={g: agg.state() for g, agg in self.buffers.items() if agg.count},
-            policy=self.policy.name,
-            policy_params=dict(self.policy.params),
-            policy_state=self.policy_state,
-            stage=self.stage,
-            updates_applied=self.updates_applied,
-            next_id=self._next_id,
-            workers=workers,
-        )
-
-    def restore(self, state: EngineState, revive: Callable[[Any, Any], Any] | None = None) -> None:
-        """Put a saved state into this engine before it serves anyone. Every saved worker is
-        known as departed (it gets its id and clock back when it reconnects).
-
-        Raises ValueError, before anything changes, when the parameters do not fit the store's
-        model. A saved policy that cannot be made here (:class:`policies.PolicyError`: a plug-in
-        went missing) leaves the current one in place, with a warning. ``revive(fresh, saved)``
-        turns a saved policy state back into the policy's own (``fresh``: the restored policy's
-        ``init``); without it the saved state is taken as it is; a saved None means ``fresh``.
-        """
-        self.store.restore(state.params, state.opt_state, state.version)
-        self.buffers = {int(g): Aggregator.from_state(b) for g, b in state.buffers.items()}
-        self.stage = state.stage
-        self.updates_applied = state.updates_applied
-        now = self.clock.now()
-        for wid, w in state.workers.items():
-            facts = WorkerFacts(
-                worker=wid,
-                name=w.name,
-                clock=w.clock,
-                version=self.store.version,
-                waiting=True,
-                joined_at=now,
-                samples=w.samples,
-                batch_size=w.batch_size,
-                codec=w.codec,
-                idle_s=w.idle_s,
-            )
-            plan = Plan(batch_size=w.batch_size, codec=w.codec, stage=self.stage)
-            self._departed[wid] = WorkerEntry(
-                facts, WorkerStats(), plan, peer=None, last_push=w.last_push, secret=w.secret
-            )
-        self._next_id = max([self._next_id, state.next_id, *(w + 1 for w in state.workers)])
-        try:
-            policy = make_policy(state.policy, state.policy_params)
-        except PolicyError as exc:
-            log.warning("saved policy not restored (%s); keeping %s", exc, self.policy.name)
-            return
-        fresh = policy.init(self.view())
-        policy_state = fresh
-        if state.policy_state is not None:
-            policy_state = (
-                state.policy_state if revive is None else revive(fresh, state.policy_state)
-            )
-        self.policy, self.policy_state = policy, policy_state
-
-    # --- read-only summaries (call through ``call`` from other tasks) ----------------------------
-
-    def status(self) -> dict[str, Any]:
-        """The daemon at a glance."""
-        last = self.evals[-1] if self.evals else None
-        return {
-            "version": self.store.version,
-            "stage": self.stage,
-            "stage_switches": [{"at_s": t, "stage": st} for t, st in self.stages[-20:]],
-            "policy": self.policy.describe(),
-            "policy_state": describe_state(self.policy_state),
-            "uptime_s": self.clock.now() - self.started_at,
-            "workers": len(self._workers),
-            "updates_applied": self.updates_applied,
-            "max_release_gap": self.max_release_gap,
-            "accuracy": None if last is None else last[2],
-            "loss": None if last is None else last[1],
-            "throughput": self.rates.rates(),
-            "engine_latency": self.latency.summary(),
-            "publish_latency": self.publish_latency.summary(),
-            "queue_wait": self.wait.summary(),
-        }
-
-    def workers(self) -> list[dict[str, Any]]:
-        """One row per active worker."""
-        now = self.clock.now()
-        rows = []
-        for wid in sorted(self._workers):
-            entry = self._workers[wid]
-            f, st = entry.facts, entry.stats
-            alive = max(1e-9, now - f.joined_at)
-            rows.append(
-                {
-                    "worker": wid,
-                    "name": f.name,
-                    "device": dict(st.device),
-                    "clock": f.clock,
-                    "samples": f.samples,
-                    "samples_per_s": f.samples / alive,
-                    "compute_s": f.compute_s,
-                    "batch_size": f.batch_size,
-                    "codec": entry.plan.codec,  # what its pushes use (the plan's)
-                    "params_codec": f.codec,  # what its parameters come in (negotiated)
-                    "pushes": st.pushes,
-                    "applied": st.applied,
-                    "dropped": st.dropped,
-                    "refused": st.refused,
-                    "duplicates": st.duplicates,
-                    "staleness_mean": float(np.mean(st.staleness)) if st.staleness else 0.0,
-                    "idle_fraction": min(1.0, f.idle_s / alive),
-                    "worker_idle_s": st.worker_idle_s,
-                    "link_bps": f.link_bps,
-                    "bytes_in": st.bytes_in,
-                    "bytes_out": st.bytes_out,
-                    "bytes_per_push": st.bytes_in / max(1, st.pushes),
-                    # encoded push bytes / the same update in float32 (frame overhead included)
-                    "push_ratio": st.bytes_in / max(1, st.pushes) / (4 * self.store.n_params),
-                    "bytes_per_pull": st.bytes_out / max(1, st.releases),
-                    "pull_ratio": st.bytes_out / max(1, st.releases) / (4 * self.store.n_params),
-                    "last_seen_s": now - st.last_seen,
-                    "plan": entry.plan.to_wire(),
-                }
-            )
-        return rows
