@@ -1,0 +1,107 @@
+"""Readable text of the admin API's replies (``hetd status``, ``hetd workers``, ...)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+
+def policy_text(p: dict[str, Any]) -> str:
+    return f"{p['name']} {json.dumps(p.get('params', {}), sort_keys=True)}"
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    h, rem = divmod(s, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{seconds:.1f}s"
+
+
+def _throughput_text(rates: dict[str, Any] | None) -> str:
+    if not rates or not rates.get("window_s"):
+        return "-"
+    return (
+        f"{rates['updates_per_s']:.1f} updates/s, {rates['mb_in_per_s']:.1f} MB/s in, "
+        f"{rates['mb_out_per_s']:.1f} MB/s out (last {rates['window_s']:.0f}s)"
+    )
+
+
+def _latency_text(lat: dict[str, Any] | None) -> str:
+    if not lat or lat.get("p50_ms") is None:
+        return "-"
+    return f"p50 {lat['p50_ms']:.3f} ms, p99 {lat['p99_ms']:.3f} ms ({lat['events']} events)"
+
+
+def status_text(st: dict[str, Any]) -> str:
+    """A readable /v1/status."""
+    acc = st.get("accuracy")
+    ck = st.get("checkpoint") or {}
+    last = ck.get("last")
+    rows: list[tuple[str, str]] = [
+        ("version", str(st["version"])),
+        ("stage", str(st["stage"])),
+        ("policy", policy_text(st["policy"])),
+        ("uptime", _duration(float(st["uptime_s"]))),
+        ("workers", str(st["workers"])),
+        ("updates applied", str(st["updates_applied"])),
+        ("buffered", str(st.get("buffered", 0))),
+        ("accuracy", "-" if acc is None else f"{acc:.4f} (loss {st.get('loss', 0.0):.4f})"),
+        ("throughput", _throughput_text(st.get("throughput"))),
+        ("engine latency", _latency_text(st.get("engine_latency"))),
+        (
+            "checkpoints",
+            "off"
+            if not ck.get("dir")
+            else f"{ck['dir']}, last: "
+            + (f"version {last['version']} ({os.path.basename(last['path'])})" if last else "none"),
+        ),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Left-aligned columns."""
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def workers_text(reply: dict[str, Any]) -> str:
+    """A readable /v1/workers."""
+    rows = []
+    for w in reply["workers"]:
+        dev = w.get("device") or {}
+        device = ":".join(str(dev[k]) for k in ("platform", "kind") if dev.get(k)) or "-"
+        rows.append(
+            [
+                str(w["worker"]),
+                str(w["name"]),
+                device,
+                str(w["clock"]),
+                f"{w.get('samples_per_s', 0.0):.0f}",
+                str(w.get("batch_size", "-")),
+                str(w.get("codec", "-")),
+                f"{w.get('staleness_mean', 0.0):.2f}",
+                f"{100 * w.get('idle_fraction', 0.0):.0f}%",
+                f"{w.get('last_seen_s', 0.0):.1f}s",
+            ]
+        )
+    if not rows:
+        return "no active workers"
+    headers = [
+        "ID",
+        "NAME",
+        "DEVICE",
+        "CLOCK",
+        "SAMPLES/S",
+        "BATCH",
+        "CODEC",
+        "STALENESS",
+        "IDLE",
+        "SEEN",
+    ]
+    return table(headers, rows)

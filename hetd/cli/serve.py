@@ -1,0 +1,98 @@
+"""``hetd serve``: run the daemon (what systemd runs)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from hetd.cli.common import EXIT_USAGE, Sub
+
+
+def add_serve(sub: Sub) -> None:
+    s = sub.add_parser(
+        "serve",
+        help="run the daemon (what systemd runs)",
+        description="Run the daemon until SIGTERM/SIGINT; then stop taking pushes, say bye to "
+        "workers, write a last checkpoint (with a state directory) and exit 0. Resumes from the "
+        "newest valid checkpoint in the state directory.",
+    )
+    s.add_argument("--config", default=None, help="TOML config file; every key has a default")
+    s.add_argument("--host", default=None, help="override [server] host (worker endpoint)")
+    s.add_argument("--port", type=int, default=None, help="override [server] port")
+    s.add_argument(
+        "--admin-port",
+        type=int,
+        default=None,
+        help="override [server] admin_port (-1 turns the admin API off, 0 picks a free port)",
+    )
+    s.add_argument(
+        "--state-dir",
+        default=None,
+        help="override [store] dir: where checkpoints are written and resumed from",
+    )
+    s.add_argument(
+        "--model",
+        default=None,
+        help="override [train] model: mlp, cnn, or your own as pkg.module:attr (a hetd.zoo.models.Model "
+        "or a factory returning one; workers must be able to import it too)",
+    )
+    s.add_argument(
+        "--dataset",
+        default=None,
+        help="override [train] dataset: digits, mnist5k, mnist, synthetic, or your own as "
+        "pkg.module:attr (a hetd.zoo.data.Dataset or a factory (seed, **kwargs) returning one)",
+    )
+    s.add_argument("--policy", default=None, help="override [policy] name (its default params)")
+    # the same switches as before the command: `hetd serve -q` reads naturally
+    s.add_argument(
+        "-q",
+        "--quiet",
+        dest="quiet_log",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="log only warnings and errors (default: one INFO line per event)",
+    )
+    s.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="debugging: every logger at DEBUG",
+    )
+    s.set_defaults(run=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from hetd import config
+    from hetd.server.daemon import serve  # light: JAX loads after the sockets listen
+
+    cfg = config.load(args.config)
+    server = {
+        k: v
+        for k, v in (("host", args.host), ("port", args.port), ("admin_port", args.admin_port))
+        if v is not None
+    }
+    if server:
+        cfg = config.replace(cfg, "server", **server)
+    if args.state_dir is not None:
+        cfg = config.replace(cfg, "store", dir=args.state_dir)
+    train = {k: v for k, v in (("model", args.model), ("dataset", args.dataset)) if v is not None}
+    if train:
+        cfg = config.replace(cfg, "train", **train)
+    if args.policy is not None:
+        cfg = config.replace(cfg, "policy", name=args.policy, params={})
+    config.check_serving(cfg)  # before JAX is imported: a refused start is quick
+    try:
+        asyncio.run(serve(cfg))
+    except OSError as exc:  # the port is taken, the state directory is not writable, ...
+        print(f"hetd: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        from hetd.server.checkpoint import CheckpointError  # loaded by now: the daemon built
+
+        if not isinstance(exc, CheckpointError):
+            raise
+        print(f"hetd: checkpoint: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0
