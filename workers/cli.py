@@ -75,6 +75,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--steps", type=int, default=0, help="stop after this many pushes (0: never)")
     p.add_argument(
+        "--no-shm",
+        action="store_true",
+        help="never use shared memory with a daemon on this host (default: when it offers it)",
+    )
+    p.add_argument(
         "--max-retries",
         type=int,
         default=-1,
@@ -302,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             max_retries=args.max_retries,
             backoff_max_s=max(0.5, args.retry_max_delay),
             ssl_context=ssl_context,
+            shm=not args.no_shm,
         )
         steps = asyncio.run(run_worker(opts))
     except (ValueError, OSError, FatalError) as exc:

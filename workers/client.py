@@ -21,12 +21,13 @@ import numpy as np
 
 from hetd.codecs import registry as codecs
 from hetd.codecs.feedback import ErrorFeedback, encode_with_feedback
-from hetd.protocol import wire
+from hetd.protocol import shm, wire
 from hetd.protocol.params import Held, apply_params, hash_matches
 from hetd.protocol.plan import Plan, codec_for, local_steps_for
 from workers.emulate import Emulation
 from workers.loop import Core, Trainer, device_info, host_free_memory
 from workers.prepare import prepared, start_preparing
+from workers.shm import ShmLink, wanted
 from workers.stage import PIPELINE_TYPES, StageHost, handle, new_params
 
 log = logging.getLogger("hetd.worker")
@@ -55,6 +56,7 @@ class WorkerOptions:
     backoff_max_s: float = 10.0
     # wss:// URLs: verify the daemon's certificate with this (None: the system's trust store)
     ssl_context: ssl.SSLContext | None = None
+    shm: bool = True  # take shared memory when the daemon offers it (same host only)
 
 
 @dataclass
@@ -144,6 +146,7 @@ class Inbox:
         self.closed: BaseException | None = None
         self.pushes: set[int] = set()  # request ids of pushes the daemon has not answered
         self.resent: set[int] = set()  # ... of earlier sessions' pushes sent again (not in flight)
+        self.shm: ShmLink | None = None  # shared memory with a same-host daemon, once agreed
         self.rejected_in_a_row = 0  # pushes the daemon refused with ``error`` since one went in
         self.staged = False  # a pipeline stage is assigned: only replica steps run
 
@@ -233,7 +236,8 @@ async def _session(http: aiohttp.ClientSession, opts: WorkerOptions, state: Work
             else None
         )
         # Named features only to a daemon that takes the field (an older one refuses it).
-        extra = {} if state.plain_hello else {"features": list(wire.WORKER_FEATURES)}
+        features = [*wire.WORKER_FEATURES, *wanted(opts.shm)]
+        extra = {} if state.plain_hello else {"features": features}
         await ws.send_bytes(
             wire.encode(
                 "hello",
@@ -282,7 +286,10 @@ async def _session(http: aiohttp.ClientSession, opts: WorkerOptions, state: Work
                 inbox.in_flight += 1
                 inbox.pushes.add(state.push_id)  # the push's request id
                 state.keep_unacked(state.push_id, frame)
-                sending = asyncio.create_task(_send(ws, frame, opts))
+                ref = None
+                if inbox.shm is not None:  # the push in shared memory, a reference on the socket
+                    ref = inbox.shm.push_ref(frame, state.push_id, state.unacked)
+                sending = asyncio.create_task(_send(ws, frame, opts, ref=ref))
                 if not pipeline:  # the device waits while the push travels
                     await sending
             if sending is not None:
@@ -294,6 +301,9 @@ async def _session(http: aiohttp.ClientSession, opts: WorkerOptions, state: Work
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await task
+            if inbox.shm is not None:
+                inbox.shm.close()
+                inbox.shm = None
 
 
 async def _read(
@@ -318,7 +328,21 @@ async def _read(
                     continue
                 data = whole
                 msg = await asyncio.to_thread(wire.decode, data, parts.max_bytes)
-            if msg.type == "welcome":
+            if msg.type == "params_ref":  # a params frame in the daemon's shared memory
+                try:
+                    if inbox.shm is None:
+                        raise shm.ShmError("unexpected", "params_ref without shared memory")
+                    data, msg = await asyncio.to_thread(inbox.shm.read_params, msg)
+                except (shm.ShmError, wire.ProtocolError) as exc:
+                    log.info("params_ref %d not read (%s): pulling again", msg["version"], exc)
+                    await ws.send_bytes(wire.encode("pull", 0, have=None))
+                    continue
+            if msg.type == "shm_offer" and opts.shm and inbox.shm is None:
+                accepted = ShmLink.accept(msg["segment"])
+                if accepted is not None:
+                    inbox.shm, ready = accepted
+                    await ws.send_bytes(ready)
+            elif msg.type == "welcome":
                 state.rtt_s = time.perf_counter() - hello_at
                 state.heartbeat_s = float(msg["heartbeat_s"])
                 inbox.joined.set()
@@ -519,12 +543,21 @@ async def _profile(
     }
 
 
-async def _send(ws: aiohttp.ClientWebSocketResponse, frame: bytes, opts: WorkerOptions) -> None:
+async def _send(
+    ws: aiohttp.ClientWebSocketResponse,
+    frame: bytes,
+    opts: WorkerOptions,
+    ref: bytes | None = None,
+) -> None:
     """Send a push, first waiting out the emulated link's transfer time; over the frame cap, in
-    ``chunk`` messages (the daemon joins them)."""
+    ``chunk`` messages (the daemon joins them); ``ref``: its ``push_ref`` (the push itself is
+    in shared memory)."""
     delay = opts.emulation.transfer_seconds(len(frame))
     if delay:
         await asyncio.sleep(delay)
+    if ref is not None:
+        await ws.send_bytes(ref)
+        return
     for piece in wire.chunks(frame, opts.max_frame_bytes):
         await ws.send_bytes(piece)
 

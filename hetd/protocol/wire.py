@@ -37,6 +37,13 @@ _OPT_INT = (int, type(None))
 _OPT_STR = (str, type(None))
 _OPT_MAP = (dict, type(None))
 
+_REF: Final[dict[str, tuple[tuple[type, ...], bool]]] = {
+    "segment": ((str,), True),
+    "offset": ((int,), True),
+    "length": ((int,), True),
+    "gen": ((int,), True),
+}
+
 # type -> field -> (accepted python types, required). Fields not listed are rejected.
 SCHEMA: Final[dict[str, dict[str, tuple[tuple[type, ...], bool]]]] = {
     # worker -> daemon
@@ -69,6 +76,13 @@ SCHEMA: Final[dict[str, dict[str, tuple[tuple[type, ...], bool]]]] = {
     "chunk": {"seq": ((int,), True), "last": ((bool,), True), "data": ((bytes,), True)},
     "heartbeat": {},
     "bye": {"reason": (_OPT_STR, False)},
+    # same-host shared memory (protocol.shm), only with a worker whose hello named "shm":
+    # the daemon names its ring; the worker proves it mapped it (the nonce in its header) and
+    # names its own; then big frames travel as references to a slot of the sender's ring
+    "shm_offer": {"segment": ((str,), True)},  # daemon -> worker
+    "shm_ready": {"nonce": ((str,), True), "segment": ((str,), True)},  # worker -> daemon
+    "params_ref": {"version": ((int,), True), **_REF},  # daemon -> worker: a params frame
+    "push_ref": _REF,  # worker -> daemon: a push frame (the ref's id is the push's)
     # daemon -> worker
     "welcome": {
         "worker_id": ((int,), True),

@@ -34,6 +34,7 @@ from hetd import config as config_mod
 from hetd.server import admin
 from hetd.server.auth import bearer_ok
 from hetd.server.relay import Relay
+from hetd.server.shm_hub import ShmHub
 
 if TYPE_CHECKING:  # the heavy modules (JAX, flax, optax) load behind the listening sockets
     from hetd.core.engine import Clock, Engine
@@ -126,6 +127,7 @@ def make_worker_app(daemon: Daemon) -> web.Application:
             server.max_frame_bytes,
             server.outbox_frames,
             daemon.relay,
+            hub=daemon.shm,
         )
 
     setup = config_mod.worker_setup(daemon.cfg)
@@ -183,6 +185,7 @@ class Daemon:
         # pipeline replicas' act/gact frames between workers (routes installed by their owner)
         self.relay = Relay()
         self.replicas: ReplicaDriver | None = None  # one pipeline replica beside DP (built later)
+        self.shm = ShmHub()  # shared memory for same-host workers that ask (made on demand)
 
     @property
     def engine(self) -> Engine:
@@ -396,6 +399,7 @@ class Daemon:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(runner.cleanup(), timeout)
         self._runners.clear()
+        self.shm.close()  # after the sessions: nothing in /dev/shm is left behind
         if engine is not None and self.checkpointer is not None and state is not None:
             try:
                 info = await asyncio.wait_for(self.checkpointer.save(engine, state), timeout)

@@ -24,10 +24,11 @@ from hetd.codecs import registry as codecs
 from hetd.config import is_loopback
 from hetd.core.engine import Engine
 from hetd.core.ingest import decode_hello, decode_push
-from hetd.protocol import wire
+from hetd.protocol import shm, wire
 from hetd.protocol.messages import PushIn, Reply
 from hetd.server.auth import bearer_ok
 from hetd.server.relay import NoRoute, Relay
+from hetd.server.shm_hub import ShmHub, Uplink
 
 log = logging.getLogger("hetd.server.sessions")
 
@@ -65,6 +66,8 @@ class Outbox:
         self._owed = False  # a full frame was handed over while one was written: resend owed
         # called once the write ends when a full frame is owed (None: queue it as it came)
         self.resend: Callable[[], None] | None = None
+        # same-host shared memory agreed with this worker: full params frames go as references
+        self.shm: ShmHub | None = None
 
     def send(self, reply: Reply) -> None:
         """Queue a control reply, encoded now; never blocks."""
@@ -79,7 +82,15 @@ class Outbox:
                 self._frames = deque(f for f in self._frames if not f[1])
                 self._owed = True
             return
+        if full and self.shm is not None:
+            ref = self.shm.publish(frame)  # written once for every same-host worker
+            if ref is not None:
+                frame = ref
         self._put(frame, params=True, full=full)
+
+    def send_frame(self, frame: bytes) -> None:
+        """Queue a session's own control frame (already encoded); never blocks."""
+        self._put(frame, params=False, full=False)
 
     def send_relayed(self, frame: bytes) -> None:
         """Queue an ``act``/``gact`` frame from another worker, as it came; a worker that lets
@@ -152,11 +163,26 @@ class Relayed:
 
 
 def _decode(
-    engine: Engine, wid: int | None, data: bytes, cap: int, parts: wire.Reassembler
+    engine: Engine,
+    wid: int | None,
+    data: bytes,
+    cap: int,
+    parts: wire.Reassembler,
+    uplink: Uplink | None = None,
 ) -> wire.Message | PushIn | Relayed | None:
     """A frame as a message, as a validated push once the worker is known, or as a frame to
-    relay; None for a chunk of a message not yet complete (``parts`` gathers them)."""
+    relay; None for a chunk of a message not yet complete (``parts`` gathers them). A
+    ``push_ref`` is read from the worker's shared memory (``uplink``) and checked as a push."""
     msg = wire.decode(data, cap)
+    if msg.type == "push_ref":
+        if uplink is None or wid is None:
+            raise wire.ProtocolError(
+                "unexpected", f"push_ref {msg.id}: no shared memory was agreed", msg.id
+            )
+        msg, size = uplink.read_push(msg, parts.max_bytes)
+        if msg.get("stage") is not None:
+            raise wire.ProtocolError("malformed", "a stage slice goes over the socket", msg.id)
+        return _checked_push(engine, wid, msg, size)
     if msg.type == "chunk":
         whole = parts.feed(msg)
         if whole is None:
@@ -168,13 +194,17 @@ def _decode(
     if wid is not None and (msg.type in ("act", "gact") or msg.get("stage") is not None):
         return Relayed(msg, data)  # relayed, or a stage's slice of a replica step (a push)
     if msg.type == "push" and wid is not None:
-        try:
-            return decode_push(engine.store.shapes, wid, msg, len(data), fused=True)
-        except wire.ProtocolError as exc:
-            raise wire.ProtocolError(exc.code, exc.message, msg.id) from None
-        except Exception as exc:  # whatever else a hostile frame provokes: refused, not fatal
-            raise wire.ProtocolError("malformed", f"push: {exc}", msg.id) from None
+        return _checked_push(engine, wid, msg, len(data))
     return msg
+
+
+def _checked_push(engine: Engine, wid: int, msg: wire.Message, size: int) -> PushIn:
+    try:
+        return decode_push(engine.store.shapes, wid, msg, size, fused=True)
+    except wire.ProtocolError as exc:
+        raise wire.ProtocolError(exc.code, exc.message, msg.id) from None
+    except Exception as exc:  # whatever else a hostile frame provokes: refused, not fatal
+        raise wire.ProtocolError("malformed", f"push: {exc}", msg.id) from None
 
 
 async def handle(
@@ -184,9 +214,11 @@ async def handle(
     cap: int,
     limit: int,
     relay: Relay | None = None,
+    hub: ShmHub | None = None,
 ) -> web.StreamResponse:
     """The websocket endpoint ``/v1/ws``; ``relay`` forwards pipeline stages' ``act``/``gact``
-    frames (None: they are refused)."""
+    frames (None: they are refused); ``hub``: shared memory for same-host workers that ask for
+    it (None: sockets only)."""
     if not authorized(request, token):
         return web.Response(
             status=401, text="missing or wrong worker token (Authorization: Bearer)"
@@ -197,6 +229,7 @@ async def handle(
     writer = asyncio.create_task(outbox.run())
     parts = wire.Reassembler(message_cap(engine, cap))
     wid: int | None = None
+    uplink: Uplink | None = None
     reason = "connection closed"
     try:
         async for frame in ws:
@@ -212,8 +245,10 @@ async def handle(
                 continue
             data: bytes = frame.data
             try:
-                if len(data) + parts.pending > OFF_LOOP_BYTES:
-                    item = await asyncio.to_thread(_decode, engine, wid, data, cap, parts)
+                if len(data) + parts.pending > OFF_LOOP_BYTES or (
+                    uplink is not None and len(data) < 256
+                ):  # (a small frame from a shared-memory worker may name a big push)
+                    item = await asyncio.to_thread(_decode, engine, wid, data, cap, parts, uplink)
                 else:
                     item = _decode(engine, wid, data, cap, parts)
             except wire.ProtocolError as exc:
@@ -259,6 +294,10 @@ async def handle(
                     outbox.resend = partial(engine.submit, partial(engine.resend, wid, outbox))
                     if relay is not None:
                         relay.attach(wid, outbox)
+                    if hub is not None and hello.same_host and offers_shm(msg):
+                        ring = hub.offer(message_cap(engine, cap))
+                        if ring is not None:
+                            outbox.send_frame(wire.encode("shm_offer", 0, segment=ring.name))
                 except codecs.CodecError as exc:
                     outbox.send_error("no_codec", str(exc), msg.id)
                     reason = "no usable codec"
@@ -271,6 +310,20 @@ async def handle(
             elif msg.type == "bye":
                 reason = msg.get("reason") or "bye"
                 break
+            elif msg.type == "shm_ready" and hub is not None and uplink is None:
+                try:
+                    uplink = Uplink(hub, msg["nonce"], msg["segment"])
+                except shm.ShmError as exc:
+                    log.info("worker %s: no shared memory: %s", wid, exc.message)
+                    outbox.send_error(exc.code, exc.message, msg.id)
+                    continue
+                outbox.shm = hub
+                log.info(
+                    "worker %s: shared memory on (rings %s, %s)",
+                    wid,
+                    hub.ring and hub.ring.name,
+                    msg["segment"],
+                )
             elif msg.type == "profile_result":
                 engine.submit(partial(engine.profile_result, wid, msg["result"]))
             elif msg.type == "hello":
@@ -279,6 +332,9 @@ async def handle(
                 outbox.send_error("unexpected", f"{msg.type} is a daemon-to-worker message", msg.id)
     finally:
         reason = outbox.closing or reason  # the daemon's own reason, when it closed first
+        outbox.shm = None
+        if uplink is not None:
+            uplink.close()
         if wid is not None:
             if relay is not None:
                 relay.detach(wid, outbox)
@@ -289,3 +345,9 @@ async def handle(
         writer.cancel()
         await ws.close()
     return ws
+
+
+def offers_shm(hello: wire.Message) -> bool:
+    """Whether a hello names shared memory among its features."""
+    features = hello.get("features") or ()
+    return shm.FEATURE in features

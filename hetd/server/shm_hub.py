@@ -1,0 +1,140 @@
+"""The daemon's side of the same-host shared-memory path (:mod:`hetd.protocol.shm`).
+
+One :class:`ShmHub` per daemon owns the downlink ring, created on the first offer (a daemon with
+no same-host worker creates nothing) and unlinked when the daemon stops. Each published full
+``params`` frame is copied into the ring once, however many workers it goes to; every one of them
+gets the same small ``params_ref``. One :class:`Uplink` per session maps the worker's own ring
+read-only once the worker proved (``shm_ready``) that it mapped the daemon's, and unlinks it when
+the session ends (a worker killed without cleaning up leaves nothing behind).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgpack
+
+from hetd.protocol import shm, wire
+
+log = logging.getLogger("hetd.server.shm")
+
+SLOTS = 4  # frames kept readable: a worker reads its reference within 3 later publishes
+
+
+class ShmHub:
+    """The downlink ring and the frames written into it (each once)."""
+
+    def __init__(self, slots: int = SLOTS) -> None:
+        self.slots = slots
+        self.ring: shm.Ring | None = None
+        self.closed = False
+        # signature of a frame -> (its reference, its version): the newest few
+        self._written: dict[tuple[int, int, bytes], tuple[shm.Ref, int]] = {}
+        self.frames_written = 0  # params frames copied into the ring
+        self.bytes_written = 0
+        self.pushes_read = 0  # pushes read from workers' rings
+
+    def offer(self, slot_bytes: int) -> shm.Ring | None:
+        """The ring to offer a same-host worker (made now if need be); None when this host has no
+        shared memory, the daemon is stopping, or the ring cannot be made (logged once)."""
+        if self.closed or not shm.available():
+            return None
+        ring = self.ring
+        if ring is not None and ring.slot_bytes >= slot_bytes:
+            return ring
+        try:
+            new = shm.Ring("dl", self.slots, slot_bytes)
+        except OSError as exc:
+            log.warning("no shared memory for same-host workers: %s", exc)
+            self.closed = True
+            return None
+        if ring is not None:  # too small for this model: its workers' refs now fail, they pull
+            ring.close()
+        self.ring, self._written = new, {}
+        return new
+
+    def publish(self, frame: bytes) -> bytes | None:
+        """The ``params_ref`` frame for a full ``params`` frame (copied into the ring on its
+        first call); None when it should go over the socket (small, or no ring to take it)."""
+        ring = self.ring
+        if ring is None or len(frame) < shm.MIN_BYTES or len(frame) > ring.slot_bytes:
+            return None
+        key = (id(frame), len(frame), bytes(frame[:48]) + bytes(frame[-24:]))
+        hit = self._written.get(key)
+        if hit is None or hit[0].gen <= ring.gen - ring.slots:
+            version = params_version(frame)
+            if version is None:
+                return None
+            hit = (ring.write(frame), version)
+            self.frames_written += 1
+            self.bytes_written += len(frame)
+            self._written = {k: v for k, v in self._written.items() if v[1] >= version - 4}
+            self._written[key] = hit
+        ref, version = hit
+        return wire.encode("params_ref", 0, version=version, **ref.fields())
+
+    def close(self) -> None:
+        """Unlink the ring; no more offers."""
+        self.closed = True
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+        self._written = {}
+
+
+def params_version(frame: bytes) -> int | None:
+    """A ``params`` frame's version, read from the fields before its tensors."""
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=4096)
+    unpacker.feed(frame[:256])
+    fields: dict[str, Any] = {}
+    try:
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            if key == "tensors":
+                break
+            fields[key] = unpacker.unpack()
+    except (msgpack.OutOfData, ValueError):
+        return None
+    version = fields.get("version")
+    if fields.get("type") != "params" or fields.get("full") is not True:
+        return None
+    return version if isinstance(version, int) and not isinstance(version, bool) else None
+
+
+class Uplink:
+    """One worker's ring, mapped read-only after it proved it mapped ours."""
+
+    def __init__(self, hub: ShmHub, nonce: str, segment: str) -> None:
+        """Check the proof and map the ring; :class:`hetd.protocol.shm.ShmError` says why not."""
+        ring = hub.ring
+        if ring is None or nonce != ring.nonce:
+            raise shm.ShmError("bad_nonce", "shm_ready: the nonce is not the one in our segment")
+        if not segment.startswith("hetd-up-"):
+            raise shm.ShmError("bad_ref", f"shm_ready: {segment!r} is not a worker segment")
+        self.reader = shm.RingReader(segment)
+        self.hub = hub
+
+    def read_push(self, msg: wire.Message, max_bytes: int) -> tuple[wire.Message, int]:
+        """The ``push`` a ``push_ref`` names, and its size; :class:`hetd.protocol.wire.ProtocolError`
+        with the push's id when the reference or the frame is not right (nothing is applied)."""
+        try:
+            data = self.reader.read(shm.ref_of(msg.body))
+        except shm.ShmError as exc:
+            raise wire.ProtocolError(
+                exc.code, f"push_ref {msg.id}: {exc.message}", msg.id
+            ) from None
+        push = wire.decode(data, max_bytes)
+        if push.type != "push" or push.id != msg.id:
+            raise wire.ProtocolError(
+                "bad_ref",
+                f"push_ref {msg.id}: names a {push.type} {push.id}, not push {msg.id}",
+                msg.id,
+            )
+        self.hub.pushes_read += 1
+        return push, len(data)
+
+    def close(self) -> None:
+        """Unmap the worker's ring and unlink it."""
+        self.reader.close()
+        shm.unlink(self.reader.name)
