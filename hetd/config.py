@@ -60,8 +60,10 @@ class TrainConfig:
     inner_optimizer: str = ""
     worker_lr: float = 0.0  # the inner optimizer's lr when its spec names none; 0: same as lr
     # How the daemon applies a delta: the pseudo-gradient -delta through this optimizer.
-    # "sgd:lr=1" adds deltas as they are; "nesterov:lr=0.7,momentum=0.9" is DiLoCo's.
-    outer_optimizer: str = "sgd:lr=1"
+    # "sgd:lr=1" adds deltas as they are; "nesterov:lr=0.7,momentum=0.9" is DiLoCo's; "auto": the
+    # policy's (policies.diloco.outer_for: Nesterov for the DiLoCo family over an SGD-family inner
+    # optimizer, plain averaging over adam and for every other policy).
+    outer_optimizer: str = "auto"
     micro_batch: int = 0  # examples per jitted call on workers (fixed shape); 0: batch_size
     global_batch: int = 128  # samples per round across workers (BSP: B/N each)
     batch_size: int = 32  # initial per-worker batch
@@ -283,7 +285,7 @@ def _checked(cfg: Config) -> Config:
         raise ConfigError(f"[train] codec = {cfg.train.codec!r}: {exc}") from None
     for key in ("optimizer", "inner_optimizer", "outer_optimizer"):
         spec = getattr(cfg.train, key)
-        if key == "inner_optimizer" and not spec:
+        if (key == "inner_optimizer" and not spec) or (key == "outer_optimizer" and spec == "auto"):
             continue
         try:
             parse_optimizer(spec)
@@ -297,17 +299,29 @@ def _checked(cfg: Config) -> Config:
 
 
 def optimizers(
-    optimizer: str, lr: float, inner: str, worker_lr: float, outer: str
+    optimizer: str,
+    lr: float,
+    inner: str,
+    worker_lr: float,
+    outer: str,
+    policy: str = "",
+    policy_params: Mapping[str, Any] | None = None,
+    workers: int = 1,
 ) -> tuple[str, str, str]:
     """The three optimizer specs in full (each with its learning rate): the daemon's for
     gradients, the workers' inner one (``inner`` empty: ``optimizer``'s family; its lr
-    ``worker_lr``, 0 meaning ``lr``) and the outer one for deltas. Shared by the daemon and the
-    simulator so both train the same way."""
+    ``worker_lr``, 0 meaning ``lr``) and the outer one for deltas (``"auto"``: the one
+    :func:`policies.diloco.outer_for` gives ``policy`` with ``policy_params`` over ``workers``
+    workers and this inner optimizer). Shared by the daemon and the simulator so both train the
+    same way."""
     from hetd.zoo.optim import parse_optimizer
+    from policies.diloco import AUTO_OUTER, outer_for
 
     daemon = parse_optimizer(optimizer).with_default_lr(lr)
     base = parse_optimizer(inner) if inner else parse_optimizer(daemon.name)
     inner_spec = base.with_default_lr(worker_lr or daemon.lr or lr)
+    if outer == AUTO_OUTER:
+        outer = outer_for(policy, policy_params or {}, workers, str(inner_spec))
     return str(daemon), str(inner_spec), str(parse_optimizer(outer).with_default_lr(1.0))
 
 

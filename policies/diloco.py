@@ -40,27 +40,37 @@ from policies.types import (
     Tick,
 )
 
-# The outer optimizer each policy is meant to run with ([train] outer_optimizer). The policies do
-# not set it: it is the daemon's configuration, and a policy's parameters are only its factory's
-# (a PATCH rebuilds the policy from them). docs/policies.md §13 says so.
+# The outer optimizer each policy is meant to run with ([train] outer_optimizer = "auto", the
+# default; docs/policies.md §13). The policies do not set it: it is the daemon's configuration, and
+# a policy's parameters are only its factory's (a PATCH rebuilds the policy from them).
 SYNC_OUTER = "nesterov:lr=0.7,momentum=0.9"
 ASYNC_OUTER = "delayed_nesterov:lr=0.7,momentum=0.9,period=N"  # N: the number of workers
-PLAIN_OUTER = "sgd:lr=1"  # the configuration's default: deltas added as they are
+PLAIN_OUTER = "sgd:lr=1"  # deltas added as they are (with the policy's weight)
+AUTO_OUTER = "auto"  # the configuration's default: outer_for decides
+# Inner optimizers whose step is the gradient times a learning rate: their pseudo-gradient is a sum
+# of gradients, which an outer momentum accelerates. An adaptive one (adam) already takes steps of
+# about its learning rate per coordinate; Nesterov at 0.7/0.9 moves up to 0.7/(1-0.9) = 7 times the
+# mean pseudo-gradient on top of that, which overshoots within the tens of rounds a run has.
+_SGD_FAMILY = ("sgd", "momentum", "nesterov")
 
 
-def outer_for(policy: str, params: Mapping[str, Any], workers: int) -> str | None:
-    """The outer optimizer ``policy`` (a registered name, with its factory ``params``) is meant to
-    run with, for ``workers`` workers: DiLoCo's Nesterov for ``diloco`` (and a ``quorum`` around
-    it), delayed Nesterov with ``period = workers`` for ``diloco_async``; None for the others.
-    What runs a policy on a configuration that names no outer optimizer of its own (the benchmark)
-    uses it, so the family is never measured as plain delta averaging by accident."""
+def outer_for(policy: str, params: Mapping[str, Any], workers: int, inner: str = "sgd") -> str:
+    """The outer optimizer for ``policy`` (a registered name, with its factory ``params``), run by
+    ``workers`` workers whose inner optimizer is ``inner`` (a spec such as ``"adam:lr=0.002"``):
+    for ``diloco`` (and a ``quorum`` around it) DiLoCo's Nesterov, for ``diloco_async`` delayed
+    Nesterov with ``period = workers``, each when the inner optimizer is of the SGD family; plain
+    averaging (:data:`PLAIN_OUTER`) for an adaptive inner optimizer and for every other policy.
+    The one place that decides: ``hetd serve``, the simulator and the benchmark all resolve
+    ``outer_optimizer = "auto"`` through it."""
     if policy == "quorum":
         policy = str(params.get("policy", "diloco"))
+    if inner.split(":", 1)[0].strip() not in _SGD_FAMILY:
+        return PLAIN_OUTER
     if policy == "diloco":
         return SYNC_OUTER
     if policy == "diloco_async":
         return ASYNC_OUTER.replace("period=N", f"period={max(1, workers)}")
-    return None
+    return PLAIN_OUTER
 
 
 def _check_codec(codec: object) -> None:
@@ -405,6 +415,7 @@ def diloco_async(
 
 __all__ = [
     "ASYNC_OUTER",
+    "AUTO_OUTER",
     "PLAIN_OUTER",
     "SYNC_OUTER",
     "DilocoAsyncState",

@@ -72,7 +72,7 @@ class Target:
     lr: float = 0.1
     inner_optimizer: str = ""
     worker_lr: float = 0.0
-    outer_optimizer: str = "sgd:lr=1"
+    outer_optimizer: str = "auto"
     batch_size: int = 32  # a worker's batch, and the profile request's
     micro_batch: int = 0  # 0: batch_size
     codec: str = "none"  # the run's codec (its profile exchange encodes with it)

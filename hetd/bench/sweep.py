@@ -23,8 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from hetd.sim.results import PolicySpec, RunResult, check_results, summarize
-from hetd.sim.scenario import Scenario, replace
-from policies.diloco import PLAIN_OUTER, outer_for
+from hetd.sim.scenario import Scenario
 
 Runner = Callable[[Scenario, PolicySpec, int, float, Callable[[float], None]], RunResult]
 """(scenario, policy, seed, lr, on_time) -> one run's result."""
@@ -64,16 +63,6 @@ def runner_for(mode: str, links: str = "emulated") -> Runner:
     raise ValueError(f"unknown mode {mode!r}; use sim or real")
 
 
-def scenario_for(sc: Scenario, policy: PolicySpec) -> Scenario:
-    """``sc`` as ``policy`` runs it: a scenario that leaves the outer optimizer at the default
-    (plain delta averaging) runs the DiLoCo family with its own (:func:`policies.diloco.outer_for`:
-    Nesterov, or delayed Nesterov over the workers); one that names an outer optimizer keeps it."""
-    outer = outer_for(policy.name, policy.build_params(), sc.n)
-    if outer is None or sc.outer_optimizer != PLAIN_OUTER:
-        return sc
-    return replace(sc, outer_optimizer=outer)
-
-
 def _better(a: RunResult, b: RunResult) -> bool:
     """Whether ``a`` beats ``b``: reached the target sooner, or higher final accuracy."""
 
@@ -109,7 +98,7 @@ def run_bench(opts: BenchOptions, runner: Runner | None = None) -> dict[str, Any
         def on_time(t: float) -> None:
             bar.update(done + min(t, sc.budget_s) - bar.n)  # tqdm limits the redraw rate
 
-        result = run(scenario_for(sc, policy), policy, seed, lr, on_time)
+        result = run(sc, policy, seed, lr, on_time)
         done += sc.budget_s
         bar.update(done - bar.n)
         cache[key] = result

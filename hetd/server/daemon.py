@@ -82,8 +82,17 @@ def build_engine(cfg: config_mod.Config, clock: Clock | None = None) -> Engine:
     model = get_model(t.model, data.num_classes, **dict(t.model_kwargs))
     # One jitted init compiles once; flax's eager init compiles op by op (~2x slower start-up).
     params = jax.jit(model.init, static_argnums=1)(jax.random.PRNGKey(t.seed), data.input_shape)
+    # outer_optimizer "auto": the policy's; delayed Nesterov's period is the workers the
+    # configuration's batches describe (global_batch / batch_size)
     daemon_opt, _, outer_opt = config_mod.optimizers(
-        t.optimizer, t.lr, t.inner_optimizer, t.worker_lr, t.outer_optimizer
+        t.optimizer,
+        t.lr,
+        t.inner_optimizer,
+        t.worker_lr,
+        t.outer_optimizer,
+        cfg.policy.name,
+        cfg.policy.params,
+        max(1, t.global_batch // max(1, t.batch_size)),
     )
     store = Store(params, make_optimizer(daemon_opt), outer=make_outer(outer_opt))
     policy = make_policy(cfg.policy.name, cfg.policy.params)

@@ -139,7 +139,14 @@ class _Sim:
         data, model, self.compute = scenario_compute(sc, seed)
         init = model.init(jax.random.PRNGKey(seed), data.input_shape)
         daemon_opt, inner_opt, outer_opt = config_mod.optimizers(
-            sc.optimizer, lr, sc.inner_optimizer, sc.worker_lr, sc.outer_optimizer
+            sc.optimizer,
+            lr,
+            sc.inner_optimizer,
+            sc.worker_lr,
+            sc.outer_optimizer,
+            policy.name,
+            policy.build_params(),
+            sc.n,
         )
         store = _RecordingStore(init, make_optimizer(daemon_opt), outer=make_outer(outer_opt))
         self.store = store

@@ -103,7 +103,7 @@ class Scenario:
     optimizer: str = "sgd"  # the daemon's, as [train] optimizer (a spec: sgd | momentum | adam ...)
     worker_lr: float = 0.0  # the inner optimizer's lr when its spec names none; 0: the run's lr
     inner_optimizer: str = ""  # local-step plans' optimizer, as [train]; "": optimizer's family
-    outer_optimizer: str = "sgd:lr=1"  # how deltas are applied, as [train]
+    outer_optimizer: str = "auto"  # how deltas are applied, as [train] ("auto": the policy's)
     micro_batch: int = 0  # examples per compiled call on workers; 0: batch_per_worker
     codec: str = "none"  # preferred codec
     downlink: str = "auto"  # lossy codecs' parameters: auto (by link speed), delta, full
@@ -190,7 +190,12 @@ _TOP: dict[str, tuple[Check, str, Check, str]] = {
         lambda v: v == "" or _is_optimizer(v),
         '"" or ' + OPTIMIZER_HELP,
     ),
-    "outer_optimizer": (lambda v: isinstance(v, str), "string", _is_optimizer, OPTIMIZER_HELP),
+    "outer_optimizer": (
+        lambda v: isinstance(v, str),
+        "string",
+        lambda v: v == "auto" or _is_optimizer(v),
+        '"auto" or ' + OPTIMIZER_HELP,
+    ),
     "micro_batch": (
         lambda v: isinstance(v, int) and not isinstance(v, bool),
         "integer",

@@ -255,24 +255,66 @@ def test_delayed_nesterov_moves_momentum_only_every_period() -> None:
     assert steps == [-1.0, -1.0, -2.5, -1.0, -1.0, -(1 + 0.5 * 4.5)]
 
 
-def test_the_family_runs_with_its_own_outer_optimizer_unless_the_scenario_names_one() -> None:
-    from hetd.bench.sweep import scenario_for
-    from hetd.sim.results import PolicySpec
-    from hetd.sim.scenario import load_scenario, replace
+def test_the_outer_optimizer_follows_the_policy_and_the_inner_optimizer() -> None:
     from policies.diloco import outer_for
 
-    assert outer_for("diloco", {}, 4) == "nesterov:lr=0.7,momentum=0.9"
+    # an SGD-family inner optimizer: DiLoCo's Nesterov (delayed over the workers when async)
+    assert outer_for("diloco", {}, 4, "sgd:lr=0.2") == "nesterov:lr=0.7,momentum=0.9"
+    assert outer_for("diloco", {}, 4, "momentum") == "nesterov:lr=0.7,momentum=0.9"
     assert outer_for("diloco_async", {}, 8) == "delayed_nesterov:lr=0.7,momentum=0.9,period=8"
     assert outer_for("quorum", {"policy": "diloco"}, 4) == "nesterov:lr=0.7,momentum=0.9"
-    assert outer_for("quorum", {"policy": "bsp"}, 4) is None
-    assert outer_for("ashl", {}, 4) is None
-    s7 = load_scenario("S7")
-    assert s7.outer_optimizer == "sgd:lr=1"
-    assert scenario_for(s7, PolicySpec("diloco")).outer_optimizer.startswith("nesterov:")
-    assert scenario_for(s7, PolicySpec("diloco_async")).outer_optimizer.endswith("period=4")
-    assert scenario_for(s7, PolicySpec("ashl")) is s7  # delta averaging stays theirs
-    named = replace(s7, outer_optimizer="sgd:lr=0.5")
-    assert scenario_for(named, PolicySpec("diloco")) is named  # a scenario's choice is kept
+    # an adaptive one: plain averaging, which does not multiply its steps
+    assert outer_for("diloco", {}, 4, "adam:lr=0.002") == "sgd:lr=1"
+    assert outer_for("diloco_async", {}, 4, "adam") == "sgd:lr=1"
+    # every other policy: plain averaging
+    assert outer_for("quorum", {"policy": "bsp"}, 4) == "sgd:lr=1"
+    assert outer_for("ashl", {}, 4) == "sgd:lr=1"
+
+
+def test_serve_and_the_simulator_resolve_auto_in_one_place() -> None:
+    from hetd import config
+    from hetd.sim.scenario import load_scenario
+
+    assert config.Config().train.outer_optimizer == "auto"
+    assert load_scenario("S7").outer_optimizer == "auto"
+    # (optimizer, lr, inner, worker_lr, outer, policy, params, workers), as the daemon calls it
+    sgd = config.optimizers("sgd", 0.2, "", 0.0, "auto", "diloco", {}, 4)
+    assert sgd[2] == "nesterov:lr=0.7,momentum=0.9"
+    adam = config.optimizers("adam", 0.002, "", 0.0, "auto", "diloco", {}, 4)
+    assert adam[2] == "sgd:lr=1"
+    assert config.optimizers("sgd", 0.2, "adam", 0.0, "auto", "diloco_async", {}, 4)[2] == (
+        "sgd:lr=1"  # the inner optimizer decides, not the daemon's
+    )
+    named = config.optimizers("adam", 0.002, "", 0.0, "nesterov:lr=0.5", "diloco", {}, 4)
+    assert named[2] == "nesterov:lr=0.5"  # a configured one is kept
+    assert config.optimizers("sgd", 0.2, "", 0.0, "auto")[2] == "sgd:lr=1"  # no policy
+
+
+def test_hetd_serve_builds_the_family_outer_optimizer_from_the_config() -> None:
+    import jax
+
+    from hetd import config
+    from hetd.server.daemon import build_engine
+
+    def outer_state(policy: str, optimizer: str) -> int:
+        cfg = config.from_mapping(
+            {
+                "train": {
+                    "model": "mlp",
+                    "model_kwargs": {"hidden": [8]},
+                    "dataset": "digits",
+                    "optimizer": optimizer,
+                    "lr": 0.1,
+                },
+                "policy": {"name": policy, "params": {}},
+            }
+        )
+        engine = build_engine(cfg)
+        return len(jax.tree.leaves(engine.store.state()[1]))
+
+    # Nesterov keeps a momentum per parameter next to SGD's (empty) state; plain averaging none
+    assert outer_state("diloco", "sgd") > outer_state("ssp", "sgd")
+    assert outer_state("diloco", "adam") == outer_state("ssp", "adam")
 
 
 @pytest.mark.parametrize("name", ["diloco", "diloco_async"])
