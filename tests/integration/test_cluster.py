@@ -102,6 +102,27 @@ async def test_an_emulated_link_carries_parameters_too(cluster) -> None:  # type
     assert per_round >= 2 * 0.15 * 0.9, per_round
 
 
+async def test_the_profiles_link_is_the_link_not_the_daemons_join_work(cluster) -> None:  # type: ignore[no-untyped-def]
+    """A join the daemon is slow to answer (0.4 s of blocking work, as a daemon busy with other
+    joiners on a loaded host) must not read as a slow link: the profile times websocket pings
+    (the fastest counts), and adds the emulated link's 5 ms latency each way. Its push and pull
+    times once rested on the hello -> welcome round trip alone (here >= 0.2 s each)."""
+    c = await cluster("asp")
+    join = c.engine.join
+
+    def slow_join(*args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(0.4)  # blocks the daemon's loop: the welcome leaves 0.4 s late
+        return join(*args, **kwargs)
+
+    c.engine.join = slow_join
+    await c.spawn(1.0, 0.001, "--emulate-latency", "0.005")
+    await c.wait_for(lambda: any(f.profile for f in c.engine.facts.values()), 60, "a profile")
+    (profile,) = [f.profile for f in c.engine.facts.values()]
+    assert profile is not None
+    for key in ("push_s", "pull_s"):
+        assert 0.005 <= profile[key] < 0.1, profile
+
+
 # --- one asp run shared by the last tests (last: a module loop runs only during its own tests) ---
 
 
