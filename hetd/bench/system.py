@@ -41,7 +41,7 @@ from hetd.bench.system_limit import BareServer, measure_startup
 from hetd.bench.system_options import PARTS, add_options
 from hetd.bench.system_peers import Job, PeerPool, Report, Shapes
 from hetd.core.rates import MB, LatencyRecorder
-from hetd.protocol import wire
+from hetd.protocol import shm, wire
 
 if TYPE_CHECKING:  # JAX loads only where a daemon is built: spawned peers re-import this module
     from hetd.core.engine import Engine
@@ -77,6 +77,9 @@ class SystemOptions:
     big_params: int = BIG_PARAMS  # the big-model rows (part "big"): one sender, int8 and none
     parts: tuple[str, ...] = PARTS
     quiet: bool = False
+    # the senders' paths, each a row: "ws" (websocket frames) and "shm" (shared memory, which
+    # the daemon offers same-host workers; --no-shm leaves it out)
+    transports: tuple[str, ...] = ("ws", "shm")
 
 
 def synthetic_shapes(n: int) -> Shapes:
@@ -211,13 +214,15 @@ async def hetd_cell(
     k: int,
     opts: SystemOptions,
     seconds: float | None = None,
+    shm: bool = False,
 ) -> tuple[Tally, list[Report]]:
-    """``k`` no-compute senders against the daemon: what it did over the window, their reports."""
+    """``k`` no-compute senders against the daemon: what it did over the window, their reports;
+    ``shm``: the senders take the daemon's shared memory (an error if it was not used)."""
     engine = daemon.engine
     url = f"ws://127.0.0.1:{daemon.port}/v1/ws"
     cap, chunk = _frame_cap(n_params(shapes)), daemon.cfg.server.max_frame_bytes
     jobs = [
-        Job("hetd", url, codec=codec, shapes=shapes, cap=cap, frame_cap=chunk, seed=i)
+        Job("hetd", url, codec=codec, shapes=shapes, cap=cap, frame_cap=chunk, seed=i, shm=shm)
         for i in range(k)
     ]
     await pool.start(jobs)
@@ -228,6 +233,8 @@ async def hetd_cell(
     tally = await _measure(_engine_counters(engine), seconds or opts.seconds)
     reports = await pool.stop(k)
     _check_reports(reports, f"hetd {n_params(shapes)} {codec} x{k}")
+    if any(r.extra.get("shm") != shm for r in reports):
+        raise RuntimeError(f"hetd {n_params(shapes)} {codec} x{k}: shared memory {shm} not kept")
     await _until(lambda: not engine.facts, 10.0, "the senders to leave")
     return tally, reports
 
@@ -295,7 +302,7 @@ async def run_throughput(pool: PeerPool, opts: SystemOptions) -> list[dict[str, 
                 await daemon.start()
                 try:
                     for k in opts.senders:
-                        rows.append(await _one_cell(daemon, server, pool, shapes, codec, k, opts))
+                        rows += await _one_cell(daemon, server, pool, shapes, codec, k, opts)
                 finally:
                     await daemon.stop(final_checkpoint=False)
     finally:
@@ -317,9 +324,7 @@ async def run_big(pool: PeerPool, opts: SystemOptions) -> list[dict[str, Any]]:
             await daemon.start()
             try:
                 seconds = max(opts.seconds, BIG_SECONDS * min(1.0, opts.big_params / BIG_PARAMS))
-                rows.append(
-                    await _one_cell(daemon, server, pool, shapes, codec, 1, opts, 1, seconds)
-                )
+                rows += await _one_cell(daemon, server, pool, shapes, codec, 1, opts, 1, seconds)
             finally:
                 await daemon.stop(final_checkpoint=False)
     finally:
@@ -337,28 +342,50 @@ async def _one_cell(
     opts: SystemOptions,
     rounds: int = ROUNDS,
     seconds: float | None = None,
-) -> dict[str, Any]:
-    # hetd and the limit alternate, ROUNDS windows each, so that load from other processes
-    # (the machine is shared) falls on both alike; the limit copies the first hetd window's sizes.
+) -> list[dict[str, Any]]:
+    # hetd (each transport) and the limit alternate, ROUNDS windows each, so that load from other
+    # processes (the machine is shared) falls on all alike; the limit copies the first hetd
+    # window's sizes.
     window = (seconds or opts.seconds) / rounds
     cap = _frame_cap(n_params(shapes))  # the bare exchange sends every message whole
-    hetd_tally, limit_tally = Tally(), Tally()
+    tallies = {t: Tally() for t in opts.transports}
+    limit_tally = Tally()
     push, replies = 0, (0, 0)
-    for round_ in range(rounds):
-        tally, reports = await hetd_cell(daemon, pool, shapes, codec, k, opts, window)
-        hetd_tally += tally
-        if round_ == 0:
-            push = max(r.push_frame_bytes for r in reports)
-            frames = sum(r.params_frames for r in reports)
-            params_bytes = round(sum(r.params_bytes for r in reports) / max(1, frames))
-            replies = (max(r.ack_bytes for r in reports), params_bytes)
+    for _ in range(rounds):
+        for transport in opts.transports:
+            tally, reports = await hetd_cell(
+                daemon, pool, shapes, codec, k, opts, window, shm=transport == "shm"
+            )
+            tallies[transport] += tally
+            if not push:
+                push = max(r.push_frame_bytes for r in reports)
+                frames = sum(r.params_frames for r in reports)
+                params_bytes = round(sum(r.params_bytes for r in reports) / max(1, frames))
+                replies = (max(r.ack_bytes for r in reports), params_bytes)
         limit_tally += await limit_cell(server, pool, k, push, replies, cap, opts, window)
+    return [
+        _row(shapes, codec, k, t, tallies[t], limit_tally, push, replies[1], opts)
+        for t in opts.transports
+    ]
+
+
+def _row(
+    shapes: Shapes,
+    codec: str,
+    k: int,
+    transport: str,
+    hetd_tally: Tally,
+    limit_tally: Tally,
+    push: int,
+    params_bytes: int,
+    opts: SystemOptions,
+) -> dict[str, Any]:
     got, limit = hetd_tally.rates(), limit_tally.rates()
-    params_bytes = replies[1]
     row = {
         "params": n_params(shapes),
         "codec": codec,
         "workers": k,
+        "transport": transport,
         "updates_per_s": round(got["updates_per_s"], 2),
         "mb_in_per_s": round(got["mb_in_per_s"], 2),
         "mb_out_per_s": round(got["mb_out_per_s"], 2),
@@ -375,7 +402,8 @@ async def _one_cell(
     }
     _say(
         opts,
-        f"  {row['params']:>10,} {codec:<5} x{k}: {row['updates_per_s']:8.1f} updates/s, "
+        f"  {row['params']:>10,} {codec:<5} x{k} {transport:<3}: "
+        f"{row['updates_per_s']:8.1f} updates/s, "
         f"limit {row['limit_updates_per_s']:8.1f} -> {row['fraction_of_limit']:.2f}; server CPU "
         f"{row['server_cpu_ms_per_update']:.2f} vs {row['limit_server_cpu_ms_per_update']:.2f} "
         f"ms/update; {row['updates_per_publish']:.1f} updates/publish",
@@ -505,6 +533,7 @@ ROW_EXTRA = (
     "limit_server_cpu_ms_per_update",
     "updates_per_publish",
     "rss_mb",
+    "transport",  # "ws" or "shm" (rows from before it: ws)
 )
 LATENCY_KEYS: dict[str, tuple[type, ...]] = {"connected": (int,), "p50_ms": _NUM, "p99_ms": _NUM}
 STARTUP_KEYS: dict[str, tuple[type, ...]] = {"workers": (int,), "seconds_to_first_update": _NUM}
@@ -565,17 +594,18 @@ def system_md(doc: dict[str, Any]) -> str:
     ]
     if doc["throughput"]:
         lines += [
-            "| params | codec | senders | updates/s | MB/s in | MB/s out | limit updates/s "
+            "| params | codec | senders | path | updates/s | MB/s in | MB/s out | limit updates/s "
             "| fraction of limit | push frame | params frame | CPU ms/update (bare) "
             "| updates/publish | RSS |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in doc["throughput"]:
             cpu = r.get("server_cpu_ms_per_update")
             bare = r.get("limit_server_cpu_ms_per_update")
             rss = r.get("rss_mb")
             lines.append(
-                f"| {r['params']:,} | {r['codec']} | {r['workers']} | {r['updates_per_s']:.1f} "
+                f"| {r['params']:,} | {r['codec']} | {r['workers']} | {r.get('transport', 'ws')} "
+                f"| {r['updates_per_s']:.1f} "
                 f"| {r['mb_in_per_s']:.1f} | {r['mb_out_per_s']:.1f} "
                 f"| {r['limit_updates_per_s']:.1f} | {r['fraction_of_limit']:.2f} "
                 f"| {r.get('push_frame_bytes', 0):,} B | {r.get('params_frame_bytes', 0):,} B "
@@ -658,6 +688,9 @@ def options_from(args: argparse.Namespace) -> SystemOptions:
         big_params=_ints(args.big_params, "--big-params")[0] if args.big_params else BIG_PARAMS,
         parts=parts,
         quiet=getattr(args, "quiet", False),
+        transports=("ws",)
+        if getattr(args, "no_shm", False) or not shm.available()
+        else ("ws", "shm"),
     )
 
 

@@ -33,6 +33,12 @@ def add_options(p: argparse.ArgumentParser) -> None:
         help="parts to run, among " + ",".join(PARTS) + " (default all)",
     )
     g.add_argument(
+        "--no-shm",
+        action="store_true",
+        help="senders keep the websocket (default: a row for each path, websocket and the "
+        "shared memory the daemon offers same-host workers)",
+    )
+    g.add_argument(
         "--latency-workers",
         type=int,
         default=256,

@@ -40,7 +40,7 @@ import msgpack
 import numpy as np
 
 from hetd.codecs import registry as codecs
-from hetd.protocol import wire
+from hetd.protocol import shm, wire
 
 Shapes = tuple[tuple[str, tuple[int, ...]], ...]
 """A model's tensors as ``(path, shape)`` pairs, in order."""
@@ -65,6 +65,7 @@ class Job:
     cap: int = wire.DEFAULT_MAX_FRAME  # the largest websocket message taken
     frame_cap: int = wire.DEFAULT_MAX_FRAME  # hetd: larger pushes go (and params come) in chunks
     seed: int = 0
+    shm: bool = False  # hetd: name "shm" in hello and take shared memory when offered
 
 
 @dataclass(slots=True)
@@ -188,13 +189,34 @@ def chunk_head(frame: bytes) -> tuple[int, bool, int] | None:
     return None
 
 
-def _hello(name: str, codec: str) -> bytes:
+def _hello(name: str, codec: str, shm_too: bool = False) -> bytes:
     device = {"platform": "cpu", "kind": "bench", "memory": 0}
     offered = sorted({codecs.spec_name(codec), "none"})
     # the features a real worker names: the daemon's cost per update includes the hash it pays
-    return wire.encode(
-        "hello", 1, name=name, device=device, codecs=offered, features=list(wire.WORKER_FEATURES)
-    )
+    features = [*wire.WORKER_FEATURES, *((shm.FEATURE,) if shm_too else ())]
+    return wire.encode("hello", 1, name=name, device=device, codecs=offered, features=features)
+
+
+class _Shm:
+    """A sender's shared memory with the daemon: its ring read-only, ours for the pushes."""
+
+    def __init__(self, segment: str) -> None:
+        self.down = shm.RingReader(segment)
+        self.up = shm.Ring("up", 2, self.down.slot_bytes)
+
+    def ready(self) -> bytes:
+        return wire.encode("shm_ready", 0, nonce=self.down.nonce, segment=self.up.name)
+
+    def params(self, msg: wire.Message) -> int:
+        """Copy the referenced frame out (as a worker does before it decodes); its size."""
+        return len(self.down.read(shm.ref_of(msg.body)))
+
+    def push(self, frame: bytearray, request: int) -> bytes:
+        return wire.encode("push_ref", request, **self.up.write(frame).fields())
+
+    def close(self) -> None:
+        self.down.close()
+        self.up.close()
 
 
 async def _watch_stop(conn: Connection, stop: asyncio.Event) -> None:
@@ -211,7 +233,8 @@ async def _run_hetd(job: Job, conn: Connection, http: aiohttp.ClientSession) -> 
     headers = {"Authorization": f"Bearer {job.token}"} if job.token else {}
     stop = asyncio.Event()
     async with http.ws_connect(job.url, headers=headers, max_msg_size=job.cap, compress=0) as ws:
-        await ws.send_bytes(_hello(f"bench-{job.seed}", job.codec))
+        await ws.send_bytes(_hello(f"bench-{job.seed}", job.codec, job.shm))
+        link: _Shm | None = None
         watcher: asyncio.Task[None] | None = None
         request = 0
         push = PushFrame(tensors)
@@ -239,6 +262,12 @@ async def _run_hetd(job: Job, conn: Connection, http: aiohttp.ClientSession) -> 
             msg = wire.decode(frame.data, job.cap) if version is None else None
             if msg is not None and msg.type == "params":
                 version = msg["version"]
+            elif msg is not None and msg.type == "params_ref" and link is not None:
+                version, size = msg["version"], link.params(msg)
+            elif msg is not None and msg.type == "shm_offer" and job.shm and link is None:
+                link = _Shm(msg["segment"])
+                await ws.send_bytes(link.ready())
+                continue
             if version is not None:
                 if watcher is None:  # the first parameters: joined and released
                     report.connected = 1
@@ -252,7 +281,9 @@ async def _run_hetd(job: Job, conn: Connection, http: aiohttp.ClientSession) -> 
                 request += 1
                 out = push.frame(request, version)
                 report.push_frame_bytes = len(out)
-                if len(out) <= job.frame_cap:
+                if link is not None:
+                    await ws.send_bytes(link.push(out, request))
+                elif len(out) <= job.frame_cap:
                     await ws.send_bytes(cast(bytes, out))  # aiohttp sends any bytes-like as is
                 else:
                     for piece in wire.chunks(bytes(out), job.frame_cap):
@@ -278,6 +309,9 @@ async def _run_hetd(job: Job, conn: Connection, http: aiohttp.ClientSession) -> 
             await ws.send_bytes(wire.encode("bye", 0, reason="benchmark cell done"))
         if watcher is not None:
             watcher.cancel()
+        if link is not None:
+            link.close()
+        report.extra["shm"] = link is not None
     return report
 
 

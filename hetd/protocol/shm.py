@@ -122,8 +122,16 @@ class Ring:
         """The slot the next :meth:`write` takes."""
         return self._next
 
-    def write(self, *parts: bytes | bytearray | memoryview) -> Ref:
-        """Copy a frame (the concatenation of ``parts``) into the next slot; its reference."""
+    def slot_gen(self, slot: int) -> int:
+        """The generation slot ``slot`` holds now (0: being written or never)."""
+        if self._mm is None:
+            return 0
+        gen: int = struct.unpack_from("<Q", self._mm, self.offset(slot) - SLOT_HEAD)[0]
+        return gen
+
+    def write(self, *parts: bytes | bytearray | memoryview, slot: int | None = None) -> Ref:
+        """Copy a frame (the concatenation of ``parts``) into slot ``slot`` (default: the next in
+        turn); its reference."""
         mm = self._mm
         if mm is None:
             raise ShmError("closed", f"segment {self.name} is closed")
@@ -132,7 +140,9 @@ class Ring:
             raise ShmError(
                 "too_large", f"a {length}-byte frame exceeds the {self.slot_bytes}-byte slot"
             )
-        slot, self._next = self._next, (self._next + 1) % self.slots
+        if slot is None:
+            slot = self._next
+        self._next = (slot + 1) % self.slots
         at = self.offset(slot)
         struct.pack_into("<QQ", mm, at - SLOT_HEAD, 0, 0)  # being written
         pos = at

@@ -83,7 +83,7 @@ class Outbox:
                 self._owed = True
             return
         if full and self.shm is not None:
-            ref = self.shm.publish(frame)  # written once for every same-host worker
+            ref = self.shm.publish(frame, id(self))  # written once for every same-host worker
             if ref is not None:
                 frame = ref
         self._put(frame, params=True, full=full)
@@ -332,7 +332,9 @@ async def handle(
                 outbox.send_error("unexpected", f"{msg.type} is a daemon-to-worker message", msg.id)
     finally:
         reason = outbox.closing or reason  # the daemon's own reason, when it closed first
-        outbox.shm = None
+        if outbox.shm is not None:
+            outbox.shm.release(id(outbox))
+            outbox.shm = None
         if uplink is not None:
             uplink.close()
         if wid is not None:

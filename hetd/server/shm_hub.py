@@ -3,7 +3,9 @@
 One :class:`ShmHub` per daemon owns the downlink ring, created on the first offer (a daemon with
 no same-host worker creates nothing) and unlinked when the daemon stops. Each published full
 ``params`` frame is copied into the ring once, however many workers it goes to; every one of them
-gets the same small ``params_ref``. One :class:`Uplink` per session maps the worker's own ring
+gets the same small ``params_ref``. The slot a worker was last sent is held for it (not rewritten)
+until it is sent a newer one or leaves, so a worker that reads late under load still finds its
+frame; when every slot is held (more same-host workers than slots) the frame goes over the socket. One :class:`Uplink` per session maps the worker's own ring
 read-only once the worker proved (``shm_ready``) that it mapped the daemon's, and unlinks it when
 the session ends (a worker killed without cleaning up leaves nothing behind).
 """
@@ -19,7 +21,7 @@ from hetd.protocol import shm, wire
 
 log = logging.getLogger("hetd.server.shm")
 
-SLOTS = 4  # frames kept readable: a worker reads its reference within 3 later publishes
+SLOTS = 8  # the downlink ring's slots (tmpfs pages are taken as slots are first written)
 
 
 class ShmHub:
@@ -29,8 +31,10 @@ class ShmHub:
         self.slots = slots
         self.ring: shm.Ring | None = None
         self.closed = False
-        # signature of a frame -> (its reference, its version): the newest few
-        self._written: dict[tuple[int, int, bytes], tuple[shm.Ref, int]] = {}
+        # signature of a frame -> (its reference, its version, its slot): the newest few
+        self._written: dict[tuple[int, int, bytes], tuple[shm.Ref, int, int]] = {}
+        self._held: dict[int, int] = {}  # holder (a session) -> the slot it was last sent
+        self._last_slot = -1  # the slot written last (its frame may still go to others)
         self.frames_written = 0  # params frames copied into the ring
         self.bytes_written = 0
         self.pushes_read = 0  # pushes read from workers' rings
@@ -51,28 +55,46 @@ class ShmHub:
             return None
         if ring is not None:  # too small for this model: its workers' refs now fail, they pull
             ring.close()
-        self.ring, self._written = new, {}
+        self.ring, self._written, self._held, self._last_slot = new, {}, {}, -1
         return new
 
-    def publish(self, frame: bytes) -> bytes | None:
-        """The ``params_ref`` frame for a full ``params`` frame (copied into the ring on its
-        first call); None when it should go over the socket (small, or no ring to take it)."""
+    def publish(self, frame: bytes, holder: int) -> bytes | None:
+        """The ``params_ref`` frame that sends a full ``params`` frame to ``holder`` (copied into
+        the ring on its first call); None when it should go over the socket (small, no ring, or
+        no free slot)."""
         ring = self.ring
         if ring is None or len(frame) < shm.MIN_BYTES or len(frame) > ring.slot_bytes:
             return None
         key = (id(frame), len(frame), bytes(frame[:48]) + bytes(frame[-24:]))
         hit = self._written.get(key)
-        if hit is None or hit[0].gen <= ring.gen - ring.slots:
+        if hit is None or ring.slot_gen(hit[2]) != hit[0].gen:
             version = params_version(frame)
-            if version is None:
+            slot = self._free_slot(ring, holder)
+            if version is None or slot is None:
                 return None
-            hit = (ring.write(frame), version)
+            hit = (ring.write(frame, slot=slot), version, slot)
+            self._last_slot = slot
             self.frames_written += 1
             self.bytes_written += len(frame)
             self._written = {k: v for k, v in self._written.items() if v[1] >= version - 4}
             self._written[key] = hit
-        ref, version = hit
+        ref, version, slot = hit
+        self._held[holder] = slot
         return wire.encode("params_ref", 0, version=version, **ref.fields())
+
+    def _free_slot(self, ring: shm.Ring, holder: int) -> int | None:
+        """A slot nobody holds (the holder's own counts as free: a newer frame replaces it),
+        other than the one written last, in turn from the ring's next."""
+        busy = {s for h, s in self._held.items() if h != holder} | {self._last_slot}
+        for i in range(ring.slots):
+            slot = (ring.next_slot + i) % ring.slots
+            if slot not in busy:
+                return slot
+        return None
+
+    def release(self, holder: int) -> None:
+        """``holder`` left: the slot it held is free."""
+        self._held.pop(holder, None)
 
     def close(self) -> None:
         """Unlink the ring; no more offers."""
@@ -80,7 +102,7 @@ class ShmHub:
         if self.ring is not None:
             self.ring.close()
             self.ring = None
-        self._written = {}
+        self._written, self._held = {}, {}
 
 
 def params_version(frame: bytes) -> int | None:

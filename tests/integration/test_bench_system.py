@@ -43,6 +43,7 @@ def test_a_tiny_run_writes_system_json_in_its_schema_and_a_table(tmp_path: Path)
             "1",
             "--big-params",
             "300000",
+            "--no-shm",  # (the shared-memory path: the test below)
             "--quiet",
         ]
     )
@@ -67,7 +68,8 @@ def test_a_tiny_run_writes_system_json_in_its_schema_and_a_table(tmp_path: Path)
     assert doc["startup"]["workers"] == 1 and doc["startup"]["seconds_to_first_update"] > 0
     assert doc["startup"]["cold_seconds_to_first_update"] > 0  # a first start, empty cache
     md = (out / "system.md").read_text()
-    assert "| 199,010 | int8 | 1 |" in md and "Engine latency" in md and "Start-up" in md
+    assert row["transport"] == "ws"
+    assert "| 199,010 | int8 | 1 | ws |" in md and "Engine latency" in md and "Start-up" in md
 
 
 def test_check_system_names_what_is_wrong() -> None:
@@ -124,6 +126,13 @@ async def test_every_push_of_the_no_compute_sender_is_applied(tmp_path: Path) ->
         text = metrics.render().decode()
         assert "hetd_updates_per_second" in text
         assert 'hetd_engine_latency_seconds{quantile="0.99"}' in text
+        # The same through shared memory: every push read from the sender's ring and applied.
+        v0, read = engine.store.version, daemon.shm.pushes_read
+        tally, [report] = await hetd_cell(daemon, pool, shapes, "int8", 1, opts, 1.0, shm=True)
+        assert report.error is None and report.extra["shm"] and report.pushes > 10
+        assert report.applied == report.pushes == engine.store.version - v0
+        assert daemon.shm.pushes_read - read == report.pushes
+        assert daemon.shm.frames_written > 0
     finally:
         pool.close()
         await daemon.stop(final_checkpoint=False)
