@@ -118,6 +118,7 @@ class Engine(ViewsMixin, StateMixin, PublishMixin):
     """Owns the workers' entries, policy state, the store and the aggregation buffers. Its parts:
     :class:`~hetd.core.entries.EngineBase` (fields, tables, the view),
     :class:`~hetd.core.publish.PublishMixin` (releases, publishing),
+    :class:`~hetd.core.replicas.ReplicaMixin` (pipeline replicas),
     :class:`~hetd.core.saved.StateMixin` (checkpoints) and
     :class:`~hetd.core.views.ViewsMixin` (summaries)."""
 
@@ -178,7 +179,7 @@ class Engine(ViewsMixin, StateMixin, PublishMixin):
             self.latency.add(time.perf_counter() - start)
             taken += 1
             item = self._queue.get_nowait() if taken < BATCH and not self._queue.empty() else None
-        if self._releases or self.store.pending:
+        if self._releases or self.store.pending or self._replica_releases:
             start = time.perf_counter()
             self.publishes += 1
             await self._publish()
@@ -293,7 +294,10 @@ class Engine(ViewsMixin, StateMixin, PublishMixin):
         if entry is None or (peer is not None and entry.peer is not peer):
             return
         del self._workers[wid]
-        del self._facts[wid]
+        in_view = self._facts.pop(wid, None) is not None
+        head = self.replica_of(wid)
+        if head is not None:  # its replica cannot go on: the others go back to data parallel
+            self.dissolve_replica(head, f"worker {wid} left")
         peer, entry.peer, entry.held_ref, entry.same_host = entry.peer, None, None, False
         entry.hashes = False
         self._departed[wid] = entry
@@ -301,7 +305,8 @@ class Engine(ViewsMixin, StateMixin, PublishMixin):
             peer.close(reason)
         self.departures.append((self.clock.now() - self.started_at, wid, reason))
         log.info("worker %d left: %s", wid, reason)
-        self._dispatch(Leave(self.clock.now(), wid, reason))
+        if in_view:  # a replica's later stage left the view when the replica formed
+            self._dispatch(Leave(self.clock.now(), wid, reason))
 
     def bye_all(self, reason: str) -> None:
         """Say bye to every worker and let it leave (they may reconnect later)."""
@@ -342,6 +347,12 @@ class Engine(ViewsMixin, StateMixin, PublishMixin):
         entry = self._workers.get(wid)
         if entry is None:
             return
+        if self.replica_of(wid) is not None:
+            # A stage without its step's base: the newest in full, outside any gate (the
+            # replica's steps are released with its head).
+            entry.stats.last_seen = self.clock.now()
+            self.resend(wid)
+            return
         facts = entry.facts
         now = self.clock.now()
         entry.stats.last_seen = now
@@ -369,6 +380,11 @@ class Engine(ViewsMixin, StateMixin, PublishMixin):
                 f"push {p.id} was received before (last push {entry.last_push}); not applied again"
             )
             self._ack(p, "duplicate", why)
+            return
+        if p.worker in self._stages:  # a data-parallel step that ended after its worker became
+            st.dropped += 1  # a replica's stage: the policy no longer counts it
+            entry.last_push = max(entry.last_push, p.id)
+            self._ack(p, "dropped", "the worker is a stage of a pipeline replica now")
             return
         refusal = self._guard(p)
         if refusal is not None:  # nothing of it counts: the worker goes on from what it holds
@@ -456,17 +472,19 @@ class Engine(ViewsMixin, StateMixin, PublishMixin):
         """
         new = make_policy(name, params)
         now = self.clock.now()
-        plans = {wid: self._default_plan(e.facts, "main") for wid, e in self._workers.items()}
+        # the replicas and data-parallel workers the policy sees (not a replica's later stages)
+        visible = {wid: e for wid, e in self._workers.items() if wid in self._facts}
+        plans = {wid: self._default_plan(e.facts, "main") for wid, e in visible.items()}
         # Every worker starts the new policy's first round together: clocks counted under the
         # old one (under asp the fast workers run rounds ahead) would make a synchronous policy
         # hold them until the slowest caught up (seen: 2 s without an update after asp -> bsp).
-        top = max((e.facts.clock for e in self._workers.values()), default=0)
+        top = max((e.facts.clock for e in visible.values()), default=0)
         trial = ClusterView(
             now=now,
             version=self.store.version,
             workers={
                 wid: dataclasses.replace(e.facts, batch_size=plans[wid].batch_size, clock=top)
-                for wid, e in self._workers.items()
+                for wid, e in visible.items()
             },
             global_batch=self.config.global_batch,
             buffered=0,

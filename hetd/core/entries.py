@@ -19,8 +19,8 @@ from typing import Any, Generic, Protocol, TypeVar
 from hetd.core.downlink import Downlink
 from hetd.core.rates import LatencyRecorder, RateMeter
 from hetd.core.store import Aggregator, Snapshot, Store
-from hetd.protocol.messages import Reply
-from policies.types import ClusterView, Plan, Policy, WorkerFacts
+from hetd.protocol.messages import PushIn, Reply
+from policies.types import ClusterView, Event, Plan, Policy, WorkerFacts
 
 # A worker's link is the fastest of its last pushes, send to receipt: a busy host (a worker not
 # yet scheduled, a daemon loop with other work) only ever makes a transfer look slower, never
@@ -203,6 +203,14 @@ class EngineBase:
         self._eval_task: asyncio.Task[None] | None = None
         self._deferred = False  # True while run() drives the engine: releases wait to be published
         self._releases: dict[int, None] = {}  # workers released, not yet sent parameters (ordered)
+        # Pipeline replicas (hetd.core.replicas): head (stage 0) -> members in stage order. The
+        # head stands for its replica in the policy's view; the later stages are not in it.
+        self._replicas: dict[int, tuple[int, ...]] = {}
+        self._stages: dict[int, int] = {}  # a replica's later stages -> its head
+        self._replica_releases: dict[int, None] = {}  # heads released, their step not yet sent
+        # Who runs a released replica's next step (the daemon's replica driver): called with the
+        # head's id once the release's updates are applied.
+        self.replica_release: Callable[[int], None] | None = None
         self.policy_state: Any = policy.init(self.view())
 
     # --- the workers -----------------------------------------------------------------------------
@@ -234,9 +242,11 @@ class EngineBase:
         return _Column("plan", self._workers)
 
     def _put(self, entry: WorkerEntry, facts: WorkerFacts) -> None:
-        """Replace an active worker's facts (in its entry and in the policy's view)."""
+        """Replace an active worker's facts (in its entry and, unless it is a later stage of a
+        replica, in the policy's view)."""
         entry.facts = facts
-        self._facts[facts.worker] = facts
+        if facts.worker not in self._stages:
+            self._facts[facts.worker] = facts
 
     # --- the view --------------------------------------------------------------------------------
 
@@ -250,6 +260,10 @@ class EngineBase:
             buffered=self.buffered(),
             stage=self.stage,
         )
+
+    def _dispatch(self, event: Event, push: PushIn | None = None) -> None:
+        """Ask the policy about ``event`` and carry out its decisions (the engine's own)."""
+        raise NotImplementedError
 
     def buffered(self) -> int:
         """Pushes waiting in aggregation buffers."""

@@ -12,7 +12,8 @@ import logging
 import math
 
 from hetd.core.downlink import Outgoing
-from hetd.core.entries import EngineBase, Peer, WorkerEntry, WorkerStats
+from hetd.core.entries import Peer, WorkerEntry, WorkerStats
+from hetd.core.replicas import ReplicaMixin
 
 log = logging.getLogger("hetd.core.engine")  # one logger for the engine and its parts
 
@@ -21,7 +22,7 @@ OFF_LOOP_PARAMS = (
 )
 
 
-class PublishMixin(EngineBase):
+class PublishMixin(ReplicaMixin):
     """Releases, resends and the batch's publish."""
 
     def defer_publishing(self) -> None:
@@ -34,12 +35,13 @@ class PublishMixin(EngineBase):
     def publish_batch(self) -> None:
         """What :meth:`run` does after each batch, synchronously: apply the batch's updates,
         encode the released workers' frames once per (codec, held version) and send them."""
-        if self._releases or self.store.pending:
+        if self._releases or self.store.pending or self._replica_releases:
             self.publishes += 1
             wants = self._take_releases()
             frames = self._encode_releases(wants)
             for wid, *_ in wants:
                 self._send_params(wid, frames[wid])
+            self._send_replica_releases()
 
     def _take_releases(self) -> list[tuple[int, str, int, int | None, float | None, bool]]:
         wants = [
@@ -76,9 +78,11 @@ class PublishMixin(EngineBase):
                     entry.peer.close(
                         "the daemon could not encode parameters for this worker; reconnect"
                     )
+            self._send_replica_releases()
             return
         for wid, *_ in wants:
             self._send_params(wid, frames[wid])
+        self._send_replica_releases()
 
     def _encode_releases(
         self, wants: list[tuple[int, str, int, int | None, float | None, bool]]
@@ -101,8 +105,8 @@ class PublishMixin(EngineBase):
 
     def _release(self, wid: int) -> None:
         entry = self._workers.get(wid)
-        if entry is None or not entry.facts.waiting:
-            return
+        if entry is None or not entry.facts.waiting or wid in self._stages:
+            return  # a replica's later stage is released with its head
         facts = entry.facts
         now = self.clock.now()
         gap = facts.clock - min(f.clock for f in self._facts.values())
@@ -117,6 +121,9 @@ class PublishMixin(EngineBase):
                 idle_s=facts.idle_s + idle,
             ),
         )
+        if wid in self._replicas:
+            self._release_replica(wid)
+            return
         if self._deferred:
             self._releases[wid] = None
             return

@@ -27,6 +27,8 @@ class ViewsMixin(EngineBase):
             "policy_state": describe_state(self.policy_state),
             "uptime_s": self.clock.now() - self.started_at,
             "workers": len(self._workers),
+            # pipeline replicas, head -> members in stage order (JSON keys are strings)
+            "replicas": {str(head): list(members) for head, members in self._replicas.items()},
             "updates_applied": self.updates_applied,
             "max_release_gap": self.max_release_gap,
             "accuracy": None if last is None else last[2],
@@ -75,6 +77,14 @@ class ViewsMixin(EngineBase):
                     "pull_ratio": st.bytes_out / max(1, st.releases) / (4 * self.store.n_params),
                     "last_seen_s": now - st.last_seen,
                     "plan": entry.plan.to_wire(),
+                    # [head, stage] of the pipeline replica it is a stage of (None: data parallel)
+                    "replica": self._replica_row(wid),
                 }
             )
         return rows
+
+    def _replica_row(self, wid: int) -> list[int] | None:
+        head = wid if wid in self._replicas else self._stages.get(wid)
+        if head is None:
+            return None
+        return [head, self._replicas[head].index(wid)]

@@ -35,7 +35,7 @@ async def post_replicas(request: web.Request) -> web.Response:
     )
     driver = _replicas(ctx)
     try:
-        driver.form(
+        await driver.form(
             _ints(body, "members"),
             _ints(body, "cuts"),
             _int(body, "micro"),

@@ -1,19 +1,19 @@
-"""One pipeline replica run beside the engine's data-parallel workers (docs/policies.md §11): the
-first real-mode cut of DP+MP, before the engine and the ``dpmp`` policy see replicas.
+"""One pipeline replica run beside the engine's data-parallel workers (docs/policies.md §11).
 
 A :class:`ReplicaDriver` takes an ordered group of connected workers and the cuts between their
-blocks, installs the relay's routes, sends each its ``stage``, and then runs steps: each step it
-sends every stage the full parameters of one version ``v`` and ``step{base: v}`` (so every stage
-computes on the same version), collects the stages' slices through the assembler
-(:mod:`policies.dpmp.assembler`: only a complete, disjoint, covering set of one released step
-goes on), and hands the assembled gradient to the engine as one push of the replica's stage-0
-worker, which the policy treats like any other. If a stage's worker leaves, the step is aborted
-(nothing of it applied), the survivors get ``abort{dissolve}`` and go back to data-parallel
-steps, and the routes are withdrawn.
+blocks, makes them one replica in the engine (:meth:`hetd.core.engine.Engine.form_replica`: the
+policy sees the group's head as one data-parallel unit, the later stages leave its view), installs
+the relay's routes, sends each its ``stage``, and runs the first step. Each step sends every stage
+the full parameters of one version ``v`` and ``step{base: v}`` (so every stage computes on the same
+version), collects the stages' slices through the assembler (:mod:`policies.dpmp.assembler`: only
+a complete, disjoint, covering set of one released step goes on), and hands the assembled
+gradient to the engine as one push of the head, which the policy treats like any other: the next
+step runs when the policy releases the head (the engine calls :meth:`ReplicaDriver.released`), so
+bsp, ssp or lbbsp barriers count the replica once. If a stage's worker leaves, the step is aborted
+(nothing of it applied), the survivors get ``abort{dissolve}`` and go back to data-parallel steps,
+the engine puts them back in the policy's view, and the routes are withdrawn.
 
-Limits (what the engine's replicas will lift): the other stages' workers stay in the policy's
-view without pushing, so this suits policies without a barrier over every worker (``asp``); each
-stage is sent the whole parameter set, not its slice.
+Limit: each stage is sent the whole parameter set, not its slice.
 """
 
 from __future__ import annotations
@@ -36,8 +36,6 @@ from policies.dpmp import assembler as asm
 
 log = logging.getLogger("hetd.server.replicas")
 
-BARRIER_FREE = ("asp",)  # policies that never wait for a worker that does not push
-
 
 class ReplicaDriver:
     """Runs one pipeline replica (``replica`` id) through ``relay`` for ``engine``."""
@@ -54,11 +52,13 @@ class ReplicaDriver:
         self.assembled = 0  # steps applied as one push
         self.aborted = 0  # steps discarded (a stage lost, a bad or unfitting part)
         self.dropped: list[str] = []  # why parts were dropped (the last few)
+        self._pending = False  # a step is released and neither assembled nor given up
         self._tasks: set[asyncio.Task[Any]] = set()
         relay.on_part = self.part
         relay.on_detach = self.lost
+        engine.replica_release = self.released
 
-    def form(
+    async def form(
         self,
         members: Sequence[int],
         cuts: Sequence[int],
@@ -67,16 +67,12 @@ class ReplicaDriver:
         inflight: Sequence[int] = (),
     ) -> None:
         """Make ``members`` (worker ids, stage order) a new generation of the replica, stage
-        ``s`` holding blocks ``[cuts[s], cuts[s+1])``, and release its first step."""
+        ``s`` holding blocks ``[cuts[s], cuts[s+1])``, and release its first step. Raises
+        ValueError, with nothing changed, when the group or the cuts do not fit."""
         n = len(members)
         if n < 2 or len(cuts) != n + 1 or list(cuts) != sorted(set(cuts)) or cuts[0] != 0:
             raise ValueError(
                 f"need >= 2 members and {n + 1} increasing cuts from 0, got {list(cuts)}"
-            )
-        if self.engine.policy.name not in BARRIER_FREE:
-            raise ValueError(
-                f"policy {self.engine.policy.name!r} may wait for every worker; a replica's later "
-                f"stages never push on their own, so use one of {', '.join(BARRIER_FREE)}"
             )
         blocks = {path.split("/", 1)[0] for path in self.engine.store.shapes}
         if not all(re.fullmatch(r"b\d\d", b) for b in blocks):
@@ -85,11 +81,11 @@ class ReplicaDriver:
             )
         if cuts[-1] != len(blocks):
             raise ValueError(f"the cuts must end at the model's {len(blocks)} blocks")
-        gone = [w for w in members if w not in self.engine.facts]
-        if gone or len(set(members)) != n:
-            raise ValueError(f"members must be distinct connected workers; not connected: {gone}")
         if self.members:
             raise ValueError(f"replica {self.replica} is running (members {list(self.members)})")
+        # the engine checks the members (connected, distinct, in no replica) and takes them
+        await self.engine.call(partial(self.engine.form_replica, list(members)))
+        # From here on nothing awaits: the engine runs no release of the head in between.
         self.gen += 1
         self.members = tuple(members)
         self.micro, self.micro_batches = micro, micro_batches
@@ -118,7 +114,14 @@ class ReplicaDriver:
                     next=members[s + 1] if s < n - 1 else None,
                 ),
             )
-        self.release()
+        self.release()  # forming releases the head: its first step
+
+    def released(self, head: int) -> None:
+        """The engine's policy released the replica headed by ``head`` (called on the engine
+        task, the release's updates applied): run the next step, unless one is still under way
+        (it ends in a push, and that push in the next release)."""
+        if self.members[:1] == (head,) and not self._pending:
+            self.release()
 
     def release(self) -> None:
         """Send every stage the current version in full and the next step on it."""
@@ -128,6 +131,7 @@ class ReplicaDriver:
         if snap.frame is None:  # pragma: no cover - the store always packs its snapshots
             raise RuntimeError("the store's snapshot has no params frame")
         self.step += 1
+        self._pending = True
         samples = self.micro * self.micro_batches
         now = self.engine.clock.now()
         self.state = asm.release(self.state, self.replica, self.step, snap.version, samples, now)
@@ -183,7 +187,10 @@ class ReplicaDriver:
         self.state = asm.abort(self.state, self.replica, f"worker {wid} left")
         self.state = asm.regroup(self.state, self.replica, self.gen, 0)
         self.aborted += 1
+        self._pending = False
         self.relay.install({k: w for k, w in self.relay.routes.items() if k[0] != self.replica})
+        head, reason = self.members[0], f"stage worker {wid} left"
+        self.engine.submit(partial(self.engine.dissolve_replica, head, reason))
         survivors, self.members = [w for w in self.members if w != wid], ()
         frame = wire.encode(
             "abort",
@@ -191,7 +198,7 @@ class ReplicaDriver:
             replica=self.replica,
             gen=self.gen,
             step=self.step,
-            reason=f"stage worker {wid} left",
+            reason=reason,
             dissolve=True,
         )
         for w in survivors:
@@ -220,10 +227,20 @@ class ReplicaDriver:
             free_mem=None,
             nbytes=sum(int(t.nbytes) for t in tensors.values()),
         )
-        await self.engine.call(partial(self.engine.push, push))
+        if done.gen == self.gen and done.step == self.step:
+            self._pending = False  # the push below leads to the next release
+
+        def push_once() -> bool:
+            """Push; whether the engine took it (not refused by the guard, not a duplicate)."""
+            st = self.engine.stats[head]
+            before = st.refused + st.duplicates
+            self.engine.push(push)
+            return st.refused + st.duplicates == before
+
+        taken = await self.engine.call(push_once)
         self.assembled += 1
-        if done.gen == self.gen and self.members:
-            self.release()
+        if not taken and done.gen == self.gen and self.members and not self._pending:
+            self.release()  # no release follows a refused push: the replica goes on by itself
 
     def _decode(self, wire_tensors: Any) -> dict[str, np.ndarray]:
         shapes = self.engine.store.shapes

@@ -119,10 +119,10 @@ async def test_relay_forwards_between_neighbours_and_drops_what_has_no_route(clu
         driver = c.daemon.replicas
         assert driver is not None
         with pytest.raises(ValueError, match="end at the model's 2 blocks"):
-            driver.form([w0, w2], [0, 1, 3], 8, 1)
+            await driver.form([w0, w2], [0, 1, 3], 8, 1)
         with pytest.raises(ValueError, match="not connected"):
-            driver.form([w0, w1], [0, 1, 2], 8, 1)
-        driver.form([w0, w2], [0, 1, 2], micro=8, micro_batches=1)
+            await driver.form([w0, w1], [0, 1, 2], 8, 1)
+        await driver.form([w0, w2], [0, 1, 2], micro=8, micro_batches=1)
         assigned = await _next(s0, "stage")
         assert (assigned["stage"], assigned["next"], assigned["blocks"]) == (0, w2, [0, 1])
         step = await _next(s0, "step")
