@@ -25,10 +25,11 @@ import os
 import re
 import secrets
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
+T = TypeVar("T")
 SHM_DIR: Final = "/dev/shm"
 MAGIC: Final = b"HETDSHM1"
 HEAD: Final = 64  # ring header: magic, slots (u32), slot size (u64), nonce (16 bytes), padding
@@ -200,6 +201,12 @@ class RingReader:
     def read(self, ref: Ref) -> bytes:
         """A copy of the frame ``ref`` names; :class:`ShmError` when it names none,
         :class:`StaleRef` when its slot was rewritten before or during the copy."""
+        return self.read_with(ref, bytes)
+
+    def read_with(self, ref: Ref, take: Callable[[memoryview], T]) -> T:
+        """``take`` applied to the frame ``ref`` names, in place (``take`` must copy what it
+        keeps: the view is released on return), checked like :meth:`read`: a frame rewritten
+        while ``take`` read it raises :class:`StaleRef`, whatever ``take`` made of it."""
         mm = self._mm
         if mm is None:
             raise ShmError("closed", f"segment {self.name} is closed")
@@ -207,10 +214,20 @@ class RingReader:
         at = ref.offset - SLOT_HEAD
         if struct.unpack_from("<QQ", mm, at) != (ref.gen, ref.length):
             raise StaleRef(f"segment {ref.segment}: slot rewritten before gen {ref.gen} was read")
-        data = mm[ref.offset : ref.offset + ref.length]
+        whole = memoryview(mm)
+        view = whole[ref.offset : ref.offset + ref.length]
+        try:
+            result = take(view)
+        except Exception:
+            if struct.unpack_from("<Q", mm, at)[0] != ref.gen:  # torn, not malformed
+                raise StaleRef(f"segment {ref.segment}: slot rewritten while read") from None
+            raise
+        finally:
+            view.release()
+            whole.release()
         if struct.unpack_from("<Q", mm, at)[0] != ref.gen:
             raise StaleRef(f"segment {ref.segment}: slot rewritten while gen {ref.gen} was read")
-        return data
+        return result
 
     def close(self) -> None:
         """Unmap (idempotent); the writer unlinks."""

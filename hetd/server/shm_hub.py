@@ -13,6 +13,7 @@ the session ends (a worker killed without cleaning up leaves nothing behind).
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any
 
 import msgpack
@@ -140,13 +141,17 @@ class Uplink:
     def read_push(self, msg: wire.Message, max_bytes: int) -> tuple[wire.Message, int]:
         """The ``push`` a ``push_ref`` names, and its size; :class:`hetd.protocol.wire.ProtocolError`
         with the push's id when the reference or the frame is not right (nothing is applied)."""
-        try:
-            data = self.reader.read(shm.ref_of(msg.body))
+        ref = shm.ref_of(msg.body)
+        try:  # unpacked from the mapping (msgpack copies the tensors' bytes out once)
+            push = self.reader.read_with(ref, partial(wire.decode, max_size=max_bytes))
         except shm.ShmError as exc:
             raise wire.ProtocolError(
                 exc.code, f"push_ref {msg.id}: {exc.message}", msg.id
             ) from None
-        push = wire.decode(data, max_bytes)
+        except wire.ProtocolError as exc:
+            raise wire.ProtocolError(
+                exc.code, f"push_ref {msg.id}: {exc.message}", msg.id
+            ) from None
         if push.type != "push" or push.id != msg.id:
             raise wire.ProtocolError(
                 "bad_ref",
@@ -154,7 +159,7 @@ class Uplink:
                 msg.id,
             )
         self.hub.pushes_read += 1
-        return push, len(data)
+        return push, ref.length
 
     def close(self) -> None:
         """Unmap the worker's ring and unlink it."""
