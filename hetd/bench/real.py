@@ -339,7 +339,9 @@ async def _measure(
     await engine.call(lambda: engine.anchor_evals(start))
     await _start_schedules(procs, time.time() - (engine.clock.now() - start))
     offset = start - engine.started_at
-    idle0 = {w: engine.facts[wid].idle_s for w, wid in wids.items()}
+    # the device idle time each worker reports with its pushes (not the daemon's pull-to-release
+    # wait, which counts a pipelined worker idle while it computes), as the simulator's
+    idle0 = {w: engine.stats[wid].worker_idle_s for w, wid in wids.items()}
     samples0 = sum(engine.facts[wid].samples for wid in wids.values())
     bytes0 = [(s.bytes_in, s.bytes_out, s.pushes, s.releases) for s in engine.stats.values()]
     loss0, acc0 = await asyncio.to_thread(evaluate, engine.store.snapshot())
@@ -382,7 +384,8 @@ async def _measure(
         if f is None:
             continue
         waiting = now - f.waiting_since if f.waiting and f.waiting_since is not None else 0.0
-        idle[w] = min(1.0, max(0.0, (f.idle_s + waiting - idle0[w]) / sc.budget_s))
+        reported = engine.stats[wid].worker_idle_s - idle0[w]
+        idle[w] = min(1.0, max(0.0, (reported + waiting) / sc.budget_s))
         samples += f.samples
         staleness += engine.stats[wid].staleness  # the engine keeps each worker's last ≤ 4096
     mean, p95 = staleness_stats(staleness)

@@ -79,6 +79,7 @@ class EmuWorker:
     busy_until: float = 0.0  # s: the device computes (or, without pipeline, waits for a send)
     sending_until: float = 0.0  # s: the link carries the previous push
     idle_from: float = 0.0  # s: when the device last became idle
+    idle_total: float = 0.0  # s the device sat idle before the steps it started
     profile: dict[str, Any] | None = None  # a pending profile request
     steps: int = 0  # pushes made
     staleness: list[int] = field(default_factory=list)
@@ -193,6 +194,7 @@ class EmuWorker:
         assert self.held is not None and self.sampler is not None  # ready() and welcome()
         spec = self.spec
         profile = None
+        idle_s = t - self.idle_from  # the profile's steps are compute, not idle time
         if self.profile is not None:
             profile = self._profile(t)
             t = profile[0] - spec.latency_s  # the step starts once the profile is done
@@ -218,7 +220,8 @@ class EmuWorker:
             + self.costs.exchange_s
         )
         end = t + compute_s + encode_s
-        idle_s, self.idle_from = t - self.idle_from, end
+        self.idle_from = end
+        self.idle_total += max(0.0, idle_s)
         self.steps += 1
         self.in_flight += 1
         send = max(end, self.sending_until)  # pushes leave in order

@@ -473,10 +473,12 @@ class _Sim:
         samples = 0
         for w in self.workers:
             f = engine.facts.get(w.wid) or engine.departed[w.wid]
-            # waits ended by a release, plus the one still open at the end of the budget
-            since = f.waiting_since if f.waiting else None
-            open_wait = 0.0 if since is None else sc.budget_s - since
-            idle[str(w.index)] = min(1.0, (f.idle_s + max(0.0, open_wait)) / sc.budget_s)
+            # The device's own idle time (as a real worker reports it with each push): before
+            # every step it started, plus since its last step ended if that was within the
+            # budget. Not the daemon's pull-to-release wait: a pipelined worker pulls while it
+            # still computes, and was counted idle all that time.
+            open_idle = max(0.0, sc.budget_s - w.idle_from)
+            idle[str(w.index)] = min(1.0, (w.idle_total + open_idle) / sc.budget_s)
             samples += f.samples
         return RunResult(
             policy=self.policy.label,

@@ -111,7 +111,8 @@ class RunResult:
     tta_s: float | None  # s to the target (time_to_target); None if never
     final_accuracy: float
     samples_per_s: float
-    idle_fraction: dict[str, float]  # worker -> fraction of the run spent waiting for a release
+    # worker -> fraction of the run its device did not compute (waiting for a release or its link)
+    idle_fraction: dict[str, float]
     staleness_mean: float
     staleness_p95: float
     bytes_up: int  # push frames, worker -> daemon
@@ -179,16 +180,41 @@ def first_below(curve: Sequence[Sequence[float]], target: float) -> float | None
     return None
 
 
+def first_above(curve: Sequence[Sequence[float]], target: float) -> float | None:
+    """When a ``[[t, accuracy], ...]`` curve first comes up to ``target``: linear between the last
+    evaluation below it and the first at or above it (the first evaluation's time if that one
+    already is), the rule :func:`first_below` applies to a loss. :func:`first_reach` is the
+    evaluation-grid reading, which moves in steps of the evaluation interval."""
+    before: Sequence[float] | None = None
+    for point in curve:
+        t, acc = float(point[0]), float(point[1])
+        if acc >= target:
+            if before is None:
+                return t
+            t0, a0 = float(before[0]), float(before[1])
+            return t0 + (t - t0) * (target - a0) / (acc - a0)
+        before = point
+    return None
+
+
 def time_to_target(
     evals: Sequence[Sequence[float]], target_accuracy: float, target_loss: float = 0.0
 ) -> float | None:
-    """TTA from ``[(t, loss, accuracy), ...]`` evaluations (as ``Engine.evals``): with a loss
-    target (> 0) the interpolated time the loss reaches it (:func:`first_below`); otherwise the
-    first evaluation at or above ``target_accuracy`` (:func:`first_reach`, unchanged, so the
-    accuracy runs and their golden file keep their values)."""
+    """TTA from ``[(t, loss, accuracy), ...]`` evaluations (as ``Engine.evals``), read between
+    evaluations in both cases, in sim and real mode alike: with a loss target (> 0) the
+    interpolated time the loss comes down to it (:func:`first_below`), otherwise the
+    interpolated time the accuracy comes up to ``target_accuracy`` (:func:`first_above`). TTA
+    so never moves in steps of the evaluation interval (issue 16); :func:`grid_time_to_target`
+    is the evaluation-grid reading older tables used."""
     if target_loss > 0:
         return first_below([(e[0], e[1]) for e in evals], target_loss)
-    return first_reach([(e[0], e[2]) for e in evals], target_accuracy)
+    return first_above([(e[0], e[2]) for e in evals], target_accuracy)
+
+
+def grid_time_to_target(curve: Sequence[Sequence[float]], target_accuracy: float) -> float | None:
+    """The first evaluation at or above ``target_accuracy`` on a ``[[t, accuracy], ...]`` curve:
+    TTA on the evaluation grid, as tables before interpolated accuracy TTA read it."""
+    return first_reach(curve, target_accuracy)
 
 
 def bytes_at(curve: Sequence[Sequence[float]], t: float | None) -> float | None:

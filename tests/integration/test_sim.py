@@ -162,6 +162,16 @@ def test_bsp_in_the_sim_moves_in_lockstep() -> None:
     assert idle["0"] > 0.6 and idle["3"] < 0.05
 
 
+def test_a_pipelined_worker_is_not_idle_while_it_computes() -> None:
+    """hps pipelines its workers: a worker pulls the next parameters while it still computes, so
+    the daemon sees it waiting. The idle fraction is the device's own idle time (a real worker
+    reports it with each push), so the x4 worker, which computes all the time, is barely idle;
+    it was counted idle ~80 % of the run."""
+    run = run_sim(digits_s1(budget_s=2.0), PolicySpec("hps"))
+    assert any(p.pipeline for p in run.engine.plans.values()), "nothing pipelined"
+    assert max(run.result.idle_fraction.values()) < 0.3, run.result.idle_fraction
+
+
 def bench_summary(tmp_path: Path, policies: str, **changes: Any) -> dict[str, dict[str, Any]]:
     """``hetd bench`` (sim, 3 seeds) on digits S1 with ``changes``; summary rows by policy."""
     out = tmp_path / "bench"

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 
-from hetd.sim.results import first_below, time_to_target
+from hetd.sim.results import first_above, first_below, grid_time_to_target, time_to_target
 from hetd.sim.scenario import ScenarioError, from_mapping, load_scenario
 from hetd.zoo.data import BatchSampler, load_dataset
 from hetd.zoo.lm import SIZES
@@ -138,9 +138,22 @@ def test_a_loss_target_is_reached_between_evaluations() -> None:
     assert first_below([[0, 3.0], [1, 1.0], [2, 4.0], [3, 0.5]], 2.0) == pytest.approx(0.5)
 
 
+def test_an_accuracy_target_is_reached_between_evaluations() -> None:
+    curve = [[0.0, 0.1], [0.5, 0.8], [1.0, 0.9], [1.5, 0.95]]
+    assert first_above(curve, 0.85) == pytest.approx(0.75)  # halfway from 0.8 up to 0.9
+    assert first_above(curve, 0.9) == pytest.approx(1.0)  # exactly on an evaluation
+    assert first_above(curve, 0.05) == 0.0  # already there at the first evaluation
+    assert first_above(curve, 0.99) is None
+    # an accuracy that falls back: the first crossing counts
+    assert first_above([[0, 0.5], [1, 0.9], [2, 0.4], [3, 0.95]], 0.7) == pytest.approx(0.5)
+    # the evaluation grid, as older tables read it
+    assert grid_time_to_target(curve, 0.85) == 1.0
+
+
 def test_time_to_target_picks_the_scenarios_kind() -> None:
     evals = [(0.0, 2.3, 0.1), (0.5, 1.5, 0.8), (1.0, 0.9, 0.93)]  # (t, loss, accuracy)
-    assert time_to_target(evals, 0.9) == 1.0  # accuracy: the first evaluation at or above
+    # accuracy: between the last evaluation below and the first at or above, as a loss is read
+    assert time_to_target(evals, 0.9) == pytest.approx(0.5 + 0.5 * 0.1 / 0.13)
     assert time_to_target(evals, 0.9, target_loss=1.0) == pytest.approx(0.5 + 0.5 * 5 / 6)
 
 
