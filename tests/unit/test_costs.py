@@ -141,3 +141,45 @@ def test_parity_md_names_the_profile_the_sim_charged() -> None:
     with_costs = {**base, "costs": {"file": "out/costs.json", **doc()}}
     text = parity_markdown(with_costs)
     assert "cost profile `out/costs.json`" in text and "apply (grad) 0.300 ms" in text
+
+
+def _bsp_run(periods: list[float], workers: int = 2) -> Any:
+    """A real-mode-like BSP result: every worker released at the start of each round."""
+    from hetd.sim.results import RunResult, Trace
+
+    starts = [sum(periods[:k]) for k in range(len(periods) + 1)]
+    spans = [(t, t + 0.005, "busy") for t in starts]
+    return RunResult(
+        policy="bsp",
+        scenario="fit",
+        seed=0,
+        lr=0.1,
+        tta_s=None,
+        final_accuracy=0.0,
+        samples_per_s=0.0,
+        idle_fraction={},
+        staleness_mean=0.0,
+        staleness_p95=0.0,
+        bytes_up=0,
+        bytes_down=0,
+        pushes=workers * len(starts),
+        releases=workers * len(starts),
+        curve=[],
+        trace=Trace(timeline={str(i): list(spans) for i in range(workers)}),
+    )
+
+
+def test_the_fits_step_is_the_median_round_so_a_load_spike_does_not_move_it() -> None:
+    from hetd.bench.cluster_costs import _step_s, round_periods
+
+    quiet = [0.010] * 60
+    spiked = [0.010] * 50 + [0.250] * 10  # a 2.5 s load spike over a sixth of the rounds
+    run_q, run_s = _bsp_run(quiet), _bsp_run(spiked)
+    assert sorted(round_periods(run_s))[-1] == pytest.approx(0.25)
+    # the same step time with and without the spike (the mean over the budget moved 25x more)
+    assert _step_s(run_q, 2, sum(quiet)) == pytest.approx(0.010)
+    assert _step_s(run_s, 2, sum(spiked)) == pytest.approx(0.010)
+    assert sum(spiked) / 61 > 0.045
+    # too few rounds on the timeline: the budget over the rounds made
+    short = _bsp_run([0.02] * 4)
+    assert _step_s(short, 2, 0.1) == pytest.approx(0.1 / 5)
