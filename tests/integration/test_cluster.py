@@ -18,6 +18,7 @@ from tests.conftest import WORKER_TOKEN, Cluster, clusters
 
 pytestmark = pytest.mark.slow
 SHARED = pytest.mark.asyncio(loop_scope="module")  # the tests on the module's asp3 daemon
+BASE_STEP = 0.05  # s per 32 samples of the asp3 workers' emulated steps (x1; x2 and x4 times it)
 
 
 def clocks(engine) -> list[int]:  # type: ignore[no-untyped-def]
@@ -128,11 +129,17 @@ async def test_the_profiles_link_is_the_link_not_the_daemons_join_work(cluster) 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def asp3() -> AsyncIterator[Cluster]:
-    """One asp daemon with workers of emulated speeds x1, x2 and x4 (0.02 s per base step)."""
+    """One asp daemon with workers of emulated speeds x1, x2 and x4, 0.05 s per base step: a step
+    takes the longer of that and the real compute, and on a loaded machine the real compute of
+    one step can pass 0.08 s (x4 of 0.02 s), which made the x4 worker as fast as the x1 one. The
+    x1 worker is started first and joins before the others start, so a slow start-up of its own
+    (JAX's import on a busy machine) does not leave it behind them."""
     async with clusters() as make:
         c = await make("asp")
-        for slowdown in (1, 2, 4):
-            await c.spawn(slowdown, 0.02)
+        await c.spawn(1, BASE_STEP)
+        await c.wait_for(lambda: len(c.engine.facts) == 1, 60, "the x1 worker to join")
+        for slowdown in (2, 4):
+            await c.spawn(slowdown, BASE_STEP)
         await c.wait_for(lambda: len(c.engine.facts) == 3, 60, "3 workers to join")
         yield c
 
@@ -180,8 +187,8 @@ async def test_joining_workers_are_profiled(asp3: Cluster) -> None:
     fast, slow = by_slowdown["1"], by_slowdown["4"]
     assert fast is not None and slow is not None
     assert set(fast) == {"sample_s", "push_s", "pull_s", "compress_s"}
-    # 0.02 s per 32 samples, padded to at least that (a loaded machine's real compute can take
+    # BASE_STEP per 32 samples, padded to at least that (a loaded machine's real compute can take
     # longer, never less); the x4 worker's profile shows it well over 2.5x slower.
-    base = 0.02 / 32
+    base = BASE_STEP / 32
     assert fast["sample_s"] >= base * 0.999 and slow["sample_s"] >= 4 * base * 0.999
     assert slow["sample_s"] / fast["sample_s"] > 2.5, (fast, slow)
