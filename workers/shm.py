@@ -41,7 +41,7 @@ class ShmLink:
         """Map the offered ring and make ours: the link and the ``shm_ready`` frame; None (and
         the socket as before) when it cannot be opened here."""
         try:
-            down = shm.RingReader(segment)
+            down = shm.RingReader(segment, populate=True)
         except shm.ShmError as exc:
             log.info("shared memory offered but not usable here (%s): using the socket", exc)
             return None

@@ -201,7 +201,7 @@ class _Shm:
     """A sender's shared memory with the daemon: its ring read-only, ours for the pushes."""
 
     def __init__(self, segment: str) -> None:
-        self.down = shm.RingReader(segment)
+        self.down = shm.RingReader(segment, populate=True)
         self.up = shm.Ring("up", 2, self.down.slot_bytes)
 
     def ready(self) -> bytes:

@@ -22,14 +22,17 @@ from hetd.protocol import shm, wire
 
 log = logging.getLogger("hetd.server.shm")
 
-SLOTS = 8  # the downlink ring's slots (tmpfs pages are taken as slots are first written)
+SLOTS = 8  # the downlink ring's slots at most ...
+MIN_SLOTS = 3  # ... and at least (one held by a worker, the newest, one to write)
+RING_BYTES = 512 << 20  # ... as many as fit in this, between the two
 
 
 class ShmHub:
     """The downlink ring and the frames written into it (each once)."""
 
-    def __init__(self, slots: int = SLOTS) -> None:
+    def __init__(self, slots: int = SLOTS, ring_bytes: int = RING_BYTES) -> None:
         self.slots = slots
+        self.ring_bytes = ring_bytes
         self.ring: shm.Ring | None = None
         self.closed = False
         # signature of a frame -> (its reference, its version, its slot): the newest few
@@ -49,7 +52,8 @@ class ShmHub:
         if ring is not None and ring.slot_bytes >= slot_bytes:
             return ring
         try:
-            new = shm.Ring("dl", self.slots, slot_bytes)
+            slots = max(MIN_SLOTS, min(self.slots, self.ring_bytes // max(1, slot_bytes)))
+            new = shm.Ring("dl", slots, slot_bytes, prefault=True)
         except OSError as exc:
             log.warning("no shared memory for same-host workers: %s", exc)
             self.closed = True
