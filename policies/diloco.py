@@ -3,11 +3,14 @@
 ``diloco`` runs synchronous outer rounds: every worker takes ``H`` inner steps from the same global
 parameters, with a batch sized (as LB-BSP sizes it, §7) so that all finish together; the daemon
 takes the sample-weighted mean of their pseudo-gradients and applies it once, through the outer
-optimizer (``[train] outer_optimizer``, DiLoCo's ``nesterov:lr=0.7,momentum=0.9``).
+optimizer (``[train] outer_optimizer``; ``"auto"``, the default, resolves through
+:func:`outer_for`: DiLoCo's ``nesterov:lr=0.7,momentum=0.9`` over an SGD-family inner optimizer,
+plain averaging over adam).
 
 ``diloco_async`` never holds anyone: each worker's ``H_i = max(h_min, round(H · c_min / c_i))``
 follows its measured step time ``c_i`` (DyLU), so every worker's round takes about as long, and each
-delta is applied on arrival with weight ``1/√(1+τ) / N``. The weight goes *into* the outer optimizer
+delta is applied on arrival with weight ``1/√(1+τ') / N``, ``τ'`` the versions beyond the other
+workers' one arrival each (:func:`staleness_factor`). The weight goes *into* the outer optimizer
 (a one-push buffer flushed at once, not ``Apply``, which scales the optimizer's output), so with the
 outer optimizer ``delayed_nesterov:...,period=N`` the momentum sees the weighted deltas.
 
@@ -133,11 +136,13 @@ def diloco(
     batch sized so that all finish together (``global_batch`` samples per step in total, None: the
     config's; ``shares=False``: every worker keeps ``B/N``, the paper's setting, where the round
     waits for the slowest); the round's deltas averaged by samples and applied once through the
-    outer optimizer (run it with ``[train] outer_optimizer = "nesterov:lr=0.7,momentum=0.9"``).
+    outer optimizer (``outer_optimizer = "auto"``: :func:`outer_for`).
     ``calibrate``: a worker whose step time is not known yet (no push, no profile) runs rounds of
     one inner step, so the first ``H``-step round is already sized to finish together instead of
     waiting ``H`` steps for the slowest worker at ``B/N``. ``codec``: the pseudo-gradients' codec
-    (e.g. ``"int8"``, with the worker's error feedback; None: the configuration's)."""
+    (e.g. ``"int8"``, with the worker's error feedback; None: the configuration's); a dense one
+    (int8, int4, bf16, fp16) also carries the worker's parameters, as outer steps against what
+    it holds (the engine's downlink)."""
     _check_h("H", H)
     _check_codec(codec)
     if global_batch is not None and not is_int(global_batch, 1):
@@ -279,9 +284,13 @@ def local_steps_for(
     }
 
 
-def staleness_factor(tau: int) -> float:
-    """``1/√(1+τ)``, τ the versions applied since the work's base (Liu et al. 2024)."""
-    return 1.0 / math.sqrt(1.0 + max(0, tau))
+def staleness_factor(tau: int, workers: int = 1) -> float:
+    """``1/√(1+τ')`` (Liu et al. 2024), ``τ' = τ − (workers − 1)`` the versions applied since the
+    work's base beyond the other workers' one arrival each. Deltas are applied on arrival, so a
+    worker on time finds its base overtaken by the ``workers − 1`` others (τ = N − 1 with every
+    worker at the same cadence): that is the schedule, not staleness, and weighing it down by
+    ``1/√N`` would move the model by half a synchronous round per round at N = 4."""
+    return 1.0 / math.sqrt(1.0 + max(0, tau - max(0, workers - 1)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,8 +340,10 @@ def diloco_async(
 ) -> Policy:
     """Asynchronous local SGD (Liu et al. 2024): the fastest worker runs ``H`` inner steps, the
     others ``H_i = max(h_min, round(H · c_min / c_i))``; each delta is applied on arrival with weight
-    ``1/√(1+τ) / N`` (``staleness=False``: ``1/N``), fed into the outer optimizer (run it with
-    ``delayed_nesterov:lr=0.7,momentum=0.9,period=N``); never holds; re-plans on a join, a leave
+    ``1/√(1+τ') / N`` (``τ' = τ − (N − 1)``, :func:`staleness_factor`; ``staleness=False``:
+    ``1/N``), fed into the outer optimizer (``outer_optimizer = "auto"``: delayed Nesterov,
+    ``delayed_nesterov:lr=0.7,momentum=0.9,period=N``, over an SGD-family inner optimizer, plain
+    averaging over adam); never holds; re-plans on a join, a leave
     or a speed drift. Until a worker has a profile (the engine's profile exchange, else its first
     ``profile_pushes`` pushes) it runs ``h_min`` steps (``calibrate=False``: ``H``), so a slow
     worker's first delta is not ``H`` of its steps late. ``codec``: the deltas' codec (None: the
@@ -376,7 +387,7 @@ def diloco_async(
         st = replace(state, tracks=tracks)
         head: list[Decision] = []
         if isinstance(event, Push) and event.worker in view.workers:
-            w = staleness_factor(event.staleness(view)) if staleness else 1.0
+            w = staleness_factor(event.staleness(view), view.n) if staleness else 1.0
             # A one-push buffer flushed at once: the weight scales the outer optimizer's *input*.
             head += [
                 Buffer(w / max(1, view.n), group=0),

@@ -189,6 +189,9 @@ def test_staleness_factor() -> None:
     assert staleness_factor(0) == 1.0
     assert staleness_factor(3) == pytest.approx(0.5)
     assert staleness_factor(-2) == 1.0
+    # applied on arrival, N workers: the other N - 1 arrivals are the schedule, not staleness
+    assert staleness_factor(3, workers=4) == 1.0
+    assert staleness_factor(6, workers=4) == pytest.approx(0.5)
 
 
 def test_diloco_async_applies_each_arrival_into_the_outer_optimizer() -> None:
@@ -201,7 +204,7 @@ def test_diloco_async_applies_each_arrival_into_the_outer_optimizer() -> None:
     d, s = p.update(Tick(1.0), p.init(v), v)
     assert {w: f["local_steps"] for w, f in plans(d).items()} == {0: 40, 1: 10}
     v = view_of(fact(0, 1, True, profile=profile), fact(1, profile=slow), version=5)
-    d, s = p.update(push(0, 40 * 32, 40, 1.28, base=2), s, v)  # τ = 3
+    d, s = p.update(push(0, 40 * 32, 40, 1.28, base=1), s, v)  # τ = 4, 3 beyond the other's 1
     assert d[0] == Buffer(0.5 / 2, group=0)
     assert d[1] == Flush(normalize=False, scale=1.0, upto=None)
     assert releases(d) == {0}
