@@ -129,3 +129,22 @@ def test_never_reached_in_one_mode_has_no_ratio_and_fails_the_band() -> None:
     assert v["reached_in_one_mode_only"] == ["asp"] and not v["within_band"]
     assert v["ranking_agrees"] and v["rank_distance"] == 1
     assert "one mode only: asp" in v["sentence"]
+
+
+def test_the_evaluation_grid_reading_is_there_for_older_tables() -> None:
+    from hetd.bench.parity import parity_markdown
+
+    sim = doc({"bsp": ([6.0], 6.0), "asp": ([4.2], 4.2)})
+    real = doc({"bsp": ([6.0], 6.0), "asp": ([3.6], 3.6)})
+    curves = {"bsp": [[5.5, 0.8], [6.5, 0.95]], "asp": [[3.5, 0.85], [4.0, 0.91]]}
+    for d in (sim, real):
+        for r in d["runs"]:
+            r["curve"] = curves[r["policy"]]
+    out = compare(sim, real, load_scenario("S1"), 1)  # target 0.90
+    asp = out["policies"]["asp"]
+    assert asp["real"]["tta_grid_s"] == [4.0] and asp["real"]["tta_grid_median_s"] == 4.0
+    assert out["policies"]["bsp"]["sim"]["tta_grid_median_s"] == 6.5
+    assert "| 4.00 / 4.00 |" in parity_markdown({**out, "links": "emulated"})
+    # no curves (documents from before they were kept): no grid reading, nothing invented
+    bare = compare(doc({"bsp": ([6.0], 6.0)}), doc({"bsp": ([6.0], 6.0)}), load_scenario("S1"), 1)
+    assert "tta_grid_s" not in bare["policies"]["bsp"]["sim"]
