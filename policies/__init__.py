@@ -10,6 +10,7 @@ from policies import shares as shares
 from policies import staleness as staleness
 from policies import sync as sync
 from policies.compose import Resolved, compose, describe_state, release_waiting, resolve
+from policies.dpmp import policy as _dpmp  # noqa: F401  (registers dpmp)
 from policies.registry import PolicyError, make_policy, policy_names, register
 from policies.types import (
     Apply,

@@ -23,6 +23,7 @@ from policies.types import (
     Flush,
     Policy,
     PushDecision,
+    Regroup,
     Release,
     Scale,
     SetPlan,
@@ -64,7 +65,7 @@ class Resolved:
     """One event's decisions as the engine carries them out: ``plans`` first (so a worker released
     by this event computes under its new plan), then ``actions`` in order."""
 
-    plans: tuple[SetStage | SetPlan, ...] = ()  # in the order decided
+    plans: tuple[SetStage | SetPlan | Regroup, ...] = ()  # in the order decided
     scale: float = 1.0  # the product of every Scale: multiplies the push decision's weight
     # Flushes and releases in the order decided, with at most one push decision (the first) in
     # its place; the engine ignores the push decision when the event carries no push.
@@ -83,13 +84,13 @@ def resolve(decisions: Iterable[Decision]) -> Resolved:
     """The rules that combine one event's decisions:
 
     * ``Scale`` factors multiply (into :attr:`Resolved.scale`);
-    * ``SetStage`` and ``SetPlan`` come first, in order; a ``SetPlan`` naming a field a plan does
+    * ``SetStage``, ``SetPlan`` and ``Regroup`` come first, in order; a ``SetPlan`` naming a field a plan does
       not have, or a value of the wrong kind, raises ValueError (a policy bug);
     * the first ``Apply``/``Buffer``/``Drop`` decides the push; later ones are ignored;
     * ``Flush`` and ``Release`` are kept in order, the push decision in its place among them.
     """
     scale = 1.0
-    plans: list[SetStage | SetPlan] = []
+    plans: list[SetStage | SetPlan | Regroup] = []
     actions: list[PushDecision | Flush | Release] = []
     decided = False
     for d in decisions:
@@ -98,7 +99,7 @@ def resolve(decisions: Iterable[Decision]) -> Resolved:
         elif isinstance(d, SetPlan):
             check_plan_fields(d.fields)
             plans.append(d)
-        elif isinstance(d, SetStage):
+        elif isinstance(d, SetStage | Regroup):
             plans.append(d)
         elif isinstance(d, Apply | Buffer | Drop):
             if not decided:

@@ -57,6 +57,14 @@ class ClusterView:
     global_batch: int  # samples per round across all workers (BSP uses B/N each)
     buffered: int = 0  # pushes waiting in the aggregation buffer
     stage: str = "main"
+    # Pipeline replicas (docs/policies.md §11): head -> members in stage order. The head stands
+    # for its replica in ``workers``; the later stages are only in ``stage_workers`` (their
+    # facts, for planners that place stages).
+    replicas: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    stage_workers: Mapping[int, WorkerFacts] = dataclasses.field(default_factory=dict)
+    # The model's blocks when it is block-structured (else empty), in order: (parameter bytes,
+    # output bytes per sample, relative compute per sample).
+    blocks: tuple[tuple[float, float, float], ...] = ()
 
     @property
     def n(self) -> int:
@@ -203,7 +211,29 @@ class SetStage:
     stage: str
 
 
-Decision = Apply | Buffer | Flush | Drop | Scale | Release | SetPlan | SetStage
+@dataclass(frozen=True, slots=True)
+class ReplicaShape:
+    """One pipeline replica: workers in stage order, stage ``s`` holding blocks
+    ``[cuts[s], cuts[s+1])``, steps of ``micro_batches`` micro-batches of ``micro`` samples,
+    stage ``s`` keeping at most ``inflight[s]`` in flight (empty: ``S − s``)."""
+
+    members: tuple[int, ...]
+    cuts: tuple[int, ...]
+    micro: int
+    micro_batches: int
+    inflight: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Regroup:
+    """Run exactly these pipeline replicas: one not running is formed, one running that is not
+    named (or named with other cuts or micro-batches) is dissolved (its workers go back to data
+    parallel)."""
+
+    replicas: tuple[ReplicaShape, ...]
+
+
+Decision = Apply | Buffer | Flush | Drop | Scale | Release | SetPlan | SetStage | Regroup
 PushDecision = Apply | Buffer | Drop  # what may become of the current push
 
 

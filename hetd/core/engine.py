@@ -83,7 +83,9 @@ from policies.types import (
     Pull,
     Push,
     PushDecision,
+    Regroup,
     Release,
+    SetPlan,
     SetStage,
     Tick,
     WorkerFacts,
@@ -498,7 +500,7 @@ class Engine(ViewsMixin, StateMixin, PublishMixin):
                 if isinstance(d, SetStage):
                     stage = d.stage
                     plans = {wid: plan.merge({"stage": stage}) for wid, plan in plans.items()}
-                elif d.worker in plans:
+                elif isinstance(d, SetPlan) and d.worker in plans:
                     plans[d.worker] = plans[d.worker].merge(d.fields)
         except Exception as exc:
             raise PolicyError(
@@ -604,6 +606,8 @@ class Engine(ViewsMixin, StateMixin, PublishMixin):
         for d in r.plans:
             if isinstance(d, SetStage):
                 self._set_stage(d.stage)
+            elif isinstance(d, Regroup):
+                self._regroup(d.replicas)
             else:
                 self._set_plan(d.worker, d.fields)
         for a in r.actions:

@@ -20,13 +20,35 @@ from hetd.core.downlink import Downlink
 from hetd.core.rates import LatencyRecorder, RateMeter
 from hetd.core.store import Aggregator, Snapshot, Store
 from hetd.protocol.messages import PushIn, Reply
-from policies.types import ClusterView, Event, Plan, Policy, WorkerFacts
+from policies.types import ClusterView, Event, Plan, Policy, ReplicaShape, WorkerFacts
 
 # A worker's link is the fastest of its last pushes, send to receipt: a busy host (a worker not
 # yet scheduled, a daemon loop with other work) only ever makes a transfer look slower, never
 # faster, so the max of a short window reads the link and the mean reads the host's load (seen:
 # 36-98 MB/s measured on 1 GB/s links under load, and H-PS cutting bits it did not need to).
 LINK_WINDOW = 8
+
+
+def block_facts(shapes: Mapping[str, tuple[int, ...]]) -> tuple[tuple[float, float, float], ...]:
+    """A block-structured model's blocks (parameters ``b00/...``, ``b01/...``) as planners see
+    them: (parameter bytes, output bytes per sample, relative compute per sample); empty for any
+    other model. Estimates from the shapes alone: a block's output is as wide as its last
+    one-dimensional parameter (a dense layer's bias), its compute is its parameter count."""
+    blocks: dict[str, list[tuple[int, ...]]] = {}
+    for path, shape in shapes.items():
+        head, _, _ = path.partition("/")
+        if not (len(head) == 3 and head[0] == "b" and head[1:].isdigit()):
+            return ()
+        blocks.setdefault(head, []).append(tuple(shape))
+    names = sorted(blocks)
+    if names != [f"b{j:02d}" for j in range(len(names))]:
+        return ()
+    out = []
+    for name in names:
+        params = sum(math.prod(s) for s in blocks[name])
+        width = next((s[0] for s in reversed(blocks[name]) if len(s) == 1), 1)
+        out.append((4.0 * params, 4.0 * width, float(params)))
+    return tuple(out)
 
 
 class Clock(Protocol):
@@ -208,6 +230,9 @@ class EngineBase:
         self._replicas: dict[int, tuple[int, ...]] = {}
         self._stages: dict[int, int] = {}  # a replica's later stages -> its head
         self._replica_releases: dict[int, None] = {}  # heads released, their step not yet sent
+        self.blocks = block_facts(store.shapes)  # what planners of replicas know of the model
+        # Who forms and dissolves pipeline replicas on a policy's Regroup (the daemon's driver).
+        self.replica_regroup: Callable[[tuple[ReplicaShape, ...]], None] | None = None
         # Who runs a released replica's next step (the daemon's replica driver): called with the
         # head's id once the release's updates are applied.
         self.replica_release: Callable[[int], None] | None = None
@@ -259,6 +284,9 @@ class EngineBase:
             global_batch=self.config.global_batch,
             buffered=self.buffered(),
             stage=self.stage,
+            replicas=self._replicas,
+            stage_workers={w: self._workers[w].facts for w in self._stages if w in self._workers},
+            blocks=self.blocks,
         )
 
     def _dispatch(self, event: Event, push: PushIn | None = None) -> None:

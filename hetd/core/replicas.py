@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
 from hetd.core.entries import EngineBase
-from policies.types import Join, Leave
+from policies.types import Join, Leave, ReplicaShape
 
 log = logging.getLogger("hetd.core.engine")
 
@@ -128,3 +128,13 @@ class ReplicaMixin(EngineBase):
             self.replica_release(head)
         except Exception:  # the driver's bug must not stop the engine
             log.exception("replica %d: its next step could not be sent", head)
+
+    def _regroup(self, shapes: tuple[ReplicaShape, ...]) -> None:
+        """A policy's Regroup: the replica driver forms and dissolves replicas to match."""
+        if self.replica_regroup is None:
+            log.warning("policy %s regroups, but nothing runs replicas here", self.policy.name)
+            return
+        try:
+            self.replica_regroup(shapes)
+        except Exception:  # the driver's bug must not stop the engine
+            log.exception("regroup to %s failed", shapes)

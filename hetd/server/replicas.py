@@ -33,6 +33,7 @@ from hetd.protocol import wire
 from hetd.protocol.messages import PushIn
 from hetd.server.relay import NoRoute, Relay
 from policies.dpmp import assembler as asm
+from policies.types import ReplicaShape
 
 log = logging.getLogger("hetd.server.replicas")
 
@@ -48,6 +49,7 @@ class ReplicaDriver:
         self.gen = 0
         self.step = 0
         self.micro = self.micro_batches = 0
+        self.cuts: tuple[int, ...] = ()
         self.state = asm.AssemblerState(model=frozenset(engine.store.shapes))
         self.assembled = 0  # steps applied as one push
         self.aborted = 0  # steps discarded (a stage lost, a bad or unfitting part)
@@ -57,6 +59,7 @@ class ReplicaDriver:
         relay.on_part = self.part
         relay.on_detach = self.lost
         engine.replica_release = self.released
+        engine.replica_regroup = self.regroup
 
     async def form(
         self,
@@ -69,6 +72,18 @@ class ReplicaDriver:
         """Make ``members`` (worker ids, stage order) a new generation of the replica, stage
         ``s`` holding blocks ``[cuts[s], cuts[s+1])``, and release its first step. Raises
         ValueError, with nothing changed, when the group or the cuts do not fit."""
+        form = partial(self.form_now, members, cuts, micro, micro_batches, inflight)
+        await self.engine.call(form)
+
+    def form_now(
+        self,
+        members: Sequence[int],
+        cuts: Sequence[int],
+        micro: int,
+        micro_batches: int,
+        inflight: Sequence[int] = (),
+    ) -> None:
+        """:meth:`form`, on the engine task."""
         n = len(members)
         if n < 2 or len(cuts) != n + 1 or list(cuts) != sorted(set(cuts)) or cuts[0] != 0:
             raise ValueError(
@@ -81,13 +96,15 @@ class ReplicaDriver:
             )
         if cuts[-1] != len(blocks):
             raise ValueError(f"the cuts must end at the model's {len(blocks)} blocks")
+        if inflight and (len(inflight) != n or min(inflight) < 1):
+            raise ValueError(f"inflight needs {n} caps >= 1, got {list(inflight)}")
         if self.members:
             raise ValueError(f"replica {self.replica} is running (members {list(self.members)})")
         # the engine checks the members (connected, distinct, in no replica) and takes them
-        await self.engine.call(partial(self.engine.form_replica, list(members)))
-        # From here on nothing awaits: the engine runs no release of the head in between.
+        self.engine.form_replica(list(members))
         self.gen += 1
         self.members = tuple(members)
+        self.cuts = tuple(cuts)
         self.micro, self.micro_batches = micro, micro_batches
         self.relay.install(
             {
@@ -115,6 +132,56 @@ class ReplicaDriver:
                 ),
             )
         self.release()  # forming releases the head: its first step
+
+    def regroup(self, shapes: Sequence[ReplicaShape]) -> None:
+        """A policy's Regroup (on the engine task): dissolve the running replica unless it is
+        the first shape as it is, then form the first shape. One replica runs at a time: a
+        second shape is not formed (its workers stay data parallel)."""
+        want = shapes[0] if shapes else None
+        if len(shapes) > 1:
+            log.warning("one pipeline replica runs at a time; %d asked", len(shapes))
+        same = want is not None and (want.members, want.cuts, want.micro) == (
+            self.members,
+            self.cuts,
+            self.micro,
+        )
+        if self.members and not same:
+            self.dissolve("regrouped")
+        if want is not None and not self.members:
+            try:
+                self.form_now(
+                    want.members, want.cuts, want.micro, want.micro_batches, want.inflight
+                )
+            except ValueError as exc:
+                log.warning("replica %s not formed: %s", list(want.members), exc)
+        elif same and want is not None:
+            self.micro_batches = want.micro_batches  # the next step's size
+
+    def dissolve(self, reason: str) -> None:
+        """End the running replica with every member alive (on the engine task): its step is
+        aborted (nothing of it applied), every member goes back to data-parallel steps."""
+        if not self.members:
+            return
+        members, self.members = self.members, ()
+        self.state = asm.abort(self.state, self.replica, reason)
+        self.state = asm.regroup(self.state, self.replica, self.gen, 0)
+        if self._pending:
+            self.aborted += 1
+        self._pending = False
+        self.relay.install({k: w for k, w in self.relay.routes.items() if k[0] != self.replica})
+        self.engine.dissolve_replica(members[0], reason)
+        frame = wire.encode(
+            "abort",
+            0,
+            replica=self.replica,
+            gen=self.gen,
+            step=self.step,
+            reason=reason,
+            dissolve=True,
+        )
+        for w in members:
+            self._send(w, frame)
+        log.info("replica %d gen %d dissolved: %s", self.replica, self.gen, reason)
 
     def released(self, head: int) -> None:
         """The engine's policy released the replica headed by ``head`` (called on the engine

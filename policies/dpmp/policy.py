@@ -1,0 +1,239 @@
+"""The ``dpmp`` policy: synchronous rounds over replicas whose structure the controller plans
+(docs/policies.md §11).
+
+Each round the controller (:func:`policies.dpmp.controller.plan_round`) takes every worker the
+engine knows (the view's replicas and data-parallel workers, and the replicas' later stages),
+the model's blocks and the global batch, and gives the replicas: data-parallel workers with their
+share of the batch (a plan's ``batch_size``), at most one pipeline replica (a ``Regroup`` the
+engine's replica driver carries out), the idle rest. The round is bsp over the working replicas
+only: every push is buffered with its samples as weight, the round is flushed when each working
+replica has pushed once, then the next round is planned and its replicas are released. The
+realised round time and cost (busy workers × ``price`` × seconds) go back to the controller's
+Lyapunov queues; the structure changes only with the hysteresis of :mod:`policies.dpmp.groups`
+(``period``, ``keep``), at once when a member is lost.
+
+What a worker is, for the planner: seconds per sample from its profile (else from its pushes;
+the median of the others when neither is known yet), its reported free memory (``free_mem``: the
+daemon reads it from the hello and the pushes; ``hetd-worker --emulate-memory`` sets it), and its
+measured link both ways.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from policies.dpmp.controller import DpmpConfig, DpmpState, ReplicaSpec, end_round, plan_round
+from policies.dpmp.costs import Block, WorkerSpec
+from policies.dpmp.groups import GroupConfig
+from policies.dpmp.lyapunov import LyapunovConfig
+from policies.registry import register
+from policies.types import (
+    Buffer,
+    ClusterView,
+    Decision,
+    Event,
+    Flush,
+    Leave,
+    Policy,
+    Pull,
+    Push,
+    Regroup,
+    Release,
+    ReplicaShape,
+    SetPlan,
+    WorkerFacts,
+)
+
+DEFAULT_SAMPLE_S = 1e-3  # s per sample of a worker nobody has measured yet (only shares matter)
+
+
+@dataclass(frozen=True, slots=True)
+class DpmpPolicyState:
+    """The controller's state and the current round."""
+
+    ctl: DpmpState = field(default_factory=DpmpState)
+    working: tuple[int, ...] = ()  # the round's replicas (heads and data-parallel workers)
+    pushed: frozenset[int] = frozenset()  # ... that pushed this round
+    pipeline: ReplicaShape | None = None  # the pipeline replica the plan runs
+    started: float | None = None  # when the round began (None: no round yet)
+    tau: float = 0.0  # s, the round's predicted time
+    reason: str = ""  # why the structure is what it is
+    structure: str = ""  # the round's replicas, for status pages
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "round": self.ctl.round,
+            "working": list(self.working),
+            "pushed": sorted(self.pushed),
+            "pipeline": None
+            if self.pipeline is None
+            else {
+                "members": list(self.pipeline.members),
+                "cuts": list(self.pipeline.cuts),
+                "micro": self.pipeline.micro,
+                "micro_batches": self.pipeline.micro_batches,
+            },
+            "predicted_round_s": self.tau,
+            "reason": self.reason,
+            "structure": self.structure,
+            "queues": list(self.ctl.lyapunov.queues),
+        }
+
+
+def worker_specs(view: ClusterView, price: float) -> dict[int, WorkerSpec]:
+    """What the planner knows of every worker: the view's and the replicas' later stages'."""
+    facts: dict[int, WorkerFacts] = {**view.workers, **view.stage_workers}
+
+    def own(f: WorkerFacts) -> float | None:
+        measured = (f.profile or {}).get("sample_s")
+        if measured is not None and measured > 0:
+            return float(measured)
+        # a replica's head pushes the whole replica's steps: its sample_s is not its own
+        if f.sample_s is not None and f.sample_s > 0 and f.worker not in view.replicas:
+            return f.sample_s
+        return None
+
+    known = [s for f in facts.values() if (s := own(f)) is not None]
+    fallback = statistics.median(known) if known else DEFAULT_SAMPLE_S
+    specs = {}
+    for wid, f in facts.items():
+        link = f.link_bps if f.link_bps is not None and f.link_bps > 0 else math.inf
+        mem = float(f.free_mem) if f.free_mem is not None and f.free_mem > 0 else math.inf
+        specs[wid] = WorkerSpec(
+            wid, own(f) or fallback, mem_bytes=mem, bw_up=link, bw_down=link, price=price
+        )
+    return specs
+
+
+def _dp_round(view: ClusterView) -> tuple[list[int], dict[int, int]]:
+    """Every worker in the view data parallel with an equal share (no plan possible)."""
+    working = sorted(view.workers)
+    share = max(1, view.global_batch // max(1, len(working)))
+    return working, dict.fromkeys(working, share)
+
+
+@register("dpmp")
+def dpmp(
+    v: float = 10.0,
+    budget: float = math.inf,
+    price: float = 1.0,
+    period: int = 50,
+    keep: float = 0.75,
+) -> Policy:
+    """Joint data + model parallelism: ``v`` weighs the round time against the money queue,
+    ``budget`` is the money per round (``price`` per busy worker-second; inf: no constraint),
+    ``period`` and ``keep`` the regroup hysteresis (at most once per ``period`` rounds, for a
+    predicted round ≤ ``keep`` × the current one)."""
+    if not (0 < keep <= 1):
+        raise ValueError(f"keep must be in (0, 1], got {keep}")
+    if period < 1:
+        raise ValueError(f"period must be >= 1, got {period}")
+    if not (price > 0 and math.isfinite(price)):
+        raise ValueError(f"price must be a positive finite number, got {price}")
+    cfg = DpmpConfig(
+        groups=GroupConfig(period=period, keep=keep),
+        lyapunov=LyapunovConfig(v=v, budgets=(budget,)),
+    )
+
+    def init(view: ClusterView) -> DpmpPolicyState:
+        return DpmpPolicyState()
+
+    def plan(view: ClusterView, st: DpmpPolicyState) -> tuple[list[Decision], DpmpPolicyState]:
+        """Start a round: structure, shares, releases."""
+        ctl = st.ctl
+        blocks = [Block(f"b{j:02d}", p, a, fl) for j, (p, a, fl) in enumerate(view.blocks)]
+        shape: ReplicaShape | None = None
+        specs: Sequence[ReplicaSpec] = ()
+        try:
+            if not blocks:
+                raise ValueError("the model is not block-structured")
+            planned, ctl = plan_round(
+                blocks, worker_specs(view, price), view.global_batch, ctl, cfg
+            )
+            specs, tau, reason = planned.replicas, planned.tau, planned.reason
+        except ValueError as exc:
+            tau, reason = 0.0, f"data parallel: {exc}"
+        working: list[int] = []
+        batches: dict[int, int] = {}
+        for spec in specs:
+            if spec.batch <= 0:
+                continue
+            if len(spec.members) == 1:
+                working.append(spec.members[0])
+                batches[spec.members[0]] = spec.batch
+            elif shape is None:  # one pipeline replica at a time
+                shape = ReplicaShape(
+                    spec.members,
+                    spec.cuts,
+                    spec.micro,
+                    max(1, round(spec.batch / spec.micro)),
+                    spec.inflight,
+                )
+                working.append(spec.members[0])
+        if not working:
+            working, batches = _dp_round(view)
+            shape = None
+        out: list[Decision] = []
+        if shape is not None or view.replicas:
+            out.append(Regroup(() if shape is None else (shape,)))
+        for wid, b in batches.items():
+            f = view.workers.get(wid)
+            if f is not None and f.batch_size != b:
+                out.append(SetPlan(wid, {"batch_size": b}))
+        # a replica being formed is released by its driver; the others when they wait
+        for wid in working:
+            f = view.workers.get(wid)
+            if f is not None and f.waiting:
+                out.append(Release(wid))
+        desc = " ".join(
+            f"[{'+'.join(map(str, s.members))} b={s.batch}]" for s in specs if s.batch > 0
+        )
+        new = replace(
+            st,
+            ctl=ctl,
+            working=tuple(working),
+            pushed=frozenset(),
+            pipeline=shape,
+            started=view.now,
+            tau=tau,
+            reason=reason,
+            structure=desc,
+        )
+        return out, new
+
+    def update(
+        event: Event, st: DpmpPolicyState, view: ClusterView
+    ) -> tuple[Sequence[Decision], DpmpPolicyState]:
+        out: list[Decision] = []
+        if isinstance(event, Push):
+            out.append(Buffer(float(event.samples)))
+            if event.worker in st.working:
+                st = replace(st, pushed=st.pushed | {event.worker})
+        elif isinstance(event, Leave) and event.worker in st.working:
+            st = replace(st, working=tuple(w for w in st.working if w != event.worker))
+        elif isinstance(event, Pull) and event.worker in st.working:
+            f = view.workers.get(event.worker)
+            if event.worker not in st.pushed and f is not None and f.waiting:
+                out.append(Release(event.worker))  # it came back in the middle of its round
+        present = [w for w in st.working if w in view.workers]
+        done = st.started is not None and all(w in st.pushed for w in present)
+        if st.started is not None and not done:
+            return out, st
+        if not view.workers:
+            return out, st
+        buffered = view.buffered + (1 if isinstance(event, Push) else 0)
+        if buffered:
+            out.append(Flush(normalize=True))
+        if st.started is not None and present:
+            took = max(0.0, view.now - st.started)
+            busy = len(present) + (len(st.pipeline.members) - 1 if st.pipeline else 0)
+            st = replace(st, ctl=end_round(st.ctl, cfg, took, [took * price * busy]))
+        decisions, st = plan(view, st)
+        return out + decisions, st
+
+    params = {"v": v, "budget": budget, "price": price, "period": period, "keep": keep}
+    return Policy("dpmp", init, update, params)

@@ -1,0 +1,95 @@
+"""The ``dpmp`` policy on a real Engine and Store (a block-structured MLP's shapes) under a fake
+clock, with a replica runner that forms and dissolves replicas in the engine as the daemon's
+driver does: two capable workers and a memory-poor one; the controller pairs the poor worker with
+a helper as a 2-stage replica, a round is one push of the replica and one of the data-parallel
+worker, and losing the poor stage goes back to data parallel."""
+
+from __future__ import annotations
+
+import numpy as np
+import optax
+
+from hetd.core.engine import Engine, EngineConfig
+from hetd.core.ingest import decode_hello
+from hetd.core.store import Store
+from hetd.protocol import wire
+from hetd.protocol.messages import PushIn
+from policies import make_policy
+from policies.types import ReplicaShape
+from tests.conftest import FakeClock, FakePeer
+
+# an MLP 64-64-64-64-10 as four blocks (what hetd.zoo.blocks names them)
+SHAPES = {
+    **{f"b{j:02d}/Dense_0/kernel": (64, 64) for j in range(3)},
+    **{f"b{j:02d}/Dense_0/bias": (64,) for j in range(3)},
+    "b03/Dense_0/kernel": (64, 10),
+    "b03/Dense_0/bias": (10,),
+}
+POOR = 100_000  # bytes: cannot hold the model with its gradients, can hold half of it
+
+
+def test_dpmp_pairs_the_memory_poor_worker_and_runs_rounds_over_replicas() -> None:
+    params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    policy = make_policy("dpmp", {"period": 1, "keep": 1.0})
+    clock = FakeClock()
+    config = EngineConfig(batch_size=32, global_batch=256, profile_steps=0)
+    engine = Engine(Store(params, optax.sgd(0.1)), policy, config, clock)
+    assert len(engine.blocks) == 4
+    formed: list[tuple[ReplicaShape, ...]] = []
+    steps: list[int] = []
+
+    def regroup(shapes: tuple[ReplicaShape, ...]) -> None:
+        formed.append(shapes)
+        for head in list(engine.replicas):
+            if not shapes or shapes[0].members != engine.replicas[head]:
+                engine.dissolve_replica(head, "regrouped")
+        if shapes and shapes[0].members[0] not in engine.replicas:
+            engine.form_replica(shapes[0].members)
+
+    engine.replica_regroup = regroup
+    engine.replica_release = steps.append
+    ids = {}
+    for name, mem in (("a", 8 << 30), ("b", 8 << 30), ("poor", POOR)):
+        hello = wire.encode("hello", 1, name=name, device={"free_memory": mem}, codecs=["none"])
+        ids[name] = engine.join(decode_hello(wire.decode(hello)), FakePeer())
+    pid = 0
+
+    def push(wid: int, samples: int = 32) -> None:
+        nonlocal pid
+        pid += 1
+        clock.t += 0.1
+        grads = {k: np.full(s, 1e-3, np.float32) for k, s in SHAPES.items()}
+        engine.push(
+            PushIn(wid, pid, engine.store.version, "grad", grads, samples, 1, 0.1, None, None, 1)
+        )
+
+    # round 1 began with the first worker alone; its push ends it and the next is planned
+    push(ids["a"])
+    assert formed, "no regroup"
+    (shape,) = formed[-1]
+    assert ids["poor"] in shape.members and len(shape.members) == 2
+    head = shape.members[0]
+    other = next(w for w in (ids["a"], ids["b"]) if w not in shape.members)
+    assert engine.replicas == {head: shape.members}
+    assert set(engine.facts) == {head, other}  # the poor worker's stage is not in the view
+    state = engine.policy_state
+    assert set(state.working) == {head, other}
+    version = engine.store.version
+    for _ in range(3):  # rounds: one push of the replica, one of the data-parallel worker
+        push(head, shape.micro * shape.micro_batches)
+        assert engine.store.version == version  # the round waits for the other
+        push(other, engine.plans[other].batch_size)
+        version += 1
+        assert engine.store.version == version
+    assert steps == [head] * 3  # each round released the replica's next step once
+    assert engine.policy.describe()["name"] == "dpmp"
+
+    asked = len(formed)
+    engine.leave(ids["poor"], "killed")  # the stage dies: data parallel again, no stall
+    assert engine.replicas == {}
+    push(head)  # the replica's round ends without the replica's step; the next one is planned
+    push(other)
+    assert engine.store.version > version
+    assert all(ids["poor"] not in s.members for shapes in formed[asked:] for s in shapes)
+    assert engine.policy_state.pipeline is None
+    assert set(engine.policy_state.working) == {ids["a"], ids["b"]}
