@@ -91,7 +91,7 @@ class Ring:
     a page in later (a fresh 4 KiB page per fault costs more than copying into it)."""
 
     def __init__(self, kind: str, slots: int, slot_bytes: int, prefault: bool = False) -> None:
-        self.name = f"hetd-{kind}-{os.getpid():x}{secrets.token_hex(6)}"
+        self.name = f"hetd-{kind}-{os.getpid():08x}{secrets.token_hex(6)}"  # pid, then random
         self.path = _path(self.name)
         self.slots = max(1, slots)
         self.slot_bytes = slot_bytes
@@ -165,6 +165,27 @@ class Ring:
             self._mm.close()
             self._mm = None
         unlink(self.name)
+
+
+def sweep_dead() -> list[str]:
+    """Unlink the rings of our user whose creating process is gone (killed before it could
+    clean up); the names removed."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(SHM_DIR):
+            if not NAME_RE.fullmatch(name) or len(name) < 16:
+                continue
+            try:
+                pid = int(name[8:16], 16)
+                if os.stat(os.path.join(SHM_DIR, name)).st_uid != os.getuid():
+                    continue
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                unlink(name)
+                removed.append(name)
+            except (OSError, ValueError):
+                continue
+    return removed
 
 
 def _flags(populate: bool) -> int:

@@ -51,6 +51,10 @@ class ShmHub:
         ring = self.ring
         if ring is not None and ring.slot_bytes >= slot_bytes:
             return ring
+        if ring is None:
+            gone = shm.sweep_dead()
+            if gone:
+                log.info("removed %d shared-memory rings of processes gone: %s", len(gone), gone)
         try:
             slots = max(MIN_SLOTS, min(self.slots, self.ring_bytes // max(1, slot_bytes)))
             new = shm.Ring("dl", slots, slot_bytes, prefault=True)

@@ -87,3 +87,16 @@ def test_only_hetd_rings_are_opened() -> None:
             shm.RingReader("hetd-up-00000000deadbeef")
     finally:
         os.unlink(path)
+
+
+def test_rings_of_processes_gone_are_swept() -> None:
+    dead = os.path.join(shm.SHM_DIR, "hetd-up-7ffffff0" + "ab" * 6)  # no such pid (above max)
+    with open(dead, "wb"):
+        pass
+    alive = shm.Ring("up", 1, 64)  # ours: this process lives
+    try:
+        assert os.path.basename(dead) in shm.sweep_dead()
+        assert not os.path.exists(dead) and os.path.exists(alive.path)
+    finally:
+        alive.close()
+        shm.unlink(os.path.basename(dead))
