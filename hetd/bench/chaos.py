@@ -32,8 +32,9 @@ Measured (the admin API is polled: ``/v1/status`` every ``POLL_S``, ``/v1/worker
   applied = the versions gained over the run × the samples per version: one push's samples (the
   mean the workers report) for a policy that applies each push (asp, ssp), the pushes of a round
   (the workers connected when the version was made, from the status polls) for ``bsp``. Versions
-  lost at the daemon kill do not count. The baseline runs right after the chaos run, on the same
-  host; each run records the host's load average, so a busier baseline shows.
+  lost at the daemon kill do not count. The baseline runs in two halves of half the length, one
+  just before the chaos run and one just after, on the same host, so that a drifting load weighs on
+  both alike; each run records the host's load average.
 * ``invariant_violations``: polls where ``updates_applied != version`` (a duplicate or partial apply
   would break it); must be 0. ``duplicates_acked``: resent pushes the daemon recognised and did not
   apply (from ``/metrics``' ``hetd_worker_updates_duplicate``, summed per daemon life).
@@ -59,6 +60,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import math
@@ -611,10 +613,14 @@ async def _policy(
         if not opts.quiet:
             print(message, file=sys.stderr, flush=True)
 
+    half = dataclasses.replace(opts, minutes=opts.minutes / 2)
+    say(f"chaos: {policy.label}: baseline without faults, first half ({half.duration_s:g} s)")
+    before = await Run(half, policy, [], "baseline", net).run()
     say(f"chaos: {policy.label}: run with faults ({opts.duration_s:g} s)")
     chaos = await Run(opts, policy, schedule(opts), "chaos", net).run()
-    say(f"chaos: {policy.label}: baseline without faults ({opts.duration_s:g} s)")
-    base = await Run(opts, policy, [], "baseline", net).run()
+    say(f"chaos: {policy.label}: baseline without faults, second half ({half.duration_s:g} s)")
+    after = await Run(half, policy, [], "baseline", net).run()
+    base = merge_baselines(before, after)
     kill = next((f for f in chaos["faults"] if f["kind"] == "kill_daemon"), None)
     lost = bound = None
     if kill is not None and "version_after" in kill:
@@ -643,6 +649,28 @@ async def _policy(
     row["failures"] = failures(row)
     row["verdict"] = "fail" if row["failures"] else "pass"
     return {**row, "chaos": chaos, "baseline": base}
+
+
+_SUMMED = (
+    "samples_applied",
+    "versions_gained",
+    "invariant_violations",
+    "hash_mismatches",
+    "hash_verified",
+    "worker_processes",
+)
+
+
+def merge_baselines(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """One baseline from its two halves, run just before and just after the chaos run: the counts
+    summed, the load averaged. Bracketing the chaos run this way, a host whose load drifts during
+    the suite weighs on the baseline as it weighed on the chaos run (a baseline run only after it
+    once ran at a load of 19 against the chaos run's 5.6 and flattered its goodput)."""
+    merged: dict[str, Any] = {k: before[k] + after[k] for k in _SUMMED}
+    loads = [x for x in (before["load_mean"], after["load_mean"]) if x is not None]
+    merged["load_mean"] = round(sum(loads) / len(loads), 2) if loads else None
+    merged["halves"] = [before, after]
+    return merged
 
 
 def pre_fault_goodput(chaos: dict[str, Any], policy: str, opts: ChaosOptions) -> float | None:

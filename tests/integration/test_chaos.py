@@ -1,5 +1,5 @@
 """The chaos suite's smoke run: a ~20 s run with 2 workers under asp, one fault every 5 s including
-the daemon's SIGKILL and restart, then its baseline. Asserts what holds on a loaded machine (no
+the daemon's SIGKILL and restart, between the two halves of its baseline. Asserts what holds on a loaded machine (no
 duplicate or partial apply, the daemon restarted, every worker came back), not timings."""
 
 from __future__ import annotations
@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from hetd.bench.chaos import ChaosOptions, hash_counts, pre_fault_goodput, run_chaos, schedule
+from hetd.bench.chaos import (
+    ChaosOptions,
+    hash_counts,
+    merge_baselines,
+    pre_fault_goodput,
+    run_chaos,
+    schedule,
+)
 from hetd.sim.results import PolicySpec
 
 pytestmark = pytest.mark.slow
@@ -53,6 +60,25 @@ def test_goodput_against_the_runs_own_pre_fault_rate() -> None:
     assert pre_fault_goodput({**chaos, "faults": []}, "asp", opts) is None
 
 
+def test_the_baseline_is_its_two_halves_summed() -> None:
+    def half(samples: int, load: float | None) -> dict[str, object]:
+        return {
+            "samples_applied": samples,
+            "versions_gained": samples // 32,
+            "invariant_violations": 0,
+            "hash_mismatches": 0,
+            "hash_verified": 4,
+            "worker_processes": 4,
+            "load_mean": load,
+        }
+
+    merged = merge_baselines(half(3200, 4.0), half(6400, 10.0))
+    assert merged["samples_applied"] == 9600 and merged["versions_gained"] == 300
+    assert merged["hash_verified"] == merged["worker_processes"] == 8
+    assert merged["load_mean"] == 7.0
+    assert merge_baselines(half(32, None), half(32, 3.0))["load_mean"] == 3.0
+
+
 @pytest.mark.timeout(900)
 def test_chaos_smoke(tmp_path: Path) -> None:
     opts = ChaosOptions(
@@ -72,7 +98,9 @@ def test_chaos_smoke(tmp_path: Path) -> None:
     # Each worker that pushed before the faults began checked a full pull's hash (a replacement
     # killed again before its first pull may not have: one log per process).
     assert p["hash_mismatches"] == 0
-    assert p["baseline"]["hash_verified"] == p["baseline"]["worker_processes"] == 2
+    # The baseline's two halves (before and after the chaos run) each ran 2 workers.
+    assert p["baseline"]["hash_verified"] == p["baseline"]["worker_processes"] == 4
+    assert [h["versions_gained"] > 0 for h in p["baseline"]["halves"]] == [True, True]
     assert 2 <= p["chaos"]["hash_verified"] <= p["chaos"]["worker_processes"]
     assert p["verdict"] == "pass" or p["failures"] == [
         f"{p['versions_lost']} versions lost, more than {p['lost_bound']}"
