@@ -18,7 +18,9 @@ from hetd.protocol import shm, wire
 
 log = logging.getLogger("hetd.worker")
 
-SLOTS = 4  # the worker's ring: pushes that may be in flight at once before one goes by socket
+SLOTS = (
+    2  # the worker's ring: pushes in flight at once (a third waits for an ack, or goes by socket)
+)
 
 
 def wanted(enabled: bool) -> tuple[str, ...]:
