@@ -403,10 +403,13 @@ async def _read(
                         state.model_setup, state.trainer.data, state.next_push_id
                     )
                 if state.stage_host is not None:
-                    inbox.staged = True  # the compute loop runs no data-parallel step now
+                    was_staged, inbox.staged = inbox.staged, True  # no data-parallel step now
                     send = partial(_send, ws, opts=opts)
                     await handle(state.stage_host, msg, inbox.params, send)
                     if state.stage_host.assignment is None:  # dissolved (or never assigned)
+                        if was_staged:  # a stage holds its blocks' slice: pull the whole set
+                            inbox.params = None
+                            await ws.send_bytes(wire.encode("pull", 0, have=None))
                         inbox.staged = False
                         inbox.in_flight = 0
                         inbox.changed.set()

@@ -13,7 +13,8 @@ bsp, ssp or lbbsp barriers count the replica once. If a stage's worker leaves, t
 (nothing of it applied), the survivors get ``abort{dissolve}`` and go back to data-parallel steps,
 the engine puts them back in the policy's view, and the routes are withdrawn.
 
-Limit: each stage is sent the whole parameter set, not its slice.
+Each stage is sent only its slice of the parameters (the paths of its blocks); a worker whose
+replica dissolves drops that slice and pulls the whole set before its next data-parallel step.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from hetd.codecs import registry as codecs
 from hetd.core.engine import Engine
 from hetd.protocol import wire
 from hetd.protocol.messages import PushIn
+from hetd.protocol.params import full_frame
 from hetd.server.relay import NoRoute, Relay
 from policies.dpmp import assembler as asm
 from policies.types import ReplicaShape
@@ -55,6 +57,14 @@ class ReplicaDriver:
         self.aborted = 0  # steps discarded (a stage lost, a bad or unfitting part)
         self.dropped: list[str] = []  # why parts were dropped (the last few)
         self._pending = False  # a step is released and neither assembled nor given up
+        # A step not assembled within timeout_s of its release is given up and the replica
+        # dissolved (a stage that hangs, rather than leaves): max(min_timeout_s, timeout_factor
+        # x the recent step's wall time).
+        self.min_timeout_s = 30.0
+        self.timeout_factor = 5.0
+        self.step_s: float | None = None  # EWMA of release -> assembled, s
+        self.timeouts = 0  # steps given up for time
+        self._watch: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         relay.on_part = self.part
         relay.on_detach = self.lost
@@ -163,6 +173,8 @@ class ReplicaDriver:
         if not self.members:
             return
         members, self.members = self.members, ()
+        if self._watch is not None:
+            self._watch.cancel()
         self.state = asm.abort(self.state, self.replica, reason)
         self.state = asm.regroup(self.state, self.replica, self.gen, 0)
         if self._pending:
@@ -191,12 +203,11 @@ class ReplicaDriver:
             self.release()
 
     def release(self) -> None:
-        """Send every stage the current version in full and the next step on it."""
+        """Send every stage its slice of the current version (the parameters of its blocks, as
+        a full ``params`` frame without a hash) and the next step on it."""
         if not self.members:
             return
         snap = self.engine.store.snapshot()
-        if snap.frame is None:  # pragma: no cover - the store always packs its snapshots
-            raise RuntimeError("the store's snapshot has no params frame")
         self.step += 1
         self._pending = True
         samples = self.micro * self.micro_batches
@@ -214,9 +225,38 @@ class ReplicaDriver:
             shard=0,
             offset=self.step * samples,
         )
-        for w in self.members:  # params first: the stage holds ``base`` when the step comes
-            self._send(w, bytes(snap.frame))
+        self._arm()
+        for s, w in enumerate(self.members):  # params first: the stage holds ``base`` then
+            heads = tuple(f"b{j:02d}/" for j in range(self.cuts[s], self.cuts[s + 1]))
+            own = {k: v for k, v in snap.tensors.items() if k.startswith(heads)}
+            self._send(w, full_frame(snap.version, own, None)[0])
             self._send(w, step)
+
+    @property
+    def timeout_s(self) -> float:
+        """How long a released step may take before it is given up."""
+        recent = self.timeout_factor * self.step_s if self.step_s is not None else 0.0
+        return max(self.min_timeout_s, recent)
+
+    def _arm(self) -> None:
+        """Watch the step just released (no event loop, as in direct calls: no watch)."""
+        if self._watch is not None:
+            self._watch.cancel()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._watch = None
+            return
+        expire = partial(self._expire, self.gen, self.step, self.timeout_s)
+        self._watch = loop.call_later(self.timeout_s, self.engine.submit, expire)
+
+    def _expire(self, gen: int, step: int, after_s: float) -> None:
+        """On the engine task: step ``step`` of generation ``gen`` is overdue. If it is still
+        the one under way, nothing of it is applied and the replica dissolves (its members go
+        back to data parallel; a policy that plans replicas may form one again)."""
+        if self.members and self._pending and (self.gen, self.step) == (gen, step):
+            self.timeouts += 1
+            self.dissolve(f"step {step} was not complete {after_s:.1f} s after its release")
 
     def part(self, wid: int, msg: wire.Message) -> None:
         """A stage's slice arrived (the relay's ``on_part``)."""
@@ -296,6 +336,8 @@ class ReplicaDriver:
         )
         if done.gen == self.gen and done.step == self.step:
             self._pending = False  # the push below leads to the next release
+        old = self.step_s
+        self.step_s = done.wall_s if old is None else 0.5 * done.wall_s + 0.5 * old
 
         def push_once() -> bool:
             """Push; whether the engine took it (not refused by the guard, not a duplicate)."""
@@ -347,6 +389,8 @@ class ReplicaDriver:
             "step": self.step,
             "assembled": self.assembled,
             "aborted": self.aborted,
+            "timeouts": self.timeouts,
+            "timeout_s": self.timeout_s,
             "dropped": list(self.dropped),
         }
 

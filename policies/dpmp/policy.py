@@ -156,6 +156,9 @@ def dpmp(
             )
             specs, tau, reason = planned.replicas, planned.tau, planned.reason
         except ValueError as exc:
+            if blocks:  # nobody here can train the model: wait for workers that can
+                wait = f"waiting: {exc}"
+                return [], replace(st, ctl=ctl, working=(), started=None, reason=wait)
             tau, reason = 0.0, f"data parallel: {exc}"
         working: list[int] = []
         batches: dict[int, int] = {}

@@ -149,4 +149,17 @@ async def test_relay_forwards_between_neighbours_and_drops_what_has_no_route(clu
         await other.close()  # stage 1 leaves
         gone = await _next(s0, "abort")
         assert gone["dissolve"] is True and driver.members == () and driver.assembled == 0
+
+        # a stage that hangs (it never sends its slice) does not hold the replica for ever:
+        # the step is given up after the timeout, nothing of it applied, and the replica ends
+        s3, w3 = await _join(http, url)
+        driver.min_timeout_s = 0.5
+        version = c.engine.store.version
+        await driver.form([w0, w3], [0, 1, 2], micro=8, micro_batches=1)
+        await _next(s3, "step")
+        hung = await _next(s3, "abort")
+        assert hung["dissolve"] is True and "not complete" in hung["reason"]
+        assert driver.timeouts == 1 and driver.members == () and c.engine.replicas == {}
+        assert c.engine.store.version == version
+        await s3.close()
         await s0.close()

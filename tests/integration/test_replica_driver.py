@@ -1,6 +1,7 @@
 """Real mode of DP+MP: one 2-stage pipeline replica of real ``hetd-worker`` processes beside a
 data-parallel worker, through a real daemon. The stages' slices of a step are disjoint, cover the
-model and equal the whole model's ``jax.grad`` on the same samples; assembled steps are applied as
+model and equal the whole model's ``jax.grad`` on the same samples; each stage is sent only its
+slice of the parameters; assembled steps are applied as
 whole pushes; killing stage 1 mid-run discards that step (nothing partial applied), and stage 0
 goes on as a data-parallel worker."""
 
@@ -43,6 +44,16 @@ async def test_a_replica_trains_beside_dp_and_falls_back_when_a_stage_dies(clust
         released[driver.step] = c.engine.store.snapshot()  # taken in the same engine turn
 
     driver.release = spy_release  # type: ignore[method-assign]
+    params_sent: list[tuple[int, wire.Message]] = []  # the parameters each stage was sent
+    send = driver._send
+
+    def spy_send(wid: int, frame: bytes) -> None:
+        msg = wire.decode(frame)
+        if msg.type == "params":
+            params_sent.append((wid, msg))
+        send(wid, frame)
+
+    driver._send = spy_send
     c.daemon.relay.on_part = lambda wid, msg: (slices.append((wid, msg)), take(wid, msg))[1]
     body = {"members": [w0, w1], "cuts": [0, 1, 2], "micro": 16, "micro_batches": 4}
     auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -81,6 +92,12 @@ async def test_a_replica_trains_beside_dp_and_falls_back_when_a_stage_dies(clust
     for path, g in ref.items():
         np.testing.assert_allclose(whole[path], np.asarray(g), atol=2e-5, err_msg=path)
     assert first[w1]["loss"] == pytest.approx(float(loss), abs=1e-4)
+
+    # each stage was sent only its own blocks' slice of the parameters, every step
+    own = {w0: "b00/", w1: "b01/"}
+    assert {w for w, _ in params_sent} == {w0, w1}
+    for w, m in params_sent:
+        assert m["full"] and all(p.startswith(own[w]) for p in codecs.decode_tree(m["tensors"]))
 
     procs[1].kill()  # stage 1 dies mid-run
     await c.wait_for(lambda: not driver.members, 60, "the replica to dissolve")
