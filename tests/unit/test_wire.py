@@ -58,6 +58,16 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "profile_result": {"result": {"step_s": [0.1, 0.11], "batch": 64}},
     "heartbeat": {},
     "bye": {"reason": "shutdown"},
+    "shm_offer": {"segment": "hetd-dl-0000abcd0123456789ab"},
+    "shm_ready": {"nonce": "ab" * 16, "segment": "hetd-up-0000abcd0123456789ab"},
+    "params_ref": {
+        "version": 3,
+        "segment": "hetd-dl-0000abcd0123456789ab",
+        "offset": 80,
+        "length": 4096,
+        "gen": 7,
+    },
+    "push_ref": {"segment": "hetd-up-0000abcd0123456789ab", "offset": 80, "length": 512, "gen": 1},
     "welcome": {
         "worker_id": 3,
         "model": {"name": "mlp", "shapes": {"dense/w": [784, 10]}},
