@@ -87,7 +87,9 @@ def summary_markdown(doc: dict[str, Any], sc: Scenario, mode: str) -> str:
         "(global batch, best lr in use, median over seeds) divided by the workers' summed "
         "throughput — perfect balance, no waiting, free communication (docs/benchmark.md).",
         "Speed-up vs BSP = BSP's median TTA / the policy's. Medians over seeds; a seed that never "
-        "reaches the target counts as infinitely slow. Idle = time waiting for a release. "
+        "reaches the target counts as infinitely slow. TTA is read between evaluations "
+        "(linear). Idle = time the worker's device did not compute (waiting for a release or "
+        "its link). "
         "MB to target = bytes pushed plus pulled, all workers, until the target was reached "
         "(– when the runner does not record them, or the median seed never reached it).",
         "",
