@@ -12,11 +12,14 @@ daemon) are imported where they are used, so pure policy tests do not pay for th
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import os
+import shutil
 import sys
+import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -27,6 +30,38 @@ if TYPE_CHECKING:
     from hetd.server.daemon import Daemon
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _compile_cache() -> None:
+    """One JAX persistent compilation cache for this test session, as every ``hetd`` process
+    keeps one (:mod:`hetd.launch`): the session's own process and every daemon and worker process
+    it starts (they inherit the environment) compile a computation once and load it afterwards,
+    instead of each worker compiling the same step again. A fresh directory per session (a clean
+    clone compiles everything once), removed at the end; a directory the user set is kept. The
+    executables are XLA's, the same whether compiled or loaded."""
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ or os.environ.get("HETD_JAX_CACHE") == "0":
+        return
+    path = tempfile.mkdtemp(prefix="hetd-tests-jax-cache-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
+
+_compile_cache()
+
+
+@contextlib.contextmanager
+def no_compile_cache() -> Iterator[None]:
+    """Processes started inside compile everything themselves (a test that needs a worker's
+    first build to take its full time)."""
+    saved = os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["JAX_COMPILATION_CACHE_DIR"] = saved
+
 
 WORKER_TOKEN = "worker-secret-for-tests"
 ADMIN_TOKEN = "admin-secret-for-tests"

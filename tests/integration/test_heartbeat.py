@@ -18,7 +18,7 @@ import pytest
 from hetd import config as config_mod
 from hetd.local.demo import stop_processes
 from hetd.server.daemon import Daemon
-from tests.conftest import Cluster, make_config
+from tests.conftest import Cluster, make_config, no_compile_cache
 
 pytestmark = pytest.mark.slow
 
@@ -127,12 +127,14 @@ async def test_silent_worker_is_evicted_and_rejoins() -> None:
 
 async def test_a_worker_building_its_trainer_is_not_evicted() -> None:
     """Heartbeats start with the welcome, before the worker loads data and compiles."""
-    # 0.5 s is well under the ~1 s a fresh worker spends on its first welcome (digits + mlp).
+    # 0.5 s is well under the ~1 s a fresh worker spends on its first welcome (digits + mlp),
+    # compiling its step itself (not loading it from the session's compilation cache).
     daemon = Daemon(heartbeat_config("asp", 0.1, 0.5))
     port = await daemon.start()
     c = Cluster(daemon, f"ws://127.0.0.1:{port}")
     try:
-        await c.spawn(1)
+        with no_compile_cache():
+            await c.spawn(1)
         await c.wait_for(
             lambda: any(st.pushes >= 3 for st in c.engine.stats.values()) and bool(c.engine.facts),
             30,
