@@ -137,7 +137,7 @@ async def asp3() -> AsyncIterator[Cluster]:
     async with clusters() as make:
         c = await make("asp")
         await c.spawn(1, BASE_STEP)
-        await c.wait_for(lambda: len(c.engine.facts) == 1, 60, "the x1 worker to join")
+        await c.wait_for(lambda: len(c.engine.facts) == 1, 90, "the x1 worker to join")
         for slowdown in (2, 4):
             await c.spawn(slowdown, BASE_STEP)
         await c.wait_for(lambda: len(c.engine.facts) == 3, 60, "3 workers to join")
