@@ -11,12 +11,15 @@ import dataclasses
 import logging
 import math
 
+from hetd.codecs.registry import spec_name as codec_name
 from hetd.core.downlink import Outgoing
 from hetd.core.entries import Peer, WorkerEntry, WorkerStats
 from hetd.core.replicas import ReplicaMixin
 
 log = logging.getLogger("hetd.core.engine")  # one logger for the engine and its parts
 
+# Push codecs a worker's parameters follow (see PublishMixin._params_codec): every coordinate moves
+DENSE_PARAMS_CODECS = frozenset({"int8", "int4", "bf16", "fp16"})
 OFF_LOOP_PARAMS = (
     65_536  # models this big publish in a worker thread (smaller: a thread hop costs more)
 )
@@ -47,7 +50,7 @@ class PublishMixin(ReplicaMixin):
         wants = [
             (
                 wid,
-                entry.facts.codec,
+                self._params_codec(entry),
                 entry.facts.version,
                 entry.held_ref,
                 self._link(entry),
@@ -128,7 +131,7 @@ class PublishMixin(ReplicaMixin):
             self._releases[wid] = None
             return
         release = self.downlink.frames(
-            facts.codec,
+            self._params_codec(entry),
             facts.version,
             self.store.snapshot(),
             entry.held_ref,
@@ -153,7 +156,7 @@ class PublishMixin(ReplicaMixin):
             return
         snap = self.store.snapshot()
         release = self.downlink.frames(
-            entry.facts.codec, -1, snap, None, self._link(entry), hashes=entry.hashes
+            self._params_codec(entry), -1, snap, None, self._link(entry), hashes=entry.hashes
         )
         self._send_params(wid, release)
 
@@ -166,6 +169,23 @@ class PublishMixin(ReplicaMixin):
             return old
         st.link_rates.append(nbytes / transfer_s)
         return max(st.link_rates)
+
+    @staticmethod
+    def _params_codec(entry: WorkerEntry) -> str:
+        """The codec a worker's parameters go out in: the one negotiated at its join, or, when its
+        plan pushes deltas in a dense lossy codec (local SGD's pseudo-gradients, e.g. ``diloco``'s
+        ``codec=int8``), that one. Such a worker is on a link worth compressing, and its next
+        parameters are its base moved by one outer step, which the downlink sends as a delta in
+        that codec with exact error feedback (hetd.core.downlink). A sparse push codec (top-k,
+        sign) stays on the pushes: a sparse pull would leave most coordinates behind."""
+        plan = entry.plan
+        if (
+            plan.push_kind == "delta"
+            and plan.codec != entry.facts.codec
+            and codec_name(plan.codec) in DENSE_PARAMS_CODECS
+        ):
+            return plan.codec
+        return entry.facts.codec
 
     def _link(self, entry: WorkerEntry) -> float | None:
         """The worker's link in bytes/s for the downlink's choice: unbounded for loopback or

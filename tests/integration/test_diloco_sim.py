@@ -4,6 +4,8 @@ DyLU's local steps for ``diloco_async``, and around the quorum gate."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from hetd.sim.loop import run_sim
 from hetd.sim.results import PolicySpec
 from hetd.sim.scenario import load_scenario, replace
@@ -51,3 +53,15 @@ def test_quorum_around_diloco_loses_no_push() -> None:
     assert st.closed >= 3
     applied = sum(s.applied + s.buffered for s in engine.stats.values())
     assert applied == r.pushes and sum(s.dropped for s in engine.stats.values()) == 0
+
+
+def test_diloco_int8_pulls_the_outer_step_in_int8() -> None:
+    """A worker whose pseudo-gradients go in int8 takes its parameters in int8 too: after its
+    first (full) frame, each release is the outer step as an int8 delta against what it holds."""
+    slow = tuple(dataclasses.replace(w, bandwidth=1e7) for w in load_scenario("S1").workers)
+    sc = replace(load_scenario("S1"), budget_s=0.5, workers=slow)
+    run = run_sim(sc, PolicySpec("diloco", (("H", 5), ("codec", "int8"))), seed=0)
+    r = run.result
+    assert r.curve[-1][1] > r.curve[0][1] + 0.2  # it learns
+    full = 4 * run.engine.store.n_params  # one float32 frame: what every pull carried before
+    assert r.releases > 8 and r.bytes_down / r.releases < full / 2  # int8: 1/4, but the first
