@@ -348,7 +348,7 @@ async def _read(
                     await ws.send_bytes(wire.encode("pull", 0, have=None))
                     continue
             if msg.type == "shm_offer" and opts.shm and inbox.shm is None:
-                accepted = ShmLink.accept(msg["segment"])
+                accepted = await asyncio.to_thread(ShmLink.accept, msg["segment"])  # maps it all
                 if accepted is not None:
                     inbox.shm, ready = accepted
                     await ws.send_bytes(ready)

@@ -295,7 +295,8 @@ async def handle(
                     if relay is not None:
                         relay.attach(wid, outbox)
                     if hub is not None and hello.same_host and offers_shm(msg):
-                        ring = hub.offer(message_cap(engine, cap))
+                        size = shm_slot_bytes(engine)  # (the ring takes its memory: a thread)
+                        ring = await asyncio.to_thread(hub.offer, size)
                         if ring is not None:
                             outbox.send_frame(wire.encode("shm_offer", 0, segment=ring.name))
                 except codecs.CodecError as exc:
@@ -347,6 +348,13 @@ async def handle(
         writer.cancel()
         await ws.close()
     return ws
+
+
+def shm_slot_bytes(engine: Engine) -> int:
+    """A shared-memory slot: one full float32 frame of the model (codec ``none``, with its
+    hash), with room for the envelope and each tensor's header."""
+    shapes = engine.store.shapes
+    return 4 * engine.store.n_params + 4096 + sum(len(p) + 256 for p in shapes)
 
 
 def offers_shm(hello: wire.Message) -> bool:

@@ -13,6 +13,7 @@ the session ends (a worker killed without cleaning up leaves nothing behind).
 from __future__ import annotations
 
 import logging
+import threading
 from functools import partial
 from typing import Any
 
@@ -35,6 +36,7 @@ class ShmHub:
         self.ring_bytes = ring_bytes
         self.ring: shm.Ring | None = None
         self.closed = False
+        self._lock = threading.Lock()  # offer runs in threads
         # signature of a frame -> (its reference, its version, its slot): the newest few
         self._written: dict[tuple[int, int, bytes], tuple[shm.Ref, int, int]] = {}
         self._held: dict[int, int] = {}  # holder (a session) -> the slot it was last sent
@@ -44,28 +46,29 @@ class ShmHub:
         self.pushes_read = 0  # pushes read from workers' rings
 
     def offer(self, slot_bytes: int) -> shm.Ring | None:
-        """The ring to offer a same-host worker (made now if need be); None when this host has no
-        shared memory, the daemon is stopping, or the ring cannot be made (logged once)."""
-        if self.closed or not shm.available():
-            return None
-        ring = self.ring
-        if ring is not None and ring.slot_bytes >= slot_bytes:
-            return ring
-        if ring is None:
+        """The ring to offer a same-host worker (made now if need be: call it in a thread, it
+        takes the ring's memory); None when this host has no shared memory, the daemon is
+        stopping, the ring is too small for ``slot_bytes`` or cannot be made (logged once)."""
+        with self._lock:
+            if self.closed or not shm.available():
+                return None
+            if self.ring is not None:
+                return self.ring if self.ring.slot_bytes >= slot_bytes else None
             gone = shm.sweep_dead()
             if gone:
                 log.info("removed %d shared-memory rings of processes gone: %s", len(gone), gone)
-        try:
             slots = max(MIN_SLOTS, min(self.slots, self.ring_bytes // max(1, slot_bytes)))
-            new = shm.Ring("dl", slots, slot_bytes, prefault=True)
-        except OSError as exc:
-            log.warning("no shared memory for same-host workers: %s", exc)
-            self.closed = True
-            return None
-        if ring is not None:  # too small for this model: its workers' refs now fail, they pull
-            ring.close()
-        self.ring, self._written, self._held, self._last_slot = new, {}, {}, -1
-        return new
+            try:
+                ring = shm.Ring("dl", slots, slot_bytes, prefault=True)
+            except OSError as exc:
+                log.warning("no shared memory for same-host workers: %s", exc)
+                self.closed = True
+                return None
+            if self.closed:  # the daemon stopped meanwhile
+                ring.close()
+                return None
+            self.ring = ring
+            return ring
 
     def publish(self, frame: bytes, holder: int) -> bytes | None:
         """The ``params_ref`` frame that sends a full ``params`` frame to ``holder`` (copied into
@@ -81,7 +84,10 @@ class ShmHub:
             slot = self._free_slot(ring, holder)
             if version is None or slot is None:
                 return None
-            hit = (ring.write(frame, slot=slot), version, slot)
+            try:
+                hit = (ring.write(frame, slot=slot), version, slot)
+            except shm.ShmError:  # closed: the daemon is stopping
+                return None
             self._last_slot = slot
             self.frames_written += 1
             self.bytes_written += len(frame)
@@ -107,7 +113,8 @@ class ShmHub:
 
     def close(self) -> None:
         """Unlink the ring; no more offers."""
-        self.closed = True
+        with self._lock:
+            self.closed = True
         if self.ring is not None:
             self.ring.close()
             self.ring = None
