@@ -1,6 +1,7 @@
-"""One pipeline replica run beside the engine's data-parallel workers (docs/policies.md §11).
+"""One pipeline replica run beside the engine's data-parallel workers (docs/policies.md §11);
+:class:`hetd.server.replicas.ReplicaDriver` runs several.
 
-A :class:`ReplicaDriver` takes an ordered group of connected workers and the cuts between their
+A :class:`Replica` takes an ordered group of connected workers and the cuts between their
 blocks, makes them one replica in the engine (:meth:`hetd.core.engine.Engine.form_replica`: the
 policy sees the group's head as one data-parallel unit, the later stages leave its view), installs
 the relay's routes, sends each its ``stage``, and runs the first step. Each step sends every stage
@@ -8,7 +9,7 @@ the full parameters of one version ``v`` and ``step{base: v}`` (so every stage c
 version), collects the stages' slices through the assembler (:mod:`policies.dpmp.assembler`: only
 a complete, disjoint, covering set of one released step goes on), and hands the assembled
 gradient to the engine as one push of the head, which the policy treats like any other: the next
-step runs when the policy releases the head (the engine calls :meth:`ReplicaDriver.released`), so
+step runs when the policy releases the head (the engine calls :meth:`Replica.released`), so
 bsp, ssp or lbbsp barriers count the replica once. If a stage's worker leaves, the step is aborted
 (nothing of it applied), the survivors get ``abort{dissolve}`` and go back to data-parallel steps,
 the engine puts them back in the policy's view, and the routes are withdrawn.
@@ -35,16 +36,20 @@ from hetd.protocol.messages import PushIn
 from hetd.protocol.params import full_frame
 from hetd.server.relay import NoRoute, Relay
 from policies.dpmp import assembler as asm
-from policies.types import ReplicaShape
 
-log = logging.getLogger("hetd.server.replicas")
+log = logging.getLogger("hetd.server.replicas")  # one logger for the replicas
 
 
-class ReplicaDriver:
-    """Runs one pipeline replica (``replica`` id) through ``relay`` for ``engine``."""
+class Replica:
+    """Runs one pipeline replica (``replica`` id) through ``relay`` for ``engine``; ``parent``:
+    the driver that owns it (its counters count this one's steps too), None for the driver
+    itself."""
 
-    def __init__(self, engine: Engine, relay: Relay, replica: int = 0) -> None:
+    def __init__(
+        self, engine: Engine, relay: Relay, replica: int = 0, parent: Replica | None = None
+    ) -> None:
         self.engine = engine
+        self.parent = parent
         self.relay = relay
         self.replica = replica
         self.members: tuple[int, ...] = ()
@@ -61,15 +66,12 @@ class ReplicaDriver:
         # dissolved (a stage that hangs, rather than leaves): max(min_timeout_s, timeout_factor
         # x the recent step's wall time).
         self.min_timeout_s = 30.0
+        self.first_timeout_s = 180.0  # a generation's first step: the stages compile first
         self.timeout_factor = 5.0
         self.step_s: float | None = None  # EWMA of release -> assembled, s
         self.timeouts = 0  # steps given up for time
         self._watch: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
-        relay.on_part = self.part
-        relay.on_detach = self.lost
-        engine.replica_release = self.released
-        engine.replica_regroup = self.regroup
 
     async def form(
         self,
@@ -113,6 +115,7 @@ class ReplicaDriver:
         # the engine checks the members (connected, distinct, in no replica) and takes them
         self.engine.form_replica(list(members))
         self.gen += 1
+        self.step_s = None  # new stages compile on their first step
         self.members = tuple(members)
         self.cuts = tuple(cuts)
         self.micro, self.micro_batches = micro, micro_batches
@@ -143,30 +146,6 @@ class ReplicaDriver:
             )
         self.release()  # forming releases the head: its first step
 
-    def regroup(self, shapes: Sequence[ReplicaShape]) -> None:
-        """A policy's Regroup (on the engine task): dissolve the running replica unless it is
-        the first shape as it is, then form the first shape. One replica runs at a time: a
-        second shape is not formed (its workers stay data parallel)."""
-        want = shapes[0] if shapes else None
-        if len(shapes) > 1:
-            log.warning("one pipeline replica runs at a time; %d asked", len(shapes))
-        same = want is not None and (want.members, want.cuts, want.micro) == (
-            self.members,
-            self.cuts,
-            self.micro,
-        )
-        if self.members and not same:
-            self.dissolve("regrouped")
-        if want is not None and not self.members:
-            try:
-                self.form_now(
-                    want.members, want.cuts, want.micro, want.micro_batches, want.inflight
-                )
-            except ValueError as exc:
-                log.warning("replica %s not formed: %s", list(want.members), exc)
-        elif same and want is not None:
-            self.micro_batches = want.micro_batches  # the next step's size
-
     def dissolve(self, reason: str) -> None:
         """End the running replica with every member alive (on the engine task): its step is
         aborted (nothing of it applied), every member goes back to data-parallel steps."""
@@ -178,7 +157,7 @@ class ReplicaDriver:
         self.state = asm.abort(self.state, self.replica, reason)
         self.state = asm.regroup(self.state, self.replica, self.gen, 0)
         if self._pending:
-            self.aborted += 1
+            self._count_abort()
         self._pending = False
         self.relay.install({k: w for k, w in self.relay.routes.items() if k[0] != self.replica})
         self.engine.dissolve_replica(members[0], reason)
@@ -235,8 +214,9 @@ class ReplicaDriver:
     @property
     def timeout_s(self) -> float:
         """How long a released step may take before it is given up."""
-        recent = self.timeout_factor * self.step_s if self.step_s is not None else 0.0
-        return max(self.min_timeout_s, recent)
+        if self.step_s is None:
+            return max(self.min_timeout_s, self.first_timeout_s)
+        return max(self.min_timeout_s, self.timeout_factor * self.step_s)
 
     def _arm(self) -> None:
         """Watch the step just released (no event loop, as in direct calls: no watch)."""
@@ -293,7 +273,7 @@ class ReplicaDriver:
             return
         self.state = asm.abort(self.state, self.replica, f"worker {wid} left")
         self.state = asm.regroup(self.state, self.replica, self.gen, 0)
-        self.aborted += 1
+        self._count_abort()
         self._pending = False
         self.relay.install({k: w for k, w in self.relay.routes.items() if k[0] != self.replica})
         head, reason = self.members[0], f"stage worker {wid} left"
@@ -348,6 +328,8 @@ class ReplicaDriver:
 
         taken = await self.engine.call(push_once)
         self.assembled += 1
+        if self.parent is not None:
+            self.parent.assembled += 1
         if not taken and done.gen == self.gen and self.members and not self._pending:
             self.release()  # no release follows a refused push: the replica goes on by itself
 
@@ -366,7 +348,7 @@ class ReplicaDriver:
         self.dropped = [*self.dropped[-9:], why]
         if abort and self.members:
             self.state = asm.abort(self.state, self.replica, why)
-            self.aborted += 1
+            self._count_abort()
             self.release()
 
     def _send(self, wid: int, frame: bytes) -> None:
@@ -379,6 +361,11 @@ class ReplicaDriver:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _count_abort(self) -> None:
+        self.aborted += 1
+        if self.parent is not None:
+            self.parent.aborted += 1
 
     def describe(self) -> dict[str, Any]:
         """What the admin API shows."""

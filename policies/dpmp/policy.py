@@ -4,7 +4,7 @@
 Each round the controller (:func:`policies.dpmp.controller.plan_round`) takes every worker the
 engine knows (the view's replicas and data-parallel workers, and the replicas' later stages),
 the model's blocks and the global batch, and gives the replicas: data-parallel workers with their
-share of the batch (a plan's ``batch_size``), at most one pipeline replica (a ``Regroup`` the
+share of the batch (a plan's ``batch_size``), the pipeline replicas (a ``Regroup`` the
 engine's replica driver carries out), the idle rest. The round is bsp over the working replicas
 only: every push is buffered with its samples as weight, the round is flushed when each working
 replica has pushed once, then the next round is planned and its replicas are released. The
@@ -58,7 +58,7 @@ class DpmpPolicyState:
     ctl: DpmpState = field(default_factory=DpmpState)
     working: tuple[int, ...] = ()  # the round's replicas (heads and data-parallel workers)
     pushed: frozenset[int] = frozenset()  # ... that pushed this round
-    pipeline: ReplicaShape | None = None  # the pipeline replica the plan runs
+    pipelines: tuple[ReplicaShape, ...] = ()  # the pipeline replicas the plan runs
     started: float | None = None  # when the round began (None: no round yet)
     tau: float = 0.0  # s, the round's predicted time
     reason: str = ""  # why the structure is what it is
@@ -69,14 +69,15 @@ class DpmpPolicyState:
             "round": self.ctl.round,
             "working": list(self.working),
             "pushed": sorted(self.pushed),
-            "pipeline": None
-            if self.pipeline is None
-            else {
-                "members": list(self.pipeline.members),
-                "cuts": list(self.pipeline.cuts),
-                "micro": self.pipeline.micro,
-                "micro_batches": self.pipeline.micro_batches,
-            },
+            "pipelines": [
+                {
+                    "members": list(p.members),
+                    "cuts": list(p.cuts),
+                    "micro": p.micro,
+                    "micro_batches": p.micro_batches,
+                }
+                for p in self.pipelines
+            ],
             "predicted_round_s": self.tau,
             "reason": self.reason,
             "structure": self.structure,
@@ -146,7 +147,7 @@ def dpmp(
         """Start a round: structure, shares, releases."""
         ctl = st.ctl
         blocks = [Block(f"b{j:02d}", p, a, fl) for j, (p, a, fl) in enumerate(view.blocks)]
-        shape: ReplicaShape | None = None
+        shapes: list[ReplicaShape] = []
         specs: Sequence[ReplicaSpec] = ()
         try:
             if not blocks:
@@ -168,21 +169,23 @@ def dpmp(
             if len(spec.members) == 1:
                 working.append(spec.members[0])
                 batches[spec.members[0]] = spec.batch
-            elif shape is None:  # one pipeline replica at a time
-                shape = ReplicaShape(
-                    spec.members,
-                    spec.cuts,
-                    spec.micro,
-                    max(1, round(spec.batch / spec.micro)),
-                    spec.inflight,
+            else:
+                shapes.append(
+                    ReplicaShape(
+                        spec.members,
+                        spec.cuts,
+                        spec.micro,
+                        max(1, round(spec.batch / spec.micro)),
+                        spec.inflight,
+                    )
                 )
                 working.append(spec.members[0])
         if not working:
             working, batches = _dp_round(view)
-            shape = None
+            shapes = []
         out: list[Decision] = []
-        if shape is not None or view.replicas:
-            out.append(Regroup(() if shape is None else (shape,)))
+        if shapes or view.replicas:
+            out.append(Regroup(tuple(shapes)))
         for wid, b in batches.items():
             f = view.workers.get(wid)
             if f is not None and f.batch_size != b:
@@ -200,7 +203,7 @@ def dpmp(
             ctl=ctl,
             working=tuple(working),
             pushed=frozenset(),
-            pipeline=shape,
+            pipelines=tuple(shapes),
             started=view.now,
             tau=tau,
             reason=reason,
@@ -233,7 +236,7 @@ def dpmp(
             out.append(Flush(normalize=True))
         if st.started is not None and present:
             took = max(0.0, view.now - st.started)
-            busy = len(present) + (len(st.pipeline.members) - 1 if st.pipeline else 0)
+            busy = len(present) + sum(len(p.members) - 1 for p in st.pipelines)
             st = replace(st, ctl=end_round(st.ctl, cfg, took, [took * price * busy]))
         decisions, st = plan(view, st)
         return out + decisions, st

@@ -5,6 +5,7 @@ the other sessions go on."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -13,6 +14,7 @@ import pytest
 
 from hetd.codecs import registry as codecs
 from hetd.protocol import wire
+from policies.types import ReplicaShape
 from tests.conftest import WORKER_AUTH, raw_hello
 
 CAP = 16 * 1024  # bytes: the big activation below is sent as chunks both ways
@@ -153,7 +155,7 @@ async def test_relay_forwards_between_neighbours_and_drops_what_has_no_route(clu
         # a stage that hangs (it never sends its slice) does not hold the replica for ever:
         # the step is given up after the timeout, nothing of it applied, and the replica ends
         s3, w3 = await _join(http, url)
-        driver.min_timeout_s = 0.5
+        driver.min_timeout_s = driver.first_timeout_s = 0.5
         version = c.engine.store.version
         await driver.form([w0, w3], [0, 1, 2], micro=8, micro_batches=1)
         await _next(s3, "step")
@@ -162,4 +164,25 @@ async def test_relay_forwards_between_neighbours_and_drops_what_has_no_route(clu
         assert driver.timeouts == 1 and driver.members == () and c.engine.replicas == {}
         assert c.engine.store.version == version
         await s3.close()
+
+        # a policy's Regroup runs several replicas at once, each with its own id and routes,
+        # and an empty one dissolves them all
+        (sa, wa), (sb, wb), (sc, wc) = [await _join(http, url) for _ in range(3)]
+        shapes = (
+            ReplicaShape((w0, wa), (0, 1, 2), 8, 1),
+            ReplicaShape((wb, wc), (0, 1, 2), 8, 2),
+        )
+        await c.engine.call(partial(driver.regroup, shapes))
+        assert c.engine.replicas == {w0: (w0, wa), wb: (wb, wc)}
+        got = {w: await _next(ws, "stage") for w, ws in ((wa, sa), (wc, sc))}
+        assert (got[wa]["replica"], got[wc]["replica"]) == (0, 1)
+        assert (await _next(sb, "step"))["micro_batches"] == 2
+        ours = {(k[0], w) for k, w in relay.routes.items() if k[0] in (0, 1)}  # 3: the test's
+        assert ours == {(0, w0), (0, wa), (1, wb), (1, wc)}
+        await c.engine.call(partial(driver.regroup, ()))
+        for ws in (s0, sa, sb, sc):
+            assert (await _next(ws, "abort"))["dissolve"] is True
+        assert c.engine.replicas == {} and all(k[0] == 3 for k in relay.routes)
+        for ws in (sa, sb, sc):
+            await ws.close()
         await s0.close()

@@ -91,5 +91,5 @@ def test_dpmp_pairs_the_memory_poor_worker_and_runs_rounds_over_replicas() -> No
     push(other)
     assert engine.store.version > version
     assert all(ids["poor"] not in s.members for shapes in formed[asked:] for s in shapes)
-    assert engine.policy_state.pipeline is None
+    assert engine.policy_state.pipelines == ()
     assert set(engine.policy_state.working) == {ids["a"], ids["b"]}
