@@ -131,7 +131,8 @@ async def test_every_push_of_the_no_compute_sender_is_applied(tmp_path: Path) ->
         tally, [report] = await hetd_cell(daemon, pool, shapes, "int8", 1, opts, 1.0, shm=True)
         assert report.error is None and report.extra["shm"] and report.pushes > 10
         assert report.applied == report.pushes == engine.store.version - v0
-        assert daemon.shm.pushes_read - read == report.pushes
+        # (its first push may answer the parameters of its join, sent before the offer)
+        assert report.pushes - 1 <= daemon.shm.pushes_read - read <= report.pushes
         assert daemon.shm.frames_written > 0
     finally:
         pool.close()
