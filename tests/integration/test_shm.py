@@ -115,7 +115,8 @@ async def test_shared_memory_both_ways_and_nothing_left() -> None:
             log = (await asyncio.wait_for(proc.stderr.read(), 180)).decode(errors="replace")
             assert await asyncio.wait_for(proc.wait(), 60) == 0, log[-2000:]
             assert "shared memory on" in log, log[-2000:]
-            assert daemon.shm.pushes_read >= 5, log[-2000:]  # the raw one's and the worker's 4
+            # the raw one's and the worker's 4 (its first may beat its shm_ready to the daemon)
+            assert daemon.shm.pushes_read >= 4, log[-2000:]
             await raw.close()  # the daemon unlinks the ring of a worker that left
             for _ in range(100):
                 if _gone(up.name):
