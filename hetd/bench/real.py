@@ -81,6 +81,9 @@ class Recorder:
         self._engine = engine
         self._busy_since: dict[int, float] = {}
         self._spans: dict[int, list[tuple[float, float]]] = {}
+        # s of compute each worker reported with its pushes (emulation included): its device's
+        # busy time, pipelined or not
+        self.compute_s: dict[int, float] = {}
 
     def wrap(self, inner: Policy) -> Policy:
         """``inner`` with the same name, parameters and state, observed."""
@@ -93,6 +96,10 @@ class Recorder:
         return Policy(inner.name, inner.init, update, inner.params)
 
     def _observe(self, event: Event, decisions: Sequence[Decision], view: ClusterView) -> None:
+        if isinstance(event, Push):
+            self.compute_s[event.worker] = self.compute_s.get(event.worker, 0.0) + max(
+                0.0, event.compute_s
+            )
         if isinstance(event, Push | Leave):
             began = self._busy_since.pop(event.worker, None)
             if began is not None:
@@ -339,9 +346,11 @@ async def _measure(
     await engine.call(lambda: engine.anchor_evals(start))
     await _start_schedules(procs, time.time() - (engine.clock.now() - start))
     offset = start - engine.started_at
-    # the device idle time each worker reports with its pushes (not the daemon's pull-to-release
-    # wait, which counts a pipelined worker idle while it computes), as the simulator's
-    idle0 = {w: engine.stats[wid].worker_idle_s for w, wid in wids.items()}
+    # the device's idle time is the budget less the compute it reported (not the daemon's
+    # pull-to-release wait, which counts a pipelined worker idle while it computes), as the
+    # simulator counts it; not the idle each push reports either, whose first one after t = 0
+    # carries the wait before it (the warm-up's)
+    busy0 = {w: recorder.compute_s.get(wid, 0.0) for w, wid in wids.items()}
     samples0 = sum(engine.facts[wid].samples for wid in wids.values())
     bytes0 = [(s.bytes_in, s.bytes_out, s.pushes, s.releases) for s in engine.stats.values()]
     loss0, acc0 = await asyncio.to_thread(evaluate, engine.store.snapshot())
@@ -362,6 +371,7 @@ async def _measure(
             total = sum(sizes.values()) or 1
             trace.shares.append((t, {w: b / total for w, b in sizes.items()}))
             on_time(t)
+    busy1 = dict(recorder.compute_s)  # at the end of the budget (pushes may arrive later)
     names = {wid: w for w, wid in wids.items()}
     for wid, spans in recorder.spans().items():
         if wid in names:
@@ -371,7 +381,6 @@ async def _measure(
                 if t1 > start and t0 < start + sc.budget_s
             ]
     final_loss, final_acc = await asyncio.to_thread(evaluate, engine.store.snapshot())
-    now = engine.clock.now()
     evals = [(0.0, loss0, acc0)]  # (t, loss, accuracy) on the run's clock
     evals += [(e[0] - offset, e[1], e[2]) for e in engine.evals if 0 < e[0] - offset < sc.budget_s]
     evals.append((sc.budget_s, final_loss, final_acc))
@@ -383,9 +392,8 @@ async def _measure(
         f = engine.facts.get(wid) or engine.departed.get(wid)
         if f is None:
             continue
-        waiting = now - f.waiting_since if f.waiting and f.waiting_since is not None else 0.0
-        reported = engine.stats[wid].worker_idle_s - idle0[w]
-        idle[w] = min(1.0, max(0.0, (reported + waiting) / sc.budget_s))
+        busy = busy1.get(wid, 0.0) - busy0[w]
+        idle[w] = min(1.0, max(0.0, 1.0 - busy / sc.budget_s))
         samples += f.samples
         staleness += engine.stats[wid].staleness  # the engine keeps each worker's last ≤ 4096
     mean, p95 = staleness_stats(staleness)
