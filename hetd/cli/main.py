@@ -22,7 +22,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from hetd.cli import admin, calibrate, demo, serve
+from hetd.cli import admin, calibrate, demo, replicas, serve
 from hetd.cli.client import client_flags
 from hetd.cli.common import EXIT_USAGE
 
@@ -54,6 +54,7 @@ def parser() -> argparse.ArgumentParser:
     client = client_flags()
     admin.add_status(sub, client)
     admin.add_workers(sub, client)
+    replicas.add_replicas(sub, client)
     admin.add_policy(sub, client)
     admin.add_checkpoint(sub, client)
     admin.add_export(sub, client)

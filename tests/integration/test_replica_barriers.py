@@ -10,6 +10,8 @@ from functools import partial
 
 import pytest
 
+from tests.integration.test_admin_cli import hetd
+
 pytestmark = pytest.mark.slow
 
 
@@ -39,6 +41,8 @@ async def test_a_replica_is_one_participant_of_bsp_and_swaps_never_stall(cluster
         )
 
     await progress(4, "bsp rounds of the replica and the data-parallel worker")
+    code, out, err = await hetd("replicas", url=c.admin_url)  # the operator's view
+    assert code == 0 and f"{w0} > {w1}" in out, (out, err)
     # bsp: every round flushes one push of each participant, so neither runs ahead
     assert abs(c.engine.facts[w0].clock - c.engine.facts[w2].clock) <= 1
     for policy in ("asp", "bsp"):

@@ -91,3 +91,16 @@ def test_a_swap_to_bsp_counts_the_replica_once() -> None:
     _push(engine, a, 2)
     _push(engine, c, 2)
     assert steps == [a, a] and engine.store.version == 2
+
+
+def test_hetd_replicas_prints_each_replica_that_ran() -> None:
+    from hetd.cli.replicas import replicas_text
+
+    row = {"step": 7, "assembled": 6, "aborted": 1, "timeouts": 0, "timeout_s": 30.0}
+    reply = {"replica": 0, "members": [3, 1], "gen": 2, **row, "others": []}
+    reply["others"] = [{"replica": 1, "members": [], "gen": 1, **row}]
+    lines = replicas_text(reply).splitlines()
+    assert lines[0].split()[:3] == ["replica", "stages", "gen"]
+    assert "3 > 1" in lines[1] and lines[2].split()[:2] == ["1", "-"]  # dissolved, not hidden
+    idle = {"replica": 0, "members": [], "gen": 0, **row, "others": []}
+    assert replicas_text(idle) == "no pipeline replicas"
