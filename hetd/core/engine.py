@@ -207,12 +207,14 @@ class Engine(ViewsMixin, StateMixin, PublishMixin):
 
     # --- commands (run on the engine task only) -----------------------------------------------------
 
-    def join(self, hello: JoinIn, peer: Peer) -> int:
+    def join(self, hello: JoinIn, peer: Peer, on_id: Callable[[int], None] | None = None) -> int:
         """Admit a worker: facts, plan, welcome with a new random secret; the policy decides when
         it may start. A worker that says it is a known one (``resume_id``) and shows that worker's
         secret gets its id, clock, last push id and secret back (an active one's old session
         leaves first: it reconnected before its old socket was seen to die); a wrong or missing
-        secret makes it a new worker."""
+        secret makes it a new worker. ``on_id`` is called with the worker's id once it is
+        welcomed and before the policy hears of it (the session routes pipeline frames to it
+        from then on: a policy may put the worker in a replica at once)."""
         now = self.clock.now()
         codec = codecs.negotiate(list(hello.codecs), self.config.codec)  # raises before any change
         saved: WorkerFacts | None = None
@@ -278,6 +280,8 @@ class Engine(ViewsMixin, StateMixin, PublishMixin):
         if self.config.profile_steps > 0:
             peer.send(ProfileRequest(self.config.profile_steps, self.config.batch_size))
         log.info("worker %d (%s) joined on slot %d, codec %s", wid, hello.name, slot, codec)
+        if on_id is not None:
+            on_id(wid)
         self._dispatch(Join(now, wid))
         return wid
 

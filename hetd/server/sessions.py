@@ -290,10 +290,12 @@ async def handle(
                     continue
                 try:
                     hello = decode_hello(msg, same_host=is_loopback(request.remote))
-                    wid = await engine.call(partial(engine.join, hello, outbox))
+                    # The relay routes to the worker before the policy hears of its join: a
+                    # policy that puts it in a replica at once reaches it (the stage frames
+                    # queue behind its welcome).
+                    route = None if relay is None else partial(relay.attach, sink=outbox)
+                    wid = await engine.call(partial(engine.join, hello, outbox, route))
                     outbox.resend = partial(engine.submit, partial(engine.resend, wid, outbox))
-                    if relay is not None:
-                        relay.attach(wid, outbox)
                     if hub is not None and hello.same_host and offers_shm(msg):
                         size = shm_slot_bytes(engine)  # (the ring takes its memory: a thread)
                         ring = await asyncio.to_thread(hub.offer, size)
