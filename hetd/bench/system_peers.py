@@ -41,6 +41,7 @@ import numpy as np
 
 from hetd.codecs import registry as codecs
 from hetd.protocol import shm, wire
+from hetd.protocol.params import params_envelope
 
 Shapes = tuple[tuple[str, tuple[int, ...]], ...]
 """A model's tensors as ``(path, shape)`` pairs, in order."""
@@ -146,21 +147,8 @@ def params_version(frame: bytes) -> int | None:
     """The ``version`` of a daemon ``params`` frame, read from its envelope alone; None for any
     other frame. The no-compute sender does not apply parameters, so it does not unpack their
     tensors (as the bare client does not) — the worker's decoding is part of its compute."""
-    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=1024)
-    unpacker.feed(frame[:256])
-    fields: dict[str, Any] = {}
-    try:
-        for _ in range(unpacker.read_map_header()):
-            key = unpacker.unpack()
-            if key == "tensors":
-                break
-            fields[key] = unpacker.unpack()
-    except (msgpack.OutOfData, ValueError):
-        return None
-    version = fields.get("version")
-    if fields.get("v") != wire.PROTOCOL_VERSION or fields.get("type") != "params":
-        return None
-    return version if isinstance(version, int) and not isinstance(version, bool) else None
+    env = params_envelope(frame)
+    return None if env is None or env[0].get("v") != wire.PROTOCOL_VERSION else env[1]
 
 
 def chunk_head(frame: bytes) -> tuple[int, bool, int] | None:

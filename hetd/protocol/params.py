@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -104,3 +105,24 @@ def apply_params(held: Held | None, msg: wire.Message) -> Held | None:
             return None
         tensors[path] = tensors[path] + d
     return Held(msg["version"], tensors)
+
+
+def params_envelope(frame: bytes) -> tuple[dict[str, Any], int | None] | None:
+    """The fields of a ``params`` frame before its tensors, read from its first 256 bytes without
+    unpacking the tensors, and its version (None unless a plain int); None when the frame is not
+    a ``params`` frame or its envelope cannot be read."""
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=4096)
+    unpacker.feed(frame[:256])
+    fields: dict[str, Any] = {}
+    try:
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            if key == "tensors":
+                break
+            fields[key] = unpacker.unpack()
+    except (msgpack.OutOfData, ValueError):
+        return None
+    if fields.get("type") != "params":
+        return None
+    version = fields.get("version")
+    return fields, version if isinstance(version, int) and not isinstance(version, bool) else None

@@ -161,17 +161,7 @@ class Replica:
         self._pending = False
         self.relay.install({k: w for k, w in self.relay.routes.items() if k[0] != self.replica})
         self.engine.dissolve_replica(members[0], reason)
-        frame = wire.encode(
-            "abort",
-            0,
-            replica=self.replica,
-            gen=self.gen,
-            step=self.step,
-            reason=reason,
-            dissolve=True,
-        )
-        for w in members:
-            self._send(w, frame)
+        self._send_dissolve(members, reason)
         log.info("replica %d gen %d dissolved: %s", self.replica, self.gen, reason)
 
     def released(self, head: int) -> None:
@@ -279,17 +269,7 @@ class Replica:
         head, reason = self.members[0], f"stage worker {wid} left"
         self.engine.submit(partial(self.engine.dissolve_replica, head, reason))
         survivors, self.members = [w for w in self.members if w != wid], ()
-        frame = wire.encode(
-            "abort",
-            0,
-            replica=self.replica,
-            gen=self.gen,
-            step=self.step,
-            reason=reason,
-            dissolve=True,
-        )
-        for w in survivors:
-            self._send(w, frame)
+        self._send_dissolve(survivors, reason)
         log.info("replica %d gen %d dissolved: worker %d left", self.replica, self.gen, wid)
 
     async def _apply(self, done: asm.Assembled) -> None:
@@ -350,6 +330,20 @@ class Replica:
             self.state = asm.abort(self.state, self.replica, why)
             self._count_abort()
             self.release()
+
+    def _send_dissolve(self, workers: Sequence[int], reason: str) -> None:
+        """Tell ``workers`` the replica is gone: an ``abort`` of the current step that dissolves."""
+        frame = wire.encode(
+            "abort",
+            0,
+            replica=self.replica,
+            gen=self.gen,
+            step=self.step,
+            reason=reason,
+            dissolve=True,
+        )
+        for w in workers:
+            self._send(w, frame)
 
     def _send(self, wid: int, frame: bytes) -> None:
         try:

@@ -15,11 +15,9 @@ from __future__ import annotations
 import logging
 import threading
 from functools import partial
-from typing import Any
-
-import msgpack
 
 from hetd.protocol import shm, wire
+from hetd.protocol.params import params_envelope
 
 log = logging.getLogger("hetd.server.shm")
 
@@ -122,22 +120,9 @@ class ShmHub:
 
 
 def params_version(frame: bytes) -> int | None:
-    """A ``params`` frame's version, read from the fields before its tensors."""
-    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=4096)
-    unpacker.feed(frame[:256])
-    fields: dict[str, Any] = {}
-    try:
-        for _ in range(unpacker.read_map_header()):
-            key = unpacker.unpack()
-            if key == "tensors":
-                break
-            fields[key] = unpacker.unpack()
-    except (msgpack.OutOfData, ValueError):
-        return None
-    version = fields.get("version")
-    if fields.get("type") != "params" or fields.get("full") is not True:
-        return None
-    return version if isinstance(version, int) and not isinstance(version, bool) else None
+    """A full ``params`` frame's version, read from the fields before its tensors."""
+    env = params_envelope(frame)
+    return None if env is None or env[0].get("full") is not True else env[1]
 
 
 class Uplink:
