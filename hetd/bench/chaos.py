@@ -18,12 +18,14 @@ ways (no FIN, no RST), so the daemon notices through heartbeats alone, and the w
 connection dead once the link is back and resumes its id. ``chaos.json`` records the links under
 ``options``.
 
-**The cut.** A worker is SIGSTOPped for the daemon's heartbeat timeout + 1.5 s: the daemon hears
-nothing, drops that worker's session (its socket closes from the daemon's side, the worker leaves
-every barrier), and on SIGCONT the worker finds its socket closed and reconnects with ``resume``, as
-after a real network partition. Only that one worker's socket is dropped; nothing else on the host is
-touched (no firewall rules or root needed). The heartbeat timeout is set to the stall + 3 s, so a
-stall is a pure stall and never drops the worker.
+**The cut** on loopback drops the worker's socket: its connection to the daemon is destroyed in
+the kernel (``ss -K``), both ends see a reset mid-stream (a push or a params frame may be half
+sent), the daemon drops the session and the worker reconnects with ``resume`` after its backoff.
+Where ``ss`` cannot destroy sockets (not root, or a kernel without socket destroy) the cut falls
+back to a silent partition: the worker is SIGSTOPped for the daemon's heartbeat timeout + 1.5 s, the
+daemon hears nothing and drops the session, and on SIGCONT the worker finds its socket closed and
+reconnects (``how`` in the fault's record says so). The heartbeat timeout is set to the stall + 3 s,
+so a stall is a pure stall and never drops the worker.
 
 Measured (the admin API is polled: ``/v1/status`` every ``POLL_S``, ``/v1/workers`` and
 ``/metrics`` every second):
@@ -70,6 +72,7 @@ import re
 import secrets
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -188,6 +191,32 @@ def _rows(port: int, token: str) -> list[dict[str, Any]] | None:
 
 
 _METRIC = re.compile(r"^(hetd_worker_updates_duplicate|hetd_worker_updates_applied)(?:_total)?\{")
+
+
+def drop_sockets(pid: int, port: int) -> int:
+    """Reset process ``pid``'s TCP connections to ``port`` on loopback (``ss -K``, the kernel's
+    socket destroy: both ends see a reset, as when a NAT or a proxy drops a connection). Returns how
+    many were dropped; 0 when ``ss`` cannot list or destroy sockets here (not root, or a kernel
+    without socket destroy), and the caller falls back to the partition."""
+    listed = subprocess.run(
+        ["ss", "-tnpH", "state", "established", "dport", "=", f":{port}"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if listed.returncode != 0:
+        return 0
+    ports = [
+        line.split()[2].rsplit(":", 1)[1]  # Recv-Q Send-Q Local:Port Peer:Port users:(...)
+        for line in listed.stdout.splitlines()
+        if f"pid={pid}," in line and len(line.split()) >= 4
+    ]
+    dropped = 0
+    for sport in ports:
+        killed = subprocess.run(
+            ["ss", "-KtnH", "dport", "=", f":{port}", "sport", "=", f":{sport}"],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        dropped += sum(1 for line in killed.stdout.splitlines() if line.strip())
+    return dropped
 
 
 def metric_sums(text: str) -> dict[str, float]:
@@ -415,6 +444,13 @@ class Run:
             self.workers[slot] = await self.spawn_worker(slot)
             f.ended_s = time.monotonic() - self.t0
             return
+        if f.kind == "cut_worker" and self.net is None:
+            dropped = await asyncio.to_thread(drop_sockets, proc.pid, self.port)
+            if dropped:  # the issue's cut: the socket is reset, the worker reconnects at once
+                f.extra["sockets_dropped"] = dropped
+                f.ended_s = time.monotonic() - self.t0
+                return
+            f.extra["how"] = "partition (ss -K unavailable)"
         hold = o.stall_s if f.kind == "stall_worker" else o.heartbeat_timeout_s + 1.5
         f.extra["held_s"] = hold
         self.paused.add(slot)

@@ -5,12 +5,17 @@ duplicate or partial apply, the daemon restarted, every worker came back), not t
 from __future__ import annotations
 
 import json
+import shutil
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from hetd.bench.chaos import (
     ChaosOptions,
+    drop_sockets,
     hash_counts,
     merge_baselines,
     pre_fault_goodput,
@@ -77,6 +82,58 @@ def test_the_baseline_is_its_two_halves_summed() -> None:
     assert merged["hash_verified"] == merged["worker_processes"] == 8
     assert merged["load_mean"] == 7.0
     assert merge_baselines(half(32, None), half(32, 3.0))["load_mean"] == 3.0
+
+
+def _can_destroy_sockets() -> bool:
+    if shutil.which("ss") is None:
+        return False
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        port = srv.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as c:
+            sport = c.getsockname()[1]
+            out = subprocess.run(
+                ["ss", "-KtnH", "dport", "=", f":{port}", "sport", "=", f":{sport}"],
+                capture_output=True, text=True, check=False,
+            )  # fmt: skip
+            return bool(out.stdout.strip())
+
+
+@pytest.mark.skipif(
+    not _can_destroy_sockets(),
+    reason="this host cannot destroy sockets (ss -K needs root and a kernel with socket destroy); "
+    "the chaos suite's cut falls back to a partition there",
+)
+def test_a_cut_resets_that_processs_connection_and_nothing_else() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        port = srv.getsockname()[1]
+        child = subprocess.Popen(
+            [sys.executable, "-c",
+             "import socket,sys\n"
+             f"c = socket.create_connection(('127.0.0.1', {port}))\n"
+             "print('connected', flush=True)\n"
+             "try:\n    c.recv(10)\n    print('eof', flush=True)\n"
+             "except OSError as e:\n    print(type(e).__name__, flush=True)\n"],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "connected"
+        theirs, _ = srv.accept()
+        mine = socket.create_connection(("127.0.0.1", port))  # ours, to the same port: kept
+        ours_accepted, _ = srv.accept()
+        try:
+            assert drop_sockets(child.pid, port) == 1
+            assert child.stdout.readline().strip() == "ConnectionAbortedError"
+            assert child.wait(timeout=30) == 0
+            with pytest.raises(ConnectionResetError):  # the daemon's end sees a reset too
+                theirs.recv(10)
+            mine.sendall(b"still")
+            assert ours_accepted.recv(5) == b"still"
+        finally:
+            child.kill()
+            child.wait()
+            child.stdout.close()
+            for s in (theirs, mine, ours_accepted):
+                s.close()
 
 
 @pytest.mark.timeout(900)
