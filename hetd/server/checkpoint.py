@@ -21,9 +21,9 @@ Engine hooks: :func:`engine_state` and :func:`restore_engine` turn the engine's 
 :class:`~hetd.core.engine.EngineState` (:meth:`Engine.state <hetd.core.engine.Engine.state>`,
 :meth:`Engine.restore <hetd.core.engine.Engine.restore>`) into the file's plain tree and back (the
 engine itself resumes a returning worker's clock in ``join``). The policy's state is saved as a
-tagged tree (:func:`state_tree`: its dataclasses, tuples and mappings by type) with the engine
-clock it was taken at; a restore rebuilds it and moves its times to the new clock
-(:func:`shift_times`), so every built-in policy resumes where it was, in the stage it was in.
+tagged tree with the engine clock it was taken at, and a restore moves its times to the new clock
+(:mod:`hetd.server.policy_state`), so every built-in policy resumes where it was, in the stage it
+was in.
 """
 
 from __future__ import annotations
@@ -35,20 +35,19 @@ import hashlib
 import logging
 import os
 import re
-import sys
 import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 from flax import serialization
 
 from hetd.core.engine import Engine, EngineState, SavedWorker
+from hetd.server.policy_state import plain, policy_state_tree, revive_policy_state
 
 log = logging.getLogger("hetd.server.checkpoint")
 
@@ -79,144 +78,6 @@ class CheckpointInfo:
 # --- capture and restore (engine hooks; run on the engine task) -------------------------------------
 
 
-def _plain(tree: Any, copy: bool = True) -> Any:
-    """A plain tree (str keys, lists) with host numpy leaves: copies, unless ``copy`` is False (the
-    leaves are copies already: the file is written off the engine task, after its next steps)."""
-    if isinstance(tree, Mapping):
-        return {str(k): _plain(v, copy) for k, v in tree.items()}
-    if isinstance(tree, list | tuple):
-        return [_plain(v, copy) for v in tree]
-    if hasattr(tree, "shape") and hasattr(tree, "dtype"):
-        return np.array(tree, copy=True) if copy else np.asarray(tree)
-    return tree
-
-
-_WARNED: set[str] = set()  # policies whose unserialisable state was reported once
-
-
-_TAG = "__hetd__"  # marks a node of a policy state tree (below): what the node was
-
-
-def _qualname(cls: type) -> str:
-    return f"{cls.__module__}:{cls.__qualname__}"
-
-
-def _class(name: str) -> type:
-    """The class ``module:qualname`` names, from a module already imported (a checkpoint never
-    makes us import anything); a dataclass or a named tuple, else ValueError."""
-    module_name, _, qualname = name.partition(":")
-    target: Any = sys.modules.get(module_name)
-    if target is None:
-        raise ValueError(f"class {name} is not loaded")
-    for part in qualname.split("."):
-        target = getattr(target, part, None)
-    if not isinstance(target, type) or not (
-        dataclasses.is_dataclass(target)
-        or (issubclass(target, tuple) and hasattr(target, "_fields"))
-    ):
-        raise ValueError(f"{name} is not a dataclass or a named tuple")
-    return target
-
-
-def state_tree(state: Any) -> Any:
-    """A policy state as a plain tree flax's msgpack writes: numbers, strings, None and numpy
-    arrays as they are; dataclasses, named tuples, tuples, lists, sets and mappings (any keys) as
-    maps tagged with what they were, so :func:`from_state_tree` gives the same types back.
-    TypeError for anything else."""
-    if state is None or isinstance(state, bool | int | float | str | bytes | np.ndarray):
-        return state
-    if dataclasses.is_dataclass(state) and not isinstance(state, type):
-        fields = {f.name: state_tree(getattr(state, f.name)) for f in dataclasses.fields(state)}
-        return {_TAG: "dataclass", "class": _qualname(type(state)), "fields": fields}
-    if isinstance(state, tuple) and hasattr(type(state), "_fields"):
-        items = [state_tree(x) for x in state]
-        return {_TAG: "namedtuple", "class": _qualname(type(state)), "items": items}
-    if isinstance(state, tuple | list | set | frozenset):
-        return {_TAG: type(state).__name__, "items": [state_tree(x) for x in state]}
-    if isinstance(state, Mapping):
-        pairs = [[state_tree(k), state_tree(v)] for k, v in state.items()]
-        return {_TAG: "mapping", "readonly": isinstance(state, MappingProxyType), "items": pairs}
-    raise TypeError(f"a {type(state).__name__} in a policy state cannot be saved")
-
-
-def from_state_tree(tree: Any) -> Any:
-    """The policy state :func:`state_tree` made the tree of; ValueError or TypeError when it does
-    not fit the classes loaded here (a changed policy version)."""
-    if not isinstance(tree, dict):
-        return tree
-    kind = tree.get(_TAG)
-    if kind == "dataclass":
-        cls = _class(str(tree["class"]))
-        values = {str(k): from_state_tree(v) for k, v in tree["fields"].items()}
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - set(fields))
-        if unknown:
-            raise TypeError(f"{cls.__name__} has no fields {unknown}")
-        obj = cls(**{k: v for k, v in values.items() if fields[k].init})
-        for k, v in values.items():
-            if not fields[k].init:
-                object.__setattr__(obj, k, v)
-        return obj
-    if kind == "namedtuple":
-        return _class(str(tree["class"]))(*(from_state_tree(x) for x in tree["items"]))
-    if kind in ("tuple", "list", "set", "frozenset"):
-        items = [from_state_tree(x) for x in tree["items"]]
-        return {"tuple": tuple, "list": list, "set": set, "frozenset": frozenset}[kind](items)
-    if kind == "mapping":
-        d = {from_state_tree(k): from_state_tree(v) for k, v in tree["items"]}
-        return MappingProxyType(d) if tree.get("readonly") else d
-    raise ValueError(f"not a policy state tree node: {sorted(map(str, tree))}")
-
-
-def shift_times(state: Any, dt: float) -> Any:
-    """A policy state with its engine-clock times moved by ``dt`` s: every object with a
-    ``shifted(dt)`` method (the built-in policies' states) is replaced by what it returns, through
-    tuples, lists and mappings (composed policies). A checkpoint keeps times relative to when it
-    was taken: restored under a new process's clock, a time is as long before now as it was."""
-    if dt == 0:
-        return state
-    shifted = getattr(state, "shifted", None)
-    if callable(shifted) and not isinstance(state, type):
-        return shifted(dt)
-    if isinstance(state, tuple) and hasattr(type(state), "_fields"):
-        return type(state)(*(shift_times(x, dt) for x in state))
-    if isinstance(state, tuple | list):
-        return type(state)(shift_times(x, dt) for x in state)
-    if isinstance(state, MappingProxyType):
-        return MappingProxyType({k: shift_times(v, dt) for k, v in state.items()})
-    if isinstance(state, dict):
-        return {k: shift_times(v, dt) for k, v in state.items()}
-    return state
-
-
-def _policy_state(name: str, state: Any) -> Any:
-    """A policy's state as a msgpack-able tree (:func:`state_tree`; failing that, flax's state
-    dict), or None (it is then rebuilt by init)."""
-    try:
-        tree = state_tree(state)
-        serialization.msgpack_serialize({"s": tree})
-    except Exception:
-        pass
-    else:
-        return tree
-    try:
-        tree = _plain(serialization.to_state_dict(state))
-        serialization.msgpack_serialize({"s": tree})
-    except Exception as exc:
-        # flax serialises dicts, tuples, NamedTuples, arrays and flax.struct dataclasses; for any
-        # other state, init(view) rebuilds a valid one from the restored clocks (as on a swap).
-        if name not in _WARNED:
-            _WARNED.add(name)
-            log.warning(
-                "policy %s: its state is not serialisable (%s); a restore rebuilds it with "
-                "init(view)",
-                name,
-                exc,
-            )
-        return None
-    return tree
-
-
 def engine_state(engine: Engine) -> dict[str, Any]:
     """Everything a restart needs (:meth:`Engine.state <hetd.core.engine.Engine.state>`) as the
     file's plain tree of host values. Run on the engine task."""
@@ -237,15 +98,16 @@ def engine_state(engine: Engine) -> dict[str, Any]:
     }
     return {
         "created_unix": time.time(),
-        "model": _plain(dict(engine.config.welcome.get("model", {}))),
+        "model": plain(dict(engine.config.welcome.get("model", {}))),
         "version": st.version,
         "params": dict(st.params),
-        "opt_state": _plain(serialization.to_state_dict(st.opt_state), copy=False),
-        "buffers": {str(group): _plain(buf, copy=False) for group, buf in st.buffers.items()},
+        "opt_state": plain(serialization.to_state_dict(st.opt_state), copy=False),
+        "outer_optimizer": engine.store.outer_spec,  # opt_state's outer part is this one's
+        "buffers": {str(group): plain(buf, copy=False) for group, buf in st.buffers.items()},
         "policy": {
             "name": st.policy,
-            "params": _plain(dict(st.policy_params)),
-            "state": _policy_state(st.policy, st.policy_state),
+            "params": plain(dict(st.policy_params)),
+            "state": policy_state_tree(st.policy, st.policy_state),
             "clock": engine.clock.now(),  # the engine clock its times are relative to
         },
         "stage": st.stage,
@@ -253,26 +115,6 @@ def engine_state(engine: Engine) -> dict[str, Any]:
         "next_id": st.next_id,
         "workers": workers,
     }
-
-
-def _revive_policy_state(name: str, dt: float, fresh: Any, saved: Any) -> Any:
-    """Policy ``name``'s saved state tree (:func:`state_tree`, or an older checkpoint's flax state
-    dict with ``fresh``, its init's, as the template) as its own state, its engine-clock times
-    moved by ``dt`` s (:func:`shift_times`); on any mismatch (a changed policy version)
-    ``fresh``, with a warning."""
-    try:
-        if isinstance(saved, dict) and _TAG in saved:
-            restored = shift_times(from_state_tree(saved), dt)
-        elif fresh is None:
-            return fresh
-        else:
-            restored = shift_times(serialization.from_state_dict(fresh, saved), dt)
-        if type(restored) is not type(fresh):
-            raise TypeError(f"{type(restored).__name__} is not {type(fresh).__name__}")
-    except Exception as exc:  # a changed policy version: its init rebuilds a valid state
-        log.warning("policy %s: saved state not restored (%s); rebuilt by init", name, exc)
-        return fresh
-    return restored
 
 
 def restore_engine(engine: Engine, state: Mapping[str, Any]) -> None:
@@ -285,6 +127,8 @@ def restore_engine(engine: Engine, state: Mapping[str, Any]) -> None:
     """
     batch = engine.config.batch_size
     try:
+        if state.get("outer_optimizer"):  # a swap changed it: the saved state is that one's
+            engine.store.set_outer(str(state["outer_optimizer"]))
         _, target, _ = engine.store.state()
         saved = state.get("policy") or {}
         typed = EngineState(
@@ -315,7 +159,7 @@ def restore_engine(engine: Engine, state: Mapping[str, Any]) -> None:
         )
         saved_clock = saved.get("clock")
         dt = engine.clock.now() - float(saved_clock) if saved_clock is not None else 0.0
-        engine.restore(typed, revive=partial(_revive_policy_state, typed.policy, dt))
+        engine.restore(typed, revive=partial(revive_policy_state, typed.policy, dt))
     except (KeyError, ValueError, TypeError, AttributeError) as exc:
         raise CheckpointError(
             f"the checkpoint does not fit the configured model/optimizer "

@@ -15,6 +15,7 @@ from hetd.core.engine import Engine, EngineConfig
 from hetd.core.store import Store
 from hetd.protocol.messages import JoinIn, PushIn
 from hetd.server import checkpoint
+from hetd.server.policy_state import shift_times
 from policies import make_policy
 from policies.registry import _REGISTRY, policy_names
 from tests.conftest import FakeClock, FakePeer
@@ -74,7 +75,7 @@ def test_a_policy_state_round_trips_through_a_checkpoint(name: str) -> None:
     dt = later.t - clock.t
     assert fresh.policy.describe() == e.policy.describe()
     assert type(fresh.policy_state) is type(e.policy_state)
-    assert fresh.policy_state == checkpoint.shift_times(e.policy_state, dt)
+    assert fresh.policy_state == shift_times(e.policy_state, dt)
     assert fresh.stage == e.stage
 
 
