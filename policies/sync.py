@@ -2,14 +2,15 @@
 
 BSP and ASP are stateless beyond their parameters: the clocks they need are the engine's facts, so
 ``init`` returns ``None`` and a hot swap is always valid. SSP keeps only what ``init`` can start
-from nothing: which workers are silent and the clock offsets of those that came back.
+from nothing: which workers are silent, the clock offsets of those that came back, and each
+worker's recent push intervals (its cadence, against which its silence is measured).
 """
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from policies.compose import release_waiting
@@ -88,18 +89,21 @@ def asp(weight: float | None = None) -> Policy:
     return Policy("asp", init, update, {"weight": weight})
 
 
-MIN_SILENCE_S = 1.0  # no worker is silent sooner: a fast worker's jitter never counts
+MIN_SILENCE_S = 0.25  # nobody is silent sooner: a loaded host's short scheduling stalls
+RECENT = 8  # push intervals kept per worker: its cadence is their median
 
 
 @dataclass(frozen=True, slots=True)
 class SspState:
     """What the SSP gate remembers: per worker, clocks added when it came back from a silence or
     joined behind (``offset``: its gate clock is its clock plus this, so it re-enters at the
-    slowest responsive clock, as the engine places a worker that reconnects), and which workers
-    were silent at the last event (``silent``, sorted)."""
+    slowest responsive clock, as the engine places a worker that reconnects), which workers
+    were silent at the last event (``silent``, sorted), and each worker's last :data:`RECENT`
+    push intervals in s (``intervals``; an interval that was a silence is not kept)."""
 
     offset: Mapping[int, int]
     silent: tuple[int, ...] = ()
+    intervals: Mapping[int, tuple[float, ...]] = field(default_factory=lambda: MappingProxyType({}))
 
 
 def _pace(f: WorkerFacts) -> float | None:
@@ -109,26 +113,66 @@ def _pace(f: WorkerFacts) -> float | None:
     return f.compute_s
 
 
-def silent_workers(view: ClusterView, patience: float | None) -> frozenset[int]:
-    """Workers computing (not waiting) with no push for more than ``patience`` times their own
-    pace and at least :data:`MIN_SILENCE_S`: stopped, cut off or hung. A worker that has not
-    pushed since it joined (loading, compiling) is measured from its join against the others'
-    typical (median) pace; nobody is silent before anyone has a pace. ``patience=None``: nobody
-    ever is."""
+def cadence(f: WorkerFacts, recent: Sequence[float] = ()) -> float | None:
+    """A worker's own time per push: the median of its ``recent`` push intervals (one slow or
+    fast push does not move it), else what its facts say (:func:`_pace`)."""
+    return statistics.median(recent) if recent else _pace(f)
+
+
+def silence_limit(pace: float, patience: float) -> float:
+    """How long a worker whose cadence is ``pace`` may compute without a push before it is
+    silent: ``patience`` of its own push intervals, and never less than :data:`MIN_SILENCE_S`."""
+    return max(patience * pace, MIN_SILENCE_S)
+
+
+def silent_workers(
+    view: ClusterView,
+    patience: float | None,
+    intervals: Mapping[int, Sequence[float]] = MappingProxyType({}),
+) -> frozenset[int]:
+    """Workers computing (not waiting) with no push for more than :func:`silence_limit`: stopped,
+    cut off or hung. Each is measured against its own cadence (:func:`cadence` of its recent
+    ``intervals``), so a worker that pushes every 50 ms is silent after 0.5 s (patience 10) and
+    one that pushes every 2 s only after 20 s. A worker that has not pushed since it joined
+    (loading, compiling) is measured from its join against the others' typical (median) cadence;
+    nobody is silent before anyone has a cadence. ``patience=None``: nobody ever is."""
     if patience is None:
         return frozenset()
-    paces = [p for f in view.workers.values() if (p := _pace(f)) is not None]
-    typical = statistics.median(paces) if paces else None
+    paces = {
+        w: p for w, f in view.workers.items() if (p := cadence(f, intervals.get(w, ()))) is not None
+    }
+    typical = statistics.median(paces.values()) if paces else None
     out = set()
     for w, f in view.workers.items():
         since, pace = (
-            (f.joined_at, typical) if f.last_push_at is None else (f.last_push_at, _pace(f))
+            (f.joined_at, typical) if f.last_push_at is None else (f.last_push_at, paces.get(w))
         )
         if f.waiting or pace is None:
             continue
-        if view.now - since > max(patience * pace, MIN_SILENCE_S):
+        if view.now - since > silence_limit(pace, patience):
             out.add(w)
     return frozenset(out)
+
+
+def _intervals(
+    state: SspState, event: Event, view: ClusterView, patience: float | None
+) -> dict[int, tuple[float, ...]]:
+    """``state.intervals`` of the workers still in, with the interval a push just closed: unless
+    it was a silence (the worker was silent at the last event, or the interval is longer than
+    its silence limit), which says nothing of its cadence."""
+    out = {w: h for w, h in state.intervals.items() if w in view.workers}
+    if not isinstance(event, Push) or event.worker not in view.workers:
+        return out
+    w, f = event.worker, view.workers[event.worker]
+    if f.last_push_at is None or f.prev_push_at is None or w in state.silent:
+        return out
+    gap = f.last_push_at - f.prev_push_at
+    recent = out.get(w, ())
+    pace = statistics.median(recent) if recent else None
+    if patience is not None and pace is not None and gap > silence_limit(pace, patience):
+        return out
+    out[w] = (*recent[-(RECENT - 1) :], gap)
+    return out
 
 
 def ssp_gate(staleness: int, weight: float | None, patience: float | None) -> Policy:
@@ -145,7 +189,8 @@ def ssp_gate(staleness: int, weight: float | None, patience: float | None) -> Po
         if isinstance(event, Push):
             out.append(Apply(async_weight(weight, view)))
         off = {w: o for w, o in st.offset.items() if w in view.workers}
-        silent = silent_workers(view, patience)
+        intervals = _intervals(st, event, view, patience)
+        silent = silent_workers(view, patience, intervals)
         gate = {w: f.clock + off.get(w, 0) for w, f in view.workers.items()}
         # A worker back from a silence, or joining behind, starts at the slowest responsive gate
         # clock: the others do not wait while it works off a gap it could never close.
@@ -161,7 +206,7 @@ def ssp_gate(staleness: int, weight: float | None, patience: float | None) -> Po
         lo = min(responsive or gate.values() or [0])
         out.extend(release_waiting(view, lambda f: gate[f.worker] - lo <= staleness))
         kept = MappingProxyType({w: o for w, o in off.items() if o > 0})
-        return out, SspState(kept, tuple(sorted(silent)))
+        return out, SspState(kept, tuple(sorted(silent)), MappingProxyType(intervals))
 
     params = {"staleness": staleness, "weight": weight, "patience": patience}
     return Policy("ssp", init, update, params)
@@ -172,10 +217,11 @@ def ssp(staleness: int = 3, weight: float | None = None, patience: float | None 
     """Stale synchronous (Ho et al. 2013): apply on arrival; a replica may start its next step only
     while its clock is at most ``staleness`` ahead of the slowest responsive one.
 
-    A worker that has been computing for more than ``patience`` times its own push interval (and at
-    least 1 s) without a push is *silent* (stopped, cut off, hung): the others stop waiting for it
-    at once, not after the daemon's heartbeat timeout drops it. When it pushes again it re-enters
-    at the slowest responsive clock. ``patience=None``: wait for every active worker, always."""
+    A worker that has been computing for more than ``patience`` times its own push interval (the
+    median of its last 8, and at least 0.25 s) without a push is *silent* (stopped, cut off, hung):
+    the others stop waiting for it at once, not after the daemon's heartbeat timeout drops it.
+    When it pushes again it re-enters at the slowest responsive clock. ``patience=None``: wait for
+    every active worker, always."""
     if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
         raise ValueError(f"staleness must be an int >= 0, got {staleness!r}")
     if patience is not None and (
