@@ -131,12 +131,18 @@ def diloco(
     shares: bool = True,
     calibrate: bool = True,
     codec: str | None = None,
+    balance: str = "batch",
 ) -> Policy:
     """DiLoCo (Douillard et al. 2023): synchronous outer rounds of ``H`` inner steps; each worker's
     batch sized so that all finish together (``global_batch`` samples per step in total, None: the
     config's; ``shares=False``: every worker keeps ``B/N``, the paper's setting, where the round
     waits for the slowest); the round's deltas averaged by samples and applied once through the
     outer optimizer (``outer_optimizer = "auto"``: :func:`outer_for`).
+    ``balance``: how the workers finish together: ``"batch"`` (the batches above, ``H`` steps
+    each) or ``"steps"`` (every worker at ``B/N``, the fastest ``H`` steps and the others as
+    many as end their round with it, its transfers on the worker's measured link included,
+    :func:`finish_together_steps`; DyLU, as in ``diloco_async``, when links are not known:
+    more, smaller inner steps per round where the batches would grow).
     ``calibrate``: a worker whose step time is not known yet (no push, no profile) runs rounds of
     one inner step, so the first ``H``-step round is already sized to finish together instead of
     waiting ``H`` steps for the slowest worker at ``B/N``. ``codec``: the pseudo-gradients' codec
@@ -157,8 +163,32 @@ def diloco(
         raise ValueError(f"shares must be true or false, got {shares!r}")
     if not isinstance(calibrate, bool):
         raise ValueError(f"calibrate must be true or false, got {calibrate!r}")
+    if balance not in ("batch", "steps"):
+        raise ValueError(f"balance must be 'batch' or 'steps', got {balance!r}")
+    by_steps = balance == "steps"
 
     fields: dict[str, Any] = {"push_kind": "delta"} | ({"codec": codec} if codec else {})
+
+    def step_counts(st: DilocoState, view: ClusterView) -> dict[int, int]:
+        """Each worker's inner steps: ``H``, or with ``balance="steps"`` the count that ends its
+        round with the fastest worker's (:func:`finish_together_steps`: step time at its batch,
+        and the round's push and pull on its measured link); a worker without a timing gets
+        ``H``. A change within ``eps`` of the announced count keeps it (no re-plan per round
+        for the timing's noise)."""
+        if not by_steps:
+            return dict.fromkeys(view.workers, H)
+        step_s, comm_s = {}, {}
+        for w, f in view.workers.items():
+            fit = st.timing.get(w, Timing()).fit()
+            b = st.batches.get(w, f.batch_size)
+            step_s[w] = 0.0 if fit is None else max(0.0, fit[0] + fit[1] * b)
+            comm_s[w] = round_trip_s(f.push_bytes, f.link_bps)
+        want = finish_together_steps(step_s, comm_s, H)
+        for w, n in want.items():
+            old = st.steps.get(w)
+            if old is not None and old != 1 and abs(n - old) <= eps * old:
+                want[w] = old
+        return want
 
     def profiled(st: DilocoState, view: ClusterView) -> DilocoState:
         """Timings seeded from the engine's profile exchange for workers that have none yet."""
@@ -174,8 +204,9 @@ def diloco(
         """Announce ``H`` (1 while a worker's speed is unknown, with ``calibrate``) on a change,
         and to a worker that (re)joined."""
         out: list[SetPlan] = []
+        counts = step_counts(st, view)
         for w in sorted(view.workers):
-            want = H if (not calibrate or w in st.timing) else 1
+            want = counts[w] if (not calibrate or w in st.timing) else 1
             if st.steps.get(w) != want or w == joined:
                 out.append(SetPlan(w, {"local_steps": want, **fields}))
         return out
@@ -193,9 +224,9 @@ def diloco(
         times = [(f[0] + f[1] * current[w]) for w, f in fits.items() if f is not None] or [1.0]
         imbalance = max(times) / max(1e-12, min(times))
         force = force or sum(current.values()) != total
-        if not force and imbalance <= 1 + eps:
+        if not force and (imbalance <= 1 + eps or by_steps):
             return [], st
-        if shares:
+        if shares and not by_steps:
             sizes = equal_finish_batches(total, st.timing, workers, b_min, quantum)
         else:  # B/N each, the remainder to the lowest ids
             q, r = divmod(total, len(workers))
@@ -256,8 +287,36 @@ def diloco(
         "shares": shares,
         "calibrate": calibrate,
         "codec": codec,
+        "balance": balance,
     }
     return Policy("diloco", init, update, params)
+
+
+def round_trip_s(push_bytes: float | None, link_bps: float | None) -> float:
+    """A local-SGD round's transfers on one link: its push and a pull of about as many bytes
+    (a pseudo-gradient and an outer step, in the same codec), at the measured rate; 0 unknown."""
+    if not push_bytes or not link_bps or not (0 < link_bps < math.inf):
+        return 0.0
+    return 2.0 * float(push_bytes) / float(link_bps)
+
+
+def finish_together_steps(
+    step_s: Mapping[int, float], comm_s: Mapping[int, float], H: int
+) -> dict[int, int]:
+    """Inner steps per worker so that every round ends together, transfers included: the worker
+    with the shortest step runs ``H`` and its round lasts ``T = H·t_f + m_f``; each other runs
+    ``round((T − m_i) / t_i)`` steps, between 1 and ``H`` (``t`` the step time, ``m`` the
+    round's transfers). DyLU (:func:`local_steps_for`) when no link is known. A worker whose step
+    time is unknown (0) runs ``H``."""
+    known = {w: t for w, t in step_s.items() if t > 0 and math.isfinite(t)}
+    if not known:
+        return dict.fromkeys(step_s, H)
+    fastest = min(known, key=lambda w: (known[w], w))
+    span = H * known[fastest] + comm_s.get(fastest, 0.0)
+    return {
+        w: min(H, max(1, round((span - comm_s.get(w, 0.0)) / known[w]))) if w in known else H
+        for w in step_s
+    }
 
 
 # --- diloco_async -------------------------------------------------------------------------------------
@@ -434,7 +493,9 @@ __all__ = [
     "diloco",
     "diloco_async",
     "equal_finish_batches",
+    "finish_together_steps",
     "local_steps_for",
     "outer_for",
+    "round_trip_s",
     "staleness_factor",
 ]

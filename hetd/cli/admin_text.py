@@ -43,6 +43,7 @@ def status_text(st: dict[str, Any]) -> str:
         ("version", str(st["version"])),
         ("stage", str(st["stage"])),
         ("policy", policy_text(st["policy"])),
+        ("outer optimizer", str(st.get("outer_optimizer", "-"))),
         ("uptime", _duration(float(st["uptime_s"]))),
         ("workers", str(st["workers"])),
         ("updates applied", str(st["updates_applied"])),

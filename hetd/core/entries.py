@@ -106,6 +106,10 @@ class EngineConfig:
     guard_factor: float = 0.0
     guard_warmup: int = 20
     welcome: Mapping[str, Any] = field(default_factory=dict)  # model/dataset/train for the welcome
+    # The outer optimizer spec a policy runs with (name, params) -> spec, as the daemon resolved
+    # it at start ([train] outer_optimizer; "auto": policies.diloco.outer_for); a policy swap
+    # rebuilds the store's outer optimizer from it. None: the store's stays as it is.
+    outer_for: Callable[[str, Mapping[str, Any]], str] | None = None
 
 
 @dataclass

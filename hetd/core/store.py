@@ -91,6 +91,50 @@ def make_outer(spec: str) -> optax.GradientTransformation | None:
     return parsed.build()
 
 
+PLAIN_OUTER = "sgd:lr=1"  # deltas added as they are: Store(outer=None)
+
+
+def _merged(update: _Split) -> dict[str, jax.Array]:
+    """An update's float32 parts and its int8 parts dequantized, by path (inside jit)."""
+    dense_part, q, scales = update
+    out = dict(dense_part)
+    out.update({k: q[k].astype(jnp.float32) * scales[k] for k in q})
+    return out
+
+
+_Step = Any  # a jitted (params, state, update, scale) -> (params, state)
+
+
+def _delta_steps(outer: optax.GradientTransformation | None) -> tuple[_Step, _Step]:
+    """The jitted delta steps (float32 updates, and split int8 ones): ``w + scale · D`` without
+    an outer optimizer, else ``w + scale · u`` with ``u, s = outer.update(−D, s)``."""
+
+    def plain_delta_step(
+        params: dict[str, jax.Array], state: Any, delta: dict[str, jax.Array], scale: jax.Array
+    ) -> tuple[dict[str, jax.Array], Any]:
+        return {k: params[k] + scale * delta[k] for k in params}, state
+
+    def outer_delta_step(
+        params: dict[str, jax.Array], state: Any, delta: dict[str, jax.Array], scale: jax.Array
+    ) -> tuple[dict[str, jax.Array], Any]:
+        assert outer is not None  # chosen below only when there is one; not network input
+        pseudo = {k: -delta[k] for k in delta}
+        updates, state = outer.update(pseudo, state, params)
+        return {k: params[k] + scale * updates[k] for k in params}, state
+
+    delta_step = plain_delta_step if outer is None else outer_delta_step
+
+    def delta_step_q(
+        params: dict[str, jax.Array], state: Any, update: _Split, scale: jax.Array
+    ) -> tuple[dict[str, jax.Array], Any]:
+        return delta_step(params, state, _merged(update), scale)
+
+    return (
+        jax.jit(delta_step, donate_argnums=(0, 1)),
+        jax.jit(delta_step_q, donate_argnums=(0, 1)),
+    )
+
+
 class Snapshot:
     """One published parameter version: immutable host arrays, shared by every reader.
 
@@ -147,8 +191,10 @@ class Store:
         tx: optax.GradientTransformation,
         version: int = 0,
         outer: optax.GradientTransformation | None = None,
+        outer_spec: str | None = None,
     ) -> None:
-        """``tx`` applies gradients; ``outer`` (None: add deltas as they are) applies deltas."""
+        """``tx`` applies gradients; ``outer`` (None: add deltas as they are) applies deltas;
+        ``outer_spec``: its spec, as :meth:`set_outer` compares and checkpoints record it."""
         self._params: dict[str, jax.Array] = {
             k: jnp.asarray(v, jnp.float32) for k, v in params.items()
         }
@@ -156,6 +202,8 @@ class Store:
         self._opt_state: Any = tx.init(self._params)
         self._outer = outer
         self._outer_state: Any = outer.init(self._params) if outer is not None else None
+        spec = outer_spec or (PLAIN_OUTER if outer is None else "")
+        self.outer_spec = str(parse_optimizer(spec).with_default_lr(1.0)) if spec else "custom"
         self.version = version
         self.shapes: dict[str, tuple[int, ...]] = {
             k: tuple(v.shape) for k, v in self._params.items()
@@ -177,36 +225,12 @@ class Store:
             new = {k: params[k] + scale * updates[k] for k in params}
             return new, state
 
-        def plain_delta_step(
-            params: dict[str, jax.Array], state: Any, delta: dict[str, jax.Array], scale: jax.Array
-        ) -> tuple[dict[str, jax.Array], Any]:
-            return {k: params[k] + scale * delta[k] for k in params}, state
-
-        def outer_delta_step(
-            params: dict[str, jax.Array], state: Any, delta: dict[str, jax.Array], scale: jax.Array
-        ) -> tuple[dict[str, jax.Array], Any]:
-            assert outer is not None  # chosen below only when there is one; not network input
-            pseudo = {k: -delta[k] for k in delta}
-            updates, state = outer.update(pseudo, state, params)
-            return {k: params[k] + scale * updates[k] for k in params}, state
-
-        delta_step = plain_delta_step if outer is None else outer_delta_step
-
-        def merged(update: _Split) -> dict[str, jax.Array]:
-            dense_part, q, scales = update
-            out = dict(dense_part)
-            out.update({k: q[k].astype(jnp.float32) * scales[k] for k in q})
-            return out
+        merged = _merged
 
         def grad_step_q(
             params: dict[str, jax.Array], state: Any, update: _Split, scale: jax.Array
         ) -> tuple[dict[str, jax.Array], Any]:
             return grad_step(params, state, merged(update), scale)
-
-        def delta_step_q(
-            params: dict[str, jax.Array], state: Any, update: _Split, scale: jax.Array
-        ) -> tuple[dict[str, jax.Array], Any]:
-            return delta_step(params, state, merged(update), scale)
 
         def scaled(update: _Split, scale: jax.Array) -> dict[str, jax.Array]:
             return {k: scale * v for k, v in merged(update).items()}
@@ -220,9 +244,28 @@ class Store:
         self._scaled = jax.jit(scaled)
         self._accumulate = jax.jit(accumulate, donate_argnums=(0,))
         self._grad_step = jax.jit(grad_step, donate_argnums=(0, 1))
-        self._delta_step = jax.jit(delta_step, donate_argnums=(0, 1))
         self._grad_step_q = jax.jit(grad_step_q, donate_argnums=(0, 1))
-        self._delta_step_q = jax.jit(delta_step_q, donate_argnums=(0, 1))
+        self._delta_step, self._delta_step_q = _delta_steps(outer)
+
+    def set_outer(self, spec: str) -> bool:
+        """Apply deltas through ``spec``'s outer optimizer from now on (a policy swap: the DiLoCo
+        family's Nesterov, plain averaging for the others). The queued steps run first, under the
+        old one; the new one starts from a fresh state. The same spec keeps the running optimizer
+        and its state. Returns whether it changed; raises ValueError on a bad spec, changing
+        nothing."""
+        if spec == self.outer_spec:  # also a store built with an optimizer and no spec
+            return False
+        canonical = str(parse_optimizer(spec).with_default_lr(1.0))
+        outer = make_outer(canonical)
+        with self._lock:
+            if canonical == self.outer_spec:
+                return False
+            self.flush()
+            self._outer = outer
+            self._outer_state = outer.init(self._params) if outer is not None else None
+            self._delta_step, self._delta_step_q = _delta_steps(outer)
+            self.outer_spec = canonical
+            return True
 
     @property
     def n_params(self) -> int:

@@ -25,6 +25,7 @@ class ViewsMixin(EngineBase):
             "stage_switches": [{"at_s": t, "stage": st} for t, st in self.stages[-20:]],
             "policy": self.policy.describe(),
             "policy_state": describe_state(self.policy_state),
+            "outer_optimizer": self.store.outer_spec,  # how deltas are applied (a swap changes it)
             "uptime_s": self.clock.now() - self.started_at,
             "workers": len(self._workers),
             # pipeline replicas, head -> members in stage order (JSON keys are strings)

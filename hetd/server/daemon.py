@@ -25,7 +25,7 @@ import signal
 import socket
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -82,19 +82,30 @@ def build_engine(cfg: config_mod.Config, clock: Clock | None = None) -> Engine:
     model = get_model(t.model, data.num_classes, **dict(t.model_kwargs))
     # One jitted init compiles once; flax's eager init compiles op by op (~2x slower start-up).
     params = jax.jit(model.init, static_argnums=1)(jax.random.PRNGKey(t.seed), data.input_shape)
-    # outer_optimizer "auto": the policy's; delayed Nesterov's period is the workers the
-    # configuration's batches describe (global_batch / batch_size)
-    daemon_opt, _, outer_opt = config_mod.optimizers(
-        t.optimizer,
-        t.lr,
-        t.inner_optimizer,
-        t.worker_lr,
-        t.outer_optimizer,
-        cfg.policy.name,
-        cfg.policy.params,
-        max(1, t.global_batch // max(1, t.batch_size)),
+    workers = max(1, t.global_batch // max(1, t.batch_size))
+
+    def outer_for(name: str, policy_params: Mapping[str, Any]) -> str:
+        """The outer optimizer policy ``name`` runs with (outer_optimizer "auto": the policy's;
+        delayed Nesterov's period is the workers the configuration's batches describe, as
+        ``global_batch / batch_size``): at start, and for a policy swapped in later."""
+        return config_mod.optimizers(
+            t.optimizer,
+            t.lr,
+            t.inner_optimizer,
+            t.worker_lr,
+            t.outer_optimizer,
+            name,
+            policy_params,
+            workers,
+        )[2]
+
+    daemon_opt = config_mod.optimizers(
+        t.optimizer, t.lr, t.inner_optimizer, t.worker_lr, t.outer_optimizer
+    )[0]
+    outer_opt = outer_for(cfg.policy.name, cfg.policy.params)
+    store = Store(
+        params, make_optimizer(daemon_opt), outer=make_outer(outer_opt), outer_spec=outer_opt
     )
-    store = Store(params, make_optimizer(daemon_opt), outer=make_outer(outer_opt))
     policy = make_policy(cfg.policy.name, cfg.policy.params)
     econf = EngineConfig(
         global_batch=t.global_batch,
@@ -110,6 +121,7 @@ def build_engine(cfg: config_mod.Config, clock: Clock | None = None) -> Engine:
         profile_steps=t.profile_steps,
         shards=t.shards,
         welcome=config_mod.worker_setup(cfg),
+        outer_for=outer_for,
     )
     return Engine(store, policy, econf, clock=clock, evaluator=make_evaluator(model, data))
 

@@ -8,6 +8,7 @@ it; SetPlan is executed before releases.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax.numpy as jnp
@@ -17,7 +18,12 @@ import pytest
 
 from hetd.zoo.outer import delayed_nesterov
 from policies import ClusterView, PolicyError, WorkerFacts, make_policy
-from policies.diloco import local_steps_for, staleness_factor
+from policies.diloco import (
+    finish_together_steps,
+    local_steps_for,
+    round_trip_s,
+    staleness_factor,
+)
 from policies.types import Buffer, Decision, Flush, Join, Push, Release, SetPlan, Tick
 
 
@@ -132,6 +138,47 @@ def test_diloco_without_shares_keeps_b_over_n() -> None:
     assert "batch_size" not in plans(d).get(0, {}) and "batch_size" not in plans(d).get(1, {})
 
 
+def test_diloco_balanced_by_steps_keeps_b_over_n_and_gives_slow_workers_fewer_steps() -> None:
+    """balance="steps": the batches stay B/N and each worker's inner steps follow its step time
+    (DyLU), the fastest H; a timing within eps of the announced count changes nothing."""
+    p = make_policy("diloco", {"H": 20, "balance": "steps", "calibrate": False})
+    v = view_of(fact(0, batch=64), fact(1, batch=64), fact(2, batch=64), batch=192)
+    d, s = p.update(Tick(1.0), p.init(v), v)
+    assert {w: f["local_steps"] for w, f in plans(d).items()} == {0: 20, 1: 20, 2: 20}
+    assert all("batch_size" not in f for f in plans(d).values())
+    v = view_of(fact(0, 1, True, 64), fact(1, 0, False, 64), fact(2, 0, False, 64), batch=192)
+    d, s = p.update(push(0, 20 * 64, 20, 1.28), s, v)  # 1 ms per sample
+    v = view_of(
+        fact(0, 1, True, 64), fact(1, 1, True, 64), fact(2, 0, False, 64), buffered=1, batch=192
+    )
+    d, s = p.update(push(1, 20 * 64, 20, 2.56), s, v)  # 2 ms: half as many steps, at once
+    assert {w: f.get("local_steps") for w, f in plans(d).items()} == {1: 10}
+    v = view_of(
+        fact(0, 1, True, 64), fact(1, 1, True, 64), fact(2, 1, True, 64), buffered=2, batch=192
+    )
+    d, s = p.update(push(2, 20 * 64, 20, 5.12), s, v)  # 4 ms
+    assert {w: f.get("local_steps") for w, f in plans(d).items()} == {2: 5}
+    assert all("batch_size" not in f for f in plans(d).values())
+    assert releases(d) == {0, 1, 2}
+    v = view_of(fact(0, 2, True, 64), fact(1, 1, False, 64), fact(2, 1, False, 64), batch=192)
+    d, s = p.update(push(0, 20 * 64, 20, 1.30), s, v)  # 1.5 % slower: no re-plan
+    assert plans(d) == {}
+
+
+def test_steps_that_finish_together_count_each_workers_transfers() -> None:
+    """S7's shape: step times 0.1, 0.1, 0.2, 0.4 s; a round's push and pull take 0.15, 0.31,
+    0.76 and 1.52 s. The fastest runs H = 50 (5.15 s with its transfers); the slow-link worker
+    ends with it after 9 steps, not DyLU's 12."""
+    step = {0: 0.1, 1: 0.1, 2: 0.2, 3: 0.4}
+    comm = {0: 0.15, 1: 0.31, 2: 0.76, 3: 1.52}
+    assert finish_together_steps(step, comm, 50) == {0: 50, 1: 48, 2: 22, 3: 9}
+    assert finish_together_steps(step, {}, 50) == local_steps_for(step, 50, 1, 50)
+    assert finish_together_steps({0: 0.1, 1: 0.0}, {}, 50) == {0: 50, 1: 50}  # 1: not timed
+    assert finish_together_steps({0: 0.1, 1: 0.1}, {1: 9.0}, 50) == {0: 50, 1: 1}
+    assert round_trip_s(2e6, 1e7) == 0.4 and round_trip_s(None, 1e7) == 0.0
+    assert round_trip_s(2e6, math.inf) == 0.0
+
+
 def test_a_joining_worker_gets_the_local_step_plan() -> None:
     p = make_policy("diloco", {"H": 7})
     v = view_of(fact(0, profile=PROFILE))
@@ -146,6 +193,7 @@ def test_a_joining_worker_gets_the_local_step_plan() -> None:
     [
         ("diloco", {"H": 0}, "H must be an int >= 1"),
         ("diloco", {"shares": "yes"}, "shares must be true or false"),
+        ("diloco", {"balance": "time"}, "balance must be 'batch' or 'steps'"),
         ("diloco_async", {"h_min": 0}, "h_min must be an int >= 1"),
         ("diloco_async", {"H": 20, "max_local_steps": 10}, "max_local_steps"),
         ("diloco_async", {"outer": "nesterov"}, "valid parameters"),
