@@ -178,5 +178,12 @@ class Steps:
             loss, acc = self._grad_sum(local, sample, b)
             local, self._state = self._apply(local, self._state, acc, inv, lr)
             total += float(loss)
-        delta = {name: np.asarray(local[name] - start[name], dtype=np.float32) for name in start}
+        # On the host: an eager ``local - start`` on the device compiles one subtraction per
+        # parameter shape the first time, 0.7-1.9 s on a loaded host, charged to the first
+        # local-step push as compute (every ashl worker stalled 1.7 s at once in S3b).
+        delta = {
+            name: np.asarray(local[name], dtype=np.float32)
+            - np.asarray(params[name], dtype=np.float32)
+            for name in start
+        }
         return Result("delta", delta, total / (b * k), b * k, k)

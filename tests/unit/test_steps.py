@@ -53,6 +53,35 @@ def test_changing_the_batch_never_compiles_a_new_shape(setup) -> None:  # type: 
     assert steps.traces == compiled  # no batch size traced (compiled) anything again
 
 
+def test_after_warm_no_step_compiles_anything(setup) -> None:  # type: ignore[no-untyped-def]
+    """Counted with JAX's own compilation events, eager operations included: the first local-step
+    push after a worker's warm-up compiled four subtractions (one per parameter shape) when the
+    delta was taken on the device, 1.7 s on a loaded host (issue 14, S3b)."""
+    data = setup[0]
+    # shapes no other test uses, so nothing this process ran before has traced them
+    model = get_model("mlp", data.num_classes, hidden=[19])
+    params = {
+        k: np.asarray(v) for k, v in model.init(jax.random.PRNGKey(0), data.input_shape).items()
+    }
+    steps = Steps(model, 8, parse_optimizer("sgd:lr=0.1"), jax.devices()[0])
+    steps.warm(params, data.x_train[:1], data.y_train[:1])
+    compiled: list[str] = []
+
+    def count(name: str, _secs: float, **_kw: object) -> None:
+        if name == "/jax/core/compile/jaxpr_trace_duration":  # traced: a new signature
+            compiled.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        sampler = _sampler(data)
+        steps.local_steps(params, sampler.next, 8, 2, 1.0)
+        steps.gradient(params, sampler.next, 8)
+        steps.local_steps(params, sampler.next, 13, 3, 0.5)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert compiled == []
+
+
 def test_local_sgd_steps_match_plain_sgd(setup) -> None:  # type: ignore[no-untyped-def]
     data, model, params = setup
     steps = Steps(model, 8, parse_optimizer("sgd:lr=0.1"), jax.devices()[0])
