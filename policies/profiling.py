@@ -9,7 +9,9 @@ Where a profile comes from, in order of preference:
 
 1. the engine's facts, once it runs a ``profile`` exchange with a joining worker: a mapping
    ``WorkerFacts.profile`` with keys ``sample_s``, ``push_s``, ``pull_s``, ``compress_s`` (seconds);
-2. the engine's EWMA ``WorkerFacts.sample_s`` (a policy swapped into a running cluster);
+2. the engine's EWMA ``WorkerFacts.sample_s`` (a policy swapped into a running cluster: the
+   pushes' speed then replaces a join-time profile's, which may have been read while the other
+   workers compiled, :func:`profile_from_facts`);
 3. the pushes themselves: ``pushes`` ASP-style pushes, per-sample time ``compute_s / samples``,
    trimmed mean; communication from ``push_bytes / link_bps`` when the facts have both.
 
@@ -68,7 +70,7 @@ class Profile:
     pull_s: float = 0.0  # s, one parameter reply (d_i)
     compress_s: float = 0.0  # s per push spent compressing (z_i)
     at: float = 0.0  # s, engine clock when measured
-    source: str = "pushes"  # "pushes" | "engine" | "facts" | "drift"
+    source: str = "pushes"  # "pushes" | "engine" | "measured" | "facts" | "drift"
 
     def step_s(self, batch: int) -> float:
         """Seconds of compute for one local step of ``batch`` samples."""
@@ -208,18 +210,27 @@ def profile_from_facts(
     facts: WorkerFacts, now: float, cfg: ProfilingConfig, use_ewma: bool = False
 ) -> Profile | None:
     """A profile the engine already has for this worker: its ``profile`` mapping, else (with
-    ``use_ewma``, for a policy swapped into a running cluster) its EWMA ``sample_s``."""
+    ``use_ewma``, for a policy swapped into a running cluster) its EWMA ``sample_s``.
+
+    With ``use_ewma`` a worker that has pushed is timed by its pushes even when it has a join-time
+    profile: that profile is a few steps at the join, which on a shared host can run while the
+    other workers compile (a x1 worker read 4.5x its speed at load 19-22), and the pushes since
+    are what it really does. The profile's link and compression times stay (pushes carry no
+    better ones). Source ``"measured"``."""
     # Filled by the engine's profile exchange once it exists; absent from older facts.
     engine = getattr(facts, "profile", None)
+    measured = use_ewma and facts.samples > 0 and facts.sample_s is not None and facts.sample_s > 0
     if isinstance(engine, Mapping) and _num(engine, "sample_s") > 0:
         f = cfg.comm_factor
         return Profile(
-            sample_s=_num(engine, "sample_s"),
+            sample_s=max(facts.sample_s or 0.0, MIN_SAMPLE_S)
+            if measured
+            else _num(engine, "sample_s"),
             push_s=f * _num(engine, "push_s"),
             pull_s=f * _num(engine, "pull_s"),
             compress_s=_num(engine, "compress_s"),
             at=now,
-            source="engine",
+            source="measured" if measured else "engine",
         )
     if use_ewma and facts.sample_s is not None and facts.sample_s > 0:
         u, d = comm_estimate(facts, cfg.comm_factor)

@@ -2,7 +2,8 @@
 
 Owns :func:`run_real`. It starts :class:`hetd.server.daemon.Daemon` on a free loopback port and one
 ``hetd-worker`` process per scenario worker, slowed with the emulation flags (as ``hetd demo``
-does), waits until every worker has joined and pushed once (its jit compiled), trains for
+does), waits until every worker has joined and pushed once (its jit compiled) and then three more
+times (so the pushes that time each worker for the run's policy are not the join's), trains for
 ``budget_s`` wall seconds while sampling the engine's events (through a recording wrapper around
 the policy) and batch sizes for the plots, then stops everything it started and returns the same
 :class:`~hetd.sim.results.RunResult` as the simulator.
@@ -14,16 +15,17 @@ latency (charged per message both ways, as the simulator charges ``latency_s`` p
 push) and memory.
 
 **The time origin.** The simulator's t = 0 is the start of the run, and so is the real run's: the
-moment every worker has joined and pushed once, from which the budget and every curve count. That
-moment is not known when the worker processes start (importing JAX, loading data and compiling take
-seconds to minutes on a loaded machine, and differently for each worker), so no start time can go on
-their command line, and counting from each worker's own welcome would give each its own origin,
-seconds apart. Each worker is therefore started with ``--emulate-origin stdin`` and, at t = 0, the
-bench writes the wall-clock time of t = 0 to every worker's standard input; a worker converts it to
-its own monotonic clock, so the origin does not depend on when the line arrives, and all workers
-share it up to the host's clock (one host: exactly). Before it (while the slowest worker still
-compiles) workers run at their initial slow-down with no shift and no straggle episode; shift
-times and straggle episodes count from it, as in the simulator.
+moment every worker has joined and pushed once (and three warm-up rounds more), from which the
+budget and every curve count. That moment is not known when the worker processes start (importing
+JAX, loading data and compiling take seconds to minutes on a loaded machine, and differently for
+each worker), so no start time can go on their command line, and counting from each worker's own
+welcome would give each its own origin, seconds apart. Each worker is therefore started with
+``--emulate-origin stdin`` and, at t = 0, the bench writes the wall-clock time of t = 0 to every
+worker's standard input; a worker converts it to its own monotonic clock, so the origin does not
+depend on when the line arrives, and all workers share it up to the host's clock (one host:
+exactly). Before it (while the slowest worker still compiles) workers run at their initial
+slow-down with no shift and no straggle episode; shift times and straggle episodes count from it,
+as in the simulator.
 
 **Links.** By default every worker connects over loopback and sleeps for its link (bytes ÷
 bandwidth and the latency, per message). With ``links="netns"`` (``--links netns``, root) each
@@ -69,6 +71,7 @@ from policies.types import Decision, Event, Leave, Push, Release
 LINKS = ("emulated", "netns")  # --links: the worker sleeps for its link, or a real shaped one
 JOIN_TIMEOUT_S = 120.0  # worker processes import jax and build their trainer first
 POLL_S = 0.05  # how often the engine is sampled for batch shares and progress
+SETTLE_ROUNDS = 3  # warm-up rounds after every worker has pushed once, before t = 0
 WARMUP = PolicySpec("bsp")  # the daemon's policy until the t = 0 restart swaps in the run's
 
 
@@ -284,21 +287,15 @@ async def _run_on(
                     stderr=asyncio.subprocess.PIPE,
                 )
             )
-        # The clock starts once every worker has joined and pushed once (its jit is compiled).
+        # The clock starts once every worker has joined and pushed once (its jit is compiled),
+        # and then SETTLE_ROUNDS more times: the first to join ran its profile and its first
+        # steps while the others compiled, and the policy built at t = 0 times each worker by
+        # its pushes (policies.profiling.profile_from_facts), which then reflect the whole
+        # cluster at work, not the join.
         deadline = time.monotonic() + JOIN_TIMEOUT_S
-        while len(engine.facts) < sc.n or any(f.samples == 0 for f in engine.facts.values()):
-            if time.monotonic() > deadline or any(p.returncode is not None for p in procs):
-                errors = [
-                    (await p.stderr.read()).decode()[-800:]
-                    for p in procs
-                    if p.returncode is not None and p.stderr is not None
-                ]
-                raise RuntimeError(
-                    f"{len(engine.facts)} of {sc.n} workers joined, "
-                    f"{sum(f.samples > 0 for f in engine.facts.values())} pushed, within "
-                    f"{JOIN_TIMEOUT_S:g} s; worker errors: {errors}"
-                )
-            await asyncio.sleep(0.05)
+        await _wait_joined(engine, sc.n, procs, deadline)
+        settled = {wid: f.clock + SETTLE_ROUNDS for wid, f in engine.facts.items()}
+        await _wait_joined(engine, sc.n, procs, deadline, settled)
         await engine.call(lambda: _restart(engine, recorder, policy, initial))
         return await _measure(sc, policy, seed, lr, daemon, recorder, on_time, procs)
     finally:
@@ -307,6 +304,38 @@ async def _run_on(
                 p.stdin.close()
         await stop_processes(procs)
         await daemon.stop()
+
+
+async def _wait_joined(
+    engine: Engine,
+    n: int,
+    procs: Sequence[asyncio.subprocess.Process],
+    deadline: float,
+    clocks: dict[int, int] | None = None,
+) -> None:
+    """Wait until ``n`` workers have joined and each has pushed once, or (``clocks``) each has
+    reached its clock there; RuntimeError with the workers' errors past ``deadline`` (monotonic
+    s) or when one exits."""
+
+    def ready() -> bool:
+        facts = engine.facts
+        if len(facts) < n or any(f.samples == 0 for f in facts.values()):
+            return False
+        return clocks is None or all(facts[w].clock >= c for w, c in clocks.items() if w in facts)
+
+    while not ready():
+        if time.monotonic() > deadline or any(p.returncode is not None for p in procs):
+            errors = [
+                (await p.stderr.read()).decode()[-800:]
+                for p in procs
+                if p.returncode is not None and p.stderr is not None
+            ]
+            raise RuntimeError(
+                f"{len(engine.facts)} of {n} workers joined, "
+                f"{sum(f.samples > 0 for f in engine.facts.values())} pushed, within "
+                f"{JOIN_TIMEOUT_S:g} s; worker errors: {errors}"
+            )
+        await asyncio.sleep(0.05)
 
 
 def _restart(

@@ -200,6 +200,22 @@ def test_engine_ewma_is_not_a_profile_except_on_a_hot_swap() -> None:
     assert swapped[1].profile is not None and swapped[1].profile.source == "facts"
 
 
+def test_a_swap_times_a_worker_that_has_pushed_by_its_pushes_keeping_the_profile_link() -> None:
+    """A join-time profile read while other workers compiled (x4.5 slow) gives way to the pushes'
+    speed when a policy is built on a running cluster; the link and compression stay the
+    profile's. Without pushes, and for a policy already running, the profile stands."""
+    cfg = ProfilingConfig()
+    engine = {"sample_s": 0.0045, "push_s": 0.01, "pull_s": 0.02, "compress_s": 0.003}
+    pushed = ProfiledFacts(1, "w1", 9, 9, True, 0.0, sample_s=0.001, samples=288, profile=engine)
+    fresh = ProfiledFacts(2, "w2", 0, 0, True, 0.0, profile=engine)
+    swapped = init_tracks(view_of({1: pushed, 2: fresh}, now=3.0), cfg)
+    assert swapped[1].profile == Profile(0.001, 0.01, 0.02, 0.003, 3.0, "measured")
+    assert swapped[2].profile == Profile(0.0045, 0.01, 0.02, 0.003, 3.0, "engine")
+    tracks, ch = track({}, Tick(3.0), view_of({1: pushed}), cfg)
+    assert ch.profiled == (1,) and tracks[1].profile is not None
+    assert tracks[1].profile.source == "engine"
+
+
 @pytest.mark.parametrize(
     ("kw", "word"),
     [
