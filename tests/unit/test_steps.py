@@ -54,9 +54,10 @@ def test_changing_the_batch_never_compiles_a_new_shape(setup) -> None:  # type: 
 
 
 def test_after_warm_no_step_compiles_anything(setup) -> None:  # type: ignore[no-untyped-def]
-    """Counted with JAX's own compilation events, eager operations included: the first local-step
-    push after a worker's warm-up compiled four subtractions (one per parameter shape) when the
-    delta was taken on the device, 1.7 s on a loaded host (issue 14, S3b)."""
+    """Counted with JAX's own compilation events, eager operations included. After a worker's
+    warm-up its first push of two or more local steps compiled four subtractions (the delta, one
+    per parameter shape, on the device) and the inner step again (its second call takes a state
+    that came out of the kernel): 1.7-3 s on a loaded host, reported as compute (issue 14, S3b)."""
     data = setup[0]
     # shapes no other test uses, so nothing this process ran before has traced them
     model = get_model("mlp", data.num_classes, hidden=[19])
@@ -68,7 +69,9 @@ def test_after_warm_no_step_compiles_anything(setup) -> None:  # type: ignore[no
     compiled: list[str] = []
 
     def count(name: str, _secs: float, **_kw: object) -> None:
-        if name == "/jax/core/compile/jaxpr_trace_duration":  # traced: a new signature
+        # traced, or lowered for XLA (a signature traced before but with other shardings: an
+        # inner state that came out of a kernel is committed, a fresh one is not)
+        if name.startswith("/jax/core/compile/"):
             compiled.append(name)
 
     jax.monitoring.register_event_duration_secs_listener(count)
