@@ -331,18 +331,19 @@ async def _read(
             if frame.type != aiohttp.WSMsgType.BINARY:
                 break
             data: bytes = frame.data
+            size = len(data)
             msg = wire.decode(data, opts.max_frame_bytes)
             if msg.type == "chunk":
                 whole = parts.feed(msg)
                 if whole is None:
                     continue
-                data = whole
+                data, size = whole, len(whole)
                 msg = await asyncio.to_thread(wire.decode, data, parts.max_bytes)
             if msg.type == "params_ref":  # a params frame in the daemon's shared memory
                 try:
                     if inbox.shm is None:
                         raise shm.ShmError("unexpected", "params_ref without shared memory")
-                    data, msg = await asyncio.to_thread(inbox.shm.read_params, msg)
+                    size, msg = await asyncio.to_thread(inbox.shm.read_params, msg)
                 except (shm.ShmError, wire.ProtocolError) as exc:
                     log.info("params_ref %d not read (%s): pulling again", msg["version"], exc)
                     await ws.send_bytes(wire.encode("pull", 0, have=None))
@@ -368,7 +369,7 @@ async def _read(
                     inbox.unpipeline()
                 state.plan = plan
             elif msg.type == "params":
-                delay = opts.emulation.transfer_seconds(len(data))
+                delay = opts.emulation.transfer_seconds(size)
                 if delay:  # the emulated link carries parameters too, as the simulator charges
                     await asyncio.sleep(delay)
                 held = await asyncio.to_thread(apply_params, inbox.params, msg)

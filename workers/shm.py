@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from functools import partial
 
 from hetd.protocol import shm, wire
 
@@ -57,17 +58,19 @@ class ShmLink:
         log.info("shared memory on: reading %s, pushing through %s", down.name, up.name)
         return cls(down, up), ready
 
-    def read_params(self, msg: wire.Message) -> tuple[bytes, wire.Message]:
-        """The ``params`` frame a ``params_ref`` names, and the message; :class:`shm.ShmError`
-        when it names none (the caller pulls again)."""
-        data = self.down.read(shm.ref_of(msg.body))
-        params = wire.decode(data, len(data))
+    def read_params(self, msg: wire.Message) -> tuple[int, wire.Message]:
+        """The size of the ``params`` frame a ``params_ref`` names, and the frame decoded
+        straight from the daemon's ring: the tensors' bytes are copied out once, by the
+        decoder, with no copy of the whole frame first. :class:`shm.ShmError` when it names
+        none or the slot was rewritten while it was read (the caller pulls again)."""
+        ref = shm.ref_of(msg.body)
+        params = self.down.read_with(ref, partial(wire.decode, max_size=ref.length))
         if params.type != "params" or params["version"] != msg["version"]:
             raise shm.ShmError(
                 "bad_ref", f"params_ref of version {msg['version']} names another frame"
             )
         self.params_read += 1
-        return data, params
+        return ref.length, params
 
     def push_ref(self, frame: bytes, push_id: int, unacked: Mapping[int, bytes]) -> bytes | None:
         """Write push ``push_id`` into our ring and return its ``push_ref``; None when it should

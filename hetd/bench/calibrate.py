@@ -164,7 +164,7 @@ class _Peer:
     def send(self, reply: Reply) -> None:
         reply.encode()
 
-    def send_params(self, frame: bytes, *, full: bool) -> None:
+    def send_params(self, frame: bytes | memoryview, *, full: bool) -> None:
         self.got.set()
 
     def close(self, reason: str) -> None:
@@ -380,7 +380,7 @@ def _params_frames(
         out = downlink.frames(name, version - 1, snap, ref, None)
         ref = out.ref
         if not sample:
-            sample.append(out.frames[0])
+            sample.append(bytes(out.frames[0]))
         return out
 
     encode_s = _median(encode, repeats)

@@ -40,7 +40,7 @@ def add_workers(sub: Sub, client: argparse.ArgumentParser) -> None:
         "workers",
         parents=[client],
         help="one row per active worker",
-        description="GET /v1/workers: device, clock, speed, batch, codec, staleness, idle "
+        description="GET /v1/workers: device, clock, speed, batch, codec, path, staleness, idle "
         "fraction and last sign of life of every active worker.",
     )
     s.set_defaults(run=_workers)

@@ -47,7 +47,7 @@ class Outgoing:
     """What a worker is sent: the frames, the version and reference it then holds, and whether the
     frames are one full (lossless) frame."""
 
-    frames: list[bytes]
+    frames: list[bytes | memoryview]  # a full frame may be a view of the shared-memory ring
     version: int
     full: bool
     ref: int | None = None
@@ -215,7 +215,7 @@ class Downlink:
         """A delta of nothing: the worker may go on with what it has."""
         return wire.encode("params", 0, version=version, full=False, base=version, tensors={})
 
-    def _full_frame(self, snap: Snapshot, spec: str, hashes: bool) -> bytes:
+    def _full_frame(self, snap: Snapshot, spec: str, hashes: bool) -> bytes | memoryview:
         """The full frame of ``snap`` in lossless codec ``spec``, with the snapshot's hash when
         ``hashes`` (the worker checks it after applying the frame)."""
         if spec == "none":  # packed once by the store, from the snapshot's own memory

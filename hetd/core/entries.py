@@ -71,7 +71,7 @@ class Peer(Protocol):
         """Queue a control reply (the peer encodes it, or reads it as it is)."""
         ...
 
-    def send_params(self, frame: bytes, *, full: bool) -> None:
+    def send_params(self, frame: bytes | memoryview, *, full: bool) -> None:
         """Queue one encoded ``params`` frame of a release (``full``: it replaces every
         parameter frame still queued)."""
         ...
@@ -147,6 +147,8 @@ class WorkerEntry:
     held_ref: int | None = None  # the downlink reference it holds (its parameters' base)
     same_host: bool = False  # it connected over loopback: parameters in full are cheaper
     hashes: bool = False  # its hello named "hash": its full frames carry the parameters' hash
+    # how its big frames travel: "ws" (its websocket) or "shm" (the same host's shared memory)
+    transport: str = "ws"
     # the request id of the last push the engine answered with an ack (applied, buffered or
     # dropped); a push with this id or an older one is a duplicate. Kept across reconnects and in
     # checkpoints: a worker's push ids increase for as long as it is that worker.

@@ -160,6 +160,14 @@ class PublishMixin(ReplicaMixin):
         )
         self._send_params(wid, release)
 
+    def set_transport(self, wid: int, peer: Peer, transport: str) -> None:
+        """Worker ``wid``'s session ``peer`` now carries its big frames by ``transport``
+        (``"shm"``: the daemon's shared memory); /v1/workers shows it as ``path``. Nothing
+        happens when the worker is on another session by now."""
+        entry = self._workers.get(wid)
+        if entry is not None and entry.peer is peer:
+            entry.transport = transport
+
     @staticmethod
     def _link_rate(
         st: WorkerStats, nbytes: int, transfer_s: float | None, old: float | None

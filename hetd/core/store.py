@@ -27,14 +27,14 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from hetd.protocol.params import full_frame, param_hash, with_hash
+from hetd.protocol.params import full_frame, full_frame_into, param_hash, with_hash
 from hetd.zoo.optim import make_optimizer, parse_optimizer
 
 __all__ = [
@@ -135,14 +135,26 @@ def _delta_steps(outer: optax.GradientTransformation | None) -> tuple[_Step, _St
     )
 
 
+class FrameSink(Protocol):
+    """Where the store packs a snapshot's frame instead of fresh memory (the daemon's same-host
+    shared-memory ring, :class:`hetd.server.shm_hub.ShmHub`)."""
+
+    def reserve(self, nbytes: int) -> np.ndarray | None:
+        """A writable ``uint8`` buffer of at least ``nbytes`` (None: pack a fresh frame)."""
+
+    def commit(self, buf: np.ndarray, frame: memoryview, version: int) -> None:
+        """``frame``, packed into ``buf``, is complete."""
+
+
 class Snapshot:
     """One published parameter version: immutable host arrays, shared by every reader.
 
-    ``frame``: the version's full ``params`` frame (codec ``none``, no hash) whose memory the
-    store's snapshots' ``tensors`` are views of (:func:`hetd.protocol.params.full_frame`), so the
-    daemon sends it as it is; None for a snapshot made by hand. The hash and the frame with it
-    are computed on first use only (a version that goes out only as deltas is never hashed);
-    two threads asking at once compute the same value twice, harmlessly."""
+    ``frame``: the version's full ``params`` frame (codec ``none``) whose memory the store's
+    snapshots' ``tensors`` are views of (:func:`hetd.protocol.params.full_frame`), so the daemon
+    sends it as it is: ``bytes``, or a ``memoryview`` of the slot of shared memory the store
+    packed it into (:class:`FrameSink`); None for a snapshot made by hand. The hash and the
+    frame with it are computed on first use only (a version that goes out only as deltas is
+    never hashed); two threads asking at once compute the same value twice, harmlessly."""
 
     __slots__ = ("_hash", "_hashed", "frame", "frame_hashed", "tensors", "version")
 
@@ -151,7 +163,7 @@ class Snapshot:
         version: int,
         tensors: Mapping[str, np.ndarray],
         hash: str | None = None,
-        frame: bytes | None = None,
+        frame: bytes | memoryview | None = None,
         frame_hashed: bool = False,
     ) -> None:
         """``frame_hashed``: ``frame`` already carries ``hash``."""
@@ -160,7 +172,7 @@ class Snapshot:
         self.frame = frame
         self.frame_hashed = frame_hashed and frame is not None and hash is not None
         self._hash = hash
-        self._hashed: bytes | None = frame if self.frame_hashed else None
+        self._hashed: bytes | memoryview | None = frame if self.frame_hashed else None
 
     @property
     def hash(self) -> str:
@@ -169,11 +181,11 @@ class Snapshot:
             self._hash = param_hash(self.tensors)
         return self._hash
 
-    def plain_frame(self) -> bytes | None:
+    def plain_frame(self) -> bytes | memoryview | None:
         """The full frame without a hash (None: the store hashed it, or there is no frame)."""
         return None if self.frame_hashed else self.frame
 
-    def hashed_frame(self) -> bytes | None:
+    def hashed_frame(self) -> bytes | memoryview | None:
         """``frame`` with the ``hash`` field (computed once); None without a frame."""
         if self.frame is None:
             return None
@@ -216,6 +228,9 @@ class Store:
         # hash each snapshot as it is taken, into its frame (no second copy of the frame later);
         # False: only when asked (the engine sets it from EngineConfig.param_hashes)
         self.hashes = True
+        # where snapshots' frames are packed (None: fresh memory); the daemon sets its
+        # shared-memory ring once a same-host worker takes it
+        self.frame_sink: FrameSink | None = None
         self._lock = threading.RLock()
 
         def grad_step(
@@ -391,11 +406,31 @@ class Store:
                 # the device buffers, the frame stays.
                 views = {k: np.asarray(v) for k, v in self._params.items()}
                 digest = param_hash(views) if self.hashes else None
-                frame, host = full_frame(self.version, views, digest)
+                frame, host = self._pack(views, digest)
                 self._snapshot = Snapshot(
                     self.version, host, digest, frame, frame_hashed=self.hashes
                 )
             return self._snapshot
+
+    def _pack(
+        self, views: Mapping[str, np.ndarray], digest: str | None
+    ) -> tuple[bytes | memoryview, dict[str, np.ndarray]]:
+        """The snapshot's frame and tensors, packed into the frame sink when it has room."""
+        sink = self.frame_sink
+        if sink is None:
+            return full_frame(self.version, views, digest)
+        taken: list[np.ndarray] = []
+
+        def into(nbytes: int) -> np.ndarray | None:
+            buf = sink.reserve(nbytes)
+            if buf is not None:
+                taken.append(buf)
+            return buf
+
+        frame, host = full_frame_into(self.version, views, digest, into)
+        if taken and isinstance(frame, memoryview):
+            sink.commit(taken[0], frame, self.version)
+        return frame, host
 
     def state(self) -> tuple[dict[str, np.ndarray], Any, int]:
         """Params (host copies), optimizer state (host pytree) and version, for checkpoints. With

@@ -60,6 +60,7 @@ class ViewsMixin(EngineBase):
                     "batch_size": f.batch_size,
                     "codec": entry.plan.codec,  # what its pushes use (the plan's)
                     "params_codec": f.codec,  # what its parameters come in (negotiated)
+                    "path": entry.transport,  # "ws" or "shm" (same-host shared memory)
                     "pushes": st.pushes,
                     "applied": st.applied,
                     "dropped": st.dropped,

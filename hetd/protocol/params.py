@@ -4,12 +4,13 @@ Owns :class:`Held` and :func:`apply_params`, shared by the real worker (``worker
 emulated one (:mod:`hetd.sim.agent`): a full frame replaces what is held; a delta frame adds to the
 version it names, and only to that one. :func:`param_hash` is the short hash (XXH3, 64 bits) of a parameter set that
 the daemon puts in each full ``params`` frame (field ``hash``) and a worker checks after a full pull;
-:func:`full_frame` packs that frame once per version, the snapshot's tensors living in it.
+:func:`full_frame` packs that frame once per version, the snapshot's tensors living in it
+(:func:`full_frame_into`: in a shared-memory slot).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,11 +47,35 @@ def full_frame(
     of the payload), and the tensors as read-only float32 views of the frame: a snapshot that
     shares its frame's memory costs one copy of the model, not two. Byte for byte what
     :func:`hetd.protocol.wire.encode` packs for the same fields."""
+    frame, views = full_frame_into(version, tensors, hash_, lambda _: None)
+    assert isinstance(frame, bytes)  # nothing was given to pack into
+    return frame, views
+
+
+def full_frame_into(
+    version: int,
+    tensors: Mapping[str, np.ndarray],
+    hash_: str | None,
+    into: Callable[[int], np.ndarray | None],
+) -> tuple[bytes | memoryview, dict[str, np.ndarray]]:
+    """:func:`full_frame`, packed into the writable ``uint8`` buffer ``into`` gives for the
+    frame's size (a shared-memory slot): the frame is then a ``memoryview`` of that buffer and
+    the tensors views of it. When ``into`` gives None, a fresh ``bytes`` as :func:`full_frame`."""
     flat = {path: np.ascontiguousarray(x, dtype=np.float32) for path, x in tensors.items()}
     extra = {} if hash_ is None else {"hash": hash_}
     encoded = codecs.encode_tree(flat, codecs.none_codec())
     parts = wire.pack_parts("params", 0, version=version, full=True, tensors=encoded, **extra)
-    frame = parts.join()
+    buf = into(parts.nbytes)
+    frame: bytes | memoryview
+    if buf is None:
+        frame = parts.join()
+    else:
+        pos = 0
+        for seg in parts.segments:
+            n = memoryview(seg).nbytes
+            buf[pos : pos + n] = np.frombuffer(seg, np.uint8)
+            pos += n
+        frame = buf[: parts.nbytes].data
     views: dict[str, np.ndarray] = {}
     big = iter(parts.offsets)
     for path, x in flat.items():
@@ -58,12 +83,12 @@ def full_frame(
             view = np.frombuffer(frame, np.float32, x.size, next(big)).reshape(x.shape)
         else:
             view = np.array(x, np.float32, copy=True)
-            view.flags.writeable = False
+        view.flags.writeable = False
         views[path] = view
     return frame, views
 
 
-def with_hash(frame: bytes, hash_: str) -> bytes:
+def with_hash(frame: bytes | memoryview, hash_: str) -> bytes:
     """A message frame packed without a ``hash`` field (by :func:`full_frame`), with one: its
     top-level map (a fixmap: fewer than 15 fields) grows by one entry appended at the end. One
     copy of the frame; byte for byte what :func:`full_frame` packs with ``hash_``."""
@@ -107,7 +132,7 @@ def apply_params(held: Held | None, msg: wire.Message) -> Held | None:
     return Held(msg["version"], tensors)
 
 
-def params_envelope(frame: bytes) -> tuple[dict[str, Any], int | None] | None:
+def params_envelope(frame: bytes | memoryview) -> tuple[dict[str, Any], int | None] | None:
     """The fields of a ``params`` frame before its tensors, read from its first 256 bytes without
     unpacking the tensors, and its version (None unless a plain int); None when the frame is not
     a ``params`` frame or its envelope cannot be read."""

@@ -9,8 +9,9 @@ frame in, then stamps its length and a new, ever-increasing generation. A refere
 slot's generation before and after the copy, so a reader never takes a frame that was overwritten
 (or half written) while it read: it gets :class:`StaleRef` and asks again.
 
-Who uses it (negotiated, see docs/design.md, "Shared memory"): the daemon writes each published
-full ``params`` frame once into its ring and sends every same-host worker a ``params_ref``; a
+Who uses it (negotiated, see docs/design.md, "Shared memory"): the daemon packs each published
+full ``params`` frame straight into a slot of its ring (:meth:`Ring.begin`, :meth:`Ring.commit`:
+no frame of its own first) and sends every same-host worker a ``params_ref``; a
 worker writes each push into its own ring and sends a ``push_ref``. Whoever created a ring unlinks
 it (:meth:`Ring.close`); the daemon also unlinks a worker's ring when its session ends, so a worker
 that died leaves nothing in ``/dev/shm``. A reference is checked strictly (:func:`check_ref`): the
@@ -28,6 +29,8 @@ import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
+
+import numpy as np
 
 T = TypeVar("T")
 SHM_DIR: Final = "/dev/shm"
@@ -137,9 +140,6 @@ class Ring:
     def write(self, *parts: bytes | bytearray | memoryview, slot: int | None = None) -> Ref:
         """Copy a frame (the concatenation of ``parts``) into slot ``slot`` (default: the next in
         turn); its reference."""
-        mm = self._mm
-        if mm is None:
-            raise ShmError("closed", f"segment {self.name} is closed")
         length = sum(memoryview(p).nbytes for p in parts)
         if length > self.slot_bytes:
             raise ShmError(
@@ -147,22 +147,49 @@ class Ring:
             )
         if slot is None:
             slot = self._next
-        self._next = (slot + 1) % self.slots
-        at = self.offset(slot)
-        struct.pack_into("<QQ", mm, at - SLOT_HEAD, 0, 0)  # being written
-        pos = at
+        buf = self.begin(slot)
+        pos = 0
         for p in parts:
             n = memoryview(p).nbytes
-            mm[pos : pos + n] = p
+            buf[pos : pos + n] = np.frombuffer(p, np.uint8)
             pos += n
+        del buf
+        return self.commit(slot, length)
+
+    def begin(self, slot: int) -> np.ndarray:
+        """Take slot ``slot`` for a frame written in place: mark it as being written (a reader
+        of its last frame now gets :class:`StaleRef`) and return its bytes, writable; the writer
+        fills a prefix of them, then calls :meth:`commit`. The returned array (and every view of
+        it) keeps the mapping alive: :meth:`close` still unlinks the segment."""
+        mm = self._mm
+        if mm is None:
+            raise ShmError("closed", f"segment {self.name} is closed")
+        if not 0 <= slot < self.slots:
+            raise ShmError("bad_ref", f"slot {slot} is not one of the {self.slots}")
+        at = self.offset(slot)
+        struct.pack_into("<QQ", mm, at - SLOT_HEAD, 0, 0)  # being written
+        self._next = (slot + 1) % self.slots
+        return np.frombuffer(mm, np.uint8, self.slot_bytes, at)
+
+    def commit(self, slot: int, length: int) -> Ref:
+        """Stamp slot ``slot`` (taken with :meth:`begin`) as holding a ``length``-byte frame
+        under a new generation; its reference."""
+        mm = self._mm
+        if mm is None:
+            raise ShmError("closed", f"segment {self.name} is closed")
+        if not 0 < length <= self.slot_bytes:
+            raise ShmError("too_large", f"a {length}-byte frame does not fit a slot")
+        at = self.offset(slot)
         self._gen += 1
         struct.pack_into("<QQ", mm, at - SLOT_HEAD, self._gen, length)
         return Ref(self.name, at, length, self._gen)
 
     def close(self) -> None:
-        """Unmap and unlink (idempotent)."""
+        """Unlink, and unmap unless frames written in place are still referenced (their
+        mapping then goes with the last of them); idempotent."""
         if self._mm is not None:
-            self._mm.close()
+            with contextlib.suppress(BufferError):  # views from begin() still alive
+                self._mm.close()
             self._mm = None
         unlink(self.name)
 

@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import cast
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
@@ -59,7 +60,7 @@ class Outbox:
         self._ws = ws
         self._limit = limit
         self._cap = cap
-        self._frames: deque[tuple[bytes, bool]] = deque()
+        self._frames: deque[tuple[bytes | memoryview, bool]] = deque()
         self._wake = asyncio.Event()
         self.closing: str | None = None
         self._writing_params = False  # a parameter frame is being written
@@ -73,7 +74,7 @@ class Outbox:
         """Queue a control reply, encoded now; never blocks."""
         self._put(reply.encode(), params=False, full=False)
 
-    def send_params(self, frame: bytes, *, full: bool) -> None:
+    def send_params(self, frame: bytes | memoryview, *, full: bool) -> None:
         """Queue an encoded ``params`` frame; never blocks. A ``full`` one makes every parameter
         frame still queued before it useless, so they are dropped (deltas must all arrive, in
         order)."""
@@ -106,7 +107,7 @@ class Outbox:
         """Queue an ``error`` reply to a frame the session refused."""
         self._put(wire.error_frame(code, message, id_), params=False, full=False)
 
-    def _put(self, frame: bytes, *, params: bool, full: bool) -> None:
+    def _put(self, frame: bytes | memoryview, *, params: bool, full: bool) -> None:
         if self.closing is not None:
             return
         if full:
@@ -132,7 +133,9 @@ class Outbox:
                 self._writing_params = params
                 try:
                     for piece in wire.chunks(frame, self._cap):  # the frame itself when it fits
-                        await self._ws.send_bytes(piece)
+                        # (a view of the shared-memory ring goes as it is: aiohttp takes any
+                        # bytes-like object, though it is annotated bytes)
+                        await self._ws.send_bytes(cast(bytes, piece))
                 finally:
                     self._writing_params = False
                     # hold no frame (no snapshot) while idle
@@ -321,6 +324,9 @@ async def handle(
                     outbox.send_error(exc.code, exc.message, msg.id)
                     continue
                 outbox.shm = hub
+                engine.store.frame_sink = hub  # snapshots are packed into the ring from now on
+                if wid is not None:
+                    engine.submit(partial(engine.set_transport, wid, outbox, "shm"))
                 log.info(
                     "worker %s: shared memory on (rings %s, %s)",
                     wid,

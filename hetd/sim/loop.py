@@ -91,9 +91,9 @@ class SimPeer:
         """Queue a control reply for the worker."""
         self._inbox.append((self.worker, reply))
 
-    def send_params(self, frame: bytes, *, full: bool) -> None:
+    def send_params(self, frame: bytes | memoryview, *, full: bool) -> None:
         """Queue one ``params`` frame for the worker."""
-        self._inbox.append((self.worker, frame))
+        self._inbox.append((self.worker, bytes(frame)))  # (the simulator's are bytes: no copy)
 
     def close(self, reason: str) -> None:
         """Remember why the engine ended the session."""

@@ -12,6 +12,7 @@ import aiohttp
 import numpy as np
 import pytest
 
+from hetd.cli.admin_text import workers_text
 from hetd.codecs import registry as codecs
 from hetd.local.demo import stop_processes
 from hetd.protocol import shm, wire
@@ -22,9 +23,9 @@ from tests.conftest import WORKER_AUTH, make_config, recv_type, start_worker
 pytestmark = pytest.mark.slow
 
 
-def _hello(features: list[str]) -> bytes:
+def _hello(features: list[str], name: str = "raw") -> bytes:
     return wire.encode(
-        "hello", 1, name="raw", device={"platform": "cpu"}, codecs=["none"], features=features
+        "hello", 1, name=name, device={"platform": "cpu"}, codecs=["none"], features=features
     )
 
 
@@ -56,7 +57,7 @@ async def test_shared_memory_both_ways_and_nothing_left() -> None:
         async with aiohttp.ClientSession() as http:
             # A worker that names only "hash" is never offered shared memory: params come whole.
             plain = await http.ws_connect(url, headers=WORKER_AUTH)
-            await plain.send_bytes(_hello(["hash"]))
+            await plain.send_bytes(_hello(["hash"], name="plain"))
             # A raw same-host worker that takes it: offer, proof, then references.
             raw = await http.ws_connect(url, headers=WORKER_AUTH)
             await raw.send_bytes(_hello(["hash", "shm"]))
@@ -106,7 +107,12 @@ async def test_shared_memory_both_ways_and_nothing_left() -> None:
             assert params["version"] == params_ref["version"] >= 1
             held = apply_params(None, params)
             assert held is not None and hash_matches(held, params) is True
+            assert daemon.shm.frames_packed >= 1  # the store packed it there, nothing copied
             assert (await recv_type(plain, "params"))["full"]  # the plain worker: the socket
+            # /v1/workers (and `hetd workers`) names each one's path
+            paths = {row["name"]: row["path"] for row in daemon.engine.workers()}
+            assert paths == {"plain": "ws", "raw": "shm"}, paths
+            assert "PATH" in workers_text({"workers": daemon.engine.workers()})
 
             # A real hetd-worker on loopback trains through shared memory.
             proc = await start_worker(port, 4)
@@ -131,5 +137,5 @@ async def test_shared_memory_both_ways_and_nothing_left() -> None:
         with contextlib.suppress(Exception):
             await daemon.stop()
     assert names and all(_gone(n) for n in names)
-    leftover = [n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"hetd-dl-{os.getpid():x}")]
+    leftover = [n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"hetd-dl-{os.getpid():08x}")]
     assert leftover == []
