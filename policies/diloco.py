@@ -131,18 +131,17 @@ def diloco(
     shares: bool = True,
     calibrate: bool = True,
     codec: str | None = None,
-    balance: str = "batch",
+    balance: str = "steps",
 ) -> Policy:
-    """DiLoCo (Douillard et al. 2023): synchronous outer rounds of ``H`` inner steps; each worker's
-    batch sized so that all finish together (``global_batch`` samples per step in total, None: the
-    config's; ``shares=False``: every worker keeps ``B/N``, the paper's setting, where the round
-    waits for the slowest); the round's deltas averaged by samples and applied once through the
-    outer optimizer (``outer_optimizer = "auto"``: :func:`outer_for`).
-    ``balance``: how the workers finish together: ``"batch"`` (the batches above, ``H`` steps
-    each) or ``"steps"`` (every worker at ``B/N``, the fastest ``H`` steps and the others as
-    many as end their round with it, its transfers on the worker's measured link included,
-    :func:`finish_together_steps`; DyLU, as in ``diloco_async``, when links are not known:
-    more, smaller inner steps per round where the batches would grow).
+    """DiLoCo (Douillard et al. 2023): synchronous outer rounds of inner steps that every worker
+    ends together; the round's deltas averaged by samples and applied once through the outer
+    optimizer (``outer_optimizer = "auto"``: :func:`outer_for`). ``global_batch``: samples per
+    inner step in total (None: the config's). ``balance``: how the workers end together:
+    ``"steps"`` (every worker at ``B/N``; the fastest runs ``H`` inner steps and each other as
+    many as end its round with it, its transfers on its measured link included,
+    :func:`finish_together_steps`) or ``"batch"`` (``H`` steps each, the batches sized so that
+    all finish together, §7's solve). ``shares=False`` (with ``"batch"``): ``B/N`` and ``H``
+    each, the paper's setting, where the round waits for the slowest.
     ``calibrate``: a worker whose step time is not known yet (no push, no profile) runs rounds of
     one inner step, so the first ``H``-step round is already sized to finish together instead of
     waiting ``H`` steps for the slowest worker at ``B/N``. ``codec``: the pseudo-gradients' codec

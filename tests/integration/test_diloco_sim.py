@@ -20,11 +20,12 @@ def test_diloco_trains_in_whole_outer_rounds_through_nesterov() -> None:
     run = run_sim(sc, PolicySpec("diloco", (("H", 5),)), seed=0)
     r, engine = run.result, run.engine
     assert r.curve[-1][1] > r.curve[0][1] + 0.3  # it learns
-    assert {p.local_steps for p in engine.plans.values()} == {5}
+    # balance="steps": B/N each, the fastest H steps and the slow-downs 2 and 4 fewer
+    steps = sorted(p.local_steps for p in engine.plans.values())
+    assert steps[-1] == 5 and steps[0] < steps[-1]
+    assert {p.batch_size for p in engine.plans.values()} == {sc.global_batch // 4}
     # one version per outer round, each the mean of the four workers' deltas
     assert r.pushes // 4 <= engine.updates_applied <= r.pushes // 4 + 1
-    shares = {w: p.batch_size for w, p in engine.plans.items()}
-    assert sum(shares.values()) == sc.global_batch and max(shares.values()) > min(shares.values())
     assert r.bytes_to_target is None or 0 < r.bytes_to_target <= r.bytes_up + r.bytes_down
 
 

@@ -91,9 +91,9 @@ def test_diloco_announces_h_and_delta_pushes_then_waits_for_the_round() -> None:
     assert s.rounds == 1
 
 
-def test_diloco_sizes_batches_so_workers_finish_together() -> None:
+def test_diloco_balanced_by_batch_sizes_batches_so_workers_finish_together() -> None:
     """Worker 1 takes twice as long per sample: after one round it gets a third of the batch."""
-    p = make_policy("diloco", {"H": 10, "quantum": 1, "calibrate": False})
+    p = make_policy("diloco", {"H": 10, "quantum": 1, "calibrate": False, "balance": "batch"})
     v = view_of(fact(0, batch=64), fact(1, batch=64))
     d, s = p.update(Tick(1.0), p.init(v), v)
     v = view_of(fact(0, 1, True, 64), fact(1, 0, False, 64))
@@ -107,7 +107,7 @@ def test_diloco_sizes_batches_so_workers_finish_together() -> None:
 def test_diloco_calibrates_with_one_step_rounds_until_speeds_are_known() -> None:
     """No profile: round 1 is one inner step each; its pushes size the batches, and the first
     H-step round is already balanced (not H steps of the slowest at B/N)."""
-    p = make_policy("diloco", {"H": 10, "quantum": 1})
+    p = make_policy("diloco", {"H": 10, "quantum": 1, "balance": "batch"})
     v = view_of(fact(0, batch=64), fact(1, batch=64))
     d, s = p.update(Tick(1.0), p.init(v), v)
     assert {w: f["local_steps"] for w, f in plans(d).items()} == {0: 1, 1: 1}
@@ -141,7 +141,7 @@ def test_diloco_without_shares_keeps_b_over_n() -> None:
 def test_diloco_balanced_by_steps_keeps_b_over_n_and_gives_slow_workers_fewer_steps() -> None:
     """balance="steps": the batches stay B/N and each worker's inner steps follow its step time
     (DyLU), the fastest H; a timing within eps of the announced count changes nothing."""
-    p = make_policy("diloco", {"H": 20, "balance": "steps", "calibrate": False})
+    p = make_policy("diloco", {"H": 20, "calibrate": False})  # balance="steps", the default
     v = view_of(fact(0, batch=64), fact(1, batch=64), fact(2, batch=64), batch=192)
     d, s = p.update(Tick(1.0), p.init(v), v)
     assert {w: f["local_steps"] for w, f in plans(d).items()} == {0: 20, 1: 20, 2: 20}
