@@ -45,6 +45,7 @@ class WorkerFacts:
     idle_s: float = 0.0  # s spent waiting for releases in total
     profile: Mapping[str, float] | None = None  # the worker's profile run: sample_s, push_s,
     # pull_s, compress_s (s; trimmed means), from the daemon's profile exchange
+    stages: bool = False  # it runs pipeline stages (its hello named the ``stages`` feature)
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,7 +43,6 @@ def status_text(st: dict[str, Any]) -> str:
         ("version", str(st["version"])),
         ("stage", str(st["stage"])),
         ("policy", policy_text(st["policy"])),
-        ("outer optimizer", str(st.get("outer_optimizer", "-"))),
         ("uptime", _duration(float(st["uptime_s"]))),
         ("workers", str(st["workers"])),
         ("updates applied", str(st["updates_applied"])),
@@ -71,9 +70,26 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+def _replica_cells(workers: Sequence[dict[str, Any]]) -> dict[int, str]:
+    """Each pipeline stage's REPLICA cell: its replica's workers in stage order and which
+    stage it is (``2 > 1 (stage 0)``); data-parallel workers have none."""
+    stages: dict[int, dict[int, int]] = {}  # head -> stage -> worker
+    for w in workers:
+        row = w.get("replica")
+        if row:
+            stages.setdefault(row[0], {})[row[1]] = w["worker"]
+    cells = {}
+    for by_stage in stages.values():
+        order = " > ".join(str(by_stage[s]) for s in sorted(by_stage))
+        for s, wid in by_stage.items():
+            cells[wid] = f"{order} (stage {s})"
+    return cells
+
+
 def workers_text(reply: dict[str, Any]) -> str:
     """A readable /v1/workers."""
     rows = []
+    replicas = _replica_cells(reply["workers"])
     for w in reply["workers"]:
         dev = w.get("device") or {}
         device = ":".join(str(dev[k]) for k in ("platform", "kind") if dev.get(k)) or "-"
@@ -86,10 +102,10 @@ def workers_text(reply: dict[str, Any]) -> str:
                 f"{w.get('samples_per_s', 0.0):.0f}",
                 str(w.get("batch_size", "-")),
                 str(w.get("codec", "-")),
-                str(w.get("path", "-")),
                 f"{w.get('staleness_mean', 0.0):.2f}",
                 f"{100 * w.get('idle_fraction', 0.0):.0f}%",
                 f"{w.get('last_seen_s', 0.0):.1f}s",
+                replicas.get(w["worker"], "-"),
             ]
         )
     if not rows:
@@ -102,9 +118,9 @@ def workers_text(reply: dict[str, Any]) -> str:
         "SAMPLES/S",
         "BATCH",
         "CODEC",
-        "PATH",
         "STALENESS",
         "IDLE",
         "SEEN",
+        "REPLICA",
     ]
     return table(headers, rows)

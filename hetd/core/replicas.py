@@ -44,7 +44,8 @@ class ReplicaMixin(EngineBase):
 
         The later stages leave the policy's view; the head stays in it as the replica, released
         (its driver sends the first step itself). Raises ValueError, before anything changes,
-        when a member is not connected, is named twice or is in a replica already.
+        when a member is not connected, is named twice, is in a replica already or does not run
+        pipeline stages (its hello did not name the ``stages`` feature).
         """
         members = tuple(members)
         if len(members) < 2 or len(set(members)) != len(members):
@@ -55,6 +56,12 @@ class ReplicaMixin(EngineBase):
         taken = [w for w in members if self.replica_of(w) is not None]
         if taken:
             raise ValueError(f"workers {taken} are in a replica already")
+        unable = [w for w in members if not self._workers[w].facts.stages]
+        if unable:
+            raise ValueError(
+                f"workers {unable} do not run pipeline stages (their hello did not name the "
+                "'stages' feature: an older hetd-worker)"
+            )
         head = members[0]
         now = self.clock.now()
         self._replicas[head] = members

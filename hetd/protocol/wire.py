@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
 import msgpack
 
@@ -118,8 +118,9 @@ SCHEMA: Final[dict[str, dict[str, tuple[tuple[type, ...], bool]]]] = {
 ACK_STATUSES: Final = ("applied", "buffered", "dropped", "duplicate")
 # Optional fields a worker can take, named in its hello's ``features``; the daemon sends a field
 # only to workers that name it (an older worker's strict decoder refuses fields it does not know):
-# "hash": full ``params`` frames carry the version's parameter hash.
-WORKER_FEATURES: Final = ("hash",)
+# "hash": full ``params`` frames carry the version's parameter hash; "stages": it runs pipeline
+# stages (``stage``/``step``/``abort``, ``act``/``gact``): only such a worker is put in a replica.
+WORKER_FEATURES: Final = ("hash", "stages")
 PUSH_KINDS: Final = ("grad", "delta")
 
 
@@ -310,10 +311,7 @@ CHUNK_OVERHEAD: Final = 64  # bytes a chunk frame adds around its piece (envelop
 MAX_MESSAGE: Final = (1 << 32) - 1  # the largest message chunks may carry (msgpack bin32)
 
 
-_Frame = TypeVar("_Frame", bound=bytes | memoryview)
-
-
-def chunks(frame: _Frame, cap: int) -> Iterator[_Frame | bytes]:
+def chunks(frame: bytes, cap: int) -> Iterator[bytes]:
     """The frames that carry ``frame`` over a link whose frame cap is ``cap``: the frame itself
     when it fits, else ``chunk`` messages (``seq`` 0, 1, ..., the last with ``last`` true) each at
     most ``cap`` bytes, whose ``data`` joined is the frame. A peer that predates chunks answers the

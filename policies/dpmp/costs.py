@@ -56,6 +56,7 @@ class WorkerSpec:
     lat_s: float = 0.0  # one-way latency to the head
     price: float = 1.0  # cost per busy second
     block_s: tuple[float, ...] | None = None  # s per sample per block (an exact profile)
+    stages: bool = True  # it can run a pipeline stage (a worker that did not say so cannot)
 
     def taus(self, blocks: Sequence[Block]) -> list[float]:
         """s per sample of each block: the exact profile, else ``sample_s`` by FLOP share."""

@@ -12,6 +12,9 @@ batch and its predicted round time ``τ*``. Candidates:
    member left alone running data parallel;
 3. *helper* pairs: a capable worker with one memory-poor worker left idle by the best of 2.
 
+Only workers that run pipeline stages (``WorkerSpec.stages``) are ever in a group of more than
+one; the others run data parallel when they can hold the model, and are idle when they cannot.
+
 :func:`decide` keeps the current structure unless a candidate predicts ``τ_new + switch/H ≤
 keep·τ_cur`` (``keep = 0.75``: a predicted gain of at least 1/0.75) and ``R`` rounds have passed
 since the last change; a structure whose members are no longer all present is replaced at once.
@@ -134,7 +137,8 @@ def candidates(
     median = statistics.median(workers[w].sample_s for w in ids)
     slow = {w for w in ids if w not in poor and workers[w].sample_s > 2 * median}
     capable = [w for w in ids if w not in poor]
-    pool = sorted(poor | slow)
+    # only workers that run pipeline stages are grouped; the others are data parallel or idle
+    pool = sorted(w for w in poor | slow if workers[w].stages)
     found: dict[Groups, Structure] = {}
     memo: Memo = {}
 
@@ -148,7 +152,7 @@ def candidates(
         return s
 
     add([(w,) for w in capable])
-    fixed = [(w,) for w in capable if w not in slow]
+    fixed = [(w,) for w in capable if w not in pool]
     splits = list(_partitions(pool)) if len(pool) <= exhaustive else [_greedy(pool, workers)]
     for part in splits:
         groups = fixed + [g for g in part if len(g) > 1 or g[0] not in poor]
@@ -156,10 +160,10 @@ def candidates(
     best = min(found.values(), key=lambda s: s.tau, default=None)
     if best is not None:
         for p in best.idle:
-            if p not in poor:
+            if p not in poor or not workers[p].stages:
                 continue
             for h in capable:
-                if (h,) in best.groups:
+                if (h,) in best.groups and workers[h].stages:
                     add([g for g in best.groups if g != (h,)] + [(h, p)])
     return sorted(found.values(), key=lambda s: (s.tau, len(s.replicas)))
 

@@ -105,7 +105,13 @@ def worker_specs(view: ClusterView, price: float) -> dict[int, WorkerSpec]:
         link = f.link_bps if f.link_bps is not None and f.link_bps > 0 else math.inf
         mem = float(f.free_mem) if f.free_mem is not None and f.free_mem > 0 else math.inf
         specs[wid] = WorkerSpec(
-            wid, own(f) or fallback, mem_bytes=mem, bw_up=link, bw_down=link, price=price
+            wid,
+            own(f) or fallback,
+            mem_bytes=mem,
+            bw_up=link,
+            bw_down=link,
+            price=price,
+            stages=f.stages,
         )
     return specs
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import optax
+import pytest
 
 from hetd.core.engine import Engine, EngineConfig
 from hetd.core.ingest import decode_hello
@@ -50,7 +51,9 @@ def test_dpmp_pairs_the_memory_poor_worker_and_runs_rounds_over_replicas() -> No
     engine.replica_release = steps.append
     ids = {}
     for name, mem in (("a", 8 << 30), ("b", 8 << 30), ("poor", POOR)):
-        hello = wire.encode("hello", 1, name=name, device={"free_memory": mem}, codecs=["none"])
+        hello = wire.encode(
+            "hello", 1, name=name, device={"free_memory": mem}, codecs=["none"], features=["stages"]
+        )
         ids[name] = engine.join(decode_hello(wire.decode(hello)), FakePeer())
     pid = 0
 
@@ -93,3 +96,29 @@ def test_dpmp_pairs_the_memory_poor_worker_and_runs_rounds_over_replicas() -> No
     assert all(ids["poor"] not in s.members for shapes in formed[asked:] for s in shapes)
     assert engine.policy_state.pipelines == ()
     assert set(engine.policy_state.working) == {ids["a"], ids["b"]}
+
+
+def test_a_worker_that_runs_no_stages_is_never_put_in_a_replica() -> None:
+    params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    policy = make_policy("dpmp", {"period": 1, "keep": 1.0})
+    clock = FakeClock()
+    config = EngineConfig(batch_size=32, global_batch=256, profile_steps=0)
+    engine = Engine(Store(params, optax.sgd(0.1)), policy, config, clock)
+    formed: list[tuple[ReplicaShape, ...]] = []
+    engine.replica_regroup = formed.append
+    ids = {}
+    for name, mem in (("a", 8 << 30), ("b", 8 << 30), ("poor", POOR)):
+        # an older worker: its hello names no features
+        hello = wire.encode("hello", 1, name=name, device={"free_memory": mem}, codecs=["none"])
+        ids[name] = engine.join(decode_hello(wire.decode(hello)), FakePeer())
+    grads = {k: np.full(s, 1e-3, np.float32) for k, s in SHAPES.items()}
+    for pid in range(1, 4):
+        for w in (ids["a"], ids["b"]):
+            clock.t += 0.1
+            base = engine.store.version
+            engine.push(PushIn(w, pid, base, "grad", grads, 32, 1, 0.1, None, None, 1))
+    assert all(s == () for s in formed)  # no replica asked for
+    assert set(engine.policy_state.working) == {ids["a"], ids["b"]}  # the poor one idles
+    assert engine.store.version >= 2
+    with pytest.raises(ValueError, match="stages"):
+        engine.form_replica([ids["a"], ids["poor"]])

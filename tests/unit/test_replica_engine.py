@@ -28,7 +28,7 @@ def _engine(policy: str) -> tuple[Engine, dict[int, FakePeer], list[int]]:
     peers: dict[int, FakePeer] = {}
     for name in ("a", "b", "c"):
         peer = FakePeer()
-        hello = wire.encode("hello", 1, name=name, device={}, codecs=["none"])
+        hello = wire.encode("hello", 1, name=name, device={}, codecs=["none"], features=["stages"])
         peers[engine.join(decode_hello(wire.decode(hello)), peer)] = peer
     steps: list[int] = []
     engine.replica_release = steps.append
@@ -104,3 +104,16 @@ def test_hetd_replicas_prints_each_replica_that_ran() -> None:
     assert "3 > 1" in lines[1] and lines[2].split()[:2] == ["1", "-"]  # dissolved, not hidden
     idle = {"replica": 0, "members": [], "gen": 0, **row, "others": []}
     assert replicas_text(idle) == "no pipeline replicas"
+
+
+def test_hetd_workers_shows_each_replicas_stages() -> None:
+    from hetd.cli.admin_text import workers_text
+
+    engine, peers, _ = _engine("bsp")
+    a, b, c = peers
+    engine.form_replica([b, a])
+    lines = workers_text({"workers": engine.workers()}).splitlines()
+    assert lines[0].split()[-1] == "REPLICA"
+    rows = {int(line.split()[0]): line for line in lines[1:]}
+    assert rows[b].endswith(f"{b} > {a} (stage 0)") and rows[a].endswith(f"{b} > {a} (stage 1)")
+    assert rows[c].endswith(" -")  # data parallel
