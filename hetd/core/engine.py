@@ -54,7 +54,7 @@ from hetd.core.entries import (
 from hetd.core.ingest import update_norm
 from hetd.core.publish import OFF_LOOP_PARAMS, PublishMixin
 from hetd.core.saved import EngineState, SavedWorker, StateMixin
-from hetd.core.store import Aggregator, Snapshot
+from hetd.core.store import Aggregator, Snapshot, make_outer
 from hetd.core.views import ViewsMixin
 from hetd.protocol.messages import (
     Ack,
@@ -499,6 +499,11 @@ class Engine(ViewsMixin, StateMixin, PublishMixin):
         )
         stage = "main"
         try:
+            outer = (
+                None if self.config.outer_for is None else self.config.outer_for(name, new.params)
+            )
+            if outer is not None:
+                make_outer(outer)  # a bad spec refuses the swap here
             decisions, state = new.update(Tick(now), new.init(trial), trial)
             first = resolve(decisions)  # raises on an unknown plan field or a wrong value
             for d in first.plans:
@@ -516,6 +521,9 @@ class Engine(ViewsMixin, StateMixin, PublishMixin):
             self._flush(Flush(normalize=True))
         old = self.policy.name
         self.policy, self.policy_state = new, state
+        # after the flush, which applied the old policy's rounds through the old one
+        if outer is not None and self.store.set_outer(outer):
+            log.info("outer optimizer -> %s (state reset)", self.store.outer_spec)
         if stage != self.stage:
             at = now - self.started_at
             log.info("stage %s -> %s at %.2f s (policy swap)", self.stage, stage, at)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import msgpack
 
@@ -311,7 +311,10 @@ CHUNK_OVERHEAD: Final = 64  # bytes a chunk frame adds around its piece (envelop
 MAX_MESSAGE: Final = (1 << 32) - 1  # the largest message chunks may carry (msgpack bin32)
 
 
-def chunks(frame: bytes, cap: int) -> Iterator[bytes]:
+_Frame = TypeVar("_Frame", bound=bytes | memoryview)
+
+
+def chunks(frame: _Frame, cap: int) -> Iterator[_Frame | bytes]:
     """The frames that carry ``frame`` over a link whose frame cap is ``cap``: the frame itself
     when it fits, else ``chunk`` messages (``seq`` 0, 1, ..., the last with ``last`` true) each at
     most ``cap`` bytes, whose ``data`` joined is the frame. A peer that predates chunks answers the
