@@ -37,6 +37,7 @@ from policies.types import (
     Decision,
     Event,
     Flush,
+    Join,
     Leave,
     Policy,
     Pull,
@@ -196,11 +197,17 @@ def dpmp(
             f = view.workers.get(wid)
             if f is not None and f.batch_size != b:
                 out.append(SetPlan(wid, {"batch_size": b}))
-        # a replica being formed is released by its driver; the others when they wait
+        # A replica being formed is released by its driver, never here: if it is not formed,
+        # a Release would run its head as a data-parallel worker (one that may not hold the
+        # model). A running replica and the data-parallel workers are released when they wait.
+        heads = {p.members[0]: p.members for p in shapes}
         for wid in working:
             f = view.workers.get(wid)
-            if f is not None and f.waiting:
-                out.append(Release(wid))
+            if f is None or not f.waiting:
+                continue
+            if wid in heads and view.replicas.get(wid) != heads[wid]:
+                continue
+            out.append(Release(wid))
         desc = " ".join(
             f"[{'+'.join(map(str, s.members))} b={s.batch}]" for s in specs if s.batch > 0
         )
@@ -221,6 +228,20 @@ def dpmp(
         event: Event, st: DpmpPolicyState, view: ClusterView
     ) -> tuple[Sequence[Decision], DpmpPolicyState]:
         out: list[Decision] = []
+        if not isinstance(event, Join | Leave):
+            # A planned pipeline replica that is not running (its driver gave up on a step, or
+            # could not form it) is out of this round: the round must not wait for a push that
+            # will not come, nor release its head as a data-parallel worker. The next round
+            # plans it again. (Join and Leave also come while the driver regroups, before it
+            # has formed what the plan asks for: they never count.)
+            lost = [p for p in st.pipelines if view.replicas.get(p.members[0]) != p.members]
+            if lost:
+                gone = {p.members[0] for p in lost} - st.pushed
+                st = replace(
+                    st,
+                    working=tuple(w for w in st.working if w not in gone),
+                    pipelines=tuple(p for p in st.pipelines if p not in lost),
+                )
         if isinstance(event, Push):
             out.append(Buffer(float(event.samples)))
             if event.worker in st.working:

@@ -122,3 +122,59 @@ def test_a_worker_that_runs_no_stages_is_never_put_in_a_replica() -> None:
     assert engine.store.version >= 2
     with pytest.raises(ValueError, match="stages"):
         engine.form_replica([ids["a"], ids["poor"]])
+
+
+def test_a_replica_its_driver_gave_up_on_neither_stalls_the_round_nor_runs_as_dp() -> None:
+    """The driver dissolves a replica on its own (a step timed out): the policy's round must not
+    wait for the replica's push, nor release its members as data-parallel workers when they
+    ask for parameters; the next round forms the replica again."""
+    params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    policy = make_policy("dpmp", {"period": 1, "keep": 1.0})
+    clock = FakeClock()
+    config = EngineConfig(batch_size=32, global_batch=256, profile_steps=0)
+    engine = Engine(Store(params, optax.sgd(0.1)), policy, config, clock)
+    formed: list[tuple[ReplicaShape, ...]] = []
+
+    def regroup(shapes: tuple[ReplicaShape, ...]) -> None:
+        formed.append(shapes)
+        for head in list(engine.replicas):
+            if not shapes or shapes[0].members != engine.replicas[head]:
+                engine.dissolve_replica(head, "regrouped")
+        if shapes and shapes[0].members[0] not in engine.replicas:
+            engine.form_replica(shapes[0].members)
+
+    engine.replica_regroup = regroup
+    engine.replica_release = lambda head: None
+    ids, peers = {}, {}
+    for name, mem in (("a", 8 << 30), ("b", 8 << 30), ("poor", POOR)):
+        hello = wire.encode(
+            "hello", 1, name=name, device={"free_memory": mem}, codecs=["none"], features=["stages"]
+        )
+        peer = FakePeer()
+        ids[name] = engine.join(decode_hello(wire.decode(hello)), peer)
+        peers[ids[name]] = peer
+    grads = {k: np.full(s, 1e-3, np.float32) for k, s in SHAPES.items()}
+    pid = 0
+
+    def push(wid: int) -> None:
+        nonlocal pid
+        pid += 1
+        clock.t += 0.1
+        base = engine.store.version
+        engine.push(PushIn(wid, pid, base, "grad", grads, 32, 1, 0.1, None, None, 1))
+
+    push(ids["a"])  # round 1 ends; round 2 pairs the poor worker
+    (shape,) = formed[-1]
+    members = shape.members
+    other = next(w for w in (ids["a"], ids["b"]) if w not in members)
+    assert engine.replicas == {members[0]: members}
+    engine.dissolve_replica(members[0], "step 1 was not complete")  # the driver gave up
+    sent = {w: len(peers[w].frames) for w in members}
+    for w in members:  # the workers drop their slices and ask for parameters
+        engine.pull(w, None)
+    version = engine.store.version
+    push(other)  # the round's only running participant: it ends the round
+    assert engine.store.version == version + 1, "the round waits for a replica that is gone"
+    assert {w: len(peers[w].frames) for w in members} == sent  # nobody ran as data parallel
+    assert engine.replicas == {members[0]: members}  # the next round formed it again
+    assert set(engine.policy_state.working) == {members[0], other}
