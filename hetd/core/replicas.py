@@ -91,7 +91,13 @@ class ReplicaMixin(EngineBase):
         lead = self._workers.get(head)
         if lead is not None:
             lead.held_ref = None
-            self._put(lead, dataclasses.replace(lead.facts, version=-1))
+            # Its timings were the replica's steps (and the first one's compiles), not its own:
+            # a planner reading them as the worker's speed would think it slow and leave it idle
+            # for good. Its next pushes (or its profile) measure it again.
+            self._put(
+                lead,
+                dataclasses.replace(lead.facts, version=-1, sample_s=None, compute_s=None),
+            )
         for wid in members[1:]:
             del self._stages[wid]
             entry = self._workers.get(wid)

@@ -117,3 +117,17 @@ def test_hetd_workers_shows_each_replicas_stages() -> None:
     rows = {int(line.split()[0]): line for line in lines[1:]}
     assert rows[b].endswith(f"{b} > {a} (stage 0)") and rows[a].endswith(f"{b} > {a} (stage 1)")
     assert rows[c].endswith(" -")  # data parallel
+
+
+def test_a_dissolved_replicas_head_does_not_keep_the_replicas_timings() -> None:
+    """A replica's pushes carry the whole replica's step time (its first one the stages'
+    compiles): once it dissolves, its head's own speed is unknown again, not that."""
+    engine, peers, _ = _engine("bsp")
+    a, b, _c = peers
+    engine.form_replica([a, b])
+    grads = {k: np.full(s, 0.5, np.float32) for k, s in SHAPES.items()}
+    engine.push(PushIn(a, 1, 0, "grad", grads, 8, 1, 30.0, None, None, 100))  # 30 s: compiles
+    assert engine.entries[a].facts.sample_s == 30.0 / 8
+    engine.dissolve_replica(a, "regrouped")
+    facts = engine.facts[a]
+    assert facts.sample_s is None and facts.compute_s is None
