@@ -7,7 +7,8 @@ endpoints with nothing heavier than aiohttp imported, log the listening line, th
 the data, build the model and the engine in a thread, resume from the newest checkpoint and start
 the engine. A worker that connects meanwhile waits for the engine and then gets its ``welcome``;
 ``/healthz`` answers at once (``"ready": false`` until the engine runs); the admin API answers 503
-``starting`` until then.
+``starting`` until then. :mod:`hetd.server.build` builds the engine from the config, and
+:mod:`hetd.server.worker_app` is the workers' HTTP app.
 
 ``Daemon`` owns every task it starts (the engine, the HTTP runners, the checkpoint timer) and cancels
 and awaits them on ``stop``. ``serve`` is what ``hetd serve`` runs: listen, build, resume, tell
@@ -25,152 +26,25 @@ import signal
 import socket
 import ssl
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from hetd import config as config_mod
 from hetd.server import admin
-from hetd.server.auth import bearer_ok
+from hetd.server.build import build_engine as build_engine  # hetd.server.daemon.build_engine too
 from hetd.server.relay import Relay
 from hetd.server.shm_hub import ShmHub
+from hetd.server.worker_app import make_worker_app
 
 if TYPE_CHECKING:  # the heavy modules (JAX, flax, optax) load behind the listening sockets
-    from hetd.core.engine import Clock, Engine
-    from hetd.core.store import Snapshot
+    from hetd.core.engine import Engine
     from hetd.server import checkpoint
     from hetd.server.metrics import Metrics
     from hetd.server.replicas import ReplicaDriver
-    from hetd.zoo.data import Dataset
-    from hetd.zoo.models import Model
 
 log = logging.getLogger("hetd.server.daemon")
-
-
-def make_evaluator(model: Model, data: Dataset) -> Callable[[Snapshot], tuple[float, float]]:
-    """(loss, accuracy) of a parameter snapshot on the test set, jitted once."""
-    import jax
-    import jax.numpy as jnp
-
-    x = jnp.asarray(data.x_test)
-    y = jnp.asarray(data.y_test)
-
-    @jax.jit
-    def metrics(params: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        return model.loss(params, x, y), model.accuracy(params, x, y)
-
-    def evaluate(snap: Snapshot) -> tuple[float, float]:
-        loss, acc = metrics({k: jnp.asarray(v) for k, v in snap.tensors.items()})
-        return float(loss), float(acc)
-
-    return evaluate
-
-
-def build_engine(cfg: config_mod.Config, clock: Clock | None = None) -> Engine:
-    """Model, data, store, policy and engine from a config."""
-    import jax
-
-    from hetd.core.engine import Engine, EngineConfig
-    from hetd.core.store import Store, make_optimizer, make_outer
-    from hetd.zoo.data import load_dataset
-    from hetd.zoo.models import get_model
-    from policies import make_policy
-
-    t = cfg.train
-    data = load_dataset(t.dataset, seed=t.seed, **dict(t.dataset_kwargs))
-    model = get_model(t.model, data.num_classes, **dict(t.model_kwargs))
-    # One jitted init compiles once; flax's eager init compiles op by op (~2x slower start-up).
-    params = jax.jit(model.init, static_argnums=1)(jax.random.PRNGKey(t.seed), data.input_shape)
-    workers = max(1, t.global_batch // max(1, t.batch_size))
-
-    def outer_for(name: str, policy_params: Mapping[str, Any]) -> str:
-        """The outer optimizer policy ``name`` runs with (outer_optimizer "auto": the policy's;
-        delayed Nesterov's period is the workers the configuration's batches describe, as
-        ``global_batch / batch_size``): at start, and for a policy swapped in later."""
-        return config_mod.optimizers(
-            t.optimizer,
-            t.lr,
-            t.inner_optimizer,
-            t.worker_lr,
-            t.outer_optimizer,
-            name,
-            policy_params,
-            workers,
-        )[2]
-
-    daemon_opt = config_mod.optimizers(
-        t.optimizer, t.lr, t.inner_optimizer, t.worker_lr, t.outer_optimizer
-    )[0]
-    outer_opt = outer_for(cfg.policy.name, cfg.policy.params)
-    store = Store(
-        params, make_optimizer(daemon_opt), outer=make_outer(outer_opt), outer_spec=outer_opt
-    )
-    policy = make_policy(cfg.policy.name, cfg.policy.params)
-    econf = EngineConfig(
-        global_batch=t.global_batch,
-        batch_size=t.batch_size,
-        codec=t.codec,
-        downlink=t.downlink,
-        heartbeat_s=cfg.server.heartbeat_s,
-        heartbeat_timeout_s=cfg.server.heartbeat_timeout_s,
-        eval_interval_s=t.eval_interval_s,
-        max_staleness=t.max_staleness_drop,
-        guard_factor=t.guard_factor,
-        guard_warmup=t.guard_warmup,
-        profile_steps=t.profile_steps,
-        shards=t.shards,
-        welcome=config_mod.worker_setup(cfg),
-        outer_for=outer_for,
-    )
-    return Engine(store, policy, econf, clock=clock, evaluator=make_evaluator(model, data))
-
-
-def make_worker_app(daemon: Daemon) -> web.Application:
-    """The workers' HTTP app: ``/v1/ws`` (waits for the engine while the daemon starts),
-    ``/v1/prepare`` (what every worker builds, from the config: answers at once) and ``/healthz``
-    (answers at once: ``ready`` false and version 0 until the engine runs)."""
-    server = daemon.cfg.server
-    app = web.Application(client_max_size=server.max_frame_bytes)
-
-    async def ws(request: web.Request) -> web.StreamResponse:
-        engine = await daemon.wait_ready()
-        if engine is None:
-            return web.json_response(
-                {"error": "stopping", "message": "the daemon is stopping"}, status=503
-            )
-        from hetd.server import sessions
-
-        return await sessions.handle(
-            request,
-            engine,
-            server.worker_token,
-            server.max_frame_bytes,
-            server.outbox_frames,
-            daemon.relay,
-            hub=daemon.shm,
-        )
-
-    setup = config_mod.worker_setup(daemon.cfg)
-
-    async def prepare(request: web.Request) -> web.Response:
-        # Config only, so it answers while the engine builds: a worker that asks loads its data
-        # and compiles its step at the same time, and its welcome then finds them ready.
-        if not bearer_ok(request, server.worker_token):
-            return web.Response(
-                status=401, text="missing or wrong worker token (Authorization: Bearer)"
-            )
-        return web.json_response(setup)
-
-    async def healthz(request: web.Request) -> web.Response:
-        engine = daemon.engine_or_none
-        version = engine.store.version if engine is not None and daemon.ready else 0
-        return web.json_response({"ok": True, "ready": daemon.ready, "version": version})
-
-    app.router.add_get("/v1/ws", ws)
-    app.router.add_get("/v1/prepare", prepare)
-    app.router.add_get("/healthz", healthz)
-    return app
 
 
 class Daemon:

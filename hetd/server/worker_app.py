@@ -1,0 +1,64 @@
+"""The workers' HTTP app of a daemon: the websocket endpoint, the early setup and the health check.
+
+It answers while the daemon still builds its engine: ``/v1/prepare`` and ``/healthz`` at once, and
+``/v1/ws`` once the engine runs (:class:`hetd.server.daemon.Daemon`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from hetd import config as config_mod
+from hetd.server.auth import bearer_ok
+
+if TYPE_CHECKING:
+    from hetd.server.daemon import Daemon
+
+
+def make_worker_app(daemon: Daemon) -> web.Application:
+    """The workers' HTTP app: ``/v1/ws`` (waits for the engine while the daemon starts),
+    ``/v1/prepare`` (what every worker builds, from the config: answers at once) and ``/healthz``
+    (answers at once: ``ready`` false and version 0 until the engine runs)."""
+    server = daemon.cfg.server
+    app = web.Application(client_max_size=server.max_frame_bytes)
+
+    async def ws(request: web.Request) -> web.StreamResponse:
+        engine = await daemon.wait_ready()
+        if engine is None:
+            return web.json_response(
+                {"error": "stopping", "message": "the daemon is stopping"}, status=503
+            )
+        from hetd.server import sessions
+
+        return await sessions.handle(
+            request,
+            engine,
+            server.worker_token,
+            server.max_frame_bytes,
+            server.outbox_frames,
+            daemon.relay,
+            hub=daemon.shm,
+        )
+
+    setup = config_mod.worker_setup(daemon.cfg)
+
+    async def prepare(request: web.Request) -> web.Response:
+        # Config only, so it answers while the engine builds: a worker that asks loads its data
+        # and compiles its step at the same time, and its welcome then finds them ready.
+        if not bearer_ok(request, server.worker_token):
+            return web.Response(
+                status=401, text="missing or wrong worker token (Authorization: Bearer)"
+            )
+        return web.json_response(setup)
+
+    async def healthz(request: web.Request) -> web.Response:
+        engine = daemon.engine_or_none
+        version = engine.store.version if engine is not None and daemon.ready else 0
+        return web.json_response({"ok": True, "ready": daemon.ready, "version": version})
+
+    app.router.add_get("/v1/ws", ws)
+    app.router.add_get("/v1/prepare", prepare)
+    app.router.add_get("/healthz", healthz)
+    return app
