@@ -59,6 +59,7 @@ class Replica:
         self.cuts: tuple[int, ...] = ()
         self.state = asm.AssemblerState(model=frozenset(engine.store.shapes))
         self.assembled = 0  # steps applied as one push
+        self.assembled_by: dict[int, int] = {}  # ... by the head whose push they were
         self.aborted = 0  # steps discarded (a stage lost, a bad or unfitting part)
         self.dropped: list[str] = []  # why parts were dropped (the last few)
         self._pending = False  # a step is released and neither assembled nor given up
@@ -307,9 +308,10 @@ class Replica:
             return st.refused + st.duplicates == before
 
         taken = await self.engine.call(push_once)
-        self.assembled += 1
-        if self.parent is not None:
-            self.parent.assembled += 1
+        for r in (self, self.parent):
+            if r is not None:
+                r.assembled += 1
+                r.assembled_by[head] = r.assembled_by.get(head, 0) + 1
         if not taken and done.gen == self.gen and self.members and not self._pending:
             self.release()  # no release follows a refused push: the replica goes on by itself
 

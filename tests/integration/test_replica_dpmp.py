@@ -12,14 +12,6 @@ pytestmark = pytest.mark.slow
 POOR = "100000"  # bytes: cannot hold the 64-64-64-64-10 MLP with its gradients; half of it, yes
 
 
-# Known defect, issue 17 (open): while the workers are still joining, dpmp may regroup twice in
-# quick succession and then release nobody (no replica formed, no round ended), or release the
-# memory-poor worker as a data-parallel worker before its first plan; about one run in four here.
-# The test runs every time and reports XPASS when neither happens; it must not fail CI meanwhile.
-@pytest.mark.xfail(
-    reason="dpmp can stall or use the memory-poor worker as DP in its first rounds (issue 17)",
-    strict=False,
-)
 async def test_dpmp_forms_a_replica_of_the_memory_poor_worker_and_trains(cluster) -> None:  # type: ignore[no-untyped-def]
     c = await cluster(
         "dpmp",
@@ -50,7 +42,6 @@ async def test_dpmp_forms_a_replica_of_the_memory_poor_worker_and_trains(cluster
     assert c.engine.policy_state.pipelines != ()
 
     def only_replica_steps() -> bool:  # it never trained as a data-parallel worker
-        own = driver.assembled if members[0] == poor else 0
-        return c.engine.stats[poor].pushes == own
+        return c.engine.stats[poor].pushes == driver.assembled_by.get(poor, 0)
 
     await c.wait_for(only_replica_steps, 30, "the poor worker's pushes to be replica steps")
