@@ -15,14 +15,16 @@ import pytest
 from hetd.codecs import registry as codecs
 from hetd.protocol import wire
 from policies.types import ReplicaShape
-from tests.conftest import WORKER_AUTH, raw_hello
+from tests.conftest import WORKER_AUTH
 
 CAP = 16 * 1024  # bytes: the big activation below is sent as chunks both ways
 
 
 async def _join(http: aiohttp.ClientSession, url: str) -> tuple[Any, int]:
     ws = await http.ws_connect(url, headers=WORKER_AUTH, max_msg_size=CAP)
-    await ws.send_bytes(raw_hello())
+    # a raw client that says it runs pipeline stages (only such a worker is put in a replica)
+    hello = dict(name="raw", device={"platform": "cpu"}, codecs=["none"], features=["stages"])
+    await ws.send_bytes(wire.encode("hello", 1, **hello))
     msg = await _next(ws, "welcome")
     return ws, int(msg["worker_id"])
 
