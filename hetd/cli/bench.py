@@ -106,7 +106,7 @@ def add_commands(sub: Any) -> None:
     _common(b)
     b.add_argument(
         "--suite",
-        choices=("policies", "codecs", "system", "parity", "chaos", "soak"),
+        choices=("policies", "codecs", "system", "parity", "chaos", "soak", "dpmp"),
         default="policies",
         help="policies: time-to-accuracy of --policies on --scenario (docs/benchmark.md, the "
         "default); codecs: codec GB/s vs memcpy, written to OUT/codecs.json (hetd.bench.codec_speed; "
@@ -122,7 +122,10 @@ def add_commands(sub: Any) -> None:
         "OUT/chaos.md (hetd.bench.chaos; options below); soak: a real daemon and --workers "
         "light protocol-v1 workers (no compute, no JAX) for --minutes: the daemon's memory "
         "growth after the first minute and every error, written to OUT/soak.json and OUT/soak.md "
-        "(hetd.bench.soak)",
+        "(hetd.bench.soak); dpmp: DP+MP against DP-only (lbbsp) on the pipeline simulator's "
+        "scenarios B, C, D, E and the budget run over --seeds, median batch time from round 20 "
+        "against the cost model and the targets, written to OUT/dpmp.json, OUT/dpmp.md and "
+        "OUT/dpmp_budget.png (hetd.bench.dpmp; virtual time)",
     )
     b.add_argument(
         "--mode",
@@ -279,6 +282,8 @@ def _bench(args: argparse.Namespace) -> int:
         return _chaos(args)
     if args.suite == "soak":
         return _soak(args)
+    if args.suite == "dpmp":
+        return _dpmp(args)
 
     if args.seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
@@ -341,6 +346,16 @@ def _links(args: argparse.Namespace, workers: int) -> str:
         print(f"hetd bench: {why}; using emulated links", file=sys.stderr)
         return "emulated"
     return "netns"
+
+
+def _dpmp(args: argparse.Namespace) -> int:
+    """``--suite dpmp``: the tables on stdout; OUT/dpmp.json, dpmp.md and dpmp_budget.png."""
+    from hetd.bench.dpmp import DpmpOptions, markdown, run_dpmp
+
+    doc = run_dpmp(DpmpOptions(out=Path(args.out), seeds=args.seeds))
+    print(markdown(doc))
+    print(f"dpmp: wrote {args.out}/dpmp.json, dpmp.md and dpmp_budget.png")
+    return 0 if doc["verdict"] == "pass" else 1
 
 
 def _soak(args: argparse.Namespace) -> int:

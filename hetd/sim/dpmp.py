@@ -221,9 +221,13 @@ def compare(
     rounds: int = 30,
     jitter: float = 0.1,
     seed: int = 0,
+    from_round: int = 0,
 ) -> Figures:
     """BSP, LB-BSP and DP+MP on ``sc``: each round plans on the nominal speeds (what the
-    profile says) and runs on speeds jittered by ±``jitter``; medians over ``rounds``."""
+    profile says) and runs on speeds jittered by ±``jitter``; medians over rounds
+    ``from_round .. rounds - 1``."""
+    if not 0 <= from_round < rounds:
+        raise ValueError(f"from_round must be in [0, {rounds}), got {from_round}")
     blocks = list(blocks or mlp_blocks())
     workers = sc.specs(blocks)
     capable = tuple((w,) for w, s in workers.items() if RHO * s.mem_bytes >= need_full(blocks, 32))
@@ -243,7 +247,7 @@ def compare(
         times["bsp"].append(round_time(blocks, now, bsp))
         times["lbbsp"].append(round_time(blocks, now, dp))
         times["dpmp"].append(round_time(blocks, now, best))
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = {k: statistics.median(v[from_round:]) for k, v in times.items()}
     return Figures(sc.name, med["bsp"], med["lbbsp"], med["dpmp"], best.tau, best.describe())
 
 
