@@ -174,44 +174,56 @@ def pack_parts(type_: str, id_: int = 0, **fields: Any) -> Parts:
     snapshot's memory, and a sender can hand the segments to its transport as they are."""
     if type_ not in SCHEMA:
         raise ProtocolError("unknown_type", f"cannot encode unknown message type {type_!r}")
-    packer = msgpack.Packer(use_bin_type=True)
-    segments: list[bytes | bytearray | memoryview] = []
-    offsets: list[int] = []
-    small = bytearray()
-    size = 0
-
-    def add(obj: Any) -> None:
-        nonlocal small, size
-        if isinstance(obj, dict):
-            small += packer.pack_map_header(len(obj))
-            for k, v in obj.items():
-                small += packer.pack(k)
-                add(v)
-        elif isinstance(obj, list | tuple):
-            small += packer.pack_array_header(len(obj))
-            for v in obj:
-                add(v)
-        elif isinstance(obj, bytes | bytearray | memoryview) and _nbytes(obj) >= ZERO_COPY_MIN:
-            n = _nbytes(obj)
-            small += (
-                b"\xc6" + n.to_bytes(4, "big") if n >= 1 << 16 else b"\xc5" + n.to_bytes(2, "big")
-            )
-            size += len(small)
-            segments.append(bytes(small))
-            small = bytearray()
-            offsets.append(size)
-            segments.append(obj)
-            size += n
-        else:
-            small += packer.pack(obj)
-
     msg: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": type_, "id": id_}
     msg.update(fields)
-    add(msg)
-    if small:
-        segments.append(bytes(small))
-        size += len(small)
-    return Parts(tuple(segments), tuple(offsets), size)
+    packing = _Packing()
+    packing.add(msg)
+    return packing.parts()
+
+
+class _Packing:
+    """The state of one :func:`pack_parts`. An object, not a closure calling itself: such a
+    closure is a reference cycle (the function, its cell) holding every segment, so each packed
+    frame's tensors (at 100M parameters, a whole model) stayed alive until the cyclic garbage
+    collector ran (the daemon's RSS sawtooth, docs/benchmark.md)."""
+
+    def __init__(self) -> None:
+        self.packer = msgpack.Packer(use_bin_type=True)
+        self.segments: list[bytes | bytearray | memoryview] = []
+        self.offsets: list[int] = []
+        self.small = bytearray()
+        self.size = 0
+
+    def add(self, obj: Any) -> None:
+        if isinstance(obj, dict):
+            self.small += self.packer.pack_map_header(len(obj))
+            for k, v in obj.items():
+                self.small += self.packer.pack(k)
+                self.add(v)
+        elif isinstance(obj, list | tuple):
+            self.small += self.packer.pack_array_header(len(obj))
+            for v in obj:
+                self.add(v)
+        elif isinstance(obj, bytes | bytearray | memoryview) and _nbytes(obj) >= ZERO_COPY_MIN:
+            n = _nbytes(obj)
+            self.small += (
+                b"\xc6" + n.to_bytes(4, "big") if n >= 1 << 16 else b"\xc5" + n.to_bytes(2, "big")
+            )
+            self.size += len(self.small)
+            self.segments.append(bytes(self.small))
+            self.small = bytearray()
+            self.offsets.append(self.size)
+            self.segments.append(obj)
+            self.size += n
+        else:
+            self.small += self.packer.pack(obj)
+
+    def parts(self) -> Parts:
+        if self.small:
+            self.segments.append(bytes(self.small))
+            self.size += len(self.small)
+            self.small = bytearray()
+        return Parts(tuple(self.segments), tuple(self.offsets), self.size)
 
 
 def _nbytes(buf: bytes | bytearray | memoryview) -> int:
