@@ -29,15 +29,15 @@ SHAPES = {
 POOR = 100_000  # bytes: cannot hold the model with its gradients, can hold half of it
 
 
-def test_dpmp_pairs_the_memory_poor_worker_and_runs_rounds_over_replicas() -> None:
+def _engine_with_a_replica_runner() -> tuple[Engine, FakeClock, list[tuple[ReplicaShape, ...]]]:
+    """A dpmp engine whose regroups form and dissolve replicas as the daemon's driver does; the
+    list records every regroup asked for."""
     params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
     policy = make_policy("dpmp", {"period": 1, "keep": 1.0})
     clock = FakeClock()
     config = EngineConfig(batch_size=32, global_batch=256, profile_steps=0)
     engine = Engine(Store(params, optax.sgd(0.1)), policy, config, clock)
-    assert len(engine.blocks) == 4
     formed: list[tuple[ReplicaShape, ...]] = []
-    steps: list[int] = []
 
     def regroup(shapes: tuple[ReplicaShape, ...]) -> None:
         formed.append(shapes)
@@ -48,6 +48,13 @@ def test_dpmp_pairs_the_memory_poor_worker_and_runs_rounds_over_replicas() -> No
             engine.form_replica(shapes[0].members)
 
     engine.replica_regroup = regroup
+    return engine, clock, formed
+
+
+def test_dpmp_pairs_the_memory_poor_worker_and_runs_rounds_over_replicas() -> None:
+    engine, clock, formed = _engine_with_a_replica_runner()
+    assert len(engine.blocks) == 4
+    steps: list[int] = []
     engine.replica_release = steps.append
     ids = {}
     for name, mem in (("a", 8 << 30), ("b", 8 << 30), ("poor", POOR)):
@@ -128,22 +135,7 @@ def test_a_replica_its_driver_gave_up_on_neither_stalls_the_round_nor_runs_as_dp
     """The driver dissolves a replica on its own (a step timed out): the policy's round must not
     wait for the replica's push, nor release its members as data-parallel workers when they
     ask for parameters; the next round forms the replica again."""
-    params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
-    policy = make_policy("dpmp", {"period": 1, "keep": 1.0})
-    clock = FakeClock()
-    config = EngineConfig(batch_size=32, global_batch=256, profile_steps=0)
-    engine = Engine(Store(params, optax.sgd(0.1)), policy, config, clock)
-    formed: list[tuple[ReplicaShape, ...]] = []
-
-    def regroup(shapes: tuple[ReplicaShape, ...]) -> None:
-        formed.append(shapes)
-        for head in list(engine.replicas):
-            if not shapes or shapes[0].members != engine.replicas[head]:
-                engine.dissolve_replica(head, "regrouped")
-        if shapes and shapes[0].members[0] not in engine.replicas:
-            engine.form_replica(shapes[0].members)
-
-    engine.replica_regroup = regroup
+    engine, clock, formed = _engine_with_a_replica_runner()
     engine.replica_release = lambda head: None
     ids, peers = {}, {}
     for name, mem in (("a", 8 << 30), ("b", 8 << 30), ("poor", POOR)):
