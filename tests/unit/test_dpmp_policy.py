@@ -29,14 +29,19 @@ SHAPES = {
 POOR = 100_000  # bytes: cannot hold the model with its gradients, can hold half of it
 
 
-def _engine_with_a_replica_runner() -> tuple[Engine, FakeClock, list[tuple[ReplicaShape, ...]]]:
-    """A dpmp engine whose regroups form and dissolve replicas as the daemon's driver does; the
-    list records every regroup asked for."""
+def _dpmp_engine() -> tuple[Engine, FakeClock]:
+    """A dpmp engine (period 1) on the block MLP's shapes, under a fake clock."""
     params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
     policy = make_policy("dpmp", {"period": 1, "keep": 1.0})
     clock = FakeClock()
     config = EngineConfig(batch_size=32, global_batch=256, profile_steps=0)
-    engine = Engine(Store(params, optax.sgd(0.1)), policy, config, clock)
+    return Engine(Store(params, optax.sgd(0.1)), policy, config, clock), clock
+
+
+def _engine_with_a_replica_runner() -> tuple[Engine, FakeClock, list[tuple[ReplicaShape, ...]]]:
+    """A dpmp engine whose regroups form and dissolve replicas as the daemon's driver does; the
+    list records every regroup asked for."""
+    engine, clock = _dpmp_engine()
     formed: list[tuple[ReplicaShape, ...]] = []
 
     def regroup(shapes: tuple[ReplicaShape, ...]) -> None:
@@ -106,11 +111,7 @@ def test_dpmp_pairs_the_memory_poor_worker_and_runs_rounds_over_replicas() -> No
 
 
 def test_a_worker_that_runs_no_stages_is_never_put_in_a_replica() -> None:
-    params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
-    policy = make_policy("dpmp", {"period": 1, "keep": 1.0})
-    clock = FakeClock()
-    config = EngineConfig(batch_size=32, global_batch=256, profile_steps=0)
-    engine = Engine(Store(params, optax.sgd(0.1)), policy, config, clock)
+    engine, clock = _dpmp_engine()
     formed: list[tuple[ReplicaShape, ...]] = []
     engine.replica_regroup = formed.append
     ids = {}
