@@ -577,24 +577,29 @@ class Engine(ViewsMixin, StateMixin, PublishMixin):
             self._last_eval = now if not math.isfinite(last) else now - (now - last) % interval
             if self.config.eval_inline:
                 loss, acc = self.evaluator(self.store.snapshot())
-                self.record_eval(loss, acc)
+                self.record_eval(loss, acc, now)
             else:
                 self._eval_task = asyncio.get_running_loop().create_task(
-                    self._evaluate(self.store.snapshot())
+                    self._evaluate(self.store.snapshot(), now)
                 )
 
-    async def _evaluate(self, snap: Snapshot) -> None:
+    async def _evaluate(self, snap: Snapshot, taken: float) -> None:
         assert self.evaluator is not None  # checked by the caller; not network input
         try:
             loss, acc = await asyncio.to_thread(self.evaluator, snap)
         finally:
             self._eval_task = None
-        self.submit(lambda: self.record_eval(loss, acc))
+        self.submit(lambda: self.record_eval(loss, acc, taken))
 
-    def record_eval(self, loss: float, accuracy: float) -> None:
-        """Store an evaluation and tell the policy."""
+    def record_eval(self, loss: float, accuracy: float, taken: float | None = None) -> None:
+        """Store an evaluation and tell the policy. ``taken`` (engine clock, default now) is when
+        the evaluated parameters were snapshotted: ``evals`` keeps that time, not the end of an
+        evaluation that took seconds on a loaded host (a time-to-target read from it would be
+        late by as much, and the real bench's t = 0 restart would see an evaluation of the
+        parameters before it land after it)."""
         now = self.clock.now()
-        self.evals.append((now - self.started_at, loss, accuracy))
+        at = now if taken is None else taken
+        self.evals.append((at - self.started_at, loss, accuracy))
         self._dispatch(Eval(now, loss, accuracy))
 
     # --- decisions -------------------------------------------------------------------------------
