@@ -69,7 +69,10 @@ from policies import ClusterView, Policy
 from policies.types import Decision, Event, Leave, Push, Release
 
 LINKS = ("emulated", "netns")  # --links: the worker sleeps for its link, or a real shaped one
-JOIN_TIMEOUT_S = 120.0  # worker processes import jax and build their trainer first
+# worker processes import jax, build their trainer and compile before their first push: under
+# nice on a loaded 2-core host the 2M transformer (S7) took over 120 s; a worker that exits is
+# noticed at once, whatever this says
+JOIN_TIMEOUT_S = 600.0
 POLL_S = 0.05  # how often the engine is sampled for batch shares and progress
 SETTLE_ROUNDS = 3  # warm-up rounds after every worker has pushed once, before t = 0
 WARMUP = PolicySpec("bsp")  # the daemon's policy until the t = 0 restart swaps in the run's
