@@ -72,15 +72,21 @@ class ShmLink:
         self.params_read += 1
         return ref.length, params
 
-    def push_ref(self, frame: bytes, push_id: int, unacked: Mapping[int, bytes]) -> bytes | None:
-        """Write push ``push_id`` into our ring and return its ``push_ref``; None when it should
-        go over the socket (small, too big, or its slot still holds a push not yet answered)."""
-        if len(frame) < shm.MIN_BYTES or len(frame) > self.up.slot_bytes:
+    def push_ref(
+        self, frame: bytes | wire.Parts, push_id: int, unacked: Mapping[int, object]
+    ) -> bytes | None:
+        """Write push ``push_id`` (a frame, or its :class:`hetd.protocol.wire.Parts`: their
+        segments are copied into the slot as they are) into our ring and return its
+        ``push_ref``; None when it should go over the socket (small, too big, or its slot still
+        holds a push not yet answered)."""
+        parts = (frame,) if isinstance(frame, bytes) else frame.segments
+        size = len(frame) if isinstance(frame, bytes) else frame.nbytes
+        if size < shm.MIN_BYTES or size > self.up.slot_bytes:
             return None
         slot = self.up.next_slot
         if self._slot_push.get(slot, 0) in unacked:
             return None
-        ref = self.up.write(frame)
+        ref = self.up.write(*parts)
         self._slot_push[slot] = push_id
         self.pushes_written += 1
         return wire.encode("push_ref", push_id, **ref.fields())
