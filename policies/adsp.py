@@ -7,10 +7,13 @@ the per-cycle search that raises the common ``rate`` while the loss-decrease rew
 (:func:`search_step`, :func:`reward`), the local-step plans that spend ``Γ / m_i`` per commit
 (:func:`local_steps`), and :func:`describe_state`.
 
-Two readings of §9 are ours [D]: the catch-up ``C_target - c_i`` is recomputed every period (held
+Three readings of §9 are ours [D]: the catch-up ``C_target - c_i`` is recomputed every period (held
 for a whole cycle, as the reimplementation's quotas are, laggards overshoot for K periods and the
 lead flips from cycle to cycle); and a new cycle restarts the search from the current rate, not from
 one commit per period (with a loss that flattens over time, a search from 1 would stay near 1).
+The first search starts where the slowest worker commits every ``start_steps`` of its rounds
+(:func:`start_rate`): a first period of one commit each measures no reward and leaves the model
+unchanged for a whole ``Γ``.
 
 Before the first cycle every worker is profiled from its pushes (``policies.profiling``, ASP-style,
 one step per push); a newcomer later is profiled alone and then joins at the current rate. Commits
@@ -53,6 +56,9 @@ class AdspConfig:
 
     period_s: float | None = None  # Γ: the check period, s; None: period_steps slowest rounds [D]
     period_steps: int = 20  # Γ = this x the slowest worker's (step + commit overhead) [D]
+    # The search starts at the rate at which the slowest worker commits every this many of its
+    # rounds (step + commit overhead); None: at one commit per period (the paper's) [D]
+    start_steps: int | None = 2
     cycle_periods: int = 20  # K: periods per search cycle
     weight: float | None = None  # γ: the weight of a commit; None: 1/N [D]
     mode: str = "steps"  # "steps": the PS sets local_steps; "time": also local_time_s
@@ -77,6 +83,11 @@ class AdspConfig:
         for name in ("cycle_periods", "overhead_window", "max_local_steps", "period_steps"):
             if not is_int(getattr(self, name), 1):
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        if self.start_steps is not None and not is_int(self.start_steps, 1):
+            raise ValueError(
+                f"start_steps must be an int >= 1, or None for one commit per period, "
+                f"got {self.start_steps!r}"
+            )
         if self.weight is not None and not self.weight > 0:
             raise ValueError(f"weight (γ) must be > 0, or None for 1/N, got {self.weight!r}")
         if self.mode not in MODES:
@@ -163,6 +174,19 @@ def auto_period(step_s: Mapping[int, float], t1: Mapping[int, float], cfg: AdspC
         return cfg.period_s
     slowest = max((step_s[w] + t1.get(w, 0.0) for w in step_s), default=1.0)
     return cfg.period_steps * max(slowest, prof.MIN_SAMPLE_S)
+
+
+def start_rate(
+    step_s: Mapping[int, float], t1: Mapping[int, float], cfg: AdspConfig, period: float
+) -> int:
+    """The search's first rate [D]: the slowest worker's first commit comes after ``start_steps``
+    of its rounds (step + commit overhead), not after a whole period ``Γ``; 1 when ``start_steps``
+    is None. A period of one commit per worker measures no reward (a worker needs two losses)
+    and leaves the model where it was for ``Γ``, the first fifth of a short run."""
+    if cfg.start_steps is None:
+        return 1
+    slowest = max((step_s[w] + t1.get(w, 0.0) for w in step_s), default=period)
+    return max(1, math.floor(period / (cfg.start_steps * max(slowest, prof.MIN_SAMPLE_S))))
 
 
 def local_steps(
@@ -284,6 +308,7 @@ def adsp(
     *,
     period_s: float | None = None,
     period_steps: int = 20,
+    start_steps: int | None = 2,
     cycle_periods: int = 20,
     weight: float | None = None,
     mode: str = "steps",
@@ -304,6 +329,7 @@ def adsp(
     cfg = AdspConfig(
         period_s=period_s,
         period_steps=period_steps,
+        start_steps=start_steps,
         cycle_periods=cycle_periods,
         weight=weight,
         mode=mode,
@@ -391,10 +417,10 @@ def adsp(
                     st,
                     stage=TRAIN,
                     transitions=(*st.transitions, (TRAIN, event.now)),
-                    search=Search(),
                     commits=freeze(dict.fromkeys(view.workers, 0)),
                 )
                 st = replace(st, period=_period(st, view))
+                st = replace(st, search=Search(rate=_start_rate(st, view)))
                 st = replace(
                     st,
                     quota=new_quotas(st, view),
@@ -425,6 +451,13 @@ def _period(st: AdspState, view: ClusterView) -> float:
     members = [w for w in st.commits if w in st.tracks]
     steps = {w: _step_s(st, w, view) for w in members}
     return auto_period(steps, {w: st.t1(w) for w in members}, st.cfg)
+
+
+def _start_rate(st: AdspState, view: ClusterView) -> int:
+    """:func:`start_rate` for the members' current profiles and the state's Γ."""
+    members = [w for w in st.commits if w in st.tracks]
+    steps = {w: _step_s(st, w, view) for w in members}
+    return start_rate(steps, {w: st.t1(w) for w in members}, st.cfg, gamma(st.cfg, st.period))
 
 
 def _forget(st: AdspState, view: ClusterView) -> AdspState:

@@ -31,9 +31,10 @@ from policies.adsp import (
     quotas,
     reward,
     search_step,
+    start_rate,
 )
 from policies.types import Apply, Join, Leave, Plan, Push, Release, SetPlan, SetStage, Tick
-from tests.unit.test_ashl import Cluster, Run, fuzz, replanned, sets
+from tests.unit.test_ashl import SPEEDS, Cluster, Run, fuzz, replanned, sets
 
 # --- the search ----------------------------------------------------------------------------------------
 
@@ -148,6 +149,14 @@ def test_auto_period_is_period_steps_slowest_rounds() -> None:
         local_steps(1, 0.0, 0.1, cfg)  # no Γ yet
 
 
+def test_start_rate_is_a_commit_every_start_steps_slowest_rounds() -> None:
+    steps, t1 = {1: 0.01, 2: 0.04}, {1: 0.002, 2: 0.01}  # slowest round 50 ms
+    assert start_rate(steps, t1, AdspConfig(), 1.0) == 10  # Γ = 20 rounds, one commit every 2
+    assert start_rate(steps, t1, AdspConfig(start_steps=5), 1.0) == 4
+    assert start_rate(steps, t1, AdspConfig(start_steps=None), 1.0) == 1  # the paper's start
+    assert start_rate(steps, t1, AdspConfig(start_steps=50), 1.0) == 1  # never below one
+
+
 def test_max_quota_leaves_a_step_per_commit() -> None:
     assert max_quota(1.0, 0.5, AdspConfig(period_s=60)) == 40
     assert max_quota(100.0, 0.5, AdspConfig(period_s=60)) == 1
@@ -160,7 +169,9 @@ SAMPLE_S = 0.001  # s per sample; 32-sample steps of 32 ms
 
 
 def profiled_adsp(**params: Any) -> Cluster:
-    c = Cluster(make_policy("adsp", {"period_s": GAMMA, **params}))
+    """Two profiled workers; the search starts at one commit per period, as the scripts below
+    assume (``start_steps=None``)."""
+    c = Cluster(make_policy("adsp", {"period_s": GAMMA, "start_steps": None, **params}))
     for w in (1, 2):
         c.step(Join(c.now, w))
     for _ in range(5):
@@ -198,7 +209,7 @@ def test_quota_follows_a_scripted_reward_series() -> None:
 
 
 def test_profile_stage_then_the_first_cycle() -> None:
-    c = Cluster(make_policy("adsp", {"period_s": GAMMA, "weight": 0.1}))
+    c = Cluster(make_policy("adsp", {"period_s": GAMMA, "weight": 0.1, "start_steps": None}))
     assert c.step(Join(0.0, 1)) == [SetStage(PROFILE), SetPlan(1, PROFILE_FIELDS), Release(1)]
     for _ in range(4):
         assert c.push(1, SAMPLE_S) == [Apply(0.1), Release(1)]
@@ -256,6 +267,7 @@ def test_an_empty_cluster_does_not_move_the_search() -> None:
         ({"cycle_periods": 0}, "cycle_periods"),
         ({"weight": -1.0}, "weight"),
         ({"mode": "fast"}, "mode"),
+        ({"start_steps": 0}, "start_steps"),
         ({"lr_decay": 1.5}, "lr_decay"),
         ({"reward_window": 0.9}, "reward_window"),
         ({"trim": 0.6}, "trim"),
@@ -330,6 +342,36 @@ def test_scripted_run_commits_at_equal_rates() -> None:
     assert run.max_interval < 2.5  # a commit takes about Γ / m: nobody is left waiting
     steps = {w: run.plans[w]["local_steps"] for w in speeds}
     assert steps[1] < steps[2] < steps[3]  # faster workers do more local steps per commit
+
+
+class TimedRun(Run):
+    """:class:`Run` that keeps every push's (time, worker, local steps)."""
+
+    def handle(self, event: Any) -> list[Any]:
+        if isinstance(event, Push):
+            self.log.append((event.now, event.worker, event.steps))
+        return super().handle(event)
+
+    log: list[tuple[float, int, int]]
+
+
+@pytest.mark.parametrize(("start_steps", "rounds"), [(2, 3.0), (4, 5.0)])
+def test_first_commits_come_within_a_few_slowest_rounds(start_steps: int, rounds: float) -> None:
+    """With Γ derived from the profiles (20 slowest rounds), every worker's first commit after the
+    profile stage arrives within ``start_steps`` + 1 of the slowest worker's rounds (step + commit
+    overhead), not after a whole Γ; the fastest still takes several local steps per commit."""
+    run = TimedRun(make_policy("adsp", {"start_steps": start_steps}), SPEEDS, lambda n: 2.0)
+    run.log = []
+    run.go(60)
+    st = run.c.state
+    t0 = dict(st.transitions)[TRAIN]
+    slowest_round = 32 * SPEEDS[1] + st.t1(1)
+    assert st.period == pytest.approx(20 * slowest_round, rel=0.2)
+    first = {w: min(t for t, v, k in run.log if v == w and t > t0 and k > 1) for w in (2, 3)}
+    first[1] = min(t for t, v, _ in run.log if v == 1 and t > t0 + 32 * SPEEDS[1])
+    assert all(t - t0 <= rounds * slowest_round for t in first.values()), (first, t0)
+    fast = [k for t, v, k in run.log if v == 3 and t > t0]
+    assert fast and max(fast) >= 2 * start_steps  # 4x the slowest's speed: local steps
 
 
 def test_adsp_fuzz() -> None:
