@@ -11,8 +11,10 @@ plain averaging over adam).
 follows its measured step time ``c_i`` (DyLU), so every worker's round takes about as long, and each
 delta is applied on arrival with weight ``1/√(1+τ') / N``, ``τ'`` the versions beyond the other
 workers' one arrival each (:func:`staleness_factor`). The weight goes *into* the outer optimizer
-(a one-push buffer flushed at once, not ``Apply``, which scales the optimizer's output), so with the
-outer optimizer ``delayed_nesterov:...,period=N`` the momentum sees the weighted deltas.
+(a one-push buffer flushed at once, not ``Apply``, which scales the optimizer's output), so with a
+configured ``delayed_nesterov:...,period=N`` the momentum sees the weighted deltas. Its default
+outer optimizer is plain averaging (:func:`outer_for`: an outer gain above 1 on stale deltas
+slows it down).
 
 Pure: no I/O, no clock, no arrays.
 """
@@ -47,7 +49,9 @@ from policies.types import (
 # default; docs/policies.md §13). The policies do not set it: it is the daemon's configuration, and
 # a policy's parameters are only its factory's (a PATCH rebuilds the policy from them).
 SYNC_OUTER = "nesterov:lr=0.7,momentum=0.9"
-ASYNC_OUTER = "delayed_nesterov:lr=0.7,momentum=0.9,period=N"  # N: the number of workers
+# Liu et al.'s delayed Nesterov for diloco_async, N the number of workers: configured only, no
+# longer the default (outer_for; docs/policies.md §13.2).
+ASYNC_OUTER = "delayed_nesterov:lr=0.7,momentum=0.9,period=N"
 PLAIN_OUTER = "sgd:lr=1"  # deltas added as they are (with the policy's weight)
 AUTO_OUTER = "auto"  # the configuration's default: outer_for decides
 # Inner optimizers whose step is the gradient times a learning rate: their pseudo-gradient is a sum
@@ -60,19 +64,27 @@ _SGD_FAMILY = ("sgd", "momentum", "nesterov")
 def outer_for(policy: str, params: Mapping[str, Any], workers: int, inner: str = "sgd") -> str:
     """The outer optimizer for ``policy`` (a registered name, with its factory ``params``), run by
     ``workers`` workers whose inner optimizer is ``inner`` (a spec such as ``"adam:lr=0.002"``):
-    for ``diloco`` (and a ``quorum`` around it) DiLoCo's Nesterov, for ``diloco_async`` delayed
-    Nesterov with ``period = workers``, each when the inner optimizer is of the SGD family; plain
-    averaging (:data:`PLAIN_OUTER`) for an adaptive inner optimizer and for every other policy.
+    for ``diloco`` (and a ``quorum`` around it) DiLoCo's Nesterov when the inner optimizer is of
+    the SGD family; plain averaging (:data:`PLAIN_OUTER`) for an adaptive inner optimizer, for
+    ``diloco_async`` whatever its inner optimizer, and for every other policy.
     The one place that decides: ``hetd serve``, the simulator and the benchmark all resolve
-    ``outer_optimizer = "auto"`` through it."""
+    ``outer_optimizer = "auto"`` through it.
+
+    Why not delayed Nesterov (:data:`ASYNC_OUTER`) for ``diloco_async`` [D]: an outer step larger
+    than the deltas' mean accelerates a synchronous round, whose deltas all start from the
+    parameters it moves; an asynchronous delta starts ``N − 1`` arrivals back, and its worker
+    restarted before the round's other deltas (and the momentum's look-ahead) were in, so a gain
+    above 1 overshoots. Measured (docs/benchmark.md, sim, 3 seeds): plain averaging reached the
+    target sooner than delayed Nesterov on S1 (2.83 against 3.34 s), S3b (3.27 against 3.68)
+    and S6_5x (3.00 against 4.93); a plain outer lr of 1.5 or 2 was slower still. ``workers``:
+    unused since (a configured delayed Nesterov names its own period)."""
+    del workers
     if policy == "quorum":
         policy = str(params.get("policy", "diloco"))
     if inner.split(":", 1)[0].strip() not in _SGD_FAMILY:
         return PLAIN_OUTER
     if policy == "diloco":
         return SYNC_OUTER
-    if policy == "diloco_async":
-        return ASYNC_OUTER.replace("period=N", f"period={max(1, workers)}")
     return PLAIN_OUTER
 
 
@@ -399,9 +411,9 @@ def diloco_async(
     """Asynchronous local SGD (Liu et al. 2024): the fastest worker runs ``H`` inner steps, the
     others ``H_i = max(h_min, round(H · c_min / c_i))``; each delta is applied on arrival with weight
     ``1/√(1+τ') / N`` (``τ' = τ − (N − 1)``, :func:`staleness_factor`; ``staleness=False``:
-    ``1/N``), fed into the outer optimizer (``outer_optimizer = "auto"``: delayed Nesterov,
-    ``delayed_nesterov:lr=0.7,momentum=0.9,period=N``, over an SGD-family inner optimizer, plain
-    averaging over adam); never holds; re-plans on a join, a leave
+    ``1/N``), fed into the outer optimizer (``outer_optimizer = "auto"``: plain averaging,
+    :func:`outer_for`; Liu et al.'s ``delayed_nesterov:lr=0.7,momentum=0.9,period=N`` when
+    configured); never holds; re-plans on a join, a leave
     or a speed drift. Until a worker has a profile (the engine's profile exchange, else its first
     ``profile_pushes`` pushes) it runs ``h_min`` steps (``calibrate=False``: ``H``), so a slow
     worker's first delta is not ``H`` of its steps late. ``codec``: the deltas' codec (None: the
