@@ -61,8 +61,8 @@ class TrainConfig:
     worker_lr: float = 0.0  # the inner optimizer's lr when its spec names none; 0: same as lr
     # How the daemon applies a delta: the pseudo-gradient -delta through this optimizer.
     # "sgd:lr=1" adds deltas as they are; "nesterov:lr=0.7,momentum=0.9" is DiLoCo's; "auto": the
-    # policy's (policies.diloco.outer_for: Nesterov for the DiLoCo family over an SGD-family inner
-    # optimizer, plain averaging over adam and for every other policy).
+    # policy's (policies.diloco.outer_for: Nesterov for diloco over an SGD-family inner optimizer,
+    # plain averaging over adam and for every other policy, diloco_async included).
     outer_optimizer: str = "auto"
     micro_batch: int = 0  # examples per jitted call on workers (fixed shape); 0: batch_size
     global_batch: int = 128  # samples per round across workers (BSP: B/N each)
