@@ -155,12 +155,14 @@ def choose_bits(
 
 @dataclass(frozen=True, slots=True)
 class SharesState:
-    """Timing models, current batches (samples), codec bits and the last re-plan's imbalance."""
+    """Timing models, current batches (samples), codec bits, the last re-plan's imbalance and the
+    workers already told to pipeline."""
 
     timing: Mapping[int, Timing]
     batches: Mapping[int, int]
     bits: Mapping[int, int]
     imbalance: float = 1.0  # predicted max T / min T at the last plan
+    piped: frozenset[int] = frozenset()  # workers whose plan says ``pipeline`` (lead > 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,6 +288,7 @@ def _plan(
         MappingProxyType(batches),
         MappingProxyType(bits),
         max(new_times) / max(1e-12, min(new_times)),
+        state.piped | frozenset(workers) if cfg.lead else state.piped,
     )
 
 
@@ -319,6 +322,7 @@ def shares_policy(name: str, cfg: SharesConfig, params: Mapping[str, object]) ->
                 batches=MappingProxyType(
                     {w: b for w, b in state.batches.items() if w != event.worker}
                 ),
+                piped=state.piped - {event.worker},
             )
         # Round r (pushes whose clock is r) is complete once every active worker reached r.
         if (
@@ -332,6 +336,13 @@ def shares_policy(name: str, cfg: SharesConfig, params: Mapping[str, object]) ->
         if round_done or isinstance(event, Join | Leave):
             decisions, state = _plan(cfg, state, view, force=isinstance(event, Join | Leave))
             out.extend(decisions)
+        if cfg.lead and not view.workers.keys() <= state.piped:
+            # A worker no plan has told to pipeline yet: a policy built on a running cluster (a
+            # swap, the real bench's t = 0) whose batches need no re-plan would otherwise never
+            # say it, and its workers would run without the lead.
+            new = sorted(view.workers.keys() - state.piped)
+            out.extend(SetPlan(w, {"pipeline": True}) for w in new)
+            state = replace(state, piped=state.piped | frozenset(new))
         out.extend(
             Release(w) for w, f in view.workers.items() if f.waiting and f.clock - lo <= cfg.lead
         )

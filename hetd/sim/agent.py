@@ -53,6 +53,7 @@ class InFlight:
     frame: bytes | None = None  # encoded once the update is known
     begin: float = 0.0  # s, when its compute began
     encode_s: float = 0.0  # s after the compute before it can leave (encoding, step overhead)
+    exchange_s: float = 0.0  # s of the round trip's loopback cost on its way (not the link's)
 
 
 @dataclass
@@ -212,12 +213,9 @@ class EmuWorker:
             self.last_delta = work
         compute_s = self._step_s(batch * k, t)
         # the push is encoded after the compute, and the step's fixed overhead paid, before it
-        # can leave; the device is busy meanwhile (as in workers.client._compute). The round
-        # trip's loopback cost (exchange_s) is charged here too: once per step.
+        # can leave; the device is busy meanwhile (as in workers.client._compute).
         encode_s = (
-            self.costs.worker_encode(self.plan.codec, self.n_params)
-            + self.costs.worker_step_s
-            + self.costs.exchange_s
+            self.costs.worker_encode(self.plan.codec, self.n_params) + self.costs.worker_step_s
         )
         end = t + compute_s + encode_s
         self.idle_from = end
@@ -231,7 +229,14 @@ class EmuWorker:
         p.begin = t
         p.encode_s = encode_s
         p.nbytes = self._estimate(p)
-        p.arrive = self.sending_until = send + spec.latency_s + p.nbytes / spec.bandwidth
+        # The link carries the push (the next push leaves after it), then the round trip's
+        # loopback cost (exchange_s, once per step) delays its arrival: it is the way there and
+        # back, not the device's time. A worker without pipeline waits for it all the same; a
+        # pipelined one computes its next step meanwhile, as workers.client does (its step runs
+        # while the last push travels and the daemon answers it).
+        self.sending_until = send + spec.latency_s + p.nbytes / spec.bandwidth
+        p.exchange_s = self.costs.exchange_s
+        p.arrive = self.sending_until + p.exchange_s
         self.busy_until = end if self.depth else p.arrive  # without pipeline it waits for the send
         return Started(p, profile)
 

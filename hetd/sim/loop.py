@@ -330,7 +330,8 @@ class _Sim:
             assert p.frame is not None  # encoded before it was queued
             push_in = decode_push(self.engine.store.shapes, w.wid, msg, len(p.frame))
             # the transfer time the engine would measure from the worker's stamp, in virtual time
-            push_in = dataclasses.replace(push_in, transfer_s=p.arrive - p.sent_at)
+            # (the link's: the round trip's exchange_s is not the bytes' time on the link)
+            push_in = dataclasses.replace(push_in, transfer_s=p.arrive - p.exchange_s - p.sent_at)
             if self.costs.apply_s and _fused_int8(msg["tensors"]):
                 self._fused.append(push_in.tensors)
             w.staleness.append(max(0, self.engine.store.version - p.base))
@@ -425,7 +426,7 @@ class _Sim:
             p.work.params = {}  # let the old version go
             if extra:  # a value-dependent codec made it bigger than estimated: it lands later
                 delay = extra / w.spec.bandwidth
-                w.sending_until = max(w.sending_until, p.arrive + delay)
+                w.sending_until = max(w.sending_until, p.arrive - p.exchange_s + delay)
                 p.arrive += delay
                 self.schedule(p.arrive, _ARRIVE, p)
                 return
