@@ -401,6 +401,8 @@ class Engine(ViewsMixin, StateMixin, PublishMixin):
                 entry.peer.send(ErrorReply(p.id, "out_of_range", refusal))
             return
         entry.last_push = p.id  # from here on, this push is answered with an ack
+        if facts.waiting:  # one release ends the wait: it answers this push too (publish)
+            entry.joined_pushes += 1
         st.pushes += 1
         st.bytes_in += p.nbytes
         self.bytes_in += p.nbytes

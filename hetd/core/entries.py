@@ -156,6 +156,10 @@ class WorkerEntry:
     # what the worker must show to resume this id (its welcome gave it; "" from an old
     # checkpoint: nobody can resume it)
     secret: str = ""
+    # pushes that came while it already waited for parameters (a pipelined worker's next push
+    # before the last one was released): the release that ends the wait answers each with a
+    # frame, as a worker counts one frame per push it sent (workers.client.Inbox)
+    joined_pushes: int = 0
 
 
 _V = TypeVar("_V")

@@ -15,6 +15,7 @@ from hetd.codecs.registry import spec_name as codec_name
 from hetd.core.downlink import Outgoing
 from hetd.core.entries import Peer, WorkerEntry, WorkerStats
 from hetd.core.replicas import ReplicaMixin
+from hetd.protocol import wire
 
 log = logging.getLogger("hetd.core.engine")  # one logger for the engine and its parts
 
@@ -214,3 +215,14 @@ class PublishMixin(ReplicaMixin):
             entry.stats.bytes_out += len(frame)
             self.bytes_out += len(frame)
             entry.peer.send_params(frame, full=release.full)
+        # A pipelined worker counts its pushes until each is answered with a frame; one release
+        # for a wait that two of its pushes joined would leave one unanswered for good, and it
+        # would never compute with a push in flight again. An empty delta ("go on") answers it.
+        for _ in range(entry.joined_pushes):
+            empty = wire.encode(
+                "params", 0, version=release.version, full=False, base=release.version, tensors={}
+            )
+            entry.stats.bytes_out += len(empty)
+            self.bytes_out += len(empty)
+            entry.peer.send_params(empty, full=False)
+        entry.joined_pushes = 0

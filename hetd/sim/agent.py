@@ -148,14 +148,16 @@ class EmuWorker:
         self._share = wanted
 
     def receive(self, frames: list[wire.Message]) -> bool:
-        """Apply one release's ``params`` frames in order; False if a delta did not fit what it
-        holds (the worker then pulls everything, as the real client does)."""
+        """Apply one release's ``params`` frames in order, each answering one push in flight (as
+        the real client counts them: a release for a wait that two pushes joined brings an empty
+        frame for the second); False if a delta did not fit what it holds (the worker then pulls
+        everything, as the real client does)."""
         for msg in frames:
             held = apply_params(self.held, msg)
             if held is None:
                 return False
             self.held = held
-        self.in_flight = max(0, self.in_flight - 1)
+            self.in_flight = max(0, self.in_flight - 1)
         return True
 
     def decode_s(self, frames: list[wire.Message]) -> float:

@@ -375,3 +375,20 @@ def test_a_worker_link_is_the_fastest_of_its_recent_pushes() -> None:
     for _ in range(LINK_WINDOW):  # the link itself became 10x slower
         got = rate(st, 1_000_000, 0.1, 1e8)
     assert got == pytest.approx(1e7)
+
+
+def test_each_push_of_a_pipelined_worker_is_answered_with_a_frame() -> None:
+    """A pipelined worker (hps) computes its next step while its last push waits for a release,
+    and counts each push until a ``params`` frame answers it. When that next push joins a wait
+    still open, the one release ending the wait brings an empty frame for it too: with one frame,
+    the worker counted a push in flight for good and never again computed with one in flight (the
+    simulator's hps and real runs lost the lead this way, each worker from its first such wait)."""
+    h = Harness.of(make_policy("hps", {"quantize": False}))
+    h.run("join a")
+    h.run("join b")
+    frames: list[str] = []
+    for event in ["push a", "push a", "push a", "push b", "push b"]:
+        frames += [g for g in h.run(event).get("a", []) if g.startswith("params")]
+    # push 1 is released at once (one round ahead); pushes 2 and 3 wait together for b's rounds
+    assert len(frames) == 3, frames
+    assert frames[1] == frames[2]  # the empty frame: the same version, nothing to apply
