@@ -335,9 +335,13 @@ def test_serve_and_the_simulator_resolve_auto_in_one_place() -> None:
     assert sgd[2] == "nesterov:lr=0.7,momentum=0.9"
     adam = config.optimizers("adam", 0.002, "", 0.0, "auto", "diloco", {}, 4)
     assert adam[2] == "sgd:lr=1"
-    assert config.optimizers("sgd", 0.2, "adam", 0.0, "auto", "diloco_async", {}, 4)[2] == (
+    assert config.optimizers("sgd", 0.2, "adam", 0.0, "auto", "diloco", {}, 4)[2] == (
         "sgd:lr=1"  # the inner optimizer decides, not the daemon's
     )
+    # diloco_async: plain averaging by default; Liu et al.'s delayed Nesterov when configured
+    assert config.optimizers("sgd", 0.2, "", 0.0, "auto", "diloco_async", {}, 4)[2] == "sgd:lr=1"
+    delayed = "delayed_nesterov:lr=0.7,momentum=0.9,period=4"
+    assert config.optimizers("sgd", 0.2, "", 0.0, delayed, "diloco_async", {}, 4)[2] == delayed
     named = config.optimizers("adam", 0.002, "", 0.0, "nesterov:lr=0.5", "diloco", {}, 4)
     assert named[2] == "nesterov:lr=0.5"  # a configured one is kept
     assert config.optimizers("sgd", 0.2, "", 0.0, "auto")[2] == "sgd:lr=1"  # no policy
