@@ -182,7 +182,7 @@ def start_rate(
     """The search's first rate [D]: the slowest worker's first commit comes after ``start_steps``
     of its rounds (step + commit overhead), not after a whole period ``Γ``; 1 when ``start_steps``
     is None. A period of one commit per worker measures no reward (a worker needs two losses)
-    and leaves the model where it was for ``Γ``, the first fifth of a short run."""
+    and leaves the model where it was for a whole ``Γ``."""
     if cfg.start_steps is None:
         return 1
     slowest = max((step_s[w] + t1.get(w, 0.0) for w in step_s), default=period)
