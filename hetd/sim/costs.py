@@ -80,7 +80,8 @@ FIELDS: dict[str, tuple[str, str]] = {
         "s",
         "worker: what one step's round trip on loopback costs beyond everything above and the "
         "scenario's link (websocket framing and copies, thread hops, the host's scheduler), "
-        "fitted from a real daemon and one real worker; the same on every step",
+        "fitted from a real daemon and one real worker; the same on every step. It delays the "
+        "push's arrival: a worker without pipeline waits for it, a pipelined one computes meanwhile",
     ),
     "release_stagger_s": (
         "s",

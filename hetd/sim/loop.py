@@ -11,7 +11,8 @@ charged (docs/benchmark.md)::
     pull  = latency + bytes of the release's params frames / bandwidth + worker decode
     step  = base_step_s × samples / base_batch × slowdown(t) × straggle   (samples = batch × k)
             + worker encode + worker_step_s
-    push  = latency + len(push frame) / bandwidth
+    push  = latency + len(push frame) / bandwidth + exchange_s   (the device is free meanwhile:
+            a pipelined worker computes its next step, one without pipeline waits for the reply)
 
 and, from the cost profile (:mod:`hetd.sim.costs`), the daemon's work: the engine is one *server*
 in virtual time, as the daemon's engine is a single writer. Every engine command (a join, a push,
