@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from functools import partial
 
 from hetd.protocol import shm, wire
+from hetd.protocol.aligned import decode_aligned
 
 log = logging.getLogger("hetd.worker")
 
@@ -61,10 +62,11 @@ class ShmLink:
     def read_params(self, msg: wire.Message) -> tuple[int, wire.Message]:
         """The size of the ``params`` frame a ``params_ref`` names, and the frame decoded
         straight from the daemon's ring: the tensors' bytes are copied out once, by the
-        decoder, with no copy of the whole frame first. :class:`shm.ShmError` when it names
+        decoder, with no copy of the whole frame first, into 64-byte-aligned buffers that JAX
+        then takes as they are (:mod:`hetd.protocol.aligned`). :class:`shm.ShmError` when it names
         none or the slot was rewritten while it was read (the caller pulls again)."""
         ref = shm.ref_of(msg.body)
-        params = self.down.read_with(ref, partial(wire.decode, max_size=ref.length))
+        params = self.down.read_with(ref, partial(decode_aligned, max_size=ref.length))
         if params.type != "params" or params["version"] != msg["version"]:
             raise shm.ShmError(
                 "bad_ref", f"params_ref of version {msg['version']} names another frame"

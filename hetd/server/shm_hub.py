@@ -21,6 +21,7 @@ from functools import partial
 import numpy as np
 
 from hetd.protocol import shm, wire
+from hetd.protocol.aligned import decode_aligned
 from hetd.protocol.params import params_envelope
 
 log = logging.getLogger("hetd.server.shm")
@@ -215,8 +216,9 @@ class Uplink:
         """The ``push`` a ``push_ref`` names, and its size; :class:`hetd.protocol.wire.ProtocolError`
         with the push's id when the reference or the frame is not right (nothing is applied)."""
         ref = shm.ref_of(msg.body)
-        try:  # unpacked from the mapping (msgpack copies the tensors' bytes out once)
-            push = self.reader.read_with(ref, partial(wire.decode, max_size=max_bytes))
+        try:  # unpacked from the mapping: the tensors' bytes copied out once, 64-byte aligned,
+            # so the optimizer step takes them without another copy (hetd.protocol.aligned)
+            push = self.reader.read_with(ref, partial(decode_aligned, max_size=max_bytes))
         except shm.ShmError as exc:
             raise wire.ProtocolError(
                 exc.code, f"push_ref {msg.id}: {exc.message}", msg.id
