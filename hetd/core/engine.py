@@ -28,19 +28,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import logging
 import math
-import secrets
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
 
-from hetd.codecs import registry as codecs
+from hetd.core.decisions import DecisionsMixin
 from hetd.core.entries import (
     LINK_WINDOW,
     Clock,
@@ -51,50 +49,20 @@ from hetd.core.entries import (
     WorkerEntry,
     WorkerStats,
 )
+from hetd.core.evals import EvalMixin
 from hetd.core.ingest import update_norm
+from hetd.core.members import PROFILE_KEYS, MembersMixin
 from hetd.core.publish import OFF_LOOP_PARAMS, PublishMixin
 from hetd.core.saved import EngineState, SavedWorker, StateMixin
-from hetd.core.store import Aggregator, Snapshot, make_outer
 from hetd.core.views import ViewsMixin
-from hetd.protocol.messages import (
-    Ack,
-    AckStatus,
-    Bye,
-    ErrorReply,
-    JoinIn,
-    PlanUpdate,
-    ProfileRequest,
-    PushIn,
-    Welcome,
-)
-from policies.compose import Resolved, resolve
-from policies.registry import PolicyError, make_policy
-from policies.types import (
-    Apply,
-    Buffer,
-    ClusterView,
-    Drop,
-    Eval,
-    Event,
-    Flush,
-    Join,
-    Leave,
-    Plan,
-    Pull,
-    Push,
-    PushDecision,
-    Regroup,
-    Release,
-    SetPlan,
-    SetStage,
-    Tick,
-    WorkerFacts,
-)
+from hetd.protocol.messages import ErrorReply, PushIn
+from policies.types import Pull, Push, Tick
 
 __all__ = [
     "BATCH",
     "LINK_WINDOW",
     "OFF_LOOP_PARAMS",
+    "PROFILE_KEYS",
     "Clock",
     "Engine",
     "EngineBase",
@@ -110,19 +78,22 @@ __all__ = [
 log = logging.getLogger("hetd.core.engine")
 
 BATCH = 64  # commands at most taken before one publish
-PROFILE_KEYS = frozenset({"sample_s", "push_s", "pull_s", "compress_s"})
 EWMA = 0.5  # smoothing of per-worker timing facts (docs/policies.md)
 GUARD_WINDOW = 256  # accepted pushes' norms per kind the update guard takes its median over
 MAX_NORM = math.sqrt(float(np.finfo(np.float32).max))  # a larger norm's square overflows float32
 
 
-class Engine(ViewsMixin, StateMixin, PublishMixin):
+class Engine(MembersMixin, EvalMixin, ViewsMixin, StateMixin, DecisionsMixin, PublishMixin):
     """Owns the workers' entries, policy state, the store and the aggregation buffers. Its parts:
     :class:`~hetd.core.entries.EngineBase` (fields, tables, the view),
+    :class:`~hetd.core.members.MembersMixin` (joins, leaves, profiles, heartbeats),
+    :class:`~hetd.core.decisions.DecisionsMixin` (the policy's decisions, policy swaps),
+    :class:`~hetd.core.evals.EvalMixin` (evaluations),
     :class:`~hetd.core.publish.PublishMixin` (releases, publishing),
     :class:`~hetd.core.replicas.ReplicaMixin` (pipeline replicas),
     :class:`~hetd.core.saved.StateMixin` (checkpoints) and
-    :class:`~hetd.core.views.ViewsMixin` (summaries)."""
+    :class:`~hetd.core.views.ViewsMixin` (summaries). This module keeps the single writer's loop
+    and the commands on the hot path (pull, push with its update guard, tick)."""
 
     # --- the single writer -----------------------------------------------------------------------
 
@@ -198,155 +169,7 @@ class Engine(ViewsMixin, StateMixin, PublishMixin):
             await asyncio.sleep(self.config.tick_s)
             self.submit(self.tick)
 
-    async def _eval_timer(self) -> None:
-        """Evaluations on their grid, not at the first tick after it (ticks are 0.25 s apart)."""
-        while True:
-            due = self._last_eval + self.config.eval_interval_s - self.clock.now()
-            await asyncio.sleep(max(0.01, due) if math.isfinite(due) else self.config.tick_s)
-            self.submit(lambda: self._evaluate_if_due(self.clock.now()))
-
     # --- commands (run on the engine task only) -----------------------------------------------------
-
-    def join(self, hello: JoinIn, peer: Peer, on_id: Callable[[int], None] | None = None) -> int:
-        """Admit a worker: facts, plan, welcome with a new random secret; the policy decides when
-        it may start. A worker that says it is a known one (``resume_id``) and shows that worker's
-        secret gets its id, clock, last push id and secret back (an active one's old session
-        leaves first: it reconnected before its old socket was seen to die); a wrong or missing
-        secret makes it a new worker. ``on_id`` is called with the worker's id once it is
-        welcomed and before the policy hears of it (the session routes pipeline frames to it
-        from then on: a policy may put the worker in a replica at once)."""
-        now = self.clock.now()
-        codec = codecs.negotiate(list(hello.codecs), self.config.codec)  # raises before any change
-        saved: WorkerFacts | None = None
-        last_push = 0
-        secret = ""
-        rid = hello.resume_id
-        if rid is not None and self._may_resume(rid, hello.resume_secret):
-            if rid in self._workers:
-                self.leave(rid, "resumed on a new connection")
-            old = self._departed.pop(rid)
-            wid, saved, last_push, secret = rid, old.facts, old.last_push, old.secret
-        else:
-            if rid is not None:
-                log.warning("worker %s: resume refused (wrong or no secret); a new id", rid)
-            wid = self._next_id
-            self._next_id += 1
-        secret = secret or secrets.token_urlsafe(32)
-        start_clock = self.view().min_clock() if self._workers else 0
-        if saved is not None:  # a returning worker keeps its clock, never below the slowest
-            start_clock = max(saved.clock, start_clock) if self._workers else saved.clock
-        used = {e.stats.slot for e in self._workers.values()}
-        slot = next(i for i in range(len(used) + 1) if i not in used)
-        facts = WorkerFacts(
-            worker=wid,
-            name=hello.name,
-            clock=start_clock,
-            version=-1,  # holds nothing yet: its first parameters go in full
-            waiting=True,
-            joined_at=now,
-            batch_size=self.config.batch_size,
-            free_mem=hello.free_mem,
-            codec=codec,
-            waiting_since=now,
-            stages="stages" in hello.features,
-        )
-        entry = WorkerEntry(
-            facts=facts,
-            stats=WorkerStats(last_seen=now, device=dict(hello.device), slot=slot),
-            plan=self._default_plan(facts, self.stage),
-            peer=peer,
-            same_host=hello.same_host,
-            hashes="hash" in hello.features,
-            last_push=last_push,
-            secret=secret,
-        )
-        self._workers[wid] = entry
-        self._facts[wid] = facts
-        # Automatic shards are disjoint for up to 4 workers (fewer workers leave some data unused:
-        # set [train] shards to their number). Overlapping shares (the first worker on everything,
-        # the k-th on 1/k) covered all data but trained the 4-worker demo ~30 % slower.
-        shards = self.config.shards or max(4, len(self._workers))
-        peer.send(
-            Welcome(
-                id=hello.id,
-                worker_id=wid,
-                plan=entry.plan,
-                heartbeat_s=self.config.heartbeat_s,
-                shard=slot % shards,
-                shards=shards,
-                setup=self.config.welcome,
-                secret=secret,
-            )
-        )
-        if self.config.profile_steps > 0:
-            peer.send(ProfileRequest(self.config.profile_steps, self.config.batch_size))
-        log.info("worker %d (%s) joined on slot %d, codec %s", wid, hello.name, slot, codec)
-        if on_id is not None:
-            on_id(wid)
-        self._dispatch(Join(now, wid))
-        return wid
-
-    def _may_resume(self, wid: int, secret: str | None) -> bool:
-        """Whether ``secret`` is known worker ``wid``'s (compared in constant time)."""
-        entry = self._workers.get(wid) or self._departed.get(wid)
-        if entry is None or not entry.secret or not secret:
-            return False
-        return hmac.compare_digest(secret.encode(), entry.secret.encode())
-
-    def leave(self, wid: int, reason: str, peer: Peer | None = None) -> None:
-        """A worker left; it leaves every barrier at once (its entry is kept as departed).
-        ``peer``: the session that ended; nothing happens when the worker is now on another one
-        (it resumed on a new connection first)."""
-        entry = self._workers.get(wid)
-        if entry is None or (peer is not None and entry.peer is not peer):
-            return
-        del self._workers[wid]
-        in_view = self._facts.pop(wid, None) is not None
-        head = self.replica_of(wid)
-        if head is not None:  # its replica cannot go on: the others go back to data parallel
-            self.dissolve_replica(head, f"worker {wid} left")
-        peer, entry.peer, entry.held_ref, entry.same_host = entry.peer, None, None, False
-        entry.hashes = False
-        self._departed[wid] = entry
-        if peer is not None:
-            peer.close(reason)
-        self.departures.append((self.clock.now() - self.started_at, wid, reason))
-        log.info("worker %d left: %s", wid, reason)
-        if in_view:  # a replica's later stage left the view when the replica formed
-            self._dispatch(Leave(self.clock.now(), wid, reason))
-
-    def bye_all(self, reason: str) -> None:
-        """Say bye to every worker and let it leave (they may reconnect later)."""
-        for wid, entry in list(self._workers.items()):
-            if entry.peer is not None:
-                entry.peer.send(Bye(reason))
-            self.leave(wid, reason)
-
-    def profile_result(self, wid: int, result: Mapping[str, Any]) -> None:
-        """A worker's profile run: finite, non-negative seconds for the known keys go into its
-        facts (anything else is ignored); policies see it with the next event."""
-        entry = self._workers.get(wid)
-        if entry is None:
-            return
-        clean = {
-            k: float(v)
-            for k, v in result.items()
-            if k in PROFILE_KEYS
-            and isinstance(v, int | float)
-            and not isinstance(v, bool)
-            and math.isfinite(v)
-            and v >= 0
-        }
-        self._put(entry, dataclasses.replace(entry.facts, profile=clean))
-        entry.stats.last_seen = self.clock.now()
-        log.info("worker %d profile: %s", wid, clean)
-        self._dispatch(Tick(self.clock.now()))
-
-    def heartbeat(self, wid: int) -> None:
-        """A sign of life."""
-        entry = self._workers.get(wid)
-        if entry is not None:
-            entry.stats.last_seen = self.clock.now()
 
     def pull(self, wid: int, have: int | None = None) -> None:
         """A worker asks for parameters (``have``: the version it holds; None: send them in full);
@@ -467,90 +290,6 @@ class Engine(ViewsMixin, StateMixin, PublishMixin):
         window.append(norm)
         return None
 
-    def swap_policy(self, name: str, params: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Replace the policy between two events, all or nothing.
-
-        The new policy is built, initialised and asked for its first decisions (a ``Tick``) on a
-        trial view in which every active worker's plan is back at its defaults (a join's plan),
-        the stage is ``"main"`` and nothing is buffered; its plans and stage are worked out from
-        those decisions. Any error on the way raises :class:`PolicyError` and nothing has changed:
-        the old policy, its state, the stage and every plan stay. Then the swap is carried out:
-        buffered pushes are applied (never lost), the policy, its state, the stage and the plans
-        change together (each worker whose plan changed is told once), and the first decisions'
-        releases and flushes are carried out.
-        """
-        new = make_policy(name, params)
-        now = self.clock.now()
-        # the replicas and data-parallel workers the policy sees (not a replica's later stages)
-        visible = {wid: e for wid, e in self._workers.items() if wid in self._facts}
-        plans = {wid: self._default_plan(e.facts, "main") for wid, e in visible.items()}
-        # Every worker starts the new policy's first round together: clocks counted under the
-        # old one (under asp the fast workers run rounds ahead) would make a synchronous policy
-        # hold them until the slowest caught up (seen: 2 s without an update after asp -> bsp).
-        top = max((e.facts.clock for e in visible.values()), default=0)
-        trial = ClusterView(
-            now=now,
-            version=self.store.version,
-            workers={
-                wid: dataclasses.replace(e.facts, batch_size=plans[wid].batch_size, clock=top)
-                for wid, e in visible.items()
-            },
-            global_batch=self.config.global_batch,
-            buffered=0,
-            stage="main",
-        )
-        stage = "main"
-        try:
-            outer = (
-                None if self.config.outer_for is None else self.config.outer_for(name, new.params)
-            )
-            if outer is not None:
-                make_outer(outer)  # a bad spec refuses the swap here
-            decisions, state = new.update(Tick(now), new.init(trial), trial)
-            first = resolve(decisions)  # raises on an unknown plan field or a wrong value
-            for d in first.plans:
-                if isinstance(d, SetStage):
-                    stage = d.stage
-                    plans = {wid: plan.merge({"stage": stage}) for wid, plan in plans.items()}
-                elif isinstance(d, SetPlan) and d.worker in plans:
-                    plans[d.worker] = plans[d.worker].merge(d.fields)
-        except Exception as exc:
-            raise PolicyError(
-                f"policy {name!r} failed to start: {type(exc).__name__}: {exc}"
-            ) from exc
-        # Nothing below refuses: the swap happens as a whole.
-        if self.buffered():  # never lose buffered updates: apply them before the change
-            self._flush(Flush(normalize=True))
-        old = self.policy.name
-        self.policy, self.policy_state = new, state
-        # after the flush, which applied the old policy's rounds through the old one
-        if outer is not None and self.store.set_outer(outer):
-            log.info("outer optimizer -> %s (state reset)", self.store.outer_spec)
-        if stage != self.stage:
-            at = now - self.started_at
-            log.info("stage %s -> %s at %.2f s (policy swap)", self.stage, stage, at)
-            self.stage = stage
-            self.stages.append((at, stage))
-        for wid, plan in plans.items():
-            entry = self._workers[wid]
-            changed = plan != entry.plan
-            entry.plan = plan
-            self._put(
-                entry, dataclasses.replace(entry.facts, batch_size=plan.batch_size, clock=top)
-            )
-            if changed and entry.peer is not None:
-                entry.peer.send(PlanUpdate(plan))
-        for entry in self._departed.values():  # one that returns rejoins the same round
-            entry.facts = dataclasses.replace(entry.facts, clock=min(entry.facts.clock, top))
-        log.info("policy swapped: %s -> %s %s", old, new.name, dict(new.params))
-        self._execute(Resolved((), first.scale, first.actions), None)
-        return new.describe()
-
-    def _default_plan(self, facts: WorkerFacts, stage: str) -> Plan:
-        """A worker's plan before any policy changes it: the configured batch, pushes in the
-        codec its parameters come in, nothing else set."""
-        return Plan(batch_size=self.config.batch_size, codec=facts.codec, stage=stage)
-
     def tick(self) -> None:
         """Time passes: heartbeats, evaluation, and a chance for gates to open."""
         now = self.clock.now()
@@ -560,137 +299,3 @@ class Engine(ViewsMixin, StateMixin, PublishMixin):
                 self.leave(wid, "heartbeat timeout")
         self._evaluate_if_due(now)
         self._dispatch(Tick(now))
-
-    def anchor_evals(self, at: float) -> None:
-        """Evaluate at ``at`` + k × ``eval_interval_s`` from now on (engine clock): the real bench
-        puts the grid on its t = 0, where the simulator evaluates."""
-        self._last_eval = at
-
-    def _evaluate_if_due(self, now: float) -> None:
-        """Start an evaluation when the next point of the grid (``eval_interval_s`` apart, at a
-        fixed rate: a late one does not move the next) is due and none is running."""
-        interval = self.config.eval_interval_s
-        if (
-            self.evaluator is not None
-            and self._eval_task is None
-            and now - self._last_eval >= interval
-        ):
-            last = self._last_eval
-            self._last_eval = now if not math.isfinite(last) else now - (now - last) % interval
-            if self.config.eval_inline:
-                loss, acc = self.evaluator(self.store.snapshot())
-                self.record_eval(loss, acc, now)
-            else:
-                self._eval_task = asyncio.get_running_loop().create_task(
-                    self._evaluate(self.store.snapshot(), now)
-                )
-
-    async def _evaluate(self, snap: Snapshot, taken: float) -> None:
-        assert self.evaluator is not None  # checked by the caller; not network input
-        try:
-            loss, acc = await asyncio.to_thread(self.evaluator, snap)
-        finally:
-            self._eval_task = None
-        self.submit(lambda: self.record_eval(loss, acc, taken))
-
-    def record_eval(self, loss: float, accuracy: float, taken: float | None = None) -> None:
-        """Store an evaluation and tell the policy. ``taken`` (engine clock, default now) is when
-        the evaluated parameters were snapshotted: ``evals`` keeps that time, not the end of an
-        evaluation that took seconds on a loaded host (a time-to-target read from it would be
-        late by as much, and the real bench's t = 0 restart would see an evaluation of the
-        parameters before it land after it)."""
-        now = self.clock.now()
-        at = now if taken is None else taken
-        self.evals.append((at - self.started_at, loss, accuracy))
-        self._dispatch(Eval(now, loss, accuracy))
-
-    # --- decisions -------------------------------------------------------------------------------
-
-    def _dispatch(self, event: Event, push: PushIn | None = None) -> None:
-        try:
-            decisions, state = self.policy.update(event, self.policy_state, self.view())
-            resolved = resolve(decisions)  # raises on a policy bug (e.g. an unknown plan field)
-        except Exception:
-            log.exception(
-                "policy %s failed on %s; applying asynchronously", self.policy.name, event
-            )
-            state = self.policy_state
-            fallback = () if push is None else (Apply(1.0 / max(1, len(self.facts))),)
-            resolved = resolve(fallback)
-        self.policy_state = state
-        self._execute(resolved, push)
-
-    def _execute(self, r: Resolved, push: PushIn | None) -> None:
-        """Carry out one event's resolved decisions (the rules are :func:`policies.resolve`'s)."""
-        # Plans first, so a worker released by this event computes under its new plan.
-        for d in r.plans:
-            if isinstance(d, SetStage):
-                self._set_stage(d.stage)
-            elif isinstance(d, Regroup):
-                self._regroup(d.replicas)
-            else:
-                self._set_plan(d.worker, d.fields)
-        for a in r.actions:
-            if isinstance(a, Flush):
-                self._flush(a)
-            elif isinstance(a, Release):
-                self._release(a.worker)
-            elif push is not None:
-                self._decide_push(a, push, r.scale)
-        if push is not None and r.push is None:
-            # A policy that says nothing about a push must not lose it.
-            log.warning("policy %s made no decision on a push; applying it", self.policy.name)
-            self._decide_push(Apply(1.0 / max(1, len(self.facts))), push, r.scale)
-
-    def _decide_push(self, d: PushDecision, p: PushIn, factor: float) -> None:
-        st = self.stats[p.worker]
-        if isinstance(d, Apply):
-            self.store.apply(p.kind, p.tensors, d.weight * factor)
-            self.updates_applied += 1
-            st.applied += 1
-            self._ack(p, "applied")
-        elif isinstance(d, Buffer):
-            self.buffers.setdefault(d.group, Aggregator()).add(p.kind, p.tensors, d.weight * factor)
-            st.buffered += 1
-            self._ack(p, "buffered")
-        elif isinstance(d, Drop):
-            st.dropped += 1
-            self._ack(p, "dropped", d.reason)
-
-    def _flush(self, d: Flush) -> None:
-        groups = sorted(g for g in self.buffers if d.upto is None or g <= d.upto)
-        for g in groups:
-            agg = self.buffers.pop(g, None)
-            if agg is None or not agg.count:
-                continue
-            for kind, tensors in agg.take(d.normalize):
-                self.store.apply(kind, tensors, d.scale)
-            self.updates_applied += 1
-
-    def _set_plan(self, wid: int, fields: Mapping[str, Any]) -> None:
-        entry = self._workers.get(wid)
-        if entry is None:
-            return
-        plan = entry.plan
-        new = plan.merge(fields)  # checked: resolve() raised on unknown fields already
-        if new == plan:
-            return
-        entry.plan = new
-        self._put(entry, dataclasses.replace(entry.facts, batch_size=new.batch_size))
-        if entry.peer is not None:
-            entry.peer.send(PlanUpdate(new))
-
-    def _set_stage(self, stage: str) -> None:
-        if stage == self.stage:
-            return
-        at = self.clock.now() - self.started_at
-        log.info("stage %s -> %s at %.2f s", self.stage, stage, at)
-        self.stage = stage
-        self.stages.append((at, stage))
-        for wid in list(self._workers):
-            self._set_plan(wid, {"stage": stage})
-
-    def _ack(self, p: PushIn, status: AckStatus, reason: str | None = None) -> None:
-        entry = self._workers.get(p.worker)
-        if entry is not None and entry.peer is not None:
-            entry.peer.send(Ack(p.id, self.store.version, status, reason))
