@@ -85,7 +85,9 @@ class PolicyConfig:
     """The policy to start with."""
 
     name: str = "ssp"
-    params: Mapping[str, Any] = field(default_factory=lambda: {"staleness": 3})
+    # Empty: the policy's own defaults (ssp: staleness 3), so a file that names another policy
+    # and no params starts it rather than handing it ssp's parameters.
+    params: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

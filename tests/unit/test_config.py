@@ -8,6 +8,7 @@ import pytest
 
 from hetd import config
 from hetd.config import Config, ConfigError
+from policies.registry import make_policy
 
 
 @pytest.fixture(autouse=True)
@@ -27,8 +28,15 @@ def test_defaults_load_without_a_file() -> None:
     cfg = config.load(None)
     assert cfg == Config()
     assert (cfg.server.port, cfg.train.optimizer, cfg.policy.name) == (7070, "sgd", "ssp")
-    assert cfg.policy.params == {"staleness": 3}
+    assert cfg.policy.params == {}
     assert cfg.server.worker_token == "" and cfg.server.admin_token == ""
+
+
+def test_a_file_naming_only_a_policy_starts_it_with_its_own_defaults(tmp_path: Path) -> None:
+    for name in ("asp", "bsp", "ssp", "adsp", "diloco"):
+        cfg = config.load(write(tmp_path, f'[policy]\nname = "{name}"\n'))
+        assert cfg.policy.params == {}
+        make_policy(cfg.policy.name, cfg.policy.params)  # raises on parameters it does not take
 
 
 def test_a_valid_file_loads(tmp_path: Path) -> None:
