@@ -126,24 +126,31 @@ def make_config(
     return config_mod.replace(cfg, "policy", name=policy, params=params or {})
 
 
-async def start_worker(port: int, steps: int) -> asyncio.subprocess.Process:
-    """One real ``hetd-worker`` process (verbose: its log on ``stderr``, a pipe) that makes
-    ``steps`` pushes to the daemon on ``port`` and exits."""
+async def spawn_worker(
+    url: str, *args: str, stdin: bool = False, log: bool = True
+) -> asyncio.subprocess.Process:
+    """One real ``hetd-worker`` process joining ``url`` with the worker token, ``args`` after the
+    url; its ``stderr`` a pipe (``log``) or discarded, ``stdin`` a pipe when asked."""
     from hetd.local.demo import worker_env
 
     return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "workers.cli",
-        f"ws://127.0.0.1:{port}",
-        "--steps",
-        str(steps),
-        "--max-retries",
-        "3",
-        "-v",
+        url,
+        *args,
         env=worker_env(WORKER_TOKEN),
+        stdin=asyncio.subprocess.PIPE if stdin else None,
         stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE if log else asyncio.subprocess.DEVNULL,
+    )
+
+
+async def start_worker(port: int, steps: int) -> asyncio.subprocess.Process:
+    """One real ``hetd-worker`` process (verbose: its log on ``stderr``, a pipe) that makes
+    ``steps`` pushes to the daemon on ``port`` and exits."""
+    return await spawn_worker(
+        f"ws://127.0.0.1:{port}", "--steps", str(steps), "--max-retries", "3", "-v"
     )
 
 

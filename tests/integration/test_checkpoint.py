@@ -21,9 +21,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from hetd.local.demo import stop_processes, worker_env
+from hetd.local.demo import stop_processes
 from hetd.server import checkpoint
-from tests.conftest import ADMIN_TOKEN, WORKER_TOKEN
+from tests.conftest import ADMIN_TOKEN, WORKER_TOKEN, spawn_worker
 
 pytestmark = pytest.mark.slow
 
@@ -164,10 +164,7 @@ async def test_sigterm_checkpoints_and_a_restart_resumes(serve) -> None:  # type
     workers = []
     for i, slowdown in enumerate((1, 2)):
         workers.append(
-            await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "workers.cli",
+            await spawn_worker(
                 f"ws://127.0.0.1:{serve.port}",
                 "--name",
                 f"w{i}",
@@ -177,9 +174,7 @@ async def test_sigterm_checkpoints_and_a_restart_resumes(serve) -> None:  # type
                 "0.02",
                 "--max-retries",
                 "40",
-                env=worker_env(WORKER_TOKEN),
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.DEVNULL,
+                log=False,
             )
         )
     try:

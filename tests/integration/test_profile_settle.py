@@ -5,17 +5,14 @@ the first worker to join was read 4.5x slow while the others compiled)."""
 
 from __future__ import annotations
 
-import asyncio
 import statistics
-import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from hetd.local.demo import worker_env
 from policies import ClusterView, Policy
 from policies.types import Decision, Event, Push
-from tests.conftest import WORKER_TOKEN, Cluster
+from tests.conftest import Cluster, spawn_worker
 
 BASE_STEP_S = 0.02  # s per 32 samples at slow-down 1
 AT_JOIN = 8.0  # the worker's slow-down until the origin is written: the load at its join
@@ -43,10 +40,7 @@ async def test_a_swapped_in_policy_times_a_worker_by_its_pushes_not_its_loaded_j
     engine = c.engine
     seen: list[tuple[float, float]] = []
     engine.policy = _observed(engine.policy, seen)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "workers.cli",
+    proc = await spawn_worker(
         c.url,
         "--name",
         "loaded-at-join",
@@ -60,10 +54,7 @@ async def test_a_swapped_in_policy_times_a_worker_by_its_pushes_not_its_loaded_j
         "stdin",
         "--max-retries",
         "3",
-        env=worker_env(WORKER_TOKEN),
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
+        stdin=True,
     )
     c.procs.append(proc)
     await c.wait_for(
