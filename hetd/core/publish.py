@@ -218,10 +218,11 @@ class PublishMixin(ReplicaMixin):
         # A pipelined worker counts its pushes until each is answered with a frame; one release
         # for a wait that two of its pushes joined would leave one unanswered for good, and it
         # would never compute with a push in flight again. An empty delta ("go on") answers it.
-        for _ in range(entry.joined_pushes):
+        if entry.joined_pushes:
             empty = wire.encode(
                 "params", 0, version=release.version, full=False, base=release.version, tensors={}
             )
+        for _ in range(entry.joined_pushes):
             entry.stats.bytes_out += len(empty)
             self.bytes_out += len(empty)
             entry.peer.send_params(empty, full=False)
