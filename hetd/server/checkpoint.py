@@ -4,10 +4,12 @@ This module owns the on-disk format, the state directory (names, a rotation that
 *valid* files, picking the newest valid file) and how an engine's state is captured and put back.
 
 Format: the state is a plain tree (dicts, numbers, strings, numpy arrays) made with
-``flax.serialization.to_state_dict`` and serialised with ``flax.serialization.msgpack_serialize``:
-flax's own format, readable with ``msgpack_restore`` and nothing of ours. It travels inside a small
-envelope ``{"format": "hetd-checkpoint", "format_version": 1, "sha256": hex, "state": bytes}`` (also
-flax msgpack) so a truncated or bit-flipped file is recognised and skipped instead of loaded.
+``flax.serialization.to_state_dict``, in flax's msgpack format: readable with ``msgpack_restore`` and
+nothing of ours. It travels inside a small envelope ``{"format": "hetd-checkpoint", "format_version":
+1, "state": bytes, "sha256": hex}`` (msgpack) so a truncated or bit-flipped file is recognised and
+skipped instead of loaded. :mod:`hetd.server.ckpt_file` streams it to the file from the arrays' own
+memory and reads it back without copying the payload out; after a write or a load the freed heap goes
+back to the system.
 
 Files are ``ckpt-<seq>-v<version>.msgpack`` (``seq`` grows by one per write, so the newest file is the
 highest ``seq`` whatever the clocks say), written as ``.<name>.tmp`` + fsync + rename + fsync of the
@@ -31,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
+import io
 import logging
 import os
 import re
@@ -47,17 +49,15 @@ import numpy as np
 from flax import serialization
 
 from hetd.core.engine import Engine, EngineState, SavedWorker
+from hetd.server import ckpt_file
+from hetd.server.ckpt_file import FORMAT, FORMAT_VERSION, CheckpointError, decode
 from hetd.server.policy_state import plain, policy_state_tree, revive_policy_state
 
 log = logging.getLogger("hetd.server.checkpoint")
 
-FORMAT = "hetd-checkpoint"
-FORMAT_VERSION = 1
+__all__ = ["FORMAT", "FORMAT_VERSION", "CheckpointError", "Checkpointer", "decode", "encode"]
+
 _NAME = re.compile(r"^ckpt-(\d{8,})-v(\d+)\.msgpack$")
-
-
-class CheckpointError(Exception):
-    """A checkpoint cannot be read, or does not fit the configured model and optimizer."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,47 +167,14 @@ def restore_engine(engine: Engine, state: Mapping[str, Any]) -> None:
         ) from None
 
 
-# --- the file format ----------------------------------------------------------------------------------
+# --- the file format (hetd.server.ckpt_file) --------------------------------------------------------
 
 
 def encode(state: Mapping[str, Any]) -> bytes:
     """A state tree as checkpoint bytes (flax msgpack inside a checksummed envelope)."""
-    payload: bytes = serialization.msgpack_serialize(dict(state))
-    envelope = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "sha256": hashlib.sha256(payload).hexdigest(),
-        "state": payload,
-    }
-    out: bytes = serialization.msgpack_serialize(envelope)
-    return out
-
-
-def decode(data: bytes) -> dict[str, Any]:
-    """Checkpoint bytes back to the state tree; :class:`CheckpointError` says what is wrong."""
-    try:
-        envelope = serialization.msgpack_restore(data)
-    except Exception as exc:
-        raise CheckpointError(f"not a msgpack checkpoint (truncated?): {exc}") from None
-    if not isinstance(envelope, dict) or envelope.get("format") != FORMAT:
-        raise CheckpointError("not a hetd checkpoint (no format marker)")
-    if envelope.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"checkpoint format version {envelope.get('format_version')!r}; "
-            f"this hetd reads version {FORMAT_VERSION}"
-        )
-    payload = envelope.get("state")
-    if not isinstance(payload, bytes):
-        raise CheckpointError("checkpoint has no state payload")
-    if hashlib.sha256(payload).hexdigest() != envelope.get("sha256"):
-        raise CheckpointError("checksum mismatch: the file is corrupt")
-    try:
-        state = serialization.msgpack_restore(payload)
-    except Exception as exc:
-        raise CheckpointError(f"state payload does not decode: {exc}") from None
-    if not isinstance(state, dict) or not {"params", "opt_state", "version"} <= set(state):
-        raise CheckpointError("state payload lacks params, opt_state or version")
-    return state
+    buf = io.BytesIO()
+    ckpt_file.write_to(buf, state)
+    return buf.getvalue()
 
 
 # --- the state directory ------------------------------------------------------------------------------
@@ -240,7 +207,6 @@ def write(directory: Path, state: Mapping[str, Any], keep: int) -> CheckpointInf
     Blocking (serialising, fsync and verifying older files take a while): call it in a thread.
     """
     directory.mkdir(parents=True, exist_ok=True)
-    data = encode(state)
     existing = list_checkpoints(directory)
     seq = existing[0][0] + 1 if existing else 1
     version = int(state["version"])
@@ -248,7 +214,7 @@ def write(directory: Path, state: Mapping[str, Any], keep: int) -> CheckpointInf
     tmp = directory / f".{final.name}.tmp"
     try:
         with open(tmp, "wb") as fh:
-            fh.write(data)
+            nbytes = ckpt_file.write_to(fh, state)  # streamed: no copy of the state in memory
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, final)
@@ -259,7 +225,7 @@ def write(directory: Path, state: Mapping[str, Any], keep: int) -> CheckpointInf
         raise
     _rotate(directory, keep, final)
     created = float(state.get("created_unix", time.time()))
-    return CheckpointInfo(str(final), seq, version, len(data), created)
+    return CheckpointInfo(str(final), seq, version, nbytes, created)
 
 
 def _rotate(directory: Path, keep: int, written: Path) -> None:
@@ -273,7 +239,7 @@ def _rotate(directory: Path, keep: int, written: Path) -> None:
                 kept += 1
                 continue
             try:
-                decode(path.read_bytes())
+                ckpt_file.verify(path)  # the hash over the mapped file; the state is not decoded
             except (OSError, CheckpointError) as exc:
                 log.warning("deleting checkpoint %s: it does not verify (%s)", path, exc)
             else:
@@ -296,13 +262,13 @@ def load_newest(directory: Path) -> tuple[CheckpointInfo, dict[str, Any]] | None
     candidates = list_checkpoints(directory)
     for seq, path in candidates:
         try:
-            data = path.read_bytes()
-            state = decode(data)
+            state = ckpt_file.read(path)
+            stat = path.stat()
         except (OSError, CheckpointError) as exc:
             log.warning("skipping checkpoint %s: %s", path, exc)
             continue
-        created = float(state.get("created_unix", path.stat().st_mtime))
-        return CheckpointInfo(str(path), seq, int(state["version"]), len(data), created), state
+        created = float(state.get("created_unix", stat.st_mtime))
+        return CheckpointInfo(str(path), seq, int(state["version"]), stat.st_size, created), state
     if candidates:
         log.warning("no valid checkpoint in %s: starting fresh", directory)
     return None
@@ -332,6 +298,8 @@ class Checkpointer:
             raise CheckpointError(
                 f"{info.path}: {exc}. Point [store] dir (--state-dir) elsewhere to start fresh."
             ) from None
+        del state, found  # the file's arrays: the store holds its own copies now
+        ckpt_file.release_memory()
         self.last = info
         log.warning(
             "resumed from %s: version %d, policy %s, %d workers known",
@@ -354,6 +322,10 @@ class Checkpointer:
             if state is None:
                 state = await engine.call(lambda: engine_state(engine))
             info = await asyncio.to_thread(self._write, state)
+            # The capture (a copy of the parameters and optimizer state) is freed here; the heap's
+            # free pages go back to the system, so a checkpoint leaves the resting RSS as it was.
+            state = None
+            await asyncio.to_thread(ckpt_file.release_memory)
             self.last, self.written = info, self.written + 1
             log.info("checkpoint %s (version %d, %d bytes)", info.path, info.version, info.nbytes)
             return info

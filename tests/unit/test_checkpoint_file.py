@@ -1,0 +1,133 @@
+"""The checkpoint file: written without copies of the state, and the same format as before (flax's
+msgpack in a checksummed envelope) both ways."""
+
+from __future__ import annotations
+
+import hashlib
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import serialization
+
+from hetd.server import checkpoint, ckpt_file
+
+
+def state_of(n: int) -> dict[str, Any]:
+    """A checkpoint-shaped tree with ``n`` float32 parameters and leaves of every kind."""
+    rng = np.random.default_rng(0)
+    return {
+        "version": 5,
+        "created_unix": 1.5,
+        "params": {
+            "dense/w": rng.standard_normal((n // 1000, 1000), dtype=np.float32),
+            "dense/b": np.arange(7, dtype=np.float32),
+        },
+        "opt_state": [{"count": np.int32(3), "mu": np.zeros((2, 3), np.float64)}, {}],
+        "policy": {
+            "name": "asp",
+            "state": None,
+            "z": complex(1, 2),
+            "half": jnp.ones(3, jnp.bfloat16),
+        },
+        "workers": {"1": {"name": "w", "active": True, "t": np.float32(0.25)}},
+        "empty": np.zeros((0, 4), np.int8),
+        "scalar": np.array(2.5, np.float32),
+    }
+
+
+def same(a: Any, b: Any) -> None:
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b)
+        for key in a:
+            same(a[key], b[key])
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            same(x, y)
+    elif hasattr(a, "dtype"):
+        assert np.asarray(b).dtype == np.asarray(a).dtype and np.shape(b) == np.shape(a)
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    else:
+        assert a == b
+
+
+def old_encode(state: dict[str, Any]) -> bytes:
+    """The writer before the streaming one: the payload, then the envelope around a copy of it."""
+    payload = serialization.msgpack_serialize(state)
+    envelope = {
+        "format": "hetd-checkpoint",
+        "format_version": 1,
+        "sha256": hashlib.sha256(payload).hexdigest(),
+        "state": payload,
+    }
+    out: bytes = serialization.msgpack_serialize(envelope)
+    return out
+
+
+def test_writing_a_checkpoint_copies_no_state(tmp_path: Path) -> None:
+    state = state_of(2_000_000)  # 8 MB
+    size = sum(np.asarray(v).nbytes for v in state["params"].values())
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        info = checkpoint.write(tmp_path, state, keep=2)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert info.nbytes == Path(info.path).stat().st_size > size
+    # the writer before held the arrays' bytes, the payload and the envelope: > 2x the state
+    assert peak < 0.25 * size, f"peak {peak} bytes writing a {size}-byte state"
+
+
+def test_the_file_is_flax_msgpack_in_the_envelope_both_ways(tmp_path: Path) -> None:
+    state = state_of(3000)
+    info = checkpoint.write(tmp_path, state, keep=2)
+    data = Path(info.path).read_bytes()
+    # read with nothing of ours, as the old reader did
+    envelope = serialization.msgpack_restore(data)
+    assert envelope["format"] == "hetd-checkpoint" and envelope["format_version"] == 1
+    assert hashlib.sha256(envelope["state"]).hexdigest() == envelope["sha256"]
+    same(state, serialization.msgpack_restore(envelope["state"]))
+    # and the old writer's file (hash before the state) reads with ours
+    old = tmp_path / "ckpt-00000009-v5.msgpack"
+    old.write_bytes(old_encode(state))
+    same(state, ckpt_file.read(old))
+    same(state, checkpoint.decode(old.read_bytes()))
+    ckpt_file.verify(old)
+    same(checkpoint.decode(checkpoint.encode(state)), state)
+
+
+def test_arrays_above_the_chunk_size_are_chunked_as_flax_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ckpt_file, "_CHUNK_BYTES", 1000)  # flax's is 1 GiB
+    state = state_of(3000)
+    data = checkpoint.encode(state)
+    payload = serialization.msgpack_restore(data)["state"]
+    assert b"__msgpack_chunked_array__" in payload
+    same(state, serialization.msgpack_restore(payload))
+    same(state, checkpoint.decode(data))
+
+
+def test_a_corrupt_or_foreign_file_is_refused_and_the_mapping_closes(tmp_path: Path) -> None:
+    path = Path(checkpoint.write(tmp_path, state_of(3000), keep=2).path)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    for check in (ckpt_file.verify, ckpt_file.read):
+        with pytest.raises(checkpoint.CheckpointError, match="checksum"):
+            check(path)
+    path.write_bytes(serialization.msgpack_serialize({"format": "other", "state": b"x"}))
+    with pytest.raises(checkpoint.CheckpointError, match="format marker"):
+        ckpt_file.read(path)
+    path.write_bytes(b"")
+    with pytest.raises(checkpoint.CheckpointError, match="empty"):
+        ckpt_file.verify(path)
+    path.write_bytes(bytes(data[:100]))
+    with pytest.raises(checkpoint.CheckpointError):
+        ckpt_file.read(path)
