@@ -423,7 +423,7 @@ def ashl(
             st = replace(st, fresh=False)
         return [*head, *out, *_gate(st, view, cfg)], st
 
-    return Policy("ashl", init, update, asdict(cfg))
+    return Policy("ashl", init, update, asdict(cfg), reads_evals=True)
 
 
 def _gate(st: AshlState, view: ClusterView, cfg: AshlConfig) -> list[Decision]:

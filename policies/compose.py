@@ -57,7 +57,8 @@ def compose(*policies: Policy, name: str | None = None) -> Policy:
         return out, tuple(new_states)
 
     params = {p.name: dict(p.params) for p in policies}
-    return Policy(name or "+".join(p.name for p in policies), init, update, params)
+    name = name or "+".join(p.name for p in policies)
+    return Policy(name, init, update, params, reads_evals=any(p.reads_evals for p in policies))
 
 
 @dataclass(frozen=True, slots=True)

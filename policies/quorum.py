@@ -194,7 +194,11 @@ def quorum(
         return [*head, *plans, *out], replace(st, base=freeze(base))
 
     return Policy(
-        "quorum", init, update, {"policy": policy, "q": q, "k": k, "rounds": rounds, **params}
+        "quorum",
+        init,
+        update,
+        {"policy": policy, "q": q, "k": k, "rounds": rounds, **params},
+        reads_evals=inner.reads_evals,
     )
 
 

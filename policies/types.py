@@ -388,6 +388,10 @@ class Policy(NamedTuple):
     init: Callable[[ClusterView], Any]
     update: Update
     params: Mapping[str, Any] = {}
+    # whether ``update`` reads ``Eval`` events (ashl switches stages on the loss): a runner that
+    # would otherwise evaluate after the run (``hetd bench --mode real --evals deferred``)
+    # evaluates live for such a policy; one that ignores them may get none
+    reads_evals: bool = False
 
     def describe(self) -> dict[str, Any]:
         """Name and parameters, for status pages."""

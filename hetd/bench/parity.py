@@ -214,7 +214,14 @@ def parity_markdown(doc: Mapping[str, Any]) -> str:
             else "on loopback, links emulated"
         )
         + " (wall s); "
-        f"budget {v['budget_s']:g} s, {v['seeds']} seed(s); medians over seeds. TTA is read "
+        + (
+            "real evaluations live (the daemon pays their CPU during the run; the simulator "
+            "charges none); "
+            if doc.get("evals") == "live"
+            else "real evaluations deferred (kept during the run, evaluated after it; the "
+            "simulator charges none either); "
+        )
+        + f"budget {v['budget_s']:g} s, {v['seeds']} seed(s); medians over seeds. TTA is read "
         "between evaluations (linear), the same rule in both modes; the last column is the "
         "first evaluation at or above the target (the evaluation grid). Outputs of each "
         "mode: `sim/` and `real/`.",
@@ -308,10 +315,12 @@ def plot_parity(path: Path, doc: Mapping[str, Any]) -> None:
     plt.close(fig)
 
 
-def _real_runner(lrs: Mapping[str, float], links: str = "emulated") -> Runner:
-    """The real runner (with ``links``), each policy at the learning rate its sim runs used
-    (``--tune-lr``)."""
-    real = runner_for("real", links)
+def _real_runner(
+    lrs: Mapping[str, float], links: str = "emulated", evals: str = "deferred"
+) -> Runner:
+    """The real runner (with ``links`` and ``evals``), each policy at the learning rate its sim
+    runs used (``--tune-lr``)."""
+    real = runner_for("real", links, evals)
 
     def run(
         sc: Scenario, p: PolicySpec, seed: int, lr: float, on_time: Callable[[float], None]
@@ -346,9 +355,10 @@ def run_parity(opts: BenchOptions, calibrate: bool = False) -> dict[str, Any]:
     sim = run_bench(dataclasses.replace(opts, scenario=sc, mode="sim", out=opts.out / "sim"))
     lrs = {r["policy"]: r["lr"] for r in sim["runs"]}
     real_opts = dataclasses.replace(opts, mode="real", out=opts.out / "real", tune_lr=False)
-    real = run_bench(real_opts, _real_runner(lrs, opts.links))
+    real = run_bench(real_opts, _real_runner(lrs, opts.links, opts.evals))
     doc = compare(sim, real, opts.scenario, opts.seeds)
     doc["links"] = opts.links  # the real runs' links: emulated, or netns (hetd.bench.links)
+    doc["evals"] = opts.evals  # the real runs' evaluations: deferred, or live (hetd.bench.real)
     if sc.costs:
         from hetd.sim.costs import load_costs
 

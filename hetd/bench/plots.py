@@ -25,6 +25,22 @@ def _fmt(x: float | None, spec: str = ".2f") -> str:
     return "–" if x is None else format(x, spec)
 
 
+def _evals_line(runs: list[dict[str, Any]]) -> list[str]:
+    """Real mode: how each run evaluated (``--evals``); nothing in sim mode."""
+    modes = {r["evals"] for r in runs if "evals" in r}
+    if not modes:
+        return []
+    if modes == {"deferred"}:
+        return [
+            "* evaluations deferred: the parameters at each evaluation were kept and evaluated "
+            "after the run (no CPU taken from it)"
+        ]
+    if modes == {"live"}:
+        return ["* evaluations live: the daemon evaluated during the run (its CPU included)"]
+    each = ", ".join(sorted({f"{r['policy']} {r['evals']}" for r in runs if "evals" in r}))
+    return [f"* evaluations: {each} (live: a policy that reads the evaluations' loss)"]
+
+
 def summary_markdown(doc: dict[str, Any], sc: Scenario, mode: str) -> str:
     """The summary table (one row per policy) with the scenario above it."""
     runs = doc["runs"]
@@ -42,6 +58,7 @@ def summary_markdown(doc: dict[str, Any], sc: Scenario, mode: str) -> str:
         f"({'virtual' if mode == 'sim' else 'wall'}), evaluation every {sc.eval_interval_s:g} s "
         "(not charged)",
         f"* seeds: {sorted({r['seed'] for r in runs})}",
+        *_evals_line(runs),
         "",
         "| policy | lr | reached | TTA median (s) | TTA IQR (s) | speed-up vs BSP | TTA / ideal "
         "| final acc. (median) | samples/s | staleness mean / p95 | idle (mean) | MB up / down "

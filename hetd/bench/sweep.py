@@ -43,10 +43,13 @@ class BenchOptions:
     lr_grid: tuple[float, ...] | None = None  # default: the scenario's lr_grid
     quiet: bool = False
     links: str = "emulated"  # real mode: emulated (the worker sleeps) | netns (hetd.bench.links)
+    evals: str = (
+        "deferred"  # real mode: deferred (evaluated after the run) | live (hetd.bench.real)
+    )
 
 
-def runner_for(mode: str, links: str = "emulated") -> Runner:
-    """The run function of a mode (real mode: with ``links``)."""
+def runner_for(mode: str, links: str = "emulated", evals: str = "deferred") -> Runner:
+    """The run function of a mode (real mode: with ``links`` and ``evals``)."""
     if mode == "sim":
         from hetd.sim.loop import run_sim
 
@@ -57,9 +60,9 @@ def runner_for(mode: str, links: str = "emulated") -> Runner:
 
         return sim
     if mode == "real":
-        from hetd.bench.real import run_real
+        from hetd.bench.real import EvalOptions, run_real
 
-        return functools.partial(run_real, links=links)
+        return functools.partial(run_real, links=links, evals=EvalOptions(evals))
     raise ValueError(f"unknown mode {mode!r}; use sim or real")
 
 
@@ -75,7 +78,7 @@ def _better(a: RunResult, b: RunResult) -> bool:
 def run_bench(opts: BenchOptions, runner: Runner | None = None) -> dict[str, Any]:
     """Run every policy × seed, write the outputs to ``opts.out``, return the results document."""
     sc = opts.scenario
-    run = runner or runner_for(opts.mode, opts.links)
+    run = runner or runner_for(opts.mode, opts.links, opts.evals)
     grid = tuple(opts.lr_grid or sc.lr_grid) if opts.tune_lr else ()
     n_runs = len(opts.policies) * (opts.seeds + len(grid) - (1 if grid else 0))
     bar = tqdm(

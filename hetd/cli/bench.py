@@ -145,6 +145,17 @@ def add_commands(sub: Any) -> None:
         "root or ip/tc: says so and uses emulated links); for --mode real and --suite parity; "
         "--suite chaos: unshaped links, and a cut sets the worker's link down",
     )
+    b.add_argument(
+        "--evals",
+        choices=("deferred", "live"),
+        default="deferred",
+        help="real mode's evaluations: deferred (the default: the parameters at each evaluation "
+        "are kept, 1 GiB in memory and the rest on disk, and evaluated after the run, so the "
+        "probe takes no CPU from what it measures, as in the simulator) or live (the daemon "
+        "evaluates in a thread during the run, as hetd serve does); a policy that reads Eval "
+        "events (ashl) is always evaluated live. results.json says which each run used; for "
+        "--mode real and --suite parity",
+    )
     b.add_argument("--policies", default="bsp,asp,ssp", help=POLICY_HELP + " (default bsp,asp,ssp)")
     b.add_argument("--seeds", type=int, default=3, help="run seeds 0..N-1 (default 3)")
     b.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
@@ -306,6 +317,7 @@ def _bench(args: argparse.Namespace) -> int:
         lr_grid=_floats(args.lr_grid, "--lr-grid") if args.lr_grid else None,
         quiet=args.quiet,
         links=links,
+        evals=args.evals,
     )
     t0 = time.monotonic()
     if args.suite == "parity":

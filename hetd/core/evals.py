@@ -1,6 +1,12 @@
 """Evaluations, a part of :class:`hetd.core.engine.Engine`: on a fixed grid of the engine clock
 (``eval_interval_s`` apart), of a snapshot of the parameters, in a worker thread (the daemon) or
 inline (the simulator); each result is stored and reaches the policy as an ``Eval`` event.
+
+Or deferred (:meth:`EvalMixin.keep_evals`, the real bench's default): at each point of the grid the
+engine hands the snapshot and its time to a keeper, which copies the parameters; nothing is
+evaluated, no ``Eval`` event is sent, and the bench evaluates the kept copies after the run, so a
+benchmark's probe takes no CPU from what it measures. Only for a policy that does not read ``Eval``
+events (``Policy.reads_evals``): :meth:`keep_evals` refuses one that does.
 """
 
 from __future__ import annotations
@@ -14,9 +20,14 @@ from hetd.core.entries import EngineBase
 from hetd.core.store import Snapshot
 from policies.types import Eval
 
+Keeper = Callable[[Snapshot, float], None]
+"""(snapshot, engine-clock time it was taken) -> None: keeps a copy to evaluate later."""
+
 
 class EvalMixin(EngineBase):
-    """:meth:`anchor_evals`, :meth:`record_eval` and the evaluation timer."""
+    """:meth:`anchor_evals`, :meth:`keep_evals`, :meth:`record_eval` and the evaluation timer."""
+
+    _keeper: Keeper | None = None  # deferred evaluations: who keeps the grid's snapshots
 
     def submit(self, command: Callable[[], Any]) -> None:
         """Queue a command for the engine task (the engine's own)."""
@@ -34,6 +45,18 @@ class EvalMixin(EngineBase):
         puts the grid on its t = 0, where the simulator evaluates."""
         self._last_eval = at
 
+    def keep_evals(self, keeper: Keeper | None) -> None:
+        """Defer evaluations: from now on each point of the grid calls ``keeper(snapshot, now)``
+        (on the engine's task; the snapshot's memory is the store's, so the keeper copies what it
+        keeps) instead of evaluating; None evaluates live again. ValueError if the running policy
+        reads ``Eval`` events (it would never get one); a policy swapped in later is checked by
+        the caller."""
+        if keeper is not None and self.policy.reads_evals:
+            raise ValueError(
+                f"policy {self.policy.name!r} reads Eval events: its evaluations must stay live"
+            )
+        self._keeper = keeper
+
     def _evaluate_if_due(self, now: float) -> None:
         """Start an evaluation when the next point of the grid (``eval_interval_s`` apart, at a
         fixed rate: a late one does not move the next) is due and none is running."""
@@ -45,7 +68,9 @@ class EvalMixin(EngineBase):
         ):
             last = self._last_eval
             self._last_eval = now if not math.isfinite(last) else now - (now - last) % interval
-            if self.config.eval_inline:
+            if self._keeper is not None:
+                self._keeper(self.store.snapshot(), now)
+            elif self.config.eval_inline:
                 loss, acc = self.evaluator(self.store.snapshot())
                 self.record_eval(loss, acc, now)
             else:

@@ -125,6 +125,9 @@ class RunResult:
     # real mode: the run's links ({"kind": "emulated"} or hetd.bench.links' description); None in
     # sim mode (the simulator charges bytes / bandwidth)
     links: dict[str, Any] | None = None
+    # real mode: "deferred" (kept at each evaluation and evaluated after the run) or "live"
+    # (evaluated during it); None in sim mode (hetd.bench.real's docstring)
+    evals: str | None = None
     # [[t s, bytes pushed + pulled so far]] at each evaluation, on the curve's clock (the
     # simulator records it; empty where a runner does not, and bytes to target is then None)
     bytes_curve: list[list[float]] = field(default_factory=list)
@@ -137,7 +140,7 @@ class RunResult:
 
     def to_json(self) -> dict[str, Any]:
         """The record written to ``results.json`` (the trace is left out)."""
-        return {
+        doc: dict[str, Any] = {
             "policy": self.policy,
             "scenario": self.scenario,
             "seed": self.seed,
@@ -155,7 +158,9 @@ class RunResult:
             "releases": self.releases,
             "curve": [list(c) for c in self.curve],
             "stages": [list(x) for x in self.stages],
-        } | ({} if self.links is None else {"links": dict(self.links)})
+        }
+        extra = {} if self.links is None else {"links": dict(self.links)}
+        return doc | extra | ({} if self.evals is None else {"evals": self.evals})
 
 
 def first_reach(curve: Sequence[Sequence[float]], target: float) -> float | None:
@@ -339,7 +344,7 @@ def check_results(doc: Any) -> None:
         if not isinstance(doc[part], list):
             raise ValueError(f"{part} must be a list")
         for i, rec in enumerate(doc[part]):
-            optional = {"links"} if part == "runs" else set()  # real mode only
+            optional = {"links", "evals"} if part == "runs" else set()  # real mode only
             if not isinstance(rec, dict) or set(rec) - optional != set(keys):
                 got = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
                 raise ValueError(f"{part}[{i}] must have exactly keys {sorted(keys)}, got {got}")
@@ -350,6 +355,8 @@ def check_results(doc: Any) -> None:
     for i, rec in enumerate(doc["runs"]):
         if not isinstance(rec.get("links", {}), dict):  # real mode: which links the run had
             raise ValueError(f"runs[{i}].links must be an object, got {rec['links']!r}")
+        if rec.get("evals", "live") not in ("live", "deferred"):
+            raise ValueError(f"runs[{i}].evals must be live or deferred, got {rec['evals']!r}")
         for w, f in rec["idle_fraction"].items():
             if not isinstance(f, float | int) or not 0 <= f <= 1:
                 raise ValueError(f"runs[{i}].idle_fraction[{w!r}] must be in [0, 1], got {f!r}")

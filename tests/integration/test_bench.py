@@ -4,13 +4,20 @@ issue 3, in both modes (``--mode real`` with real worker processes)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
+from hetd.bench import real as real_mod
+from hetd.bench.kept import KeptSnapshots
 from hetd.cli.bench import main
+from hetd.core.store import Snapshot
+from hetd.server.build import make_evaluator
 from hetd.sim.results import RUN_KEYS, SUMMARY_KEYS, check_results
+from hetd.zoo.data import load_dataset
+from hetd.zoo.models import get_model
 
 TINY = """
 name = "tiny"
@@ -48,7 +55,8 @@ def outputs(out: Path) -> dict[str, Any]:
         assert (out / name).read_bytes()[:8] == PNG, name
     doc = json.loads((out / "results.json").read_text())
     check_results(doc)
-    assert all(set(r) - {"links"} == set(RUN_KEYS) for r in doc["runs"])  # links: real mode
+    real = {"links", "evals"}  # real mode only
+    assert all(set(r) - real == set(RUN_KEYS) for r in doc["runs"])
     assert all(set(r) == set(SUMMARY_KEYS) for r in doc["summary"])
     md = (out / "summary.md").read_text()
     for row in doc["summary"]:
@@ -121,8 +129,37 @@ def test_bad_policy_is_refused_before_running(
     assert not out.exists()
 
 
+class CheckedKeeper(KeptSnapshots):
+    """The real bench's keeper of deferred evaluations that also evaluates each snapshot when it
+    is kept (on the engine's task), with an evaluator of the scenario's own model and test set,
+    and remembers what the deferred evaluation gave for it."""
+
+    made: ClassVar[list[CheckedKeeper]] = []
+
+    def __init__(self, cap_bytes: int) -> None:
+        super().__init__(0)  # every copy through the disk, the cap's path
+        self.live: list[tuple[float, float, float]] = []
+        self.deferred: list[tuple[float, float, float]] = []
+        data = load_dataset("digits", seed=0)
+        self.evaluator = make_evaluator(get_model("mlp", data.num_classes, hidden=[32]), data)
+        CheckedKeeper.made.append(self)
+
+    def __call__(self, snap: Snapshot, taken: float) -> None:
+        self.live.append((taken, *self.evaluator(snap)))
+        super().__call__(snap, taken)
+
+    def evaluate(
+        self, evaluator: Callable[[Snapshot], tuple[float, float]]
+    ) -> list[tuple[float, float, float]]:
+        self.deferred = super().evaluate(evaluator)
+        return self.deferred
+
+
 @pytest.mark.slow
-def test_bench_real_mode_with_two_worker_processes(tmp_path: Path) -> None:
+def test_bench_real_mode_with_two_worker_processes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(real_mod, "KeptSnapshots", CheckedKeeper)
     out = tmp_path / "real"
     args = ["bench", "--mode", "real", "--scenario", scenario(tmp_path, 8.0), "--out", str(out)]
     assert main([*args, "--policies", "asp", "--seeds", "1", "--quiet"]) == 0
@@ -130,6 +167,14 @@ def test_bench_real_mode_with_two_worker_processes(tmp_path: Path) -> None:
     (run,) = doc["runs"]
     assert run["policy"] == "asp" and run["curve"][-1][0] == 8.0
     assert run["links"] == {"kind": "emulated"}
+    # deferred by default: the snapshots kept on the grid (t = 0, every 0.25 s, the budget's end)
+    # evaluate after the run to what they evaluated to when kept, and make the curve
+    assert run["evals"] == "deferred" and "evaluations deferred" in (out / "summary.md").read_text()
+    (keeper,) = CheckedKeeper.made
+    assert keeper.deferred == keeper.live and len(keeper.live) >= 8.0 / 0.25
+    start = keeper.deferred[0][0]  # t = 0's parameters are kept first; later ones are not used
+    used = [[t - start, acc] for t, _, acc in keeper.deferred if t - start <= 8.0]
+    assert run["curve"] == used
     assert set(run["idle_fraction"]) == {"0", "1"}
     # the budget less the compute each worker reported: asp keeps both computing most of it
     assert all(0.0 <= v < 0.9 for v in run["idle_fraction"].values()), run["idle_fraction"]
