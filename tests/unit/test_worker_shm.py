@@ -7,7 +7,7 @@ import numpy as np
 
 from hetd.codecs import registry as codecs
 from hetd.protocol import shm, wire
-from workers.client import _joined, _restamped, frame_size
+from workers.push import frame_size, joined, restamped
 from workers.shm import ShmLink
 
 
@@ -25,7 +25,7 @@ def test_a_push_packed_as_parts_lands_in_the_ring_byte_for_byte() -> None:
     parts = wire.pack_parts("push", 9, **fields)
     frame = wire.encode("push", 9, **fields)
     assert len(parts.segments) > 1  # the big tensor is its own segment, not copied
-    assert frame_size(parts) == len(frame) and _joined(parts) == frame
+    assert frame_size(parts) == len(frame) and joined(parts) == frame
     up = shm.Ring("up", 2, 1 << 20)
     down = shm.Ring("dl", 1, 1 << 20)
     reader = shm.RingReader(up.name)
@@ -39,7 +39,7 @@ def test_a_push_packed_as_parts_lands_in_the_ring_byte_for_byte() -> None:
         got = codecs.decode_tree(push["tensors"])
         assert all(np.array_equal(got[k], grads[k]) for k in grads)
         # a push kept for a resend goes again whole, without its first send's stamp
-        again = wire.decode(_restamped(parts))
+        again = wire.decode(restamped(parts))
         assert again.id == 9 and "sent_at" not in again.body
         link.close()
     finally:
