@@ -304,6 +304,8 @@ def _bench(args: argparse.Namespace) -> int:
         raise ValueError("--calibrate measures a cost profile; do not give --costs as well")
     if args.costs is not None and args.suite == "policies" and args.mode == "real":
         raise ValueError("--costs is for the simulator; --mode real pays the real costs")
+    if args.evals == "live" and args.suite == "policies" and args.mode == "sim":
+        raise ValueError("--evals is for real runs: add --mode real (or --suite parity)")
     sc = _scenario(args)
     links = _links(args, sc.n)
     opts = BenchOptions(

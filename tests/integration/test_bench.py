@@ -127,6 +127,9 @@ def test_bad_policy_is_refused_before_running(
     assert main([*args, "--policies", "bsp,nosuch"]) == 2
     assert "unknown policy 'nosuch'" in capsys.readouterr().err
     assert not out.exists()
+    assert main([*args, "--policies", "bsp", "--evals", "live"]) == 2  # sim evaluates in no thread
+    assert "--evals is for real runs" in capsys.readouterr().err
+    assert not out.exists()
 
 
 class CheckedKeeper(KeptSnapshots):
