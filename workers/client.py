@@ -17,6 +17,7 @@ import jax
 
 from hetd.codecs import registry as codecs
 from hetd.protocol import wire
+from hetd.protocol.messages import EMULATED_LINK
 from workers.inbox import Inbox
 from workers.loop import device_info
 from workers.prepare import start_preparing
@@ -83,6 +84,8 @@ async def _session(http: aiohttp.ClientSession, opts: WorkerOptions, state: Work
     info = device_info(device)
     if opts.emulation.memory is not None:
         info["free_memory"] = opts.emulation.memory
+    if opts.emulation.bandwidth is not None:  # on loopback it stands for a remote worker
+        info[EMULATED_LINK] = opts.emulation.bandwidth
     inbox = Inbox()
     async with ws:
         resume = (

@@ -21,7 +21,8 @@ which is encoded once per version for everybody.
 References cost one float32 copy of the model each; the least recently used go first once there are
 more than ``max_refs`` or they hold more than ``max_bytes`` (a worker that held one gets the next
 release in full). A worker whose link is unbounded (loopback, ``downlink = "full"``) never gets a
-delta, so none is kept for it. Only the daemon's engine calls this (on its thread, one publish at a time).
+delta, so none is kept for it; a loopback worker that emulates a slower link is not such a worker
+(:attr:`hetd.protocol.messages.JoinIn.downlink_same_host`). Only the daemon's engine calls this (on its thread, one publish at a time).
 """
 
 from __future__ import annotations

@@ -145,7 +145,7 @@ class WorkerEntry:
     plan: Plan
     peer: Peer | None
     held_ref: int | None = None  # the downlink reference it holds (its parameters' base)
-    same_host: bool = False  # it connected over loopback: parameters in full are cheaper
+    same_host: bool = False  # on loopback, emulating no slower link: parameters in full are cheaper
     hashes: bool = False  # its hello named "hash": its full frames carry the parameters' hash
     # how its big frames travel: "ws" (its websocket) or "shm" (the same host's shared memory)
     transport: str = "ws"

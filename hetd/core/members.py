@@ -76,7 +76,7 @@ class MembersMixin(DecisionsMixin):
             stats=WorkerStats(last_seen=now, device=dict(hello.device), slot=slot),
             plan=self._default_plan(facts, self.stage),
             peer=peer,
-            same_host=hello.same_host,
+            same_host=hello.downlink_same_host,
             hashes="hash" in hello.features,
             last_push=last_push,
             secret=secret,

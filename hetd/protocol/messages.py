@@ -21,6 +21,11 @@ from policies import Plan
 
 AckStatus = Literal["applied", "buffered", "dropped", "duplicate"]  # wire.ACK_STATUSES
 
+EMULATED_LINK = "emulated_link_bps"
+"""The hello's ``device`` key of a worker that emulates a link of that many bytes/s
+(``hetd-worker --emulate-bandwidth``): on loopback it stands for a remote worker, so the downlink
+treats it as one (:attr:`JoinIn.downlink_same_host`)."""
+
 
 # --- worker -> engine ------------------------------------------------------------------------------
 
@@ -38,6 +43,12 @@ class JoinIn:
     free_mem: int | None = None  # bytes, the device's ``free_memory`` when it reports one
     same_host: bool = False  # it connected over loopback (parameters in full are cheaper)
     features: frozenset[str] = frozenset()  # the optional fields it takes (wire.WORKER_FEATURES)
+
+    @property
+    def downlink_same_host(self) -> bool:
+        """Parameters in full are cheaper: it connected over loopback and emulates no slower link
+        (a worker that does stands for a remote one, and gets what a remote one would)."""
+        return self.same_host and EMULATED_LINK not in self.device
 
 
 @dataclass(frozen=True, slots=True)
