@@ -395,7 +395,7 @@ def _params_frames(
 
 
 def _profile_s(target: Target, params: Mapping[str, np.ndarray], repeats: int) -> float:
-    """What a joining worker's profile exchange takes (``workers.client._profile``): the
+    """What a joining worker's profile exchange takes (``workers.profiling.profile``): the
     requested steps really computed (a real worker reports them emulated but never sleeps
     them) and one encode of the update, with the worker's fixed-shape kernels warmed first."""
     if target.profile_steps <= 0:

@@ -158,7 +158,7 @@ class WorkerEntry:
     secret: str = ""
     # pushes that came while it already waited for parameters (a pipelined worker's next push
     # before the last one was released): the release that ends the wait answers each with a
-    # frame, as a worker counts one frame per push it sent (workers.client.Inbox)
+    # frame, as a worker counts one frame per push it sent (workers.inbox.Inbox)
     joined_pushes: int = 0
 
 

@@ -1,6 +1,6 @@
 """Parameters a worker holds, and how a ``params`` frame changes them.
 
-Owns :class:`Held` and :func:`apply_params`, shared by the real worker (``workers.client``) and the
+Owns :class:`Held` and :func:`apply_params`, shared by the real worker (``workers.receive``) and the
 emulated one (:mod:`hetd.sim.agent`): a full frame replaces what is held; a delta frame adds to the
 version it names, and only to that one. :func:`param_hash` is the short hash (XXH3, 64 bits) of a parameter set that
 the daemon puts in each full ``params`` frame (field ``hash``) and a worker checks after a full pull;

@@ -133,7 +133,7 @@ class EmuWorker:
     def follow_plan(self, plan: Mapping[str, Any]) -> None:
         """A ``plan`` frame's plan (the whole plan, every time) replaces the one it follows; one
         that stops pipelining forgets the pushes in flight, as the real client does
-        (``workers.client.Inbox.unpipeline``)."""
+        (``workers.inbox.Inbox.unpipeline``)."""
         new = Plan.from_wire(plan)
         if self.plan.pipeline and not new.pipeline:
             self.in_flight = 0
@@ -215,7 +215,7 @@ class EmuWorker:
             self.last_delta = work
         compute_s = self._step_s(batch * k, t)
         # the push is encoded after the compute, and the step's fixed overhead paid, before it
-        # can leave; the device is busy meanwhile (as in workers.client._compute).
+        # can leave; the device is busy meanwhile (as in workers.push.compute).
         encode_s = (
             self.costs.worker_encode(self.plan.codec, self.n_params) + self.costs.worker_step_s
         )
