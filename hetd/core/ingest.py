@@ -65,6 +65,7 @@ def decode_push(
     nbytes: int,
     *,
     fused: bool = False,
+    norm: bool = True,
 ) -> PushIn:
     """Validate a push's tensors against the model's ``shapes``; raises ProtocolError saying what
     is wrong.
@@ -72,6 +73,10 @@ def decode_push(
     ``fused`` (the daemon's sessions): an ``int8`` tensor with one scale is checked as strictly
     as :func:`hetd.codecs.registry.decode_tensor` would, but kept as :class:`hetd.core.store.Int8`
     (a view of the frame) for the jitted step to dequantize: no float32 copy is written or scanned.
+
+    ``norm`` false (a daemon whose update guard is off): such ``int8`` views are not scanned for
+    the update's norm either (their scale already proves them finite), and ``norm`` is None when
+    there are any; every other tensor still gets its one pass, which checks its finiteness.
     """
     wire_tensors = msg["tensors"]
     tensors: dict[str, Update] = {}
@@ -91,8 +96,10 @@ def decode_push(
         if not math.isfinite(s) and not np.isfinite(t).all():  # else finite, its square overflows
             raise wire.ProtocolError("not_finite", f"tensor {path!r} holds NaN or Inf; not applied")
         sq += s
-    for t in tensors.values():
-        sq += _sq(t)
+    measured = norm or not tensors
+    if measured:
+        for t in tensors.values():
+            sq += _sq(t)
     tensors.update(decoded)
     return PushIn(
         worker=wid,
@@ -108,7 +115,7 @@ def decode_push(
         nbytes=nbytes,
         transfer_s=_transfer_s(msg.get("sent_at")),
         idle_s=None if msg.get("idle_s") is None else float(msg["idle_s"]),
-        norm=math.sqrt(sq),
+        norm=math.sqrt(sq) if measured else None,
     )
 
 

@@ -202,8 +202,11 @@ def _decode(
 
 
 def _checked_push(engine: Engine, wid: int, msg: wire.Message, size: int) -> PushIn:
+    # The update's norm is only the guard's: with the guard off an int8 push is not scanned
+    # for it (0.2-0.4 ms per 1M parameters here; its scale proves it finite).
+    guarded = engine.config.guard_factor > 0
     try:
-        return decode_push(engine.store.shapes, wid, msg, size, fused=True)
+        return decode_push(engine.store.shapes, wid, msg, size, fused=True, norm=guarded)
     except wire.ProtocolError as exc:
         raise wire.ProtocolError(exc.code, exc.message, msg.id) from None
     except Exception as exc:  # whatever else a hostile frame provokes: refused, not fatal

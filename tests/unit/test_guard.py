@@ -3,6 +3,7 @@ kind is refused with ``error{out_of_range}`` and the push's id, and nothing of i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -167,3 +168,35 @@ def test_the_guard_is_configured_in_train() -> None:
     with pytest.raises(config.ConfigError, match="guard_warmup"):
         config.replace(cfg, "train", guard_warmup=-1)
     assert config.replace(cfg, "train", guard_factor=0.0).train.guard_factor == 0.0
+
+
+def test_a_session_measures_an_int8_norm_only_for_the_guard() -> None:
+    """The daemon's sessions scan an int8 push for its norm only when the guard will read it; a
+    guarded engine that gets one unmeasured (norm None) measures it itself and still refuses."""
+    from hetd.server.sessions import _checked_push
+
+    rng = np.random.default_rng(1)
+    values = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+    q = frame(codecs.encode_tree(values, codecs.from_spec("int8")))
+    off = _checked_push(make(EngineConfig(profile_steps=0)), 1, q, 100)
+    assert off.norm is None and all(isinstance(t, Int8) for t in off.tensors.values())
+    on = _checked_push(make(), 1, q, 100)
+    assert on.norm == pytest.approx(update_norm(off.tensors), rel=1e-6)
+    # unmeasured, dense tensors are still checked for NaN
+    bad = dict(values, **{"dense/b": np.array([np.nan, 0], np.float32)})
+    with pytest.raises(wire.ProtocolError, match="NaN"):
+        decode_push(
+            SHAPES, 1, frame(codecs.encode_tree(bad, codecs.get_codec("none"))), 1, norm=False
+        )
+    e = make()
+    w = Worker(e)
+    for _ in range(25):
+        w.push(0.01)
+    huge = codecs.encode_tree(
+        {k: np.full(s, 1e3, np.float32) for k, s in SHAPES.items()}, codecs.from_spec("int8")
+    )
+    p = decode_push(SHAPES, w.wid, frame(huge), 100, fused=True, norm=False)
+    assert p.norm is None
+    e.push(dataclasses.replace(p, id=w.next_id + 1, base=e.store.version))
+    reply = w.peer.replies[-1]
+    assert isinstance(reply, ErrorReply) and reply.code == "out_of_range"
