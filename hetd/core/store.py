@@ -454,11 +454,15 @@ class Store:
     def _restore(self, params: Tensors, opt_state: Any, version: int) -> None:
         self._pending = []
         self._params = {k: jnp.asarray(v, jnp.float32) for k, v in params.items()}
+        # A state taken under another outer optimizer (a checkpoint before a swap, the real
+        # bench's t = 0 restart): the gradient optimizer's part carries over, the outer one
+        # starts fresh, as after a swap.
+        nested = isinstance(opt_state, dict) and set(opt_state) == {"grad", "outer"}
+        grad = opt_state["grad"] if nested else opt_state
+        self._opt_state = jax.tree.map(jnp.asarray, grad)
         if self._outer is not None:
-            self._opt_state = jax.tree.map(jnp.asarray, opt_state["grad"])
-            self._outer_state = jax.tree.map(jnp.asarray, opt_state["outer"])
-        else:
-            self._opt_state = jax.tree.map(jnp.asarray, opt_state)
+            outer = opt_state["outer"] if nested else self._outer.init(self._params)
+            self._outer_state = jax.tree.map(jnp.asarray, outer)
         self.version = version
         self._snapshot = None
 

@@ -53,3 +53,25 @@ def test_the_same_spec_keeps_the_state_and_a_bad_one_changes_nothing() -> None:
     assert any(np.any(b) for b in before)
     for b, a in zip(before, after, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_state_taken_under_another_outer_restores_with_a_fresh_outer_state() -> None:
+    """The real bench's t = 0 restart puts back the state taken under its warm-up policy (plain
+    averaging: no outer state) after swapping in diloco over sgd (Nesterov); a checkpoint taken
+    under Nesterov can meet a store without an outer optimizer. Both restore: the gradient
+    optimizer's state carries over, the outer one starts fresh."""
+    plain = _store()
+    plain.apply("grad", _delta(1.0), 1.0)
+    params, opt, version = plain.state()
+    s = _store()
+    assert s.set_outer(NESTEROV)
+    s.restore(params, opt, version + 1)
+    _, now, _ = s.state()
+    assert set(now) == {"grad", "outer"}
+    assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(now["outer"]))
+    s.apply("delta", _delta(1.0), 1.0)
+    nested = s.state()
+    back = _store()
+    back.restore(nested[0], nested[1], nested[2])
+    np.testing.assert_allclose(_params(back), _params(s))
+    assert not isinstance(back.state()[1], dict)
