@@ -319,13 +319,14 @@ class Checkpointer:
     async def save(self, engine: Engine, state: Mapping[str, Any] | None = None) -> CheckpointInfo:
         """Capture the engine's state on its task (unless given) and write it off the loop."""
         async with self._lock:
-            if state is None:
-                state = await engine.call(lambda: engine_state(engine))
+            if state is None:  # (in a list the future does not keep: it is freed after the write)
+                box = await engine.call(lambda: [engine_state(engine)])
+                state = box.pop()
             info = await asyncio.to_thread(self._write, state)
             # The capture (a copy of the parameters and optimizer state) is freed here; the heap's
             # free pages go back to the system, so a checkpoint leaves the resting RSS as it was.
             state = None
-            await asyncio.to_thread(ckpt_file.release_memory)
+            await asyncio.to_thread(ckpt_file.release_memory, collect=True)
             self.last, self.written = info, self.written + 1
             log.info("checkpoint %s (version %d, %d bytes)", info.path, info.version, info.nbytes)
             return info

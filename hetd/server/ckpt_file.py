@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import hashlib
 import mmap
 import struct
@@ -336,10 +337,15 @@ def _malloc_trim() -> Callable[[int], int] | None:
 _TRIM = _malloc_trim()
 
 
-def release_memory() -> bool:
+def release_memory(collect: bool = False) -> bool:
     """Give the heap's free pages back to the operating system (glibc's ``malloc_trim``; the
-    daemon's allocator settings otherwise keep up to 4 GiB of them). False where there is none."""
+    daemon's allocator settings otherwise keep up to 4 GiB of them). False where there is none.
+
+    ``collect``: first free what only reference cycles keep (a full ``gc.collect()``: a capture's
+    arrays can hang on such a cycle until the collector's next full pass, tens of ms)."""
     if _TRIM is None:
         return False
+    if collect:
+        gc.collect()
     _TRIM(0)
     return True
