@@ -494,6 +494,8 @@ async def _measure_kept(
         evals.append((sc.budget_s, final_loss, final_acc))
     stats = list(engine.stats.values())
     pushes = sum(s.pushes for s in stats) - sum(b[2] for b in bytes0)
+    if kept is not None:
+        await asyncio.to_thread(kept.wait)  # the last copies, so that the report counts them
     _report(policy, seed, kept, cpu, pushes, sc.budget_s)
     idle: dict[str, float] = {}
     staleness: list[int] = []
@@ -554,7 +556,7 @@ def keeper_for(running: Policy, opts: EvalOptions) -> KeptSnapshots | None:
             file=sys.stderr,
         )
         return None
-    return KeptSnapshots(opts.cap_bytes)
+    return KeptSnapshots(opts.cap_bytes, threaded=True)  # the engine's task only hands it over
 
 
 def _cpu_s() -> float:

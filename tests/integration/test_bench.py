@@ -139,8 +139,8 @@ class CheckedKeeper(KeptSnapshots):
 
     made: ClassVar[list[CheckedKeeper]] = []
 
-    def __init__(self, cap_bytes: int) -> None:
-        super().__init__(0)  # every copy through the disk, the cap's path
+    def __init__(self, cap_bytes: int, threaded: bool = False) -> None:
+        super().__init__(0, threaded=threaded)  # every copy through the disk, the cap's path
         self.live: list[tuple[float, float, float]] = []
         self.deferred: list[tuple[float, float, float]] = []
         data = load_dataset("digits", seed=0)
@@ -148,6 +148,7 @@ class CheckedKeeper(KeptSnapshots):
         CheckedKeeper.made.append(self)
 
     def __call__(self, snap: Snapshot, taken: float) -> None:
+        assert self._pool is not None  # the bench copies in the keeper's thread
         self.live.append((taken, *self.evaluator(snap)))
         super().__call__(snap, taken)
 

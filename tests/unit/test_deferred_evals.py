@@ -50,6 +50,19 @@ def test_the_cap_holds_and_what_spilled_evaluates_as_what_stayed(tmp_path: Path)
     assert not spill.exists()
 
 
+def test_copies_made_in_the_keepers_thread_keep_the_order_and_the_cap(tmp_path: Path) -> None:
+    one = 4 * 8 * 4 + 8 * 4
+    kept = KeptSnapshots(cap_bytes=3 * one, spill_dir=tmp_path, threaded=True)
+    for v in range(6):  # the engine's snapshots are immutable: one per version
+        kept(snap(v, float(v)), 10.0 + v)
+    assert len(kept) == 6
+    kept.wait()
+    assert (kept.peak_bytes, kept.spilled) == (3 * one, 3)
+    assert kept.evaluate(total) == [(10.0 + v, 32.0 * v, float(v)) for v in range(6)]
+    kept.close()
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_zero_cap_keeps_nothing_in_memory(tmp_path: Path) -> None:
     kept = KeptSnapshots(cap_bytes=0, spill_dir=tmp_path)
     kept(snap(1, 2.0), 0.5)
