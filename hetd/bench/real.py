@@ -327,7 +327,12 @@ async def _run_on(
         settled = {wid: f.clock + SETTLE_ROUNDS for wid, f in engine.facts.items()}
         await _wait_joined(engine, sc.n, procs, deadline, settled)
         await engine.call(lambda: _restart(engine, recorder, policy, initial))
-        return await _measure(sc, policy, seed, lr, daemon, recorder, on_time, procs, evals)
+        kept = keeper_for(engine.policy, evals)
+        try:
+            return await _measure(sc, policy, seed, lr, daemon, recorder, on_time, procs, kept)
+        finally:
+            if kept is not None:
+                kept.close()
     finally:
         for p in procs:
             if p.stdin is not None:
@@ -391,43 +396,18 @@ async def _measure(
     daemon: Daemon,
     recorder: Recorder,
     on_time: Callable[[float], None],
-    procs: Sequence[asyncio.subprocess.Process] = (),
-    evals_opts: EvalOptions = EvalOptions(),
+    procs: Sequence[asyncio.subprocess.Process],
+    kept: KeptSnapshots | None,
 ) -> RunResult:
     """Train for the budget from the moment every worker has joined, sampling the engine; the
-    workers' emulation schedules start at the same moment. Deferred evaluations (the module
-    docstring) are evaluated after the budget, the workers stopped first."""
+    workers' emulation schedules start at the same moment. With ``kept`` the evaluations are
+    deferred (the module docstring): evaluated after the budget, the workers stopped first;
+    without, they run live."""
     engine = daemon.engine
     evaluate = engine.evaluator
     assert evaluate is not None  # build_engine always sets one
     by_name = {f.name: wid for wid, f in engine.facts.items()}
     wids = {str(i): by_name[f"w{i}"] for i in range(sc.n)}
-    kept = keeper_for(engine.policy, evals_opts)
-    try:
-        return await _measure_kept(
-            sc, policy, seed, lr, daemon, recorder, on_time, procs, wids, kept
-        )
-    finally:
-        if kept is not None:
-            kept.close()
-
-
-async def _measure_kept(
-    sc: Scenario,
-    policy: PolicySpec,
-    seed: int,
-    lr: float,
-    daemon: Daemon,
-    recorder: Recorder,
-    on_time: Callable[[float], None],
-    procs: Sequence[asyncio.subprocess.Process],
-    wids: dict[str, int],
-    kept: KeptSnapshots | None,
-) -> RunResult:
-    """:func:`_measure` with its keeper: ``kept`` (deferred evaluations) or None (live)."""
-    engine = daemon.engine
-    evaluate = engine.evaluator
-    assert evaluate is not None  # build_engine always sets one
     start = engine.clock.now()
 
     def anchor() -> None:
