@@ -48,6 +48,10 @@ class ServerConfig:
 class TrainConfig:
     """What is trained and how the daemon applies updates."""
 
+    # Your own model, loss, data and optimizer: a hetd.Task as "pkg.module:attr" or
+    # "path/to/file.py:attr" (a Task, or a function returning one). Set, it replaces model,
+    # dataset and their kwargs; every worker names the same task (hetd-worker --task).
+    task: str = ""
     model: str = "mlp"  # registered name or pkg.module:attr
     model_kwargs: Mapping[str, Any] = field(default_factory=dict)
     dataset: str = "mnist5k"  # registered name or pkg.module:attr
@@ -334,6 +338,20 @@ def worker_setup(cfg: Config) -> dict[str, Any]:
     compiles its step meanwhile, and puts the same dict in every welcome."""
     t = cfg.train
     _, inner, _ = optimizers(t.optimizer, t.lr, t.inner_optimizer, t.worker_lr, t.outer_optimizer)
+    if t.task:
+        # A worker never imports what this names: it loads the task its own operator gave it
+        # (hetd-worker --task) and compares it with the welcome's description, which the
+        # daemon adds once it has loaded the task (hetd.server.build).
+        return {
+            "model": {"spec": t.task, "kwargs": {}, "task": {"spec": t.task}},
+            "dataset": {"spec": "task", "kwargs": {}, "seed": t.seed},
+            "train": {
+                "worker_lr": t.worker_lr or t.lr,
+                "seed": t.seed,
+                "inner_optimizer": inner,
+                "micro_batch": t.micro_batch or t.batch_size,
+            },
+        }
     return {
         "model": {"spec": t.model, "kwargs": dict(t.model_kwargs)},
         "dataset": {"spec": t.dataset, "kwargs": dict(t.dataset_kwargs), "seed": t.seed},

@@ -62,6 +62,14 @@ def parser() -> argparse.ArgumentParser:
         help="wss:// only: verify the daemon's certificate against this PEM CA file (default: "
         "the system's trust store)",
     )
+    p.add_argument(
+        "--task",
+        default=None,
+        metavar="SPEC",
+        help="train your own hetd.Task, as the daemon does: pkg.module:attr (found from the "
+        "working directory) or path/to/file.py:attr; it must be the daemon's task (name and "
+        "parameter shapes are compared at the welcome). Without it: the bundled models only",
+    )
     p.add_argument("--name", default=None, help="a name shown in status (default: host-pid)")
     p.add_argument("--config", default=None, help="TOML file with [worker] token = '...'")
     p.add_argument(
@@ -292,9 +300,15 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=follow_stdin, args=(emulation.clock,), daemon=True).start()
     quiet_xla_threads()
     # Imported after the XLA flags are set.
+    from hetd.zoo.task import Bound, TaskError, load_task
     from workers.client import FatalError, WorkerOptions, run_worker
     from workers.loop import pick_device
 
+    try:  # the task loads before anything connects: a wrong one is reported at once
+        task = Bound(load_task(args.task)) if args.task else None
+    except TaskError as exc:
+        print(f"hetd-worker: {exc}", file=sys.stderr)
+        return 2
     try:
         opts = WorkerOptions(
             url=args.url,
@@ -308,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             backoff_max_s=max(0.5, args.retry_max_delay),
             ssl_context=ssl_context,
             shm=not args.no_shm,
+            task=task,
         )
         steps = asyncio.run(run_worker(opts))
     except (ValueError, OSError, FatalError) as exc:

@@ -40,7 +40,7 @@ async def run_worker(opts: WorkerOptions) -> int:
         while opts.max_steps == 0 or state.steps < opts.max_steps:
             if state.trainer is None and state.preparing is None:  # until one is built
                 state.preparing = await start_preparing(
-                    http, opts.url, opts.token, opts.ssl_context, opts.device
+                    http, opts.url, opts.token, opts.ssl_context, opts.device, opts.task
                 )
             try:
                 await _session(http, opts, state)

@@ -16,7 +16,9 @@ from typing import Any
 import aiohttp
 import jax
 
+from hetd.zoo.task import Bound
 from workers.loop import Core
+from workers.task_loop import TaskCore, check_setup
 
 log = logging.getLogger("hetd.worker")
 
@@ -66,10 +68,14 @@ async def fetch_setup(
     return dict(body)
 
 
-def _build(setup: Mapping[str, Any], device: jax.Device | None) -> Core | None:
+def _build(
+    setup: Mapping[str, Any], device: jax.Device | None, task: Bound | None = None
+) -> Core | TaskCore | None:
     began = time.perf_counter()
     try:
-        core = Core(setup, device or jax.devices()[0])
+        check_setup(setup, task, full=False)  # never import what the daemon names
+        dev = device or jax.devices()[0]
+        core: Core | TaskCore = Core(setup, dev) if task is None else TaskCore(setup, dev, task)
     except Exception as exc:  # an unknown model here: the welcome will say so again, clearly
         log.warning("could not prepare the model early (%s); building it at the welcome", exc)
         return None
@@ -85,7 +91,8 @@ async def start_preparing(
     token: str,
     ssl_context: ssl.SSLContext | None,
     device: jax.Device | None,
-) -> asyncio.Task[Core | None] | None:
+    task: Bound | None = None,
+) -> asyncio.Task[Core | TaskCore | None] | None:
     """Ask for the setup and, when the daemon gives one, build the core in a thread; the task's
     result is the core (None when building it failed)."""
     setup = await fetch_setup(http, url, token, ssl_context)
@@ -96,10 +103,12 @@ async def start_preparing(
         setup["model"].get("spec"),
         setup["dataset"].get("spec"),
     )
-    return asyncio.create_task(asyncio.to_thread(_build, setup, device), name="hetd-prepare")
+    return asyncio.create_task(asyncio.to_thread(_build, setup, device, task), name="hetd-prepare")
 
 
-async def prepared(task: asyncio.Task[Core | None] | None) -> Core | None:
+async def prepared(
+    task: asyncio.Task[Core | TaskCore | None] | None,
+) -> Core | TaskCore | None:
     """The prepared core once it is built (None: nothing was prepared, or it failed)."""
     if task is None:
         return None

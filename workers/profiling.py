@@ -12,9 +12,10 @@ import aiohttp
 from hetd.codecs import registry as codecs
 from hetd.protocol.params import Held
 from hetd.protocol.plan import Plan, codec_for
+from hetd.zoo.task import TaskError
 from workers.emulate import Emulation
 from workers.inbox import Inbox
-from workers.state import WorkerOptions, WorkerState
+from workers.state import FatalError, WorkerOptions, WorkerState
 
 
 async def profile(
@@ -31,7 +32,10 @@ async def profile(
     update = None
     for _ in range(steps):
         t0 = time.perf_counter()
-        update = await asyncio.to_thread(trainer.step, params, plan)
+        try:
+            update = await asyncio.to_thread(trainer.step, params, plan)
+        except TaskError as exc:  # the task's data or loss is wrong: retrying will not help
+            raise FatalError(str(exc)) from None
         real = time.perf_counter() - t0
         emulated = opts.emulation.step_seconds(real, update.samples)
         per_sample.append(emulated / max(1, update.samples))

@@ -17,8 +17,9 @@ from hetd.codecs.feedback import encode_with_feedback
 from hetd.protocol import wire
 from hetd.protocol.params import Held
 from hetd.protocol.plan import codec_for, local_steps_for
+from hetd.zoo.task import TaskError
 from workers.loop import host_free_memory
-from workers.state import Frame, WorkerOptions, WorkerState
+from workers.state import FatalError, Frame, WorkerOptions, WorkerState
 
 
 async def compute(msg: Held, opts: WorkerOptions, state: WorkerState, idle_s: float) -> Frame:
@@ -36,7 +37,10 @@ async def compute(msg: Held, opts: WorkerOptions, state: WorkerState, idle_s: fl
         state.plan, local_steps=local_steps_for(state.plan, state.local_step_s)
     )
     t0 = time.perf_counter()
-    update = await asyncio.to_thread(state.trainer.step, params, plan)
+    try:
+        update = await asyncio.to_thread(state.trainer.step, params, plan)
+    except TaskError as exc:  # the task's data or loss is wrong: retrying will not help
+        raise FatalError(str(exc)) from None
     compute_s = time.perf_counter() - t0
     emulated = opts.emulation.step_seconds(compute_s, update.samples)
     if emulated > compute_s:

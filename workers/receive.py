@@ -15,6 +15,7 @@ import jax
 from hetd.protocol import shm, wire
 from hetd.protocol.params import apply_params, hash_matches
 from hetd.protocol.plan import Plan
+from hetd.zoo.task import Bound, TaskError
 from workers.inbox import Inbox
 from workers.loop import Core, Trainer
 from workers.prepare import prepared
@@ -22,6 +23,7 @@ from workers.push import send
 from workers.shm import ShmLink
 from workers.stage import PIPELINE_TYPES, StageHost, handle, new_params
 from workers.state import MAX_REFUSED, FatalError, WorkerOptions, WorkerState
+from workers.task_loop import TaskCore, TaskMismatch, TaskTrainer, check_setup
 
 log = logging.getLogger("hetd.worker")
 
@@ -75,7 +77,10 @@ async def read(
                 inbox.joined.set()
                 core = await prepared(state.preparing)
                 state.preparing = None
-                await asyncio.to_thread(welcome, msg, state, device, core)
+                try:
+                    await asyncio.to_thread(welcome, msg, state, device, core, opts.task)
+                except (TaskMismatch, TaskError) as exc:  # retrying will not help
+                    raise FatalError(str(exc)) from None
                 inbox.welcomed.set()
             elif msg.type == "profile":
                 inbox.profile = dict(msg["spec"])
@@ -115,7 +120,7 @@ async def read(
                     if state.stage_host is not None:
                         await new_params(state.stage_host, held, partial(send, ws, opts=opts))
             elif msg.type in PIPELINE_TYPES:
-                if state.stage_host is None and state.trainer is not None:
+                if state.stage_host is None and isinstance(state.trainer, Trainer):
                     state.stage_host = StageHost(
                         state.model_setup, state.trainer.data, state.next_push_id
                     )
@@ -163,10 +168,15 @@ async def read(
 
 
 def welcome(
-    msg: wire.Message, state: WorkerState, device: jax.Device, core: Core | None = None
+    msg: wire.Message,
+    state: WorkerState,
+    device: jax.Device,
+    core: Core | TaskCore | None = None,
+    task: Bound | None = None,
 ) -> None:
     """Take the welcome; the trainer reuses ``core`` (a prepared one) or the last trainer's core
-    when they were built for the same model, data and settings."""
+    when they were built for the same model, data and settings. ``task``: this worker's own
+    Task (``--task``), checked against the daemon's; :class:`TaskMismatch` when they differ."""
     state.worker_id = msg["worker_id"]
     state.model_setup = dict(msg["model"])
     state.secret = msg.get("secret")
@@ -175,7 +185,13 @@ def welcome(
     key = repr((msg["model"], msg["dataset"], msg["shard"], msg["train"]))
     if state.trainer is None or state.trainer_key != key:
         reuse = core if core is not None or state.trainer is None else state.trainer.core
-        state.trainer = Trainer(msg.body, device, reuse)
+        if task is not None or (msg["model"] or {}).get("task"):
+            if task is None:
+                check_setup(msg.body, None)  # raises: the daemon trains a task we were not given
+                raise AssertionError("unreachable")
+            state.trainer = TaskTrainer(msg.body, device, task, reuse)
+        else:
+            state.trainer = Trainer(msg.body, device, reuse if isinstance(reuse, Core) else None)
         state.trainer_key = key
     log.info(
         "joined as worker %d, plan %s%s",

@@ -34,6 +34,32 @@ def _latency_text(lat: dict[str, Any] | None) -> str:
     return f"p50 {lat['p50_ms']:.3f} ms, p99 {lat['p99_ms']:.3f} ms ({lat['events']} events)"
 
 
+def _eval_rows(st: dict[str, Any], acc: float | None) -> list[tuple[str, str]]:
+    """The last evaluation: accuracy and loss, or a Task's own metrics, and its target."""
+    metrics = st.get("metrics") or {}
+    if acc is not None or set(metrics) <= {"loss", "accuracy"}:
+        rows = [("accuracy", "-" if acc is None else f"{acc:.4f} (loss {st.get('loss', 0.0):.4f})")]
+    else:
+        rows = [
+            (
+                "metrics",
+                ", ".join(f"{k} {'-' if v is None else f'{v:.4g}'}" for k, v in metrics.items()),
+            )
+        ]
+    target = st.get("target")
+    if target:
+        sign = "<=" if target["mode"] == "min" else ">="
+        at = target.get("reached_at_s")
+        rows.append(
+            (
+                "target",
+                f"{target['metric']} {sign} {target['value']:g}: "
+                + ("not reached yet" if at is None else f"reached at {at:.1f} s"),
+            )
+        )
+    return rows
+
+
 def status_text(st: dict[str, Any]) -> str:
     """A readable /v1/status."""
     acc = st.get("accuracy")
@@ -48,7 +74,7 @@ def status_text(st: dict[str, Any]) -> str:
         ("workers", str(st["workers"])),
         ("updates applied", str(st["updates_applied"])),
         ("buffered", str(st.get("buffered", 0))),
-        ("accuracy", "-" if acc is None else f"{acc:.4f} (loss {st.get('loss', 0.0):.4f})"),
+        *_eval_rows(st, acc),
         ("throughput", _throughput_text(st.get("throughput"))),
         ("engine latency", _latency_text(st.get("engine_latency"))),
         (

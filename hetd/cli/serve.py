@@ -32,6 +32,13 @@ def add_serve(sub: Sub) -> None:
         help="override [store] dir: where checkpoints are written and resumed from",
     )
     s.add_argument(
+        "--task",
+        default=None,
+        help="override [train] task: your own hetd.Task as pkg.module:attr or path/to/file.py:attr "
+        "(a Task, or a function returning one); every worker names the same one with "
+        "hetd-worker --task",
+    )
+    s.add_argument(
         "--model",
         default=None,
         help="override [train] model: mlp, cnn, or your own as pkg.module:attr (a hetd.zoo.models.Model "
@@ -77,7 +84,11 @@ def _serve(args: argparse.Namespace) -> int:
         cfg = config.replace(cfg, "server", **server)
     if args.state_dir is not None:
         cfg = config.replace(cfg, "store", dir=args.state_dir)
-    train = {k: v for k, v in (("model", args.model), ("dataset", args.dataset)) if v is not None}
+    train = {
+        k: v
+        for k, v in (("task", args.task), ("model", args.model), ("dataset", args.dataset))
+        if v is not None
+    }
     if train:
         cfg = config.replace(cfg, "train", **train)
     if args.policy is not None:

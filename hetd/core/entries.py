@@ -20,6 +20,7 @@ from hetd.core.downlink import Downlink
 from hetd.core.rates import LatencyRecorder, RateMeter
 from hetd.core.store import Aggregator, Snapshot, Store
 from hetd.protocol.messages import PushIn, Reply
+from hetd.zoo.task import Target
 from policies.types import ClusterView, Event, Plan, Policy, ReplicaShape, WorkerFacts
 
 # A worker's link is the fastest of its last pushes, send to receipt: a busy host (a worker not
@@ -219,6 +220,10 @@ class EngineBase:
         self.publishes = 0  # batches published by run() (updates_applied / publishes: batch size)
         self.max_release_gap = 0  # the largest clock lead any worker was released with
         self.evals: list[tuple[float, float, float]] = []  # (t since start, loss, accuracy)
+        # a Task's evaluations: every metric of the last one, by name ("loss" included)
+        self.eval_metrics: dict[str, float] = {}
+        self.target: Target | None = None  # a Task's target: when reached, target_at is set
+        self.target_at: float | None = None  # s since start of the first evaluation meeting it
         self.stages: list[tuple[float, str]] = []  # (t since start, stage entered), each switch
         self._next_id = 1
         self.downlink = Downlink(s_per_param=config.delta_s_per_param, hashes=config.param_hashes)

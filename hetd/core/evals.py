@@ -12,6 +12,7 @@ events (``Policy.reads_evals``): :meth:`keep_evals` refuses one that does.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -20,8 +21,30 @@ from hetd.core.entries import EngineBase
 from hetd.core.store import Snapshot
 from policies.types import Eval
 
+log = logging.getLogger("hetd.core.engine")
+
 Keeper = Callable[[Snapshot, float], None]
 """(snapshot, engine-clock time it was taken) -> None: keeps a copy to evaluate later."""
+
+
+class Evaluation(tuple[float, float]):
+    """An evaluator's ``(loss, accuracy)`` that also carries every metric by name (a Task's:
+    ``loss`` and what its loss function returns; accuracy is NaN for a task without one)."""
+
+    metrics: dict[str, float]
+
+    def __new__(cls, loss: float, accuracy: float, metrics: dict[str, float]) -> Evaluation:
+        made = super().__new__(cls, (loss, accuracy))
+        made.metrics = metrics
+        return made
+
+
+def metrics_of(result: tuple[float, float]) -> dict[str, float]:
+    """The metrics of an evaluator's result: an :class:`Evaluation`'s own, else loss and
+    accuracy."""
+    if isinstance(result, Evaluation):
+        return dict(result.metrics)
+    return {"loss": result[0], "accuracy": result[1]}
 
 
 class EvalMixin(EngineBase):
@@ -71,8 +94,8 @@ class EvalMixin(EngineBase):
             if self._keeper is not None:
                 self._keeper(self.store.snapshot(), now)
             elif self.config.eval_inline:
-                loss, acc = self.evaluator(self.store.snapshot())
-                self.record_eval(loss, acc, now)
+                result = self.evaluator(self.store.snapshot())
+                self.record_eval(*result, now, metrics=metrics_of(result))
             else:
                 self._eval_task = asyncio.get_running_loop().create_task(
                     self._evaluate(self.store.snapshot(), now)
@@ -81,12 +104,18 @@ class EvalMixin(EngineBase):
     async def _evaluate(self, snap: Snapshot, taken: float) -> None:
         assert self.evaluator is not None  # checked by the caller; not network input
         try:
-            loss, acc = await asyncio.to_thread(self.evaluator, snap)
+            result = await asyncio.to_thread(self.evaluator, snap)
         finally:
             self._eval_task = None
-        self.submit(lambda: self.record_eval(loss, acc, taken))
+        self.submit(lambda: self.record_eval(*result, taken, metrics=metrics_of(result)))
 
-    def record_eval(self, loss: float, accuracy: float, taken: float | None = None) -> None:
+    def record_eval(
+        self,
+        loss: float,
+        accuracy: float,
+        taken: float | None = None,
+        metrics: dict[str, float] | None = None,
+    ) -> None:
         """Store an evaluation and tell the policy. ``taken`` (engine clock, default now) is when
         the evaluated parameters were snapshotted: ``evals`` keeps that time, not the end of an
         evaluation that took seconds on a loaded host (a time-to-target read from it would be
@@ -95,4 +124,17 @@ class EvalMixin(EngineBase):
         now = self.clock.now()
         at = now if taken is None else taken
         self.evals.append((at - self.started_at, loss, accuracy))
+        self.eval_metrics = metrics if metrics is not None else {"loss": loss, "accuracy": accuracy}
+        if (
+            self.target is not None
+            and self.target_at is None
+            and self.target.reached(self.eval_metrics)
+        ):
+            self.target_at = at - self.started_at
+            log.info(
+                "target %s reached at %.1f s: %s",
+                self.target,
+                self.target_at,
+                ", ".join(f"{k} {v:.4g}" for k, v in self.eval_metrics.items()),
+            )
         self._dispatch(Eval(now, loss, accuracy))

@@ -225,6 +225,9 @@ class Store:
         self._pending: list[tuple[str, Tensors, float]] = []  # steps queued by apply, in order
         # apply what is queued as one step per kind (the weighted sum); the daemon's engine sets it
         self.combine = False
+        # every update its own optimizer step even with ``combine``: a Task's own optimizer, whose
+        # schedules and counts then advance once per applied update
+        self.step_each = False
         # hash each snapshot as it is taken, into its frame (no second copy of the frame later);
         # False: only when asked (the engine sets it from EngineConfig.param_hashes)
         self.hashes = True
@@ -336,7 +339,12 @@ class Store:
         update in order, or with :attr:`combine` one per kind, of the weighted sum."""
         with self._lock:
             pending, self._pending = self._pending, []
-            if self.combine and len(pending) > 1 and any(map(self._stateful, KINDS)):
+            if (
+                self.combine
+                and not self.step_each
+                and len(pending) > 1
+                and any(map(self._stateful, KINDS))
+            ):
                 for kind in KINDS:
                     group = [(t, scale) for k, t, scale in pending if k == kind]
                     if len(group) > 1 and self._stateful(kind):

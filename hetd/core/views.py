@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -32,8 +33,18 @@ class ViewsMixin(EngineBase):
             "replicas": {str(head): list(members) for head, members in self._replicas.items()},
             "updates_applied": self.updates_applied,
             "max_release_gap": self.max_release_gap,
-            "accuracy": None if last is None else last[2],
+            "accuracy": None if last is None or not math.isfinite(last[2]) else last[2],
             "loss": None if last is None else last[1],
+            # every metric of the last evaluation by name (a Task's own); NaN shown as null
+            "metrics": {k: (v if math.isfinite(v) else None) for k, v in self.eval_metrics.items()},
+            "target": None
+            if self.target is None
+            else {
+                "metric": self.target.metric,
+                "mode": self.target.mode,
+                "value": self.target.value,
+                "reached_at_s": self.target_at,
+            },
             "throughput": self.rates.rates(),
             "engine_latency": self.latency.summary(),
             "publish_latency": self.publish_latency.summary(),

@@ -33,7 +33,7 @@ def param_hash(tensors: Mapping[str, np.ndarray]) -> str:
     CPU's SHA extensions) took 2.3-4.3 ms and was two thirds of publishing a full frame."""
     h = xxhash.xxh3_64()
     for path in sorted(tensors):
-        arr = np.ascontiguousarray(tensors[path], dtype=np.float32)
+        arr = np.asarray(tensors[path], dtype=np.float32, order="C")  # 0-d stays 0-d
         h.update(f"{path}\0{arr.shape}\0".encode())
         h.update(arr.data)
     return h.hexdigest()[: 2 * HASH_BYTES]
@@ -61,7 +61,8 @@ def full_frame_into(
     """:func:`full_frame`, packed into the writable ``uint8`` buffer ``into`` gives for the
     frame's size (a shared-memory slot): the frame is then a ``memoryview`` of that buffer and
     the tensors views of it. When ``into`` gives None, a fresh ``bytes`` as :func:`full_frame`."""
-    flat = {path: np.ascontiguousarray(x, dtype=np.float32) for path, x in tensors.items()}
+    # np.asarray, not ascontiguousarray: that makes a 0-d parameter (a scalar bias) 1-d
+    flat = {path: np.asarray(x, dtype=np.float32, order="C") for path, x in tensors.items()}
     extra = {} if hash_ is None else {"hash": hash_}
     encoded = codecs.encode_tree(flat, codecs.none_codec())
     parts = wire.pack_parts("params", 0, version=version, full=True, tensors=encoded, **extra)

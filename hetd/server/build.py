@@ -7,6 +7,8 @@ module before its sockets listen and builds the engine behind them (:mod:`hetd.s
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -14,9 +16,13 @@ from hetd import config as config_mod
 
 if TYPE_CHECKING:  # the heavy modules (JAX, flax, optax) load when the engine is built
     from hetd.core.engine import Clock, Engine
+    from hetd.core.evals import Evaluation
     from hetd.core.store import Snapshot
     from hetd.zoo.data import Dataset
     from hetd.zoo.models import Model
+    from hetd.zoo.task import Bound
+
+log = logging.getLogger("hetd.server")
 
 
 def make_evaluator(model: Model, data: Dataset) -> Callable[[Snapshot], tuple[float, float]]:
@@ -38,11 +44,151 @@ def make_evaluator(model: Model, data: Dataset) -> Callable[[Snapshot], tuple[fl
     return evaluate
 
 
+def make_task_evaluator(bound: Bound) -> Callable[[Snapshot], Evaluation]:
+    """A Task's evaluation: its loss and metrics over every batch of ``eval_data()``, each
+    averaged with the batches' sizes as weights, jitted once per batch shape. Raises
+    :class:`hetd.zoo.task.TaskError` when the batches or the loss are wrong (the daemon runs it
+    once at start-up, so a wrong task stops it with that one line)."""
+    import jax
+    import numpy as np
+
+    from hetd.core.evals import Evaluation
+    from hetd.zoo.task import TaskError, leading
+
+    step = jax.jit(bound.loss_flat)
+    key = jax.random.PRNGKey(bound.seed)
+
+    def evaluate(snap: Snapshot) -> Evaluation:
+        sums: dict[str, float] = {}
+        total = 0
+        for batch in bound.eval_batches():
+            try:
+                n = leading(batch)
+            except ValueError as exc:
+                raise TaskError(f"task {bound.name!r}: eval_data: {exc}") from None
+            loss, metrics = step(snap.tensors, batch, key)
+            for name, value in (("loss", loss), *metrics.items()):
+                sums[name] = sums.get(name, 0.0) + float(value) * n
+            total += n
+        if total == 0:
+            raise TaskError(f"task {bound.name!r}: eval_data yielded no batch")
+        means = {name: value / total for name, value in sums.items()}
+        return Evaluation(means["loss"], means.get("accuracy", math.nan), means)
+
+    def guarded(snap: Snapshot) -> Evaluation:
+        # at run time a failing evaluation is logged and recorded as NaN: the daemon goes on
+        try:
+            return evaluate(snap)
+        except Exception as exc:
+            log.error("evaluating task %r failed: %s", bound.name, exc)
+            return Evaluation(math.nan, math.nan, {"loss": math.nan})
+
+    # the start-up check, on zeros shaped like the parameters
+    zeros = {k: np.zeros(v, np.float32) for k, v in bound.layout.shapes.items()}
+    from hetd.core.store import Snapshot as _Snap
+
+    evaluate(_Snap(0, zeros))
+    return guarded
+
+
+def build_task_engine(cfg: config_mod.Config, clock: Clock | None = None) -> Engine:
+    """Store, policy and engine for a config's ``[train] task`` (a user's :class:`hetd.Task`)."""
+    from hetd.core.engine import Engine
+    from hetd.core.store import Store, make_optimizer, make_outer
+    from hetd.zoo.task import Bound, TaskError, load_task
+    from policies import make_policy
+
+    t = cfg.train
+    bound = Bound(load_task(t.task), seed=t.seed)
+    task = bound.task
+    if cfg.policy.name == "dpmp":
+        raise TaskError(
+            f"task {bound.name!r}: policy dpmp cuts a model into pipeline stages, and a Task "
+            "offers no stages; pick another policy (lbbsp balances batches the same way)"
+        )
+    params = bound.init_flat()
+    workers = max(1, t.global_batch // max(1, t.batch_size))
+    custom_outer = task.outer_optimizer is not None
+
+    def outer_for(name: str, policy_params: Mapping[str, Any]) -> str:
+        """As :func:`build_engine`'s; "custom" (kept across swaps) with the task's own."""
+        if custom_outer:
+            return "custom"
+        return config_mod.optimizers(
+            t.optimizer,
+            t.lr,
+            t.inner_optimizer,
+            t.worker_lr,
+            t.outer_optimizer,
+            name,
+            policy_params,
+            workers,
+        )[2]
+
+    daemon_opt = config_mod.optimizers(
+        t.optimizer, t.lr, t.inner_optimizer, t.worker_lr, t.outer_optimizer
+    )[0]
+    tx = bound.flat_optimizer(task.optimizer) if task.optimizer else make_optimizer(daemon_opt)
+    if task.outer_optimizer is not None:
+        store = Store(params, tx, outer=bound.flat_optimizer(task.outer_optimizer))
+    else:
+        outer_opt = outer_for(cfg.policy.name, cfg.policy.params)
+        store = Store(params, tx, outer=make_outer(outer_opt), outer_spec=outer_opt)
+    store.step_each = task.optimizer is not None  # its schedule counts applied updates
+    evaluator = make_task_evaluator(bound) if task.eval_data is not None else None
+    if evaluator is None and task.target is not None:
+        log.warning("task %r has a target but no eval_data: it is never evaluated", bound.name)
+    setup = config_mod.worker_setup(cfg)
+    setup["model"]["task"] = {"spec": t.task, **bound.describe()}
+    policy = make_policy(cfg.policy.name, cfg.policy.params)
+    econf = _engine_config(cfg, setup, outer_for)
+    engine = Engine(store, policy, econf, clock=clock, evaluator=evaluator)
+    engine.target = task.target
+    log.info(
+        "task %r: %d parameters in %d arrays, optimizer %s%s",
+        bound.name,
+        bound.layout.size,
+        len(bound.layout.shapes),
+        "the task's own" if task.optimizer is not None else daemon_opt,
+        "" if task.target is None else f", target {task.target}",
+    )
+    return engine
+
+
+def _engine_config(
+    cfg: config_mod.Config,
+    welcome: dict[str, Any],
+    outer_for: Callable[[str, Mapping[str, Any]], str],
+) -> Any:
+    """The engine's settings from a config (the welcome and the outer optimizer's rule apart)."""
+    from hetd.core.engine import EngineConfig
+
+    t = cfg.train
+    return EngineConfig(
+        global_batch=t.global_batch,
+        batch_size=t.batch_size,
+        codec=t.codec,
+        downlink=t.downlink,
+        heartbeat_s=cfg.server.heartbeat_s,
+        heartbeat_timeout_s=cfg.server.heartbeat_timeout_s,
+        eval_interval_s=t.eval_interval_s,
+        max_staleness=t.max_staleness_drop,
+        guard_factor=t.guard_factor,
+        guard_warmup=t.guard_warmup,
+        profile_steps=t.profile_steps,
+        shards=t.shards,
+        welcome=welcome,
+        outer_for=outer_for,
+    )
+
+
 def build_engine(cfg: config_mod.Config, clock: Clock | None = None) -> Engine:
-    """Model, data, store, policy and engine from a config."""
+    """Model, data, store, policy and engine from a config (a Task's when it names one)."""
+    if cfg.train.task:
+        return build_task_engine(cfg, clock)
     import jax
 
-    from hetd.core.engine import Engine, EngineConfig
+    from hetd.core.engine import Engine
     from hetd.core.store import Store, make_optimizer, make_outer
     from hetd.zoo.data import load_dataset
     from hetd.zoo.models import get_model
@@ -78,20 +224,5 @@ def build_engine(cfg: config_mod.Config, clock: Clock | None = None) -> Engine:
         params, make_optimizer(daemon_opt), outer=make_outer(outer_opt), outer_spec=outer_opt
     )
     policy = make_policy(cfg.policy.name, cfg.policy.params)
-    econf = EngineConfig(
-        global_batch=t.global_batch,
-        batch_size=t.batch_size,
-        codec=t.codec,
-        downlink=t.downlink,
-        heartbeat_s=cfg.server.heartbeat_s,
-        heartbeat_timeout_s=cfg.server.heartbeat_timeout_s,
-        eval_interval_s=t.eval_interval_s,
-        max_staleness=t.max_staleness_drop,
-        guard_factor=t.guard_factor,
-        guard_warmup=t.guard_warmup,
-        profile_steps=t.profile_steps,
-        shards=t.shards,
-        welcome=config_mod.worker_setup(cfg),
-        outer_for=outer_for,
-    )
+    econf = _engine_config(cfg, config_mod.worker_setup(cfg), outer_for)
     return Engine(store, policy, econf, clock=clock, evaluator=make_evaluator(model, data))

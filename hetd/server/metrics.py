@@ -102,8 +102,9 @@ class Metrics:
             "updates_applied": e.updates_applied,
             "buffered": e.buffered(),
             "uptime_s": now - e.started_at,
-            "accuracy": None if last is None else last[2],
+            "accuracy": None if last is None or last[2] != last[2] else last[2],
             "loss": None if last is None else last[1],
+            "metrics": dict(e.eval_metrics),
             "departures": len(e.departures),
             "throughput": e.rates.rates(),
             "latency": e.latency.summary(),
@@ -215,6 +216,15 @@ class _Collector:
             yield _gauge(
                 "hetd_test_loss", "Test loss of the global model at the last evaluation.", s["loss"]
             )
+        if s["metrics"]:
+            named = GaugeMetricFamily(
+                "hetd_eval_metric",
+                "Every metric of the last evaluation by name (a Task's own metrics and its loss).",
+                labels=["metric"],
+            )
+            for name, value in sorted(s["metrics"].items()):
+                named.add_metric([name], value)
+            yield named
         rates = s["throughput"]
         yield _gauge(
             "hetd_updates_per_second",

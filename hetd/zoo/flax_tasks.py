@@ -35,9 +35,7 @@ def _takes_key(fn: Callable[..., Any]) -> bool:
     return len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in params)
 
 
-def from_nnx(
-    model: Any, loss_fn: Callable[..., Any], train_data: Any, **kwargs: Any
-) -> Task:
+def from_nnx(model: Any, loss_fn: Callable[..., Any], train_data: Any, **kwargs: Any) -> Task:
     """A Task that trains an ``nnx.Module``'s ``nnx.Param`` variables.
 
     ``model``: a module instance (its current parameters are the initial ones; ``init``'s key is
@@ -59,10 +57,15 @@ def from_nnx(
         except Exception as exc:
             raise TaskError(f"from_nnx: building the module failed: {exc}") from exc
         if not isinstance(abstract, nnx.Module):
-            raise TaskError(f"from_nnx: the factory returned {type(abstract).__name__}, not an nnx.Module")
+            raise TaskError(
+                f"from_nnx: the factory returned {type(abstract).__name__}, not an nnx.Module"
+            )
     else:
-        raise TaskError(f"from_nnx takes an nnx.Module or rngs -> Module, got {type(model).__name__}")
-    graphdef, template, rest = nnx.split(abstract, nnx.Param, ...)
+        raise TaskError(
+            f"from_nnx takes an nnx.Module or rngs -> Module, got {type(model).__name__}"
+        )
+    split: Any = nnx.split
+    graphdef, template, rest = split(abstract, nnx.Param, ...)
     stats = nnx.state(abstract, nnx.BatchStat)
     if jax.tree.leaves(stats):
         paths = ", ".join(
@@ -74,7 +77,7 @@ def from_nnx(
             f"share; {_NORMS}"
         )
     if instance is not None:
-        _, constant = nnx.split(instance, nnx.Param, ...)[1:]
+        _, _, constant = split(instance, nnx.Param, ...)
         initial = nnx.state(instance, nnx.Param).to_pure_dict()
     else:
         constant = rest
@@ -92,7 +95,7 @@ def from_nnx(
         nnx.replace_by_pure_dict(state, params)
         if instance is None:
             # the rest (rng streams, constants) of a freshly built module
-            live = nnx.merge(graphdef, state, nnx.split(model(nnx.Rngs(0)), nnx.Param, ...)[2])
+            live = nnx.merge(graphdef, state, split(model(nnx.Rngs(0)), nnx.Param, ...)[2])
         else:
             live = nnx.merge(graphdef, state, constant)
         return loss_fn(live, batch, key) if with_key else loss_fn(live, batch)
@@ -114,7 +117,9 @@ def from_linen(
     try:
         shapes = jax.eval_shape(module.init, jax.random.PRNGKey(0), sample)
     except Exception as exc:
-        raise TaskError(f"from_linen: {type(module).__name__}.init on the sample failed: {exc}") from exc
+        raise TaskError(
+            f"from_linen: {type(module).__name__}.init on the sample failed: {exc}"
+        ) from exc
     extra = sorted(set(shapes) - {"params"})
     if "batch_stats" in extra:
         raise TaskError(

@@ -89,14 +89,20 @@ class Target:
             raise TaskError(f"target must be a dict with metric, mode and value, got {raw!r}")
         unknown = set(raw) - {"metric", "mode", "value"}
         if unknown:
-            raise TaskError(f"target has unknown keys {sorted(unknown)}; it takes metric, mode, value")
+            raise TaskError(
+                f"target has unknown keys {sorted(unknown)}; it takes metric, mode, value"
+            )
         metric, value = raw.get("metric"), raw.get("value")
         mode = raw.get("mode", "max" if metric == "accuracy" else "min")
         if not isinstance(metric, str) or not metric:
             raise TaskError(f"target metric must be a name, got {metric!r}")
         if mode not in ("min", "max"):
             raise TaskError(f"target mode must be 'min' or 'max', got {mode!r}")
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+        ):
             raise TaskError(f"target value must be a finite number, got {value!r}")
         return cls(metric, str(mode), float(value))
 
@@ -218,7 +224,7 @@ def _import(module_part: str, spec: str) -> Any:
             loader_spec.loader.exec_module(module)
         except BaseException as exc:
             del sys.modules[name]
-            raise TaskError(f"task {spec!r}: importing {path} failed: {_why(exc)}") from exc
+            raise TaskError(f"task {spec!r}: importing {path} failed: {reason(exc)}") from exc
         return module
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:
@@ -226,10 +232,10 @@ def _import(module_part: str, spec: str) -> Any:
     try:
         return importlib.import_module(module_part)
     except Exception as exc:
-        raise TaskError(f"task {spec!r}: cannot import {module_part!r}: {_why(exc)}") from exc
+        raise TaskError(f"task {spec!r}: cannot import {module_part!r}: {reason(exc)}") from exc
 
 
-def _why(exc: BaseException) -> str:
+def reason(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
@@ -240,9 +246,7 @@ def load_task(spec: str) -> Task:
     :class:`TaskError` that names the spec and what is wrong."""
     module_part, sep, attr_path = spec.strip().rpartition(":")
     if not sep or not module_part or not attr_path:
-        raise TaskError(
-            f"task {spec!r} must look like 'pkg.module:attr' or 'path/to/file.py:attr'"
-        )
+        raise TaskError(f"task {spec!r} must look like 'pkg.module:attr' or 'path/to/file.py:attr'")
     target: Any = _import(module_part, spec)
     for part in attr_path.split("."):
         if not hasattr(target, part):
@@ -257,7 +261,7 @@ def load_task(spec: str) -> Task:
         try:
             target = target()
         except Exception as exc:
-            raise TaskError(f"task {spec!r}: building the task failed: {_why(exc)}") from exc
+            raise TaskError(f"task {spec!r}: building the task failed: {reason(exc)}") from exc
         if not isinstance(target, Task):
             raise TaskError(f"task {spec!r} returned a {type(target).__name__}, not a hetd.Task")
     if not target.name:
@@ -283,7 +287,9 @@ def _scalar_metrics(name: str, out: Any) -> tuple[Any, dict[str, Any]]:
     clean: dict[str, Any] = {}
     for key, value in metrics.items():
         if not isinstance(key, str) or key == "loss":
-            raise TaskError(f"task {name!r}: metric names must be strings other than 'loss', got {key!r}")
+            raise TaskError(
+                f"task {name!r}: metric names must be strings other than 'loss', got {key!r}"
+            )
         arr = jnp.asarray(value)
         if arr.shape != ():
             raise TaskError(
@@ -314,7 +320,7 @@ class Bound:
         except TaskError:
             raise
         except Exception as exc:
-            raise TaskError(f"task {self.name!r}: init failed: {_why(exc)}") from exc
+            raise TaskError(f"task {self.name!r}: init failed: {reason(exc)}") from exc
         try:
             self.layout: Layout = Layout(shapes)
         except ValueError as exc:
@@ -329,10 +335,12 @@ class Bound:
         try:
             tree = jax.jit(self.task.init)(jax.random.PRNGKey(self.seed))
         except Exception as exc:
-            raise TaskError(f"task {self.name!r}: init failed: {_why(exc)}") from exc
+            raise TaskError(f"task {self.name!r}: init failed: {reason(exc)}") from exc
         return {k: np.asarray(v, np.float32) for k, v in self.layout.flatten(tree).items()}
 
-    def loss_flat(self, flat: Mapping[str, Any], batch: Batch, key: Any) -> tuple[Any, dict[str, Any]]:
+    def loss_flat(
+        self, flat: Mapping[str, Any], batch: Batch, key: Any
+    ) -> tuple[Any, dict[str, Any]]:
         """The task's loss and metrics on flat parameters (jit-able)."""
         return _scalar_metrics(self.name, self.task.loss(self.layout.unflatten(flat), batch, key))
 
@@ -368,7 +376,7 @@ class Bound:
         try:
             return iter(self.task.eval_data())
         except Exception as exc:
-            raise TaskError(f"task {self.name!r}: eval_data failed: {_why(exc)}") from exc
+            raise TaskError(f"task {self.name!r}: eval_data failed: {reason(exc)}") from exc
 
 
 def leading(batch: Batch) -> int:

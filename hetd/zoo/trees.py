@@ -34,7 +34,8 @@ class Layout:
     def __init__(self, tree: Any) -> None:
         """``tree``: a pytree of arrays (``init``'s result). ValueError if two leaves get the same
         path, a leaf is not a floating-point array, or there is no leaf at all."""
-        leaves, self.treedef = jax.tree_util.tree_flatten_with_path(tree)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        self.treedef: Any = treedef
         if not leaves:
             raise ValueError("the parameters have no arrays (init returned an empty tree)")
         names: list[str] = []
