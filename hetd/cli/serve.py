@@ -15,7 +15,9 @@ def add_serve(sub: Sub) -> None:
         help="run the daemon (what systemd runs)",
         description="Run the daemon until SIGTERM/SIGINT; then stop taking pushes, say bye to "
         "workers, write a last checkpoint (with a state directory) and exit 0. Resumes from the "
-        "newest valid checkpoint in the state directory.",
+        "newest valid checkpoint in the state directory (the highest version). Exit status 2: a "
+        "bad config, a port in use, a state directory another daemon holds, a checkpoint of "
+        "another model.",
     )
     s.add_argument("--config", default=None, help="TOML config file; every key has a default")
     s.add_argument("--host", default=None, help="override [server] host (worker endpoint)")
@@ -29,7 +31,8 @@ def add_serve(sub: Sub) -> None:
     s.add_argument(
         "--state-dir",
         default=None,
-        help="override [store] dir: where checkpoints are written and resumed from",
+        help="override [store] dir: where checkpoints are written and resumed from, locked "
+        "while this daemon runs (default: none, nothing is checkpointed)",
     )
     s.add_argument(
         "--task",
@@ -72,7 +75,7 @@ def add_serve(sub: Sub) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from hetd import config
-    from hetd.server.daemon import serve  # light: JAX loads after the sockets listen
+    from hetd.server.daemon import StartupError, serve  # light: JAX loads after the listening
 
     cfg = config.load(args.config)
     server = {
@@ -96,7 +99,10 @@ def _serve(args: argparse.Namespace) -> int:
     config.check_serving(cfg)  # before JAX is imported: a refused start is quick
     try:
         asyncio.run(serve(cfg))
-    except OSError as exc:  # the port is taken, the state directory is not writable, ...
+    except StartupError as exc:  # a port in use, a state directory another daemon's: exit 2, so
+        print(f"hetd: {exc}", file=sys.stderr)  # systemd's unit does not restart it in a loop
+        return EXIT_USAGE
+    except OSError as exc:
         print(f"hetd: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:

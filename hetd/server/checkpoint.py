@@ -11,10 +11,15 @@ skipped instead of loaded. :mod:`hetd.server.ckpt_file` streams it to the file f
 memory and reads it back without copying the payload out; after a write or a load the freed heap goes
 back to the system.
 
-Files are ``ckpt-<seq>-v<version>.msgpack`` (``seq`` grows by one per write, so the newest file is the
-highest ``seq`` whatever the clocks say), written as ``.<name>.tmp`` + fsync + rename + fsync of the
-directory. On start the daemon loads the newest file that decodes and verifies; each one that does not
-is skipped with a warning naming it and the reason; with none left it starts fresh, with a warning. A
+Files are ``ckpt-<seq>-v<version>.msgpack`` (``seq`` grows by one per write), written as
+``.<name>.tmp`` + fsync + rename + fsync of the directory. **The newest checkpoint is the one with the
+highest version; of two with the same version, the later write (the higher ``seq``).** Never the
+file's time: clocks move, and a copied file gets a new one. Training only ever raises the version,
+so in one daemon's life the two orders agree; the rule decides when they do not (a directory that
+two daemons wrote into before it was locked, :mod:`hetd.server.statedir`): the most trained state
+wins. Rotation and the resume both rank files by it. On start the daemon loads the newest file
+that decodes and verifies; each one that does not is skipped with a warning naming it and the
+reason; with none left it starts fresh, with a warning. A
 *valid* file that does not fit the configured model or optimizer stops start-up with
 :class:`CheckpointError` instead — silently training a different model from scratch over an operator's
 state directory would be worse.
@@ -181,15 +186,16 @@ def encode(state: Mapping[str, Any]) -> bytes:
 
 
 def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
-    """``(seq, path)`` of every checkpoint file, newest first."""
+    """``(seq, path)`` of every checkpoint file, newest first: the highest version first, and of
+    one version the highest ``seq`` (the module's rule)."""
     if not directory.is_dir():
         return []
     found = []
     for p in directory.iterdir():
         m = _NAME.match(p.name)
         if m:
-            found.append((int(m.group(1)), p))
-    return sorted(found, reverse=True)
+            found.append((int(m.group(2)), int(m.group(1)), p))
+    return [(seq, p) for _, seq, p in sorted(found, reverse=True)]
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -208,7 +214,7 @@ def write(directory: Path, state: Mapping[str, Any], keep: int) -> CheckpointInf
     """
     directory.mkdir(parents=True, exist_ok=True)
     existing = list_checkpoints(directory)
-    seq = existing[0][0] + 1 if existing else 1
+    seq = max((s for s, _ in existing), default=0) + 1  # after every write, whatever its version
     version = int(state["version"])
     final = directory / f"ckpt-{seq:08d}-v{version}.msgpack"
     tmp = directory / f".{final.name}.tmp"

@@ -10,6 +10,10 @@ the engine. A worker that connects meanwhile waits for the engine and then gets 
 ``starting`` until then. :mod:`hetd.server.build` builds the engine from the config, and
 :mod:`hetd.server.worker_app` is the workers' HTTP app.
 
+With a state directory the daemon locks it before it listens and keeps it locked until its last
+checkpoint is written (:mod:`hetd.server.statedir`): a second daemon on the same directory, or
+one whose port is taken, stops with :class:`StartupError` (``hetd serve`` exits 2).
+
 ``Daemon`` owns every task it starts (the engine, the HTTP runners, the checkpoint timer) and cancels
 and awaits them on ``stop``. ``serve`` is what ``hetd serve`` runs: listen, build, resume, tell
 systemd READY=1, wait for SIGTERM or SIGINT, then stop taking pushes, say bye to workers, write the
@@ -36,6 +40,7 @@ from hetd.server import admin
 from hetd.server.build import build_engine as build_engine  # hetd.server.daemon.build_engine too
 from hetd.server.relay import Relay
 from hetd.server.shm_hub import ShmHub
+from hetd.server.statedir import StateDirError, StateDirLock
 from hetd.server.worker_app import make_worker_app
 
 if TYPE_CHECKING:  # the heavy modules (JAX, flax, optax) load behind the listening sockets
@@ -45,6 +50,11 @@ if TYPE_CHECKING:  # the heavy modules (JAX, flax, optax) load behind the listen
     from hetd.server.replicas import ReplicaDriver
 
 log = logging.getLogger("hetd.server.daemon")
+
+
+class StartupError(Exception):
+    """The daemon cannot start as configured (a port in use, a state directory held by another
+    daemon or not writable): restarting will not help, so ``hetd serve`` exits 2."""
 
 
 class Daemon:
@@ -81,6 +91,7 @@ class Daemon:
         self.relay = Relay()
         self.replicas: ReplicaDriver | None = None  # one pipeline replica beside DP (built later)
         self.shm = ShmHub()  # shared memory for same-host workers that ask (made on demand)
+        self.state_lock: StateDirLock | None = None  # [store] dir, held from listen to stop
 
     @property
     def engine(self) -> Engine:
@@ -112,13 +123,26 @@ class Daemon:
         return self.port
 
     async def listen(self) -> int:
-        """Bind the worker endpoint and the admin API; returns the worker port."""
+        """Lock the state directory (when one is set), then bind the worker endpoint and the admin
+        API; returns the worker port. :class:`StartupError` when the directory is another
+        daemon's (naming it) or cannot be used, or a port cannot be bound."""
         try:
+            self._lock_state_dir()
             await self._start_endpoints()
         except BaseException:  # a port in use, ...: close what was opened, write nothing
             await self.stop(final_checkpoint=False)
             raise
+        if self.state_lock is not None:  # a second daemon is told where this one listens
+            self.state_lock.note(worker_port=self.port, admin_port=self.admin_port)
         return self.port
+
+    def _lock_state_dir(self) -> None:
+        """Hold ``[store] dir`` for as long as this daemon runs: one writer of its checkpoints."""
+        if self.state_lock is None and self.cfg.store.dir:
+            try:
+                self.state_lock = StateDirLock.acquire(self.cfg.store.dir)
+            except StateDirError as exc:
+                raise StartupError(str(exc)) from exc
 
     async def build(self) -> None:
         """Build the engine (a thread: the sockets keep answering), resume, start it."""
@@ -132,6 +156,7 @@ class Daemon:
             if self.cfg.store.dir:
                 from hetd.server.checkpoint import Checkpointer
 
+                self._lock_state_dir()  # (listen took it, unless build was called alone)
                 self.checkpointer = Checkpointer(self.cfg.store.dir, self.cfg.store.keep)
             from hetd.codecs import registry as codecs
             from hetd.server.metrics import Metrics
@@ -187,13 +212,18 @@ class Daemon:
     async def _start_endpoints(self) -> None:
         server = self.cfg.server
         tls = self.ssl_context is not None
-        self.port, site = await self._listen(make_worker_app(self), server.host, server.port)
+        self.port, site = await self._listen(
+            make_worker_app(self), server.host, server.port, "the worker endpoint, [server] port"
+        )
         self._worker_sites.append(site)
         where = f"{'wss' if tls else 'ws'}://{server.host}:{self.port} (workers)"
         if server.admin_port >= 0:
             self.admin_app = admin.make_admin_app(self._admin_slot)
             self.admin_port, _ = await self._listen(
-                self.admin_app, server.admin_host, server.admin_port
+                self.admin_app,
+                server.admin_host,
+                server.admin_port,
+                "the admin API, [server] admin_port",
             )
             where += (
                 f", {'https' if tls else 'http'}://{server.admin_host}:{self.admin_port}"
@@ -205,12 +235,19 @@ class Daemon:
         if server.admin_port >= 0 and not server.admin_token:
             log.warning("no admin token configured: the admin API refuses every call")
 
-    async def _listen(self, app: web.Application, host: str, port: int) -> tuple[int, web.TCPSite]:
+    async def _listen(
+        self, app: web.Application, host: str, port: int, what: str
+    ) -> tuple[int, web.TCPSite]:
         runner = web.AppRunner(app, handle_signals=False)
         await runner.setup()
         self._runners.append(runner)
         site = web.TCPSite(runner, host, port, ssl_context=self.ssl_context)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:  # in use, not an address of this machine, a privileged port
+            raise StartupError(
+                f"cannot listen on {host}:{port} ({what}): {exc.strerror or exc}"
+            ) from exc
         sockets = getattr(site._server, "sockets", None) or []
         bound: int = sockets[0].getsockname()[1] if sockets else port
         return bound, site
@@ -310,6 +347,9 @@ class Daemon:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._warm_task, timeout)
             self._warm_task = None
+        if self.state_lock is not None:  # after the last checkpoint: another daemon may start
+            self.state_lock.release()
+            self.state_lock = None
 
 
 def _drain(engine: Engine, capture: bool) -> dict[str, Any] | None:

@@ -72,3 +72,34 @@ def test_rotation_of_valid_files_keeps_the_newest_k(tmp_path: Path) -> None:
         step(e)
         infos.append(checkpoint.write(tmp_path, checkpoint.engine_state(e), keep=3))
     assert sorted(p.name for p in tmp_path.iterdir()) == [Path(i.path).name for i in infos[-3:]]
+
+
+def test_the_newest_checkpoint_is_the_highest_version_not_the_last_write(tmp_path: Path) -> None:
+    """Issue 30: a second daemon resumed version 5 from a shared directory while the first trained
+    on to 7; the second's last checkpoint (version 5) was then the latest write, and a restart
+    resumed it. By the rule, the highest version is the newest, whatever the order of writes."""
+    ahead, behind = make_engine(), make_engine()
+    for _ in range(5):
+        step(ahead)
+        step(behind)
+    first = checkpoint.write(tmp_path, checkpoint.engine_state(ahead), keep=10)
+    step(ahead)
+    step(ahead)
+    trained = checkpoint.write(tmp_path, checkpoint.engine_state(ahead), keep=10)
+    stale = checkpoint.write(tmp_path, checkpoint.engine_state(behind), keep=10)  # written last
+    assert (first.version, trained.version, stale.version) == (5, 7, 5)
+    assert stale.seq == 3  # the sequence still counts every write
+
+    found = checkpoint.load_newest(tmp_path)
+    assert found is not None and found[0].path == trained.path and found[0].version == 7
+    # Of one version, the later write wins.
+    assert [Path(p).name for _, p in checkpoint.list_checkpoints(tmp_path)] == [
+        Path(i.path).name for i in (trained, stale, first)
+    ]
+    # The next write numbers itself after every file, and rotation ranks by the same rule.
+    step(ahead)
+    newest = checkpoint.write(tmp_path, checkpoint.engine_state(ahead), keep=2)
+    assert newest.seq == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        Path(i.path).name for i in (trained, newest)
+    )
