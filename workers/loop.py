@@ -1,12 +1,19 @@
 """The worker's compute: a gradient on one batch, or k local steps of the inner optimizer returned
-as a delta.
+as a delta, for a Task (:mod:`hetd.zoo.task`): the user's own, which this worker's operator named
+(``hetd-worker --task``), or a bundled model and data set (:mod:`hetd.zoo.bundled`) that the
+daemon's welcome names.
 
-``Trainer`` is built from the daemon's welcome (model, data set, shard, seed) and is pure compute:
-parameters in, update out. It never talks to the network; ``workers.client`` does.
+``Trainer`` is built from the daemon's welcome (shard, seed, micro-batch) and is pure compute:
+parameters in, update out. It never talks to the network; ``workers.client`` does. The worker
+imports only the task its own operator named; the welcome describes the daemon's task (name,
+fingerprint, shapes) and :func:`check_setup` compares the two, refusing a daemon that trains
+something else with a message naming both.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -16,10 +23,14 @@ import jax
 import numpy as np
 
 from hetd.protocol.plan import Plan, data_range
-from hetd.zoo.data import BatchSampler, load_dataset, shard_indices, share_indices
-from hetd.zoo.models import get_model
+from hetd.zoo.bundled import ZooTask, zoo_task
+from hetd.zoo.data import Dataset
 from hetd.zoo.optim import parse_optimizer
-from hetd.zoo.steps import Steps
+from hetd.zoo.task import Bound, Shard
+from hetd.zoo.task_steps import BatchStream, TaskSteps
+from hetd.zoo.trees import shape_diff
+
+log = logging.getLogger("hetd.worker")
 
 DEFAULT_MICRO_BATCH = 32  # examples per compiled call when the daemon does not say
 
@@ -88,73 +99,121 @@ def setup_key(setup: Mapping[str, Any]) -> str:
     return repr((setup["model"], setup["dataset"], setup["train"]))
 
 
-class Core:
-    """The part of a worker's trainer that does not depend on which worker it is: the data set,
-    the model and its warmed, fixed-shape jitted steps. Built from a welcome, or earlier from the
-    daemon's ``/v1/prepare`` while the daemon itself builds, and kept across reconnects."""
+class TaskMismatch(ValueError):
+    """The daemon trains another task than this worker's (or none, or this worker has none)."""
 
-    def __init__(self, setup: Mapping[str, Any], device: jax.Device) -> None:
-        model_spec = setup["model"]
-        data_spec = setup["dataset"]
+
+def check_setup(setup: Mapping[str, Any], bound: Bound | None, full: bool = True) -> None:
+    """Raise :class:`TaskMismatch` unless the daemon's setup trains ``bound`` (or, with ``bound``
+    None, a bundled model). ``full``: the setup is a welcome's, which carries the fingerprint (the
+    early ``/v1/prepare`` names the task only)."""
+    theirs = (setup.get("model") or {}).get("task")
+    if bound is None:
+        if theirs:
+            spec = theirs.get("spec", "?")
+            raise TaskMismatch(
+                f"the daemon trains the task {theirs.get('name', spec)!r} ({spec}); start this "
+                f"worker with --task naming it (e.g. --task {spec}): a worker imports only the "
+                "task its own command line names"
+            )
+        return
+    if not theirs:
+        model = (setup.get("model") or {}).get("spec", "?")
+        data = (setup.get("dataset") or {}).get("spec", "?")
+        raise TaskMismatch(
+            f"this worker was started with --task ({bound.name!r}) but the daemon trains the "
+            f"bundled model {model!r} on {data!r}; give the daemon the same task "
+            "(hetd serve --task, or [train] task)"
+        )
+    if not full or "fingerprint" not in theirs:
+        return
+    if theirs["fingerprint"] != bound.fingerprint:
+        diff = shape_diff(bound.layout.shapes, theirs.get("shapes") or {})
+        raise TaskMismatch(
+            f"the daemon's task {theirs.get('name')!r} is not this worker's {bound.name!r} "
+            f"(another version or another task; parameters that differ: {diff}); start both "
+            "with the same code"
+        )
+
+
+class Core:
+    """A task's kernels on one device, for any shard, warmed: built early from ``/v1/prepare``
+    (while the daemon builds its own) or at the welcome, and kept across reconnects.
+
+    ``task``: the Task this worker's operator named (``--task``); None builds the bundled model
+    and data set the setup names (:func:`hetd.zoo.bundled.zoo_task`)."""
+
+    def __init__(
+        self, setup: Mapping[str, Any], device: jax.Device, task: Bound | None = None
+    ) -> None:
+        check_setup(setup, task, full=False)
         train = setup["train"]
         self.key = setup_key(setup)
-        self.seed = int(data_spec.get("seed", 0))
-        self.data = load_dataset(
-            data_spec["spec"], seed=self.seed, **dict(data_spec.get("kwargs", {}))
-        )
-        self.model = get_model(
-            model_spec["spec"], self.data.num_classes, **dict(model_spec.get("kwargs", {}))
-        )
+        self.seed = int(train.get("seed", 0))
+        self.bound = task if task is not None else Bound(zoo_task(setup), self.seed)
         self.device = device
         # Fixed shapes: every jitted call takes micro_batch examples, so a plan that changes
-        # the batch never compiles (hetd.zoo.steps). Older daemons send neither key.
-        micro = int(train.get("micro_batch") or 0) or DEFAULT_MICRO_BATCH
-        inner = parse_optimizer(str(train.get("inner_optimizer") or "sgd")).with_default_lr(
-            float(train.get("worker_lr") or 0.05)
-        )
-        self.steps = Steps(self.model, micro, inner, device)
-        shapes = jax.eval_shape(
-            lambda key: self.model.init(key, self.data.input_shape), jax.random.PRNGKey(0)
-        )
-        zeros = {k: np.zeros(v.shape, v.dtype) for k, v in shapes.items()}
-        self.steps.warm(zeros, self.data.x_train[:1], self.data.y_train[:1])
+        # the batch never compiles (hetd.zoo.task_steps). Older daemons send neither key.
+        self.micro_batch = int(train.get("micro_batch") or 0) or DEFAULT_MICRO_BATCH
+        own = self.bound.task.inner_optimizer
+        if own is not None:
+            inner = self.bound.flat_optimizer(own)
+        else:
+            spec = parse_optimizer(str(train.get("inner_optimizer") or "sgd"))
+            inner = spec.with_default_lr(float(train.get("worker_lr") or 0.05)).build()
+        self.steps = TaskSteps(self.bound, self.micro_batch, inner, device)
+        # Compile both kernels before the first push (a kernel first compiled when a plan first
+        # asks for local steps would count its compile time as compute and skew what policies
+        # measure), on zeros shaped like the parameters and a batch of the first shard.
+        zeros = {k: np.zeros(v, np.float32) for k, v in self.bound.layout.shapes.items()}
+        warm = BatchStream(self.bound, Shard(0, 1, self.seed, self.micro_batch))
+        self.steps.warm(zeros, warm, jax.random.PRNGKey(self.seed))
+
+    @property
+    def data(self) -> Dataset | None:
+        """A bundled task's data set (pipeline stages read it); None for a user's task."""
+        task = self.bound.task
+        return task.data if isinstance(task, ZooTask) else None
 
 
 class Trainer:
-    """Model + this worker's shard, with fixed-shape jitted gradients and inner-optimizer
-    local steps (:class:`hetd.zoo.steps.Steps`)."""
+    """A task and this worker's shard, with the core's fixed-shape jitted gradients and
+    inner-optimizer local steps (:class:`hetd.zoo.task_steps.TaskSteps`)."""
 
     def __init__(
-        self, welcome: Mapping[str, Any], device: jax.Device, core: Core | None = None
+        self,
+        welcome: Mapping[str, Any],
+        device: jax.Device,
+        core: Core | None = None,
+        task: Bound | None = None,
     ) -> None:
         """``core``: one built earlier (a prepared one, or the last session's); used when it is
-        for the same model, data and training settings, built afresh otherwise."""
+        for the same task and settings, built afresh otherwise. ``task``: the operator's Task
+        (None: the bundled one the welcome names); :class:`TaskMismatch` when the daemon's
+        differs."""
+        check_setup(welcome, task)
         if core is None or core.key != setup_key(welcome) or core.device != device:
-            core = Core(welcome, device)
+            core = Core(welcome, device, task)
         self.core = core
+        self.bound = core.bound
         self.data = core.data
-        self.model = core.model
-        self.seed = seed = core.seed
         self.steps = core.steps
-        self.device = device
+        self.seed = seed = core.seed
         shard = welcome["shard"]
-        self.shard_index = int(shard["index"])
-        idx = shard_indices(len(self.data.y_train), shard["index"], shard["count"], seed)
-        self.sampler = BatchSampler(
-            self.data.x_train[idx], self.data.y_train[idx], seed=seed * 1000 + shard["index"]
-        )
-        self._share: tuple[float, float] | None = None  # (offset, share) the sampler covers
+        self.shard = Shard(int(shard["index"]), int(shard["count"]), seed, core.micro_batch)
+        self.shard_index = self.shard.index
+        self.stream = BatchStream(self.bound, self.shard)
+        self.key = jax.random.PRNGKey(seed * 1000 + self.shard.index)
+        self._share: tuple[float, float] | None = None  # (offset, share) the stream covers
 
     def _follow_share(self, plan: Plan) -> None:
         """A plan with ``data_share`` (and ``data_offset``) moves this worker to that fraction of
-        one seed-fixed permutation of the training set (ASHL's data shares)."""
+        the training set (ASHL's data shares): the task's ``train_data`` is asked again with a
+        shard that carries it (:meth:`hetd.zoo.task.Shard.slice`)."""
         wanted = data_range(plan)
         if wanted is None or self._share == wanted:
             return
-        idx = share_indices(len(self.data.y_train), *wanted, self.seed)
-        self.sampler = BatchSampler(
-            self.data.x_train[idx], self.data.y_train[idx], seed=self.seed * 1000 + self.shard_index
-        )
+        self.stream = BatchStream(self.bound, dataclasses.replace(self.shard, share=wanted))
         self._share = wanted
 
     def step(self, params: Mapping[str, np.ndarray], plan: Plan) -> Update:
@@ -163,9 +222,9 @@ class Trainer:
         k = max(1, plan.local_steps)
         self._follow_share(plan)
         if k == 1 and plan.push_kind != "delta":
-            r = self.steps.gradient(params, self.sampler.next, batch)
+            r = self.steps.gradient(params, self.stream, batch, self.key)
         else:
-            r = self.steps.local_steps(params, self.sampler.next, batch, k, plan.lr_scale)
+            r = self.steps.local_steps(params, self.stream, batch, k, plan.lr_scale, self.key)
         return Update(r.kind, r.tensors, r.loss, r.samples, r.steps)
 
 

@@ -17,8 +17,7 @@ import aiohttp
 import jax
 
 from hetd.zoo.task import Bound
-from workers.loop import Core
-from workers.task_loop import TaskCore, check_setup
+from workers.loop import Core, check_setup
 
 log = logging.getLogger("hetd.worker")
 
@@ -70,12 +69,11 @@ async def fetch_setup(
 
 def _build(
     setup: Mapping[str, Any], device: jax.Device | None, task: Bound | None = None
-) -> Core | TaskCore | None:
+) -> Core | None:
     began = time.perf_counter()
     try:
-        check_setup(setup, task, full=False)  # never import what the daemon names
-        dev = device or jax.devices()[0]
-        core: Core | TaskCore = Core(setup, dev) if task is None else TaskCore(setup, dev, task)
+        check_setup(setup, task, full=False)  # never import a task the daemon names
+        core = Core(setup, device or jax.devices()[0], task)
     except Exception as exc:  # an unknown model here: the welcome will say so again, clearly
         log.warning("could not prepare the model early (%s); building it at the welcome", exc)
         return None
@@ -92,7 +90,7 @@ async def start_preparing(
     ssl_context: ssl.SSLContext | None,
     device: jax.Device | None,
     task: Bound | None = None,
-) -> asyncio.Task[Core | TaskCore | None] | None:
+) -> asyncio.Task[Core | None] | None:
     """Ask for the setup and, when the daemon gives one, build the core in a thread; the task's
     result is the core (None when building it failed)."""
     setup = await fetch_setup(http, url, token, ssl_context)
@@ -106,9 +104,7 @@ async def start_preparing(
     return asyncio.create_task(asyncio.to_thread(_build, setup, device, task), name="hetd-prepare")
 
 
-async def prepared(
-    task: asyncio.Task[Core | TaskCore | None] | None,
-) -> Core | TaskCore | None:
+async def prepared(task: asyncio.Task[Core | None] | None) -> Core | None:
     """The prepared core once it is built (None: nothing was prepared, or it failed)."""
     if task is None:
         return None

@@ -17,13 +17,12 @@ from hetd.protocol.params import apply_params, hash_matches
 from hetd.protocol.plan import Plan
 from hetd.zoo.task import Bound, TaskError
 from workers.inbox import Inbox
-from workers.loop import Core, Trainer
+from workers.loop import Core, TaskMismatch, Trainer
 from workers.prepare import prepared
 from workers.push import send
 from workers.shm import ShmLink
 from workers.stage import PIPELINE_TYPES, StageHost, handle, new_params
 from workers.state import MAX_REFUSED, FatalError, WorkerOptions, WorkerState
-from workers.task_loop import TaskCore, TaskMismatch, TaskTrainer, check_setup
 
 log = logging.getLogger("hetd.worker")
 
@@ -120,10 +119,9 @@ async def read(
                     if state.stage_host is not None:
                         await new_params(state.stage_host, held, partial(send, ws, opts=opts))
             elif msg.type in PIPELINE_TYPES:
-                if state.stage_host is None and isinstance(state.trainer, Trainer):
-                    state.stage_host = StageHost(
-                        state.model_setup, state.trainer.data, state.next_push_id
-                    )
+                dataset = state.trainer.data if state.trainer is not None else None
+                if state.stage_host is None and dataset is not None:
+                    state.stage_host = StageHost(state.model_setup, dataset, state.next_push_id)
                 if state.stage_host is not None:
                     was_staged, inbox.staged = inbox.staged, True  # no data-parallel step now
                     reply = partial(send, ws, opts=opts)
@@ -171,7 +169,7 @@ def welcome(
     msg: wire.Message,
     state: WorkerState,
     device: jax.Device,
-    core: Core | TaskCore | None = None,
+    core: Core | None = None,
     task: Bound | None = None,
 ) -> None:
     """Take the welcome; the trainer reuses ``core`` (a prepared one) or the last trainer's core
@@ -185,13 +183,7 @@ def welcome(
     key = repr((msg["model"], msg["dataset"], msg["shard"], msg["train"]))
     if state.trainer is None or state.trainer_key != key:
         reuse = core if core is not None or state.trainer is None else state.trainer.core
-        if task is not None or (msg["model"] or {}).get("task"):
-            if task is None:
-                check_setup(msg.body, None)  # raises: the daemon trains a task we were not given
-                raise AssertionError("unreachable")
-            state.trainer = TaskTrainer(msg.body, device, task, reuse)
-        else:
-            state.trainer = Trainer(msg.body, device, reuse if isinstance(reuse, Core) else None)
+        state.trainer = Trainer(msg.body, device, reuse, task)
         state.trainer_key = key
     log.info(
         "joined as worker %d, plan %s%s",

@@ -19,7 +19,6 @@ from hetd.zoo.task import Bound
 from workers.emulate import Emulation
 from workers.loop import Core, Trainer
 from workers.stage import StageHost
-from workers.task_loop import TaskCore, TaskTrainer
 
 log = logging.getLogger("hetd.worker")
 
@@ -64,12 +63,12 @@ class WorkerState:
     steps: int = 0
     hash_mismatches: int = 0  # full pulls whose parameters did not match the frame's hash
     hash_checked: bool = False  # a verified full pull was logged (since the last mismatch)
-    trainer: Trainer | TaskTrainer | None = None
+    trainer: Trainer | None = None
     trainer_key: str = ""
     # the daemon refused our hello's ``features`` (a daemon from before that field): say none
     plain_hello: bool = False
     # the core being built from the daemon's /v1/prepare while it starts (workers.prepare)
-    preparing: asyncio.Task[Core | TaskCore | None] | None = None
+    preparing: asyncio.Task[Core | None] | None = None
     plan: Plan = field(default_factory=Plan)  # the daemon's latest plan for this worker
     heartbeat_s: float = 2.0
     feedback: ErrorFeedback = field(default_factory=ErrorFeedback)  # what lossy pushes still owe

@@ -7,7 +7,7 @@ figure comes from the code a real run executes: the daemon's engine as ``hetd se
 (:func:`hetd.server.daemon.build_engine`) driven by its own command loop, its Store, Downlink,
 round buffer and evaluator, the sessions' push decoding (:func:`hetd.core.ingest.decode_push`), the
 worker's codecs with error feedback, :func:`hetd.protocol.params.apply_params` and its fixed-shape
-compute (:class:`hetd.zoo.steps.Steps`). The fields, their units and meaning are
+compute (:class:`hetd.zoo.task_steps.TaskSteps`). The fields, their units and meaning are
 :data:`hetd.sim.costs.FIELDS` (docs/benchmark.md, "The cost profile").
 
 The numbers are timings on a shared machine: re-measure before trusting them elsewhere, and read
@@ -50,10 +50,12 @@ from hetd.server.daemon import build_engine
 from hetd.server.sessions import OFF_LOOP_BYTES
 from hetd.sim.costs import CostProfile, write_costs
 from hetd.sim.scenario import Scenario
-from hetd.zoo.data import BatchSampler, load_dataset
+from hetd.zoo.bundled import ZooTask
+from hetd.zoo.data import load_dataset
 from hetd.zoo.models import get_model
 from hetd.zoo.optim import parse_optimizer
-from hetd.zoo.steps import Steps
+from hetd.zoo.task import Bound, Shard
+from hetd.zoo.task_steps import BatchStream, TaskSteps
 
 REPEATS = 15  # timed runs per figure (after WARM untimed ones); the figure is their median
 WARM = 2
@@ -410,15 +412,18 @@ def _profile_s(target: Target, params: Mapping[str, np.ndarray], repeats: int) -
         target.outer_optimizer,
     )
     micro = target.micro_batch or target.batch_size
-    steps = Steps(model, micro, parse_optimizer(inner), jax.devices()[0])
-    steps.warm(dict(params), data.x_train[:1], data.y_train[:1])
-    sampler = BatchSampler(data.x_train, data.y_train, seed=0)
+    # the worker's own kernels: the bundled model as a task (workers.loop.Core)
+    bound = Bound(ZooTask(model, data, 0))
+    steps = TaskSteps(bound, micro, parse_optimizer(inner).build(), jax.devices()[0])
+    stream = BatchStream(bound, Shard(0, 1, 0, micro))
+    key = jax.random.PRNGKey(0)
+    steps.warm(dict(params), stream, key)
     codec = codec_for(Plan(codec=target.codec))
 
     def exchange() -> object:
         result = None
         for _ in range(target.profile_steps):
-            result = steps.gradient(params, sampler.next, target.batch_size)
+            result = steps.gradient(params, stream, target.batch_size, key)
         assert result is not None  # profile_steps >= 1
         return codecs.encode_tree(result.tensors, codec)
 

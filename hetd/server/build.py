@@ -1,5 +1,6 @@
-"""Building a daemon's engine from a config: the data set, the model, the store with its
-optimizers, the policy and the evaluator.
+"""Building a daemon's engine from a config: the task (the user's ``[train] task``, or the bundled
+model and data set as one, :mod:`hetd.zoo.bundled`), the store with its optimizers, the policy
+and the evaluator. Both kinds of task take the same path.
 
 JAX, flax, optax and the data set are imported inside the functions, so the daemon imports this
 module before its sockets listen and builds the engine behind them (:mod:`hetd.server.daemon`).
@@ -18,33 +19,12 @@ if TYPE_CHECKING:  # the heavy modules (JAX, flax, optax) load when the engine i
     from hetd.core.engine import Clock, Engine
     from hetd.core.evals import Evaluation
     from hetd.core.store import Snapshot
-    from hetd.zoo.data import Dataset
-    from hetd.zoo.models import Model
     from hetd.zoo.task import Bound
 
 log = logging.getLogger("hetd.server")
 
 
-def make_evaluator(model: Model, data: Dataset) -> Callable[[Snapshot], tuple[float, float]]:
-    """(loss, accuracy) of a parameter snapshot on the test set, jitted once."""
-    import jax
-    import jax.numpy as jnp
-
-    x = jnp.asarray(data.x_test)
-    y = jnp.asarray(data.y_test)
-
-    @jax.jit
-    def metrics(params: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        return model.loss(params, x, y), model.accuracy(params, x, y)
-
-    def evaluate(snap: Snapshot) -> tuple[float, float]:
-        loss, acc = metrics({k: jnp.asarray(v) for k, v in snap.tensors.items()})
-        return float(loss), float(acc)
-
-    return evaluate
-
-
-def make_task_evaluator(bound: Bound) -> Callable[[Snapshot], Evaluation]:
+def make_task_evaluator(bound: Bound, check: bool = True) -> Callable[[Snapshot], Evaluation]:
     """A Task's evaluation: its loss and metrics over every batch of ``eval_data()``, each
     averaged with the batches' sizes as weights, jitted once per batch shape. Raises
     :class:`hetd.zoo.task.TaskError` when the batches or the loss are wrong (the daemon runs it
@@ -83,76 +63,11 @@ def make_task_evaluator(bound: Bound) -> Callable[[Snapshot], Evaluation]:
             log.error("evaluating task %r failed: %s", bound.name, exc)
             return Evaluation(math.nan, math.nan, {"loss": math.nan})
 
-    # the start-up check, on zeros shaped like the parameters
-    zeros = {k: np.zeros(v, np.float32) for k, v in bound.layout.shapes.items()}
-    from hetd.core.store import Snapshot as _Snap
+    if check:  # the start-up check, on zeros shaped like the parameters
+        from hetd.core.store import Snapshot
 
-    evaluate(_Snap(0, zeros))
+        evaluate(Snapshot(0, {k: np.zeros(v, np.float32) for k, v in bound.layout.shapes.items()}))
     return guarded
-
-
-def build_task_engine(cfg: config_mod.Config, clock: Clock | None = None) -> Engine:
-    """Store, policy and engine for a config's ``[train] task`` (a user's :class:`hetd.Task`)."""
-    from hetd.core.engine import Engine
-    from hetd.core.store import Store, make_optimizer, make_outer
-    from hetd.zoo.task import Bound, TaskError, load_task
-    from policies import make_policy
-
-    t = cfg.train
-    bound = Bound(load_task(t.task), seed=t.seed)
-    task = bound.task
-    if cfg.policy.name == "dpmp":
-        raise TaskError(
-            f"task {bound.name!r}: policy dpmp cuts a model into pipeline stages, and a Task "
-            "offers no stages; pick another policy (lbbsp balances batches the same way)"
-        )
-    params = bound.init_flat()
-    workers = max(1, t.global_batch // max(1, t.batch_size))
-    custom_outer = task.outer_optimizer is not None
-
-    def outer_for(name: str, policy_params: Mapping[str, Any]) -> str:
-        """As :func:`build_engine`'s; "custom" (kept across swaps) with the task's own."""
-        if custom_outer:
-            return "custom"
-        return config_mod.optimizers(
-            t.optimizer,
-            t.lr,
-            t.inner_optimizer,
-            t.worker_lr,
-            t.outer_optimizer,
-            name,
-            policy_params,
-            workers,
-        )[2]
-
-    daemon_opt = config_mod.optimizers(
-        t.optimizer, t.lr, t.inner_optimizer, t.worker_lr, t.outer_optimizer
-    )[0]
-    tx = bound.flat_optimizer(task.optimizer) if task.optimizer else make_optimizer(daemon_opt)
-    if task.outer_optimizer is not None:
-        store = Store(params, tx, outer=bound.flat_optimizer(task.outer_optimizer))
-    else:
-        outer_opt = outer_for(cfg.policy.name, cfg.policy.params)
-        store = Store(params, tx, outer=make_outer(outer_opt), outer_spec=outer_opt)
-    store.step_each = task.optimizer is not None  # its schedule counts applied updates
-    evaluator = make_task_evaluator(bound) if task.eval_data is not None else None
-    if evaluator is None and task.target is not None:
-        log.warning("task %r has a target but no eval_data: it is never evaluated", bound.name)
-    setup = config_mod.worker_setup(cfg)
-    setup["model"]["task"] = {"spec": t.task, **bound.describe()}
-    policy = make_policy(cfg.policy.name, cfg.policy.params)
-    econf = _engine_config(cfg, setup, outer_for)
-    engine = Engine(store, policy, econf, clock=clock, evaluator=evaluator)
-    engine.target = task.target
-    log.info(
-        "task %r: %d parameters in %d arrays, optimizer %s%s",
-        bound.name,
-        bound.layout.size,
-        len(bound.layout.shapes),
-        "the task's own" if task.optimizer is not None else daemon_opt,
-        "" if task.target is None else f", target {task.target}",
-    )
-    return engine
 
 
 def _engine_config(
@@ -183,28 +98,35 @@ def _engine_config(
 
 
 def build_engine(cfg: config_mod.Config, clock: Clock | None = None) -> Engine:
-    """Model, data, store, policy and engine from a config (a Task's when it names one)."""
-    if cfg.train.task:
-        return build_task_engine(cfg, clock)
-    import jax
-
+    """Task, store, policy and engine from a config: ``[train] task`` (a user's
+    :class:`hetd.Task`), or the bundled ``model`` on ``dataset`` as a task."""
     from hetd.core.engine import Engine
     from hetd.core.store import Store, make_optimizer, make_outer
-    from hetd.zoo.data import load_dataset
-    from hetd.zoo.models import get_model
+    from hetd.zoo.bundled import ZooTask, zoo_task
+    from hetd.zoo.task import Bound, TaskError, load_task
     from policies import make_policy
 
     t = cfg.train
-    data = load_dataset(t.dataset, seed=t.seed, **dict(t.dataset_kwargs))
-    model = get_model(t.model, data.num_classes, **dict(t.model_kwargs))
-    # One jitted init compiles once; flax's eager init compiles op by op (~2x slower start-up).
-    params = jax.jit(model.init, static_argnums=1)(jax.random.PRNGKey(t.seed), data.input_shape)
+    setup = config_mod.worker_setup(cfg)
+    bound = Bound(load_task(t.task) if t.task else zoo_task(setup), seed=t.seed)
+    task = bound.task
+    bundled = isinstance(task, ZooTask)
+    if cfg.policy.name == "dpmp" and not bundled:
+        raise TaskError(
+            f"task {bound.name!r}: policy dpmp cuts a model into pipeline stages, and a Task "
+            "offers no stages; pick another policy (lbbsp balances batches the same way)"
+        )
+    params = bound.init_flat()
     workers = max(1, t.global_batch // max(1, t.batch_size))
+    custom_outer = task.outer_optimizer is not None
 
     def outer_for(name: str, policy_params: Mapping[str, Any]) -> str:
         """The outer optimizer policy ``name`` runs with (outer_optimizer "auto": the policy's;
         delayed Nesterov's period is the workers the configuration's batches describe, as
-        ``global_batch / batch_size``): at start, and for a policy swapped in later."""
+        ``global_batch / batch_size``): at start, and for a policy swapped in later. A task's
+        own outer optimizer ("custom") stays across swaps."""
+        if custom_outer:
+            return "custom"
         return config_mod.optimizers(
             t.optimizer,
             t.lr,
@@ -219,10 +141,30 @@ def build_engine(cfg: config_mod.Config, clock: Clock | None = None) -> Engine:
     daemon_opt = config_mod.optimizers(
         t.optimizer, t.lr, t.inner_optimizer, t.worker_lr, t.outer_optimizer
     )[0]
-    outer_opt = outer_for(cfg.policy.name, cfg.policy.params)
-    store = Store(
-        params, make_optimizer(daemon_opt), outer=make_outer(outer_opt), outer_spec=outer_opt
-    )
+    tx = bound.flat_optimizer(task.optimizer) if task.optimizer else make_optimizer(daemon_opt)
+    if task.outer_optimizer is not None:
+        store = Store(params, tx, outer=bound.flat_optimizer(task.outer_optimizer))
+    else:
+        outer_opt = outer_for(cfg.policy.name, cfg.policy.params)
+        store = Store(params, tx, outer=make_outer(outer_opt), outer_spec=outer_opt)
+    store.step_each = task.optimizer is not None  # its schedule counts applied updates
+    evaluator = None
+    if task.eval_data is not None:
+        evaluator = make_task_evaluator(bound, check=not bundled)
+    elif task.target is not None:
+        log.warning("task %r has a target but no eval_data: it is never evaluated", bound.name)
+    if not bundled:  # what a worker compares with the task its own operator named
+        setup["model"]["task"] = {"spec": t.task, **bound.describe()}
+        log.info(
+            "task %r: %d parameters in %d arrays, optimizer %s%s",
+            bound.name,
+            bound.layout.size,
+            len(bound.layout.shapes),
+            "the task's own" if task.optimizer is not None else daemon_opt,
+            "" if task.target is None else f", target {task.target}",
+        )
     policy = make_policy(cfg.policy.name, cfg.policy.params)
-    econf = _engine_config(cfg, config_mod.worker_setup(cfg), outer_for)
-    return Engine(store, policy, econf, clock=clock, evaluator=make_evaluator(model, data))
+    econf = _engine_config(cfg, setup, outer_for)
+    engine = Engine(store, policy, econf, clock=clock, evaluator=evaluator)
+    engine.target = task.target
+    return engine

@@ -50,7 +50,8 @@ class Shard:
     ``index`` of ``count`` disjoint parts (every example belongs to exactly one); ``seed`` for the
     worker's shuffling; ``batch_size`` is the fixed micro-batch every yielded batch must have;
     ``epoch`` counts how often this worker's iterator has ended and been built again (fold it into
-    the shuffle for a new order each pass).
+    the shuffle for a new order each pass). ``share``: ``(offset, fraction)`` of the data when a
+    policy sizes data shares by speed (ashl) instead of equal shards; :meth:`slice` follows it.
     """
 
     index: int
@@ -58,6 +59,7 @@ class Shard:
     seed: int
     batch_size: int
     epoch: int = 0
+    share: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if self.count < 1 or not 0 <= self.index < self.count:
@@ -67,7 +69,12 @@ class Shard:
 
     def slice(self, n: int) -> range:
         """The rows ``[index * n // count, (index + 1) * n // count)`` of ``n``: near-equal,
-        disjoint parts that cover ``range(n)`` whatever the count."""
+        disjoint parts that cover ``range(n)`` whatever the count; with a ``share``, the rows
+        ``[offset * n, (offset + fraction) * n)`` (at least one)."""
+        if self.share is not None:
+            offset, fraction = self.share
+            lo = min(n - 1, int(offset * n))
+            return range(lo, max(lo + 1, min(n, int((offset + fraction) * n))))
         return range(self.index * n // self.count, (self.index + 1) * n // self.count)
 
 
@@ -126,7 +133,10 @@ class Task:
     daemon applies workers' deltas (None: the config's or the policy's). ``target``: e.g.
     ``{"metric": "mse", "mode": "min", "value": 0.05}``. ``name``: shown everywhere and compared
     between the daemon and its workers (default: the file's or module's last name and the
-    attribute, ``"digits_cnn:task"``).
+    attribute, ``"digits_cnn:task"``). ``per_example``: the loss is the mean of one term per
+    example (cross-entropy, squared error): a plan's ``b`` examples are then computed exactly, the
+    last micro-batch masked, where by default a plan takes whole micro-batches (``ceil(b / m)``,
+    right for a loss over the whole batch, such as a contrastive one).
     """
 
     __slots__ = (
@@ -137,6 +147,7 @@ class Task:
         "name",
         "optimizer",
         "outer_optimizer",
+        "per_example",
         "target",
         "train_data",
     )
@@ -153,6 +164,7 @@ class Task:
         name: str | None = None,
         inner_optimizer: optax.GradientTransformation | None = None,
         outer_optimizer: optax.GradientTransformation | None = None,
+        per_example: bool = False,
     ) -> None:
         for field, value in (("init", init), ("loss", loss), ("train_data", train_data)):
             if not callable(value):
@@ -179,6 +191,7 @@ class Task:
         self.name = name or ""
         self.inner_optimizer = inner_optimizer
         self.outer_optimizer = outer_optimizer
+        self.per_example = bool(per_example)
 
     def __repr__(self) -> str:
         return f"Task(name={self.name!r}, target={self.target})"

@@ -5,7 +5,10 @@ Every batch a Task's ``train_data`` yields has exactly ``shard.batch_size`` (the
 examples, and the same shapes every time, so each jitted call compiles once. A plan of ``b``
 examples runs ``ceil(b / m)`` calls; the gradient is the mean of their (mean) gradients and the
 samples reported are ``calls * m``. The loss sees whole batches (a contrastive or masked loss
-works as written), so nothing is padded.
+works as written), so nothing is padded. A Task whose loss is a mean of per-example terms
+(``Task.per_example``) is computed on exactly ``b`` examples instead: the stream hands out ``b``
+(keeping the rest of a batch for the next call), the last call is padded with zeros and its
+padding masked out of a sum of per-example losses, as the bundled models always were.
 
 :class:`BatchStream` wraps the user's iterator: an iterator that ends starts the next epoch, on
 the next shard (``index + epoch`` modulo the count), so over ``count`` epochs a worker reads every
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -24,8 +28,23 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from hetd.zoo.steps import Result
 from hetd.zoo.task import Batch, Bound, Shard, TaskError, reason
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """One plan's worth of work."""
+
+    kind: str  # "grad" (mean gradient of one batch) | "delta" (θ_end − θ_start after k steps)
+    tensors: dict[str, np.ndarray]
+    loss: float  # mean training loss over the examples seen
+    samples: int  # examples computed (padding excluded)
+    steps: int  # optimizer steps taken (1 for a gradient)
+
+
+def micro_batches(b: int, micro_batch: int) -> int:
+    """How many fixed-shape calls a batch of ``b`` examples takes."""
+    return max(1, math.ceil(b / micro_batch))
 
 
 def _spec(batch: Batch) -> tuple[Any, tuple[tuple[tuple[int, ...], str], ...]]:
@@ -42,6 +61,8 @@ class BatchStream:
         self.epoch = 0
         self._it: Iterator[Batch] | None = None
         self._spec: Any = None
+        self._left: Batch | None = None  # what take() has not handed out of the last batch
+        self._left_n = 0
 
     def current(self) -> Shard:
         """The shard this epoch reads: the next one along after each pass."""
@@ -73,6 +94,29 @@ class BatchStream:
             return batch
         raise AssertionError("unreachable")  # the second pass starts a fresh iterator
 
+    def take(self, n: int) -> Batch:
+        """Exactly ``n`` examples (host arrays), from as many batches as it takes; the rest of the
+        last one is kept for the next call."""
+        parts: list[Batch] = []
+        have = 0
+        while have < n:
+            if self._left is None:
+                self._left, self._left_n = self.next(), self.shard.batch_size
+            need = n - have
+            if self._left_n <= need:
+                parts.append(self._left)
+                have += self._left_n
+                self._left, self._left_n = None, 0
+            else:
+                left = self._left
+                parts.append(jax.tree.map(lambda a, k=need: np.asarray(a)[:k], left))
+                self._left = jax.tree.map(lambda a, k=need: np.asarray(a)[k:], left)
+                self._left_n -= need
+                have = n
+        if len(parts) == 1:
+            return parts[0]
+        return jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *parts)
+
     def _check(self, batch: Batch) -> None:
         spec = _spec(batch)
         name = self.bound.name
@@ -103,6 +147,8 @@ class TaskSteps:
         inner: optax.GradientTransformation,
         device: jax.Device,
     ) -> None:
+        if micro_batch < 1:
+            raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
         self.bound = bound
         self.micro_batch = micro_batch
         self.device = device
@@ -110,12 +156,37 @@ class TaskSteps:
         self._state: Any = None  # the inner optimizer's state, kept across rounds
         self.traces = {"accumulate": 0, "apply": 0}
 
+        self.per_example = bound.task.per_example
+
         def accumulate(
             params: Any, acc: Any, loss_sum: jax.Array, batch: Any, key: jax.Array, i: jax.Array
         ) -> tuple[jax.Array, Any]:
             self.traces["accumulate"] += 1  # runs only while JAX traces
             k = jax.random.fold_in(key, i)
             (loss, _), grads = jax.value_and_grad(bound.loss_flat, has_aux=True)(params, batch, k)
+            return loss_sum + loss, {name: acc[name] + grads[name] for name in acc}
+
+        def masked_sum(params: Any, batch: Any, mask: jax.Array, key: jax.Array) -> jax.Array:
+            def one(example: Any, j: jax.Array) -> jax.Array:
+                single = jax.tree.map(lambda a: a[None], example)
+                term: jax.Array = bound.loss_flat(params, single, jax.random.fold_in(key, j))[0]
+                return term
+
+            per = jax.vmap(one)(batch, jnp.arange(mask.shape[0]))
+            return jnp.sum(per * mask)
+
+        def accumulate_masked(
+            params: Any,
+            acc: Any,
+            loss_sum: jax.Array,
+            batch: Any,
+            key: jax.Array,
+            i: jax.Array,
+            mask: jax.Array,
+        ) -> tuple[jax.Array, Any]:
+            self.traces["accumulate"] += 1
+            k = jax.random.fold_in(key, i)
+            loss, grads = jax.value_and_grad(masked_sum)(params, batch, mask, k)
             return loss_sum + loss, {name: acc[name] + grads[name] for name in acc}
 
         def apply(
@@ -126,9 +197,10 @@ class TaskSteps:
             updates, state = inner.update(grads, state, params)
             return {name: params[name] + lr_scale * updates[name] for name in params}, state
 
-        self._accumulate = jax.jit(accumulate)
+        self._accumulate = jax.jit(accumulate_masked if self.per_example else accumulate)
         self._apply = jax.jit(apply)
         self._calls = 0  # micro-batches computed: each folds its count into the key
+        self._zeros: tuple[Any, Any] | None = None  # (loss, grads) zeros on the device, reused
 
     def warm(self, params: Mapping[str, np.ndarray], stream: BatchStream, key: jax.Array) -> None:
         """Compile both kernels now (a gradient and two local steps, as a plan makes them), so a
@@ -137,28 +209,62 @@ class TaskSteps:
         self.local_steps(params, stream, self.micro_batch, 2, 1.0, key)
         self._state = None
 
+    def _zeros_like(self, params: Mapping[str, jax.Array]) -> tuple[Any, Any]:
+        if self._zeros is None:
+            zero = jax.device_put(np.float32(0.0), self.device)
+            grads = {
+                k: jax.device_put(np.zeros(v.shape, np.float32), self.device)
+                for k, v in params.items()
+            }
+            self._zeros = (zero, grads)
+        return self._zeros
+
     def _grad_sum(
         self, params: Mapping[str, jax.Array], stream: BatchStream, b: int, key: jax.Array
     ) -> tuple[jax.Array, Any, int]:
-        calls = max(1, math.ceil(b / self.micro_batch))
-        loss = jax.device_put(np.float32(0.0), self.device)
-        acc = {k: jnp.zeros_like(v) for k, v in params.items()}
-        for _ in range(calls):
-            batch = jax.device_put(stream.next(), self.device)
+        """Σ of the loss and its gradient over the plan's micro-batches, and the divisor that
+        makes them means: the calls (whole micro-batches) or, per example, ``b``."""
+        m = self.micro_batch
+        calls = micro_batches(b, m)
+        loss, acc = self._zeros_like(params)
+        if not self.per_example:
+            for _ in range(calls):
+                batch = jax.device_put(stream.next(), self.device)
+                self._calls += 1
+                loss, acc = self._accumulate(params, acc, loss, batch, key, np.uint32(self._calls))
+            return loss, acc, calls
+        host = stream.take(b)
+        pad = calls * m - b
+        if pad:
+            host = jax.tree.map(
+                lambda a: np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]), host
+            )
+        mask = np.ones(calls * m, np.float32)
+        mask[b:] = 0.0
+        for i in range(calls):
+            s = slice(i * m, (i + 1) * m)  # host slices, one transfer each
+            part = jax.device_put(jax.tree.map(lambda a, s=s: a[s], host), self.device)
             self._calls += 1
-            loss, acc = self._accumulate(params, acc, loss, batch, key, np.uint32(self._calls))
-        return loss, acc, calls
+            loss, acc = self._accumulate(
+                params, acc, loss, part, key, np.uint32(self._calls), mask[s]
+            )
+        return loss, acc, b
 
     def gradient(
         self, params: Mapping[str, np.ndarray], stream: BatchStream, b: int, key: jax.Array
     ) -> Result:
         """The mean gradient over ``ceil(b / m)`` micro-batches."""
         dev = {k: jax.device_put(v, self.device) for k, v in params.items()}
-        loss, acc, calls = self._grad_sum(dev, stream, b, key)
-        inv = np.float32(1.0 / calls)
+        loss, acc, n = self._grad_sum(dev, stream, b, key)
+        inv = np.float32(1.0 / n)
         # np.asarray again: a 0-d array times a scalar is a numpy scalar, not an array
         tensors = {k: np.asarray(np.asarray(v, dtype=np.float32) * inv) for k, v in acc.items()}
-        return Result("grad", tensors, float(loss) / calls, calls * self.micro_batch, 1)
+        return Result("grad", tensors, float(loss) / n, self._samples(b), 1)
+
+    def _samples(self, b: int) -> int:
+        """Examples one plan of ``b`` computes: ``b`` per example, else whole micro-batches."""
+        m = self.micro_batch
+        return b if self.per_example else micro_batches(b, m) * m
 
     def local_steps(
         self,
@@ -180,11 +286,11 @@ class TaskSteps:
         total = 0.0
         samples = 0
         for _ in range(k):
-            loss, acc, calls = self._grad_sum(local, stream, b, key)
-            inv = jax.device_put(np.float32(1.0 / calls), self.device)
+            loss, acc, n = self._grad_sum(local, stream, b, key)
+            inv = jax.device_put(np.float32(1.0 / n), self.device)
             local, self._state = self._apply(local, self._state, acc, inv, scale)
-            total += float(loss) / calls
-            samples += calls * self.micro_batch
+            total += float(loss) / n
+            samples += self._samples(b)
         delta = {
             name: np.asarray(
                 np.asarray(local[name], dtype=np.float32)

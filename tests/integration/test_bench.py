@@ -14,10 +14,12 @@ from hetd.bench import real as real_mod
 from hetd.bench.kept import KeptSnapshots
 from hetd.cli.bench import main
 from hetd.core.store import Snapshot
-from hetd.server.build import make_evaluator
+from hetd.server.build import make_task_evaluator
 from hetd.sim.results import RUN_KEYS, SUMMARY_KEYS, check_results
+from hetd.zoo.bundled import ZooTask
 from hetd.zoo.data import load_dataset
 from hetd.zoo.models import get_model
+from hetd.zoo.task import Bound
 
 TINY = """
 name = "tiny"
@@ -144,7 +146,8 @@ class CheckedKeeper(KeptSnapshots):
         self.live: list[tuple[float, float, float]] = []
         self.deferred: list[tuple[float, float, float]] = []
         data = load_dataset("digits", seed=0)
-        self.evaluator = make_evaluator(get_model("mlp", data.num_classes, hidden=[32]), data)
+        task = ZooTask(get_model("mlp", data.num_classes, hidden=[32]), data, 0)
+        self.evaluator = make_task_evaluator(Bound(task), check=False)
         CheckedKeeper.made.append(self)
 
     def __call__(self, snap: Snapshot, taken: float) -> None:

@@ -238,7 +238,7 @@ def test_optimizer_sees_the_users_structure_and_counts_updates() -> None:
 
 
 def test_check_setup_names_both_sides() -> None:
-    from workers.task_loop import TaskMismatch, check_setup
+    from workers.loop import TaskMismatch, check_setup
 
     bound = Bound(_task(name="ours:task"))
     theirs = {"model": {"spec": "a/b.py:task", "task": {"spec": "a/b.py:task", "name": "b:task"}}}
@@ -251,3 +251,51 @@ def test_check_setup_names_both_sides() -> None:
     with pytest.raises(TaskMismatch, match=r"'b:task' is not this worker's 'ours:task'.*more"):
         check_setup(theirs, bound)
     check_setup(theirs, other)  # the same task: no error
+
+
+def test_a_bundled_task_takes_exactly_b_examples_across_batches() -> None:
+    """The zoo as a Task (per example): a leftover of the last batch is used first, and the
+    gradient is the mean over exactly those ``b`` examples, in the sampler's order."""
+    from hetd.zoo.bundled import zoo_task
+    from hetd.zoo.data import BatchSampler, shard_indices
+
+    setup = {
+        "model": {"spec": "mlp", "kwargs": {"hidden": [16]}},
+        "dataset": {"spec": "digits", "kwargs": {}, "seed": 0},
+    }
+    task = zoo_task(setup)
+    bound = Bound(task)
+    params = bound.init_flat()
+    steps = TaskSteps(bound, 8, optax.sgd(0.1), jax.devices()[0])
+    stream = BatchStream(bound, Shard(1, 4, 0, 8))
+    stream.take(5)  # a leftover in hand: the next take spans batches
+    got = steps.gradient(params, stream, 13, jax.random.PRNGKey(0))
+
+    idx = shard_indices(len(task.data.y_train), 1, 4, 0)
+    sampler = BatchSampler(task.data.x_train[idx], task.data.y_train[idx], seed=1)
+    sampler.next(5)
+    x, y = sampler.next(13)
+    loss, want = jax.value_and_grad(task.model.loss)(params, x, y)
+    assert got.samples == 13 and got.loss == pytest.approx(float(loss), rel=1e-5)
+    for k in params:
+        np.testing.assert_allclose(got.tensors[k], want[k], rtol=2e-4, atol=1e-6)
+
+
+def test_no_batch_size_compiles_a_new_shape_after_warm() -> None:
+    from hetd.zoo.bundled import zoo_task
+
+    setup = {
+        "model": {"spec": "mlp", "kwargs": {"hidden": [17]}},
+        "dataset": {"spec": "digits", "kwargs": {}, "seed": 0},
+    }
+    bound = Bound(zoo_task(setup))
+    params = bound.init_flat()
+    steps = TaskSteps(bound, 8, optax.adam(0.01), jax.devices()[0])
+    stream = BatchStream(bound, Shard(0, 1, 0, 8))
+    steps.warm(params, stream, jax.random.PRNGKey(0))
+    compiled = dict(steps.traces)
+    assert compiled == {"accumulate": 1, "apply": 1}
+    for b in (3, 8, 9, 31, 64, 5):
+        steps.gradient(params, stream, b, jax.random.PRNGKey(0))
+        steps.local_steps(params, stream, b, 3, 0.5, jax.random.PRNGKey(0))
+    assert steps.traces == compiled

@@ -16,11 +16,13 @@ import pytest
 
 from hetd.sim.results import first_above, first_below, grid_time_to_target, time_to_target
 from hetd.sim.scenario import ScenarioError, from_mapping, load_scenario
-from hetd.zoo.data import BatchSampler, load_dataset
+from hetd.zoo.bundled import ZooTask
+from hetd.zoo.data import load_dataset
 from hetd.zoo.lm import SIZES
 from hetd.zoo.models import get_model
 from hetd.zoo.optim import parse_optimizer
-from hetd.zoo.steps import Steps
+from hetd.zoo.task import Bound, Shard
+from hetd.zoo.task_steps import BatchStream, TaskSteps
 from hetd.zoo.text import pydoc_bytes
 
 TINY = {"d_model": 32, "layers": 1, "heads": 2}
@@ -94,12 +96,13 @@ def test_a_tiny_transformer_learns_text_through_the_workers_steps() -> None:
     model = get_model("transformer", data.num_classes, **TINY)
     init = jax.jit(model.init, static_argnums=1)
     params = {k: np.asarray(v) for k, v in init(jax.random.PRNGKey(0), (32,)).items()}
-    steps = Steps(model, 8, parse_optimizer("adam:lr=0.01"), jax.devices()[0])
+    bound = Bound(ZooTask(model, data, 0))  # the bundled model as the workers run it
+    steps = TaskSteps(bound, 8, parse_optimizer("adam:lr=0.01").build(), jax.devices()[0])
     loss = jax.jit(model.loss)
     before = float(loss(params, data.x_test, data.y_test))
-    sampler = BatchSampler(data.x_train, data.y_train, seed=0)
+    stream = BatchStream(bound, Shard(0, 1, 0, 8))
     for _ in range(2):  # 2 pushes of 25 local steps of 8 windows (one fixed-shape call each)
-        delta = steps.local_steps(params, sampler.next, 8, 25, 1.0)
+        delta = steps.local_steps(params, stream, 8, 25, 1.0, jax.random.PRNGKey(0))
         params = {k: params[k] + delta.tensors[k] for k in params}
     after = float(loss(params, data.x_test, data.y_test))
     assert before > math.log(256) - 0.5  # starts near uniform over bytes (8 bits per byte)
