@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import tomllib
+import urllib.parse
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -26,6 +27,7 @@ from workers.emulate import (
 from workers.loop import quiet_xla_threads
 
 log = logging.getLogger("hetd.worker")
+PROGRESS_LOGGER = "hetd.worker.progress"  # workers.progress's (not imported here: it loads JAX)
 
 ORIGIN_HELP = (
     "time 0 of --emulate-shift and of straggle episodes: first-step (default: the start of this "
@@ -188,7 +190,25 @@ def parser() -> argparse.ArgumentParser:
         default=0,
         help="seed of the straggle episodes (and of --emulate-bad-pushes); --seed is the old name",
     )
-    p.add_argument("-v", "--verbose", action="store_true", help="log every connection event")
+    p.add_argument(
+        "--progress-every",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="log a progress line this often: pushes, samples/s, staleness, version (default "
+        "30; 0: none)",
+    )
+    loud = p.add_mutually_exclusive_group()
+    loud.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="also log every connection event (default: the join, progress every "
+        "--progress-every seconds, plan and stage changes, warnings, and why the worker leaves)",
+    )
+    loud.add_argument(
+        "-q", "--quiet", action="store_true", help="log only warnings and why the worker leaves"
+    )
     return p
 
 
@@ -206,6 +226,30 @@ def read_token(path: str | None) -> str:
     if not isinstance(token, str):
         raise ValueError(f"{path}: [worker] token must be a string")
     return token
+
+
+URL_SHAPE = (
+    "a worker URL is ws://HOST:PORT, or wss://HOST:PORT when the daemon has a TLS certificate; "
+    "PORT is the daemon's worker port, [server] port (7070 unless configured), e.g. "
+    "ws://127.0.0.1:7070"
+)
+
+
+def check_url(url: str) -> None:
+    """ValueError, saying what a worker URL looks like, unless ``url`` is ``ws://`` or ``wss://``
+    with a host (and a valid port when one is given). Checked before anything connects: a bad
+    URL would otherwise be retried as a lost connection, forever."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError for a port that is no number or out of range)
+    except ValueError:
+        raise ValueError(f"{url!r} is not a worker URL: {URL_SHAPE}") from None
+    if parts.scheme not in ("ws", "wss") or not parts.hostname:
+        hint = ""
+        if parts.scheme in ("http", "https") and parts.hostname:
+            ws = "wss" if parts.scheme == "https" else "ws"
+            hint = f" (the worker endpoint speaks websockets: {ws}://{parts.netloc})"
+        raise ValueError(f"{url!r} is not a worker URL{hint}: {URL_SHAPE}")
 
 
 def tls_context(url: str, ca: str | None) -> ssl.SSLContext | None:
@@ -290,7 +334,10 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    # what an operator reads by default: join, progress, plan and stage changes (workers.progress)
+    logging.getLogger(PROGRESS_LOGGER).setLevel(logging.WARNING if args.quiet else logging.INFO)
     try:  # before anything is built or connected: a bad flag is reported at once
+        check_url(args.url)
         emulation = build_emulation(args)
         ssl_context = tls_context(args.url, args.ca)
     except ValueError as exc:
@@ -324,11 +371,12 @@ def main(argv: list[str] | None = None) -> int:
             shm=not args.no_shm,
             task=task,
         )
-        steps = asyncio.run(run_worker(opts))
+        steps = asyncio.run(run_worker(opts, progress_s=args.progress_every))
     except (ValueError, OSError, FatalError) as exc:
         print(f"hetd-worker: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        print("hetd-worker: interrupted", file=sys.stderr)
         return 130
     print(f"hetd-worker: done after {steps} pushes", file=sys.stderr)
     return 0

@@ -11,17 +11,22 @@ import contextlib
 import logging
 import random
 import time
+from collections.abc import Mapping
+from typing import Any
 
 import aiohttp
 import jax
 
 from hetd.codecs import registry as codecs
 from hetd.protocol import wire
+from hetd.protocol.endpoints import ADMIN_ENDPOINT, ADMIN_REALM, ENDPOINT_HEADER
 from hetd.protocol.messages import EMULATED_LINK
+from hetd.protocol.plan import local_steps_for
 from workers.inbox import Inbox
 from workers.loop import device_info
 from workers.prepare import start_preparing
 from workers.profiling import link_profile, link_rtt, profile
+from workers.progress import Progress
 from workers.push import compute, heartbeats, restamped, send
 from workers.receive import read
 from workers.shm import wanted
@@ -31,10 +36,24 @@ __all__ = ["FatalError", "Inbox", "WorkerOptions", "WorkerState", "run_worker"]
 
 log = logging.getLogger("hetd.worker")
 
+MAX_REASON = 500  # characters of a bye's reason (a traceback's last line, not all of it)
 
-async def run_worker(opts: WorkerOptions) -> int:
-    """Connect, train, reconnect; returns the number of pushes made."""
+
+async def run_worker(opts: WorkerOptions, progress_s: float = 30.0) -> int:
+    """Connect, train, reconnect; returns the number of pushes made. A progress line is logged
+    every ``progress_s`` seconds (:mod:`workers.progress`; 0: none)."""
     state = WorkerState()
+    progress = Progress(opts.url)
+    ticker = asyncio.create_task(progress.run(progress_s), name="hetd-worker-progress")
+    try:
+        return await _run(opts, state, progress)
+    finally:
+        ticker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await ticker
+
+
+async def _run(opts: WorkerOptions, state: WorkerState, progress: Progress) -> int:
     failures = 0
     async with aiohttp.ClientSession() as http:
         while opts.max_steps == 0 or state.steps < opts.max_steps:
@@ -43,7 +62,7 @@ async def run_worker(opts: WorkerOptions) -> int:
                     http, opts.url, opts.token, opts.ssl_context, opts.device, opts.task
                 )
             try:
-                await _session(http, opts, state)
+                await _session(http, opts, state, progress)
                 failures = 0
             except FatalError:
                 raise
@@ -60,7 +79,35 @@ async def run_worker(opts: WorkerOptions) -> int:
     return state.steps
 
 
-async def _session(http: aiohttp.ClientSession, opts: WorkerOptions, state: WorkerState) -> None:
+def handshake_refusal(
+    url: str, status: int, headers: Mapping[str, str] | None, sent_token: bool
+) -> str | None:
+    """Why a refused websocket handshake will not get better by retrying, for the operator; None
+    when it may (a daemon restarting, a proxy in between)."""
+    headers = headers or {}
+    endpoint = headers.get(ENDPOINT_HEADER)
+    if endpoint == ADMIN_ENDPOINT or ADMIN_REALM in headers.get("WWW-Authenticate", ""):
+        return (
+            f"{url} is the daemon's admin API (and dashboard), not its worker endpoint: point "
+            "hetd-worker at the worker port, [server] port (7070 unless configured), e.g. "
+            "ws://HEAD:7070"
+        )
+    if status != 401:
+        return None
+    if not sent_token:
+        return (
+            "the daemon requires a worker token and this worker has none (401): set "
+            "HETD_WORKER_TOKEN (or [worker] token in --config) to the daemon's worker token"
+        )
+    return (
+        "the daemon refused our worker token (401): the token in HETD_WORKER_TOKEN (or [worker] "
+        "token in --config) is not the daemon's [server] worker_token"
+    )
+
+
+async def _session(
+    http: aiohttp.ClientSession, opts: WorkerOptions, state: WorkerState, progress: Progress
+) -> None:
     headers = {"Authorization": f"Bearer {opts.token}"} if opts.token else {}
     try:
         ws = await http.ws_connect(
@@ -77,8 +124,9 @@ async def _session(http: aiohttp.ClientSession, opts: WorkerOptions, state: Work
             "(pass --ca FILE with the CA that signed it)"
         ) from None
     except aiohttp.WSServerHandshakeError as exc:
-        if exc.status == 401:
-            raise FatalError("the daemon refused our token (401): set HETD_WORKER_TOKEN") from None
+        refused = handshake_refusal(opts.url, exc.status, exc.headers, bool(opts.token))
+        if refused is not None:  # retrying will not help
+            raise FatalError(refused) from None
         raise
     device = opts.device or jax.devices()[0]
     info = device_info(device)
@@ -88,79 +136,112 @@ async def _session(http: aiohttp.ClientSession, opts: WorkerOptions, state: Work
         info[EMULATED_LINK] = opts.emulation.bandwidth
     inbox = Inbox()
     async with ws:
-        resume = (
-            {"worker_id": state.worker_id, "secret": state.secret}
-            if state.worker_id is not None
-            else None
-        )
-        # Named features only to a daemon that takes the field (an older one refuses it).
-        features = [*wire.WORKER_FEATURES, *wanted(opts.shm)]
-        extra = {} if state.plain_hello else {"features": features}
-        await ws.send_bytes(
-            wire.encode(
-                "hello",
-                1,
-                name=opts.name,
-                device=info,
-                codecs=codecs.names(),
-                resume=resume,
-                **extra,
-            )
-        )
-        hello_at = time.perf_counter()
-        reader = asyncio.create_task(read(ws, opts, state, inbox, device, hello_at))
-        beat: asyncio.Task[None] | None = None
         try:
-            # Heartbeats start with the welcome, not after the trainer is built (loading data and
-            # compiling can outlast the daemon's heartbeat timeout).
-            for event in (inbox.joined, inbox.welcomed):
-                waiter = asyncio.create_task(event.wait())
-                await asyncio.wait({reader, waiter}, return_when=asyncio.FIRST_COMPLETED)
-                waiter.cancel()
-                if reader.done():
-                    reader.result()  # raises what ended it
-                    raise ConnectionError("daemon closed the connection before welcome")
-                if beat is None:
-                    beat = asyncio.create_task(heartbeats(ws, state.heartbeat_s))
-            for push_id in sorted(state.unacked):  # what the last session left unanswered
-                inbox.resent.add(push_id)
-                await send(ws, restamped(state.unacked[push_id]), opts)
-            if state.unacked:
-                log.info("sent %d unanswered pushes again", len(state.unacked))
-            sending: asyncio.Task[None] | None = None
+            await _converse(ws, opts, state, device, info, inbox, progress)
+        except (TimeoutError, aiohttp.ClientError, ConnectionError):
+            raise  # retried: the worker comes back
+        except Exception as exc:  # the worker leaves for good: the daemon logs why
+            with contextlib.suppress(Exception):
+                await ws.send_bytes(wire.encode("bye", 0, reason=leaving_reason(exc)))
+            raise
+
+
+def leaving_reason(exc: BaseException) -> str:
+    """The ``bye`` reason of a worker that gives up: what it will print itself (a plug-in that
+    does not import here, a task that is not the daemon's, too many refused pushes)."""
+    text = str(exc) if isinstance(exc, FatalError) else f"{type(exc).__name__}: {exc}"
+    return f"worker error: {text}"[:MAX_REASON]
+
+
+async def _converse(
+    ws: aiohttp.ClientWebSocketResponse,
+    opts: WorkerOptions,
+    state: WorkerState,
+    device: jax.Device,
+    info: dict[str, Any],
+    inbox: Inbox,
+    progress: Progress,
+) -> None:
+    """One session's conversation: hello, welcome, then steps and pushes until it ends."""
+    resume = (
+        {"worker_id": state.worker_id, "secret": state.secret}
+        if state.worker_id is not None
+        else None
+    )
+    # Named features only to a daemon that takes the field (an older one refuses it).
+    features = [*wire.WORKER_FEATURES, *wanted(opts.shm)]
+    extra = {} if state.plain_hello else {"features": features}
+    await ws.send_bytes(
+        wire.encode(
+            "hello",
+            1,
+            name=opts.name,
+            device=info,
+            codecs=codecs.names(),
+            resume=resume,
+            **extra,
+        )
+    )
+    hello_at = time.perf_counter()
+    reader = asyncio.create_task(read(ws, opts, state, inbox, device, hello_at))
+    beat: asyncio.Task[None] | None = None
+    try:
+        # Heartbeats start with the welcome, not after the trainer is built (loading data and
+        # compiling can outlast the daemon's heartbeat timeout).
+        for event in (inbox.joined, inbox.welcomed):
+            waiter = asyncio.create_task(event.wait())
+            await asyncio.wait({reader, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if reader.done():
+                reader.result()  # raises what ended it
+                raise ConnectionError("daemon closed the connection before welcome")
+            if beat is None:
+                beat = asyncio.create_task(heartbeats(ws, state.heartbeat_s))
+        shard = getattr(state.trainer, "shard", None)
+        progress.joined(state.worker_id, opts.name, shard)
+        for push_id in sorted(state.unacked):  # what the last session left unanswered
+            inbox.resent.add(push_id)
+            await send(ws, restamped(state.unacked[push_id]), opts)
+        if state.unacked:
+            log.info("sent %d unanswered pushes again", len(state.unacked))
+        sending: asyncio.Task[None] | None = None
+        idle_from = time.perf_counter()
+        while not opts.max_steps or state.steps < opts.max_steps:
+            pipeline = bool(state.plan.pipeline)
+            msg = await inbox.take(1 if pipeline else 0)
+            plan = state.plan
+            progress.took(msg.version, plan, "shared memory" if inbox.shm else "websocket")
+            if inbox.profile is not None:
+                spec, inbox.profile = inbox.profile, None
+                result = await profile(msg, spec, opts, state)
+                rtt = await link_rtt(ws, inbox, state.rtt_s)
+                result = link_profile(result, rtt, opts.emulation, state)
+                await ws.send_bytes(wire.encode("profile_result", 0, result=result))
+            start = time.perf_counter()
+            frame = await compute(msg, opts, state, idle_s=start - idle_from)
+            steps = local_steps_for(plan, state.local_step_s)
+            progress.pushed(plan.batch_size * steps, plan.batch_size)
             idle_from = time.perf_counter()
-            while not opts.max_steps or state.steps < opts.max_steps:
-                pipeline = bool(state.plan.pipeline)
-                msg = await inbox.take(1 if pipeline else 0)
-                if inbox.profile is not None:
-                    spec, inbox.profile = inbox.profile, None
-                    result = await profile(msg, spec, opts, state)
-                    rtt = await link_rtt(ws, inbox, state.rtt_s)
-                    result = link_profile(result, rtt, opts.emulation, state)
-                    await ws.send_bytes(wire.encode("profile_result", 0, result=result))
-                start = time.perf_counter()
-                frame = await compute(msg, opts, state, idle_s=start - idle_from)
-                idle_from = time.perf_counter()
-                if sending is not None:  # pushes leave in order
-                    await sending
-                inbox.in_flight += 1
-                inbox.pushes.add(state.push_id)  # the push's request id
-                state.keep_unacked(state.push_id, frame)
-                ref = None
-                if inbox.shm is not None:  # the push in shared memory, a reference on the socket
-                    ref = inbox.shm.push_ref(frame, state.push_id, state.unacked)
-                sending = asyncio.create_task(send(ws, frame, opts, ref=ref))
-                if not pipeline:  # the device waits while the push travels
-                    await sending
-            if sending is not None:
+            if sending is not None:  # pushes leave in order
                 await sending
-            await ws.send_bytes(wire.encode("bye", 0, reason="max steps reached"))
-        finally:
-            for task in (beat, reader):
-                if task is not None:
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await task
-            if inbox.shm is not None:
-                inbox.shm.close()
-                inbox.shm = None
+            inbox.in_flight += 1
+            inbox.pushes.add(state.push_id)  # the push's request id
+            state.keep_unacked(state.push_id, frame)
+            ref = None
+            if inbox.shm is not None:  # the push in shared memory, a reference on the socket
+                ref = inbox.shm.push_ref(frame, state.push_id, state.unacked)
+            sending = asyncio.create_task(send(ws, frame, opts, ref=ref))
+            if not pipeline:  # the device waits while the push travels
+                await sending
+        if sending is not None:
+            await sending
+        await ws.send_bytes(wire.encode("bye", 0, reason="max steps reached"))
+    finally:
+        for task in (beat, reader):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        if inbox.shm is not None:
+            inbox.shm.close()
+            inbox.shm = None

@@ -92,8 +92,25 @@ def setup_logging(command: str, verbose: bool, quiet: bool) -> None:
     logging.getLogger("absl").setLevel(logging.NOTSET if verbose else logging.ERROR)
 
 
+EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a tool that SIGPIPE ended
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``hetd``."""
+    """Entry point of ``hetd``. Output into a pipe that closed early (``hetd workers | head -2``)
+    ends the command quietly, as it ends a Unix tool, with status 141 (128 + SIGPIPE)."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, not at exit: a closed pipe is noticed while we can handle it
+    except BrokenPipeError:
+        # Python would flush stdout again at exit and print the error: point it at /dev/null.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     args = parser().parse_args(argv)
     setup_logging(args.command, args.verbose, args.quiet_log)
     from hetd.cli import bench as bench_cli

@@ -21,6 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from hetd.protocol.endpoints import ADMIN_REALM
+from hetd.server.auth import ADMIN_ENDPOINT, name_endpoint
+
 if TYPE_CHECKING:  # the engine's modules import JAX: the admin app is built before they load
     from hetd.core.engine import Engine
     from hetd.server.checkpoint import CheckpointInfo
@@ -87,7 +90,7 @@ class ApiError(Exception):
 
 def error_response(status: int, code: str, message: str, **extra: Any) -> web.Response:
     """The JSON error body every route uses: ``{"error": code, "message": ..., ...}``."""
-    headers = {"WWW-Authenticate": 'Bearer realm="hetd-admin"'} if status == 401 else None
+    headers = {"WWW-Authenticate": f"Bearer {ADMIN_REALM}"} if status == 401 else None
     return web.json_response(
         {"error": code, "message": message, **extra}, status=status, headers=headers
     )
@@ -356,6 +359,7 @@ def make_admin_app(slot: AdminSlot | AdminContext) -> web.Application:
         ready, slot = slot, AdminSlot(slot.token)
         slot.attach(ready)
     app = web.Application(middlewares=[_guard], client_max_size=MAX_BODY)
+    name_endpoint(app, ADMIN_ENDPOINT)  # a worker dialling this port is told it is the wrong one
     app[SLOT] = slot
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/v1/status", status)

@@ -6,15 +6,18 @@ It answers while the daemon still builds its engine: ``/v1/prepare`` and ``/heal
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from hetd import config as config_mod
-from hetd.server.auth import bearer_ok
+from hetd.server.auth import WORKER_ENDPOINT, RefusalLog, bearer_ok, name_endpoint, token_problem
 
 if TYPE_CHECKING:
     from hetd.server.daemon import Daemon
+
+log = logging.getLogger("hetd.server.sessions")  # where a worker's join and leave are logged
 
 
 def make_worker_app(daemon: Daemon) -> web.Application:
@@ -23,8 +26,17 @@ def make_worker_app(daemon: Daemon) -> web.Application:
     (answers at once: ``ready`` false and version 0 until the engine runs)."""
     server = daemon.cfg.server
     app = web.Application(client_max_size=server.max_frame_bytes)
+    name_endpoint(app, WORKER_ENDPOINT)
+    refusals = RefusalLog(log)
+
+    def refuse(request: web.Request) -> web.Response:
+        why = token_problem(request)
+        refusals.refused(request.remote or "?", why)
+        return web.Response(status=401, text=f"{why} (Authorization: Bearer <worker token>)")
 
     async def ws(request: web.Request) -> web.StreamResponse:
+        if not bearer_ok(request, server.worker_token):  # at once, also while the daemon starts
+            return refuse(request)
         engine = await daemon.wait_ready()
         if engine is None:
             return web.json_response(
@@ -48,9 +60,7 @@ def make_worker_app(daemon: Daemon) -> web.Application:
         # Config only, so it answers while the engine builds: a worker that asks loads its data
         # and compiles its step at the same time, and its welcome then finds them ready.
         if not bearer_ok(request, server.worker_token):
-            return web.Response(
-                status=401, text="missing or wrong worker token (Authorization: Bearer)"
-            )
+            return refuse(request)
         return web.json_response(setup)
 
     async def healthz(request: web.Request) -> web.Response:

@@ -218,3 +218,23 @@ def test_downlink_takes_one_of_three_modes() -> None:
 )
 def test_is_loopback_for_listen_hosts_and_peer_addresses(host: str | None, local: bool) -> None:
     assert config.is_loopback(host) is local
+
+
+def test_the_readme_configuration_block_shows_the_real_defaults() -> None:
+    """README's "Configuration" says its block is the defaults: every key in it must be one."""
+    import dataclasses
+    import re
+    import tomllib
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("### Configuration", 1)[1].split("\n### ", 1)[0]
+    block = re.search(r"```toml\n(.*?)```", section, re.S)
+    assert block is not None, "no toml block under ### Configuration"
+    shown = tomllib.loads(block.group(1))
+    defaults = dataclasses.asdict(config.Config())
+    assert set(shown) == set(defaults), set(shown) ^ set(defaults)
+    for name, keys in shown.items():
+        for key, value in keys.items():
+            assert key in defaults[name], f"[{name}] {key} is no key"
+            assert value == defaults[name][key], f"[{name}] {key}: shown {value!r}"
