@@ -10,7 +10,10 @@ export is for users, and needs nothing of ours to read:
   arrays, ``flax.serialization.to_state_dict``'s form) and ``meta`` (JSON: model, data set, the
   config without its tokens, version, policy, samples seen);
 * ``DIR/params.msgpack`` holds the newest exported params alone, readable with
-  ``flax.serialization.msgpack_restore``.
+  ``flax.serialization.msgpack_restore``;
+* ``DIR/model.json`` says what ``params.msgpack`` holds, in plain JSON: the model (its spec and
+  options, a Task's name), the data set, the version, and every parameter's path, shape and dtype
+  (so a user builds the same layers, e.g. the hidden width of ``mlp``, without asking).
 
 :func:`capture` runs on the engine task (a consistent cut); :func:`write` runs in a thread.
 """
@@ -18,6 +21,7 @@ export is for users, and needs nothing of ours to read:
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 from collections.abc import Mapping
@@ -32,6 +36,7 @@ if TYPE_CHECKING:
 
 ITEMS = ("params", "opt_state", "meta")
 PARAMS_FILE = "params.msgpack"
+MODEL_FILE = "model.json"  # what PARAMS_FILE holds (:func:`describe`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +50,7 @@ class Captured:
     samples_seen: int
     updates_applied: int
     stage: str
+    model: dict[str, Any] = dataclasses.field(default_factory=dict)  # the welcome's description
 
 
 def capture(engine: Engine) -> Captured:
@@ -58,6 +64,7 @@ def capture(engine: Engine) -> Captured:
         samples_seen=sum(int(w.samples) for w in st.workers.values()),
         updates_applied=st.updates_applied,
         stage=st.stage,
+        model=dict(engine.config.welcome.get("model") or {}),
     )
 
 
@@ -115,6 +122,39 @@ def meta(state: Captured, cfg: Config) -> dict[str, Any]:
     }
 
 
+def describe(state: Captured, cfg: Config) -> dict[str, Any]:
+    """``model.json``: what ``params.msgpack`` holds and how to read it, for a person or a
+    script: the model, the data set, the version, each parameter's shape and dtype by its
+    ``/``-joined path (flax's nesting: ``params["Dense_0"]["kernel"]``)."""
+    t = cfg.train
+    model = state.model or {"spec": t.model, "kwargs": dict(t.model_kwargs)}
+    return {
+        "format": "hetd-export-model",
+        "format_version": 1,
+        "model": model,
+        "dataset": {"spec": t.dataset, "kwargs": dict(t.dataset_kwargs)}
+        if not t.task
+        else {"spec": "task"},
+        "version": state.version,
+        "n_params": int(sum(v.size for v in state.params.values())),
+        "params": {
+            path: {"shape": list(v.shape), "dtype": str(v.dtype)}
+            for path, v in sorted(state.params.items())
+        },
+        "read_with": "flax.serialization.msgpack_restore(open('params.msgpack', 'rb').read()), "
+        "then module.apply({'params': params}, x)",
+    }
+
+
+def _atomic_write(path: Path, blob: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(blob)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def write(out: str | os.PathLike[str], state: Captured, cfg: Config) -> dict[str, Any]:
     """Write the orbax step ``state.version`` (unless that step is there already: same version,
     same params) and ``params.msgpack`` into ``out``; returns what was written."""
@@ -139,12 +179,9 @@ def write(out: str | os.PathLike[str], state: Captured, cfg: Config) -> dict[str
             )
             manager.wait_until_finished()
     blob = serialization.msgpack_serialize(params)
-    tmp = directory / f".{PARAMS_FILE}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(blob)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / PARAMS_FILE)
+    _atomic_write(directory / PARAMS_FILE, blob)
+    described = json.dumps(_json_safe(describe(state, cfg)), indent=2, sort_keys=True)
+    _atomic_write(directory / MODEL_FILE, described.encode() + b"\n")
     return {
         "dir": str(directory),
         "step": state.version,
@@ -153,6 +190,7 @@ def write(out: str | os.PathLike[str], state: Captured, cfg: Config) -> dict[str
         "items": list(ITEMS),
         "params_msgpack": str(directory / PARAMS_FILE),
         "params_msgpack_bytes": len(blob),
+        "model_json": str(directory / MODEL_FILE),
         "n_params": int(sum(v.size for v in state.params.values())),
         "samples_seen": state.samples_seen,
         "policy": state.policy,

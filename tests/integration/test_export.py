@@ -4,7 +4,8 @@ A real daemon trains with a real worker; the worker is stopped (the version stay
 ``hetd export --out DIR`` command asks the daemon to export; a fresh Python process that imports
 only jax, flax, orbax and numpy restores the orbax ``params`` item alone, the ``meta`` item and the
 bare ``params.msgpack``, applies the params with its own flax module, and the params must be
-bit-identical to the daemon's.
+bit-identical to the daemon's. ``model.json`` describes them, and README's example, run as written,
+builds its module from it.
 """
 
 from __future__ import annotations
@@ -110,6 +111,29 @@ async def test_export_round_trips_bit_identical_through_orbax_and_msgpack(
     assert meta["dataset"]["spec"] == "digits"
     assert meta["samples_seen"] > 0
     assert "admin_token" not in json.dumps(meta) and "worker_token" not in json.dumps(meta)
+
+    # model.json says what params.msgpack holds, in plain JSON.
+    described = json.loads((out / "model.json").read_text())
+    assert described["format"] == "hetd-export-model" and described["version"] == snap.version
+    assert described["model"] == {"spec": "mlp", "kwargs": {"hidden": [32]}}
+    assert described["dataset"]["spec"] == "digits"
+    assert described["params"] == {
+        name: {"shape": list(np.shape(v)), "dtype": "float32"} for name, v in snap.tensors.items()
+    }
+    assert described["n_params"] == sum(int(np.size(v)) for v in snap.tensors.values())
+    # README's example, as written (DIR replaced), reads it into its own module.
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("### Taking the model out", 1)[1].split("\n### ", 1)[0]
+    example = section.split("```python\n", 1)[1].split("```", 1)[0].replace("DIR", str(out))
+    proc = subprocess.run(
+        [sys.executable, "-c", example + "\nprint(tuple(logits.shape))"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "(1, 10)", proc.stdout
 
     restored = np.load(dump)
     for source in ("orbax", "msgpack"):
