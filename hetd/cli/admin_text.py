@@ -60,6 +60,35 @@ def _eval_rows(st: dict[str, Any], acc: float | None) -> list[tuple[str, str]]:
     return rows
 
 
+STATE_WIDTH = 160  # characters of the policy's state on its status line (--json: all of it)
+_VALUE_WIDTH = 48  # ... of one field of it
+
+
+def _compact(value: Any) -> str:
+    """One value of a policy's state, short: a long list or map by its size."""
+    text = json.dumps(value, separators=(",", ":"), sort_keys=True, default=str)
+    if len(text) <= _VALUE_WIDTH:
+        return text
+    if isinstance(value, list | dict):
+        return f"[{len(value)} items]" if isinstance(value, list) else f"{{{len(value)} keys}}"
+    return text[: _VALUE_WIDTH - 1] + "…"
+
+
+def policy_state_text(state: Any, policy: str = "") -> str:
+    """The running policy's state (``policy_state`` of /v1/status) on one line: each field and
+    its value, long ones by their size, the line cut at :data:`STATE_WIDTH`."""
+    if state is None:
+        return "- (this policy keeps none)"
+    if not isinstance(state, dict):
+        text = _compact(state)
+    else:
+        fields = {k: v for k, v in state.items() if not (k == "policy" and v == policy)}
+        text = ", ".join(f"{k} {_compact(v)}" for k, v in fields.items()) or "{}"
+    if len(text) > STATE_WIDTH:
+        text = text[: STATE_WIDTH - 1] + "… (--json: all of it)"
+    return text
+
+
 def status_text(st: dict[str, Any]) -> str:
     """A readable /v1/status."""
     acc = st.get("accuracy")
@@ -69,6 +98,7 @@ def status_text(st: dict[str, Any]) -> str:
         ("version", str(st["version"])),
         ("stage", str(st["stage"])),
         ("policy", policy_text(st["policy"])),
+        ("policy state", policy_state_text(st.get("policy_state"), st["policy"].get("name", ""))),
         ("outer optimizer", str(st.get("outer_optimizer", "-"))),
         ("uptime", _duration(float(st["uptime_s"]))),
         ("workers", str(st["workers"])),
