@@ -25,21 +25,23 @@ POLICY_HELP = (
 )
 
 
-SCENARIO_EPILOG = """\
-scenario files (TOML or JSON; an unknown key is an error that names it):
-  name, description, dataset, dataset_kwargs, model, model_kwargs, global_batch,
-  base_batch, base_step_s, target_accuracy, budget_s, eval_interval_s, tick_s, lr,
-  lr_grid, optimizer (sgd|momentum|adam), worker_lr, codec, downlink (auto|delta|full),
-  costs (a cost profile file, relative to the scenario; as --costs),
-  [[workers]]: slowdown, bandwidth (bytes/s), latency_s, memory (bytes), count,
-               stragglers = { p, factor, mean_len }
-  [[shifts]]:  worker (index), slowdown, and at_s or at_fraction (of the budget)
+SCENARIO_COST = """\
 time charged per step: base_step_s x batch/base_batch x slowdown x straggle
                        + 2 x latency_s + (params bytes + push bytes) / bandwidth
                        + with a cost profile (--costs, hetd calibrate): the worker's encode,
                          decode and fixed overhead, and the daemon's queue (decode, apply,
                          publish, per message); evaluations recorded eval_s late
+docs/benchmark.md ("Scenarios") describes the packaged scenarios and what each key means.
 """
+
+
+def scenario_epilog() -> str:
+    """Every key of a scenario file (from its validation rules, so the list is whole), then how
+    the simulator charges a step."""
+    from hetd.sim.scenario import keys_help
+
+    head = "scenario files (TOML or JSON; an unknown key is an error that names it):"
+    return "\n".join([head, *("  " + line for line in keys_help()), SCENARIO_COST])
 
 
 def _scenario_help() -> str:
@@ -84,7 +86,7 @@ def add_commands(sub: Any) -> None:
         description="Run the real engine and policy under a virtual clock with emulated workers "
         "that compute real JAX gradients; deterministic per seed. Writes results.json, "
         "summary.md and PNG plots to --out when given.",
-        epilog=SCENARIO_EPILOG,
+        epilog=scenario_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _common(s)
@@ -100,7 +102,7 @@ def add_commands(sub: Any) -> None:
         description="Time-to-accuracy benchmark (docs/benchmark.md): every policy x seed on one "
         "scenario, same global batch and budget; writes OUT/results.json, OUT/summary.md, "
         "OUT/accuracy.png, OUT/timeline.png and OUT/batch_shares.png.",
-        epilog=SCENARIO_EPILOG,
+        epilog=scenario_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _common(b)

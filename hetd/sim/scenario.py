@@ -247,6 +247,33 @@ _SHIFT: dict[str, tuple[Check, str, Check, str]] = {
 }
 
 
+def keys_help() -> list[str]:
+    """Every key a scenario file may hold, one line each with its type and rule, by table (what
+    ``hetd bench --help`` lists; made from the rules themselves, so none is left out)."""
+
+    def lines(
+        rules: Mapping[str, tuple[Check, str, Check, str]], indent: str, tables: tuple[str, ...]
+    ) -> list[str]:
+        out = []
+        for key, (_, type_name, _, rule) in rules.items():
+            if key in tables:  # listed below, with their own keys
+                continue
+            required = ", required" if rules is _TOP and key in _REQUIRED else ""
+            out.append(f"{indent}{key} ({type_name}{required}){': ' + rule if rule else ''}")
+        return out
+
+    return [
+        "top level:",
+        *lines(_TOP, "  ", ("workers", "shifts")),
+        "[[workers]] (required, one table per kind of worker):",
+        *lines(_WORKER, "  ", ("stragglers",)),
+        "  stragglers = { ... } (a table):",
+        *lines(_STRAGGLERS, "    ", ()),
+        "[[shifts]] (each: worker, slowdown, and at_s or at_fraction):",
+        *lines(_SHIFT, "  ", ()),
+    ]
+
+
 def _checked(
     where: str, raw: Any, rules: Mapping[str, tuple[Check, str, Check, str]]
 ) -> dict[str, Any]:

@@ -218,3 +218,21 @@ def test_ideal_time_integrates_throughput_across_a_shift() -> None:
     assert time_for_samples(sc, 75.0) == 10.0  # 50 samples by t=5, then 5/s
     strag = Stragglers(p=0.02, factor=5.0, mean_len=10.0)
     assert math.isclose(strag.mean_factor(), 1 + 4 * 0.2 / 1.18)
+
+
+@pytest.mark.parametrize("command", ["bench", "sim"])
+def test_the_help_lists_every_scenario_key(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hetd.cli.main import main
+    from hetd.sim import scenario as scenario_mod
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = capsys.readouterr().out
+    epilog = text.split("scenario files", 1)[1]
+    for rules in (scenario_mod._TOP, scenario_mod._WORKER, scenario_mod._SHIFT):
+        for key in rules:
+            assert any(f in epilog for f in (f"\n    {key} (", f"{key} = {{", f"[[{key}]]")), key
+    for key in scenario_mod._STRAGGLERS:
+        assert f"\n      {key} (" in epilog, key
