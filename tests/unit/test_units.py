@@ -74,3 +74,33 @@ def test_the_readme_creates_what_each_unit_names_before_enabling_it() -> None:
         assert needed <= made, (unit, sorted(needed - made))
         # and the unit file itself is put where systemd reads it, from this repository's copy
         assert any(f"systemd/{unit}" in s and "/etc/systemd/system" in s for s in steps), unit
+
+
+def writable_under(unit_text: str) -> list[str]:
+    """The directories a unit with ProtectSystem=strict may write: its StateDirectory=,
+    CacheDirectory= and ReadWritePaths= (and /tmp, private, with PrivateTmp=)."""
+    settings: dict[str, list[str]] = {}
+    for line in unit_text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and not line.startswith("#"):
+            settings.setdefault(key.strip(), []).extend(value.split())
+    assert settings.get("ProtectSystem") == ["strict"], "the unit's sandbox changed: revisit this"
+    paths = [f"/var/lib/{d}" for d in settings.get("StateDirectory", [])]
+    paths += [f"/var/cache/{d}" for d in settings.get("CacheDirectory", [])]
+    paths += [p.lstrip("-") for p in settings.get("ReadWritePaths", [])]
+    if settings.get("PrivateTmp") == ["yes"]:
+        paths.append("/tmp")
+    return paths
+
+
+def test_the_readme_exports_where_the_daemon_unit_may_write() -> None:
+    """README's `hetd export --out DIR` examples name a directory the sandboxed daemon can write
+    (ProtectSystem=strict makes the rest of the file system read-only for it)."""
+    writable = writable_under((ROOT / "systemd" / "hetd.service").read_text())
+    outs = re.findall(r"hetd export --out (/\S+)", (ROOT / "README.md").read_text())
+    assert outs, "README shows no hetd export --out with an absolute path"
+    for out in outs:
+        assert any(out == w or out.startswith(w.rstrip("/") + "/") for w in writable), (
+            out,
+            writable,
+        )
