@@ -32,6 +32,13 @@ def add_demo(sub: Sub) -> None:
     )
     d.add_argument("--dataset", default=None, help="data set (default mnist5k; pydoc for an LM)")
     d.add_argument(
+        "--task",
+        default=None,
+        metavar="SPEC",
+        help="train your own hetd.Task instead (pkg.module:attr or path/file.py:attr; every "
+        "worker loads the same one) and stop at its target",
+    )
+    d.add_argument(
         "--target",
         type=float,
         default=None,
@@ -64,6 +71,8 @@ def _demo(args: argparse.Namespace) -> int:
     }
     if args.dataset is not None:
         changes["dataset"] = args.dataset
+    if args.task is not None:
+        changes["task"] = args.task
     if args.lr is not None:
         changes["lr"] = args.lr
     if args.target is not None:

@@ -222,6 +222,7 @@ class EngineBase:
         self.evals: list[tuple[float, float, float]] = []  # (t since start, loss, accuracy)
         # a Task's evaluations: every metric of the last one, by name ("loss" included)
         self.eval_metrics: dict[str, float] = {}
+        self.metric_evals: list[tuple[float, dict[str, float]]] = []  # (t since start, metrics)
         self.target: Target | None = None  # a Task's target: when reached, target_at is set
         self.target_at: float | None = None  # s since start of the first evaluation meeting it
         self.stages: list[tuple[float, str]] = []  # (t since start, stage entered), each switch

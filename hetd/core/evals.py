@@ -125,6 +125,7 @@ class EvalMixin(EngineBase):
         at = now if taken is None else taken
         self.evals.append((at - self.started_at, loss, accuracy))
         self.eval_metrics = metrics if metrics is not None else {"loss": loss, "accuracy": accuracy}
+        self.metric_evals.append((at - self.started_at, self.eval_metrics))
         if (
             self.target is not None
             and self.target_at is None

@@ -24,6 +24,7 @@ from typing import Any
 from tqdm import tqdm
 
 from hetd import config as config_mod
+from hetd.core.evals import metrics_of
 from hetd.server.daemon import Daemon
 
 
@@ -51,6 +52,7 @@ class DemoOptions:
     prompt: str = ""  # a language model writes after this at the end (empty: no samples)
     sample_bytes: int = 160  # bytes written per sample
     temperatures: tuple[float, ...] = (0.6, 0.9)  # one sample each; 0: greedy
+    task: str = ""  # a user's hetd.Task (pkg.module:attr or file.py:attr): its target stops the run
 
 
 TRANSFORMER = DemoOptions(
@@ -141,9 +143,9 @@ def _record_versions(engine: Any, out: list[tuple[int, float]]) -> None:
         return
 
     def recording(snap: Any) -> tuple[float, float]:
-        loss, acc = evaluate(snap)
-        out.append((int(snap.version), acc))
-        return loss, acc
+        result: tuple[float, float] = evaluate(snap)  # an Evaluation keeps its metrics
+        out.append((int(snap.version), result[1]))
+        return result
 
     engine.evaluator = recording
 
@@ -159,7 +161,7 @@ def waiting_for(status: dict[str, Any] | None, spawned: int, alive: int) -> str:
         return (
             f"workers compiling their step ({joined}/{spawned} joined), waiting for the first push"
         )
-    if status["accuracy"] is None:
+    if status["accuracy"] is None and not status.get("metrics"):
         return f"training, waiting for the first evaluation ({joined} workers)"
     return f"training ({joined} workers)"
 
@@ -190,16 +192,24 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
         global_batch=opts.batch_size * len(opts.slowdowns),
         lr=opts.lr,
         eval_interval_s=0.5,
-        target_accuracy=opts.target if opts.target_loss <= 0 else 0.0,
+        target_accuracy=opts.target if opts.target_loss <= 0 and not opts.task else 0.0,
+        task=opts.task,
     )
     cfg = config_mod.replace(cfg, "policy", name=opts.policy, params=dict(opts.policy_params))
     daemon = Daemon(cfg)
     launched = time.monotonic()
     port = await daemon.listen()
     url = f"ws://127.0.0.1:{port}"
+    task_args = ("--task", opts.task) if opts.task else ()
     procs = [
         await spawn_worker(
-            url, token, f"demo-{i}-x{s:g}", s, "--emulate-base-step", str(opts.base_step_s)
+            url,
+            token,
+            f"demo-{i}-x{s:g}",
+            s,
+            "--emulate-base-step",
+            str(opts.base_step_s),
+            *task_args,
         )
         for i, s in enumerate(opts.slowdowns)
     ]
@@ -217,6 +227,7 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     stop_acc: float | None = None
     stop_loss: float | None = None
     stop_version: int | None = None
+    stop_metrics: dict[str, Any] | None = None
     bar = tqdm(total=100, disable=opts.quiet, unit="%", bar_format="{l_bar}{bar}| {postfix}")
     finished = False  # False on the way out with an error: the daemon is stopped here then
     try:
@@ -234,13 +245,20 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
             loss = (status or {}).get("loss")
             if status is not None and first_push is None and status["updates_applied"]:
                 first_push = time.monotonic()
-            bar.n = round(100 * _progress(opts, loss, acc), 1)
+            bar.n = round(100 * _progress(opts, loss, acc, status), 1)
             version = status["version"] if status is not None else 0
             bar.set_postfix_str(
-                f"{_metric_text(opts, loss, acc)} v{version}, {waiting}, "
+                f"{_metric_text(opts, loss, acc, status)} v{version}, {waiting}, "
                 f"t {time.monotonic() - launched:.0f}s"
             )
-            if (
+            task_target = (status or {}).get("target") if opts.task else None
+            if opts.task and status is not None and reached is None:
+                if task_target and task_target["reached_at_s"] is not None:
+                    reached = time.monotonic() - (t0 or launched)
+                    stop_metrics = dict(status["metrics"])
+                    stop_version = int(status["version"])
+                    break
+            elif (
                 status is not None
                 and reached is None
                 and status["accuracy"] is not None
@@ -280,14 +298,25 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     evaluate = engine.evaluator
     assert evaluate is not None  # build_engine always sets one
     final = engine.store.snapshot()
-    final_loss, final_acc = await asyncio.to_thread(evaluate, final)
+    result = await asyncio.to_thread(evaluate, final)
+    final_loss, final_acc = result
+    final_metrics = metrics_of(result)
     await daemon.stop()
     samples = await asyncio.to_thread(write_samples, opts, dict(final.tensors))
     pushes = sum(w["pushes"] for w in workers)
     train_s = time.monotonic() - (first_push or t0 or launched)
+    target = engine.target
     summary = {
         "policy": engine.policy.describe(),
-        "dataset": opts.dataset,
+        "dataset": opts.dataset if not opts.task else None,
+        # a user's Task: its name, its target and the metrics of the stop and the final model
+        "task": opts.task or None,
+        "task_target": None
+        if target is None
+        else {"metric": target.metric, "mode": target.mode, "value": target.value},
+        "stop_metrics": stop_metrics,
+        "final_metrics": final_metrics,
+        "metric_curve": [[t, m] for t, m in engine.metric_evals],
         "target_accuracy": opts.target if opts.target_loss <= 0 else None,
         "target_loss": opts.target_loss if opts.target_loss > 0 else None,
         "stop_loss": stop_loss,
@@ -319,8 +348,30 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     return summary
 
 
-def _progress(opts: DemoOptions, loss: float | None, acc: float) -> float:
-    """The progress bar's fraction: accuracy, or how far the loss came from a uniform guess's."""
+def _task_value(status: dict[str, Any] | None) -> tuple[dict[str, Any], float | None] | None:
+    """A task's target and its metric's last value (None: no task target)."""
+    target = (status or {}).get("target")
+    if not target:
+        return None
+    assert status is not None
+    return target, (status.get("metrics") or {}).get(target["metric"])
+
+
+def _progress(
+    opts: DemoOptions, loss: float | None, acc: float, status: dict[str, Any] | None = None
+) -> float:
+    """The progress bar's fraction: accuracy, or how far the loss came from a uniform guess's;
+    for a task, its metric against the target (a ratio: a guide, not a promise)."""
+    if opts.task:
+        found = _task_value(status)
+        if found is None:
+            return 0.0
+        target, value = found
+        if value is None:
+            return 0.0
+        if target["mode"] == "max":
+            return min(1.0, max(0.0, value / target["value"])) if target["value"] > 0 else 0.0
+        return min(1.0, max(0.0, target["value"] / value)) if value > 0 else 1.0
     if opts.target_loss <= 0:
         return acc
     if loss is None:
@@ -329,7 +380,17 @@ def _progress(opts: DemoOptions, loss: float | None, acc: float) -> float:
     return min(1.0, max(0.0, (start - loss) / max(1e-9, start - opts.target_loss)))
 
 
-def _metric_text(opts: DemoOptions, loss: float | None, acc: float) -> str:
+def _metric_text(
+    opts: DemoOptions, loss: float | None, acc: float, status: dict[str, Any] | None = None
+) -> str:
+    if opts.task:
+        found = _task_value(status)
+        if found is None:
+            return "no target"
+        target, value = found
+        sign = ">=" if target["mode"] == "max" else "<="
+        shown = "-" if value is None else f"{value:.4g}"
+        return f"{target['metric']} {shown} (target {sign} {target['value']:g})"
     if opts.target_loss <= 0:
         return f"acc {acc:.3f} (target {opts.target})"
     shown = "-" if loss is None else f"{loss:.3f}"
@@ -360,8 +421,32 @@ def write_samples(opts: DemoOptions, params: dict[str, Any]) -> list[dict[str, A
     ]
 
 
+def _task_result_text(summary: dict[str, Any]) -> str:
+    target = summary["task_target"]
+    metric = target["metric"] if target else "loss"
+    metrics = summary["final_metrics"]
+    final = (
+        f"final model: {', '.join(f'{k} {v:.4g}' for k, v in metrics.items())} at version "
+        f"{summary['final_version']} (evaluated after the workers stopped)"
+    )
+    if target is None:
+        stop = f"task {summary['task']} has no target; ran {summary['elapsed_s']:.1f}s"
+    elif summary["time_to_target_s"] is None:
+        stop = f"target {metric} {target['value']:g} not reached in {summary['elapsed_s']:.1f}s"
+    else:
+        value = (summary["stop_metrics"] or {}).get(metric)
+        stop = (
+            f"target {metric} {'>=' if target['mode'] == 'max' else '<='} {target['value']:g} "
+            f"reached at {summary['time_to_target_s']:.1f}s: {metric} {value:.4g} at version "
+            f"{summary['stop_version']} (the evaluation that stopped the run)"
+        )
+    return f"{stop}\n{final}\n({summary['updates_applied']} updates, {summary['pushes_per_s']:.0f} pushes/s)"
+
+
 def result_text(summary: dict[str, Any]) -> str:
     """What ``hetd demo`` prints at the end: the stop and the final evaluation, each labelled."""
+    if summary.get("task"):
+        return _task_result_text(summary)
     lm = summary.get("target_loss") is not None
     target = summary["target_loss"] if lm else summary["target_accuracy"]
     what = "test loss" if lm else "test accuracy"
@@ -405,6 +490,21 @@ def write_outputs(out: Path, summary: dict[str, Any]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     fig, ax = plt.subplots(figsize=(6, 4))
+    if summary.get("task"):
+        target = summary["task_target"] or {"metric": "loss", "value": None}
+        metric = target["metric"]
+        points = [(t, m[metric]) for t, m in summary["metric_curve"] if metric in m]
+        ax.plot([p[0] for p in points], [p[1] for p in points], label=summary["policy"]["name"])
+        if target["value"] is not None:
+            ax.axhline(target["value"], color="grey", ls="--", lw=0.8, label="target")
+        ax.set_xlabel("time (s)")
+        ax.set_ylabel(metric)
+        ax.set_title(f"hetd demo: {summary['task']}, {len(summary['workers'])} workers")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "accuracy.png", dpi=100)
+        plt.close(fig)
+        return
     lm = summary.get("target_loss") is not None
     curve = summary["loss_curve" if lm else "curve"]
     ax.plot([c[0] for c in curve], [c[1] for c in curve], label=summary["policy"]["name"])

@@ -35,7 +35,7 @@ def make_task_evaluator(bound: Bound, check: bool = True) -> Callable[[Snapshot]
     from hetd.core.evals import Evaluation
     from hetd.zoo.task import TaskError, leading
 
-    step = jax.jit(bound.loss_flat)
+    step = jax.jit(bound.eval_flat)
     key = jax.random.PRNGKey(bound.seed)
 
     def evaluate(snap: Snapshot) -> Evaluation:

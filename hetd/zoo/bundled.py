@@ -45,7 +45,9 @@ class ZooTask(Task):
                 idx = share_indices(n, *shard.share, seed)
             else:
                 idx = shard_indices(n, shard.index, shard.count, seed)
-            sampler = BatchSampler(data.x_train[idx], data.y_train[idx], seed=seed * 1000 + shard.index)
+            sampler = BatchSampler(
+                data.x_train[idx], data.y_train[idx], seed=seed * 1000 + shard.index
+            )
             while True:
                 x, y = sampler.next(shard.batch_size)
                 yield {"x": x, "y": y}

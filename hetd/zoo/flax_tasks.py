@@ -11,7 +11,8 @@ Non-trainable state that changes while training (batch statistics: ``nnx.BatchSt
 and the daemon has no rule to merge them that keeps an update's meaning. Use a normalisation
 without running statistics (LayerNorm, GroupNorm, RMSNorm). Other non-trainable state (an
 ``nnx.Rngs`` inside the module, constants) is kept as the module was built, the same for every
-call: pass ``key`` on to dropout (``loss_fn(model, batch, key)``) for fresh masks.
+call: pass ``key`` on to dropout (``loss_fn(model, batch, key)``, ``nnx.Rngs(dropout=key)``) for
+fresh masks.
 """
 
 from __future__ import annotations
@@ -39,67 +40,72 @@ def from_nnx(model: Any, loss_fn: Callable[..., Any], train_data: Any, **kwargs:
     """A Task that trains an ``nnx.Module``'s ``nnx.Param`` variables.
 
     ``model``: a module instance (its current parameters are the initial ones; ``init``'s key is
-    not used) or a function ``rngs -> module`` (called with ``nnx.Rngs(key)``).
-    ``loss_fn(model, batch)`` or ``loss_fn(model, batch, key)`` returns the loss or ``(loss,
-    metrics)``; ``kwargs`` are :class:`~hetd.zoo.task.Task`'s (``eval_data``, ``optimizer``,
-    ``target``, ``name``, ...).
+    not used) or a function ``rngs -> module`` (called with ``nnx.Rngs(key)``; built once at
+    once for its structure). ``loss_fn(model, batch)`` or ``loss_fn(model, batch, key)`` returns
+    the loss or ``(loss, metrics)``; the model is in ``train()`` mode for training and ``eval()``
+    mode (dropout off) for the daemon's evaluations. ``kwargs`` are
+    :class:`~hetd.zoo.task.Task`'s (``eval_data``, ``optimizer``, ``target``, ``name``, ...).
     """
     import jax
     from flax import nnx
 
+    factory: Callable[..., Any] | None = None
     if isinstance(model, nnx.Module):
         instance = model
-        abstract = model
     elif callable(model):
-        instance = None
-        try:
-            abstract = nnx.eval_shape(lambda: model(nnx.Rngs(0)))
+        factory = model
+        try:  # built once, eagerly: the structure and the non-trainable state every call shares
+            instance = model(nnx.Rngs(0))
         except Exception as exc:
             raise TaskError(f"from_nnx: building the module failed: {exc}") from exc
-        if not isinstance(abstract, nnx.Module):
+        if not isinstance(instance, nnx.Module):
             raise TaskError(
-                f"from_nnx: the factory returned {type(abstract).__name__}, not an nnx.Module"
+                f"from_nnx: the factory returned {type(instance).__name__}, not an nnx.Module"
             )
     else:
         raise TaskError(
             f"from_nnx takes an nnx.Module or rngs -> Module, got {type(model).__name__}"
         )
-    split: Any = nnx.split
-    graphdef, template, rest = split(abstract, nnx.Param, ...)
-    stats = nnx.state(abstract, nnx.BatchStat)
+    stats = nnx.state(instance, nnx.BatchStat)
     if jax.tree.leaves(stats):
         paths = ", ".join(
             "/".join(str(getattr(k, "key", k)) for k in path)
-            for path, _ in jax.tree_util.tree_flatten_with_path(stats.to_pure_dict())[0][:3]
+            for path, _ in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(stats))[0][:3]
         )
         raise TaskError(
             f"from_nnx: the module keeps batch statistics ({paths}), which workers cannot "
             f"share; {_NORMS}"
         )
-    if instance is not None:
-        _, _, constant = split(instance, nnx.Param, ...)
-        initial = nnx.state(instance, nnx.Param).to_pure_dict()
-    else:
-        constant = rest
+    split: Any = nnx.split
+    graphdef, template, constant = split(instance, nnx.Param, ...)
+    initial = nnx.to_pure_dict(nnx.state(instance, nnx.Param))
     with_key = _takes_key(loss_fn)
 
     def init(key: jax.Array) -> Any:
-        if instance is not None:
+        if factory is None:
             return jax.tree.map(lambda x: x, initial)
-        assert callable(model)
-        built = model(nnx.Rngs(key))
-        return nnx.state(built, nnx.Param).to_pure_dict()
+        return nnx.to_pure_dict(nnx.state(factory(nnx.Rngs(key)), nnx.Param))
 
-    def loss(params: Any, batch: Any, key: jax.Array) -> Any:
+    def live(params: Any, training: bool) -> Any:
         state = jax.tree.map(lambda x: x, template)
         nnx.replace_by_pure_dict(state, params)
-        if instance is None:
-            # the rest (rng streams, constants) of a freshly built module
-            live = nnx.merge(graphdef, state, split(model(nnx.Rngs(0)), nnx.Param, ...)[2])
+        module = nnx.merge(graphdef, state, constant)
+        # dropout and the like: on while training, off for the daemon's evaluations
+        if training:
+            module.train()
         else:
-            live = nnx.merge(graphdef, state, constant)
-        return loss_fn(live, batch, key) if with_key else loss_fn(live, batch)
+            module.eval()
+        return module
 
+    def loss(params: Any, batch: Any, key: jax.Array) -> Any:
+        m = live(params, True)
+        return loss_fn(m, batch, key) if with_key else loss_fn(m, batch)
+
+    def eval_loss(params: Any, batch: Any, key: jax.Array) -> Any:
+        m = live(params, False)
+        return loss_fn(m, batch, key) if with_key else loss_fn(m, batch)
+
+    kwargs.setdefault("eval_loss", eval_loss)
     return Task(init, loss, train_data, **kwargs)
 
 

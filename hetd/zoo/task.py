@@ -16,6 +16,7 @@ wrong task into one clear :class:`TaskError`.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import math
@@ -51,7 +52,8 @@ class Shard:
     worker's shuffling; ``batch_size`` is the fixed micro-batch every yielded batch must have;
     ``epoch`` counts how often this worker's iterator has ended and been built again (fold it into
     the shuffle for a new order each pass). ``share``: ``(offset, fraction)`` of the data when a
-    policy sizes data shares by speed (ashl) instead of equal shards; :meth:`slice` follows it.
+    policy sizes data shares by speed (ashl) instead of equal shards; :meth:`slice` follows it
+    (a ``range``: ``slice(r.start, r.stop)`` for libraries that take a slice).
     """
 
     index: int
@@ -100,7 +102,12 @@ class Target:
                 f"target has unknown keys {sorted(unknown)}; it takes metric, mode, value"
             )
         metric, value = raw.get("metric"), raw.get("value")
-        mode = raw.get("mode", "max" if metric == "accuracy" else "min")
+        mode = raw.get("mode", {"accuracy": "max", "loss": "min"}.get(str(metric)))
+        if mode is None:
+            raise TaskError(
+                f"target for {metric!r} needs a mode: 'max' (higher is better, e.g. r2) or "
+                "'min' (lower is better, e.g. mse)"
+            )
         if not isinstance(metric, str) or not metric:
             raise TaskError(f"target metric must be a name, got {metric!r}")
         if mode not in ("min", "max"):
@@ -136,11 +143,14 @@ class Task:
     attribute, ``"digits_cnn:task"``). ``per_example``: the loss is the mean of one term per
     example (cross-entropy, squared error): a plan's ``b`` examples are then computed exactly, the
     last micro-batch masked, where by default a plan takes whole micro-batches (``ceil(b / m)``,
-    right for a loss over the whole batch, such as a contrastive one).
+    right for a loss over the whole batch, such as a contrastive one). ``eval_loss``: the loss
+    and metrics for the daemon's evaluations when they differ from training's (dropout off; the
+    flax adapters set it); None uses ``loss``.
     """
 
     __slots__ = (
         "eval_data",
+        "eval_loss",
         "init",
         "inner_optimizer",
         "loss",
@@ -165,10 +175,13 @@ class Task:
         inner_optimizer: optax.GradientTransformation | None = None,
         outer_optimizer: optax.GradientTransformation | None = None,
         per_example: bool = False,
+        eval_loss: LossFn | None = None,
     ) -> None:
         for field, value in (("init", init), ("loss", loss), ("train_data", train_data)):
             if not callable(value):
                 raise TaskError(f"Task {field} must be callable, got {type(value).__name__}")
+        if eval_loss is not None and not callable(eval_loss):
+            raise TaskError(f"Task eval_loss must be callable, got {type(eval_loss).__name__}")
         if eval_data is not None and not callable(eval_data):
             raise TaskError(
                 f"Task eval_data must be a function returning batches, got {type(eval_data).__name__}"
@@ -192,6 +205,7 @@ class Task:
         self.inner_optimizer = inner_optimizer
         self.outer_optimizer = outer_optimizer
         self.per_example = bool(per_example)
+        self.eval_loss = eval_loss
 
     def __repr__(self) -> str:
         return f"Task(name={self.name!r}, target={self.target})"
@@ -223,10 +237,13 @@ def _import(module_part: str, spec: str) -> Any:
         if not path.is_file():
             raise TaskError(f"task {spec!r}: no file {path}")
         folder = str(path.parent)
-        if folder not in sys.path:
-            sys.path.insert(0, folder)
-        name = path.stem
-        if name in sys.modules and getattr(sys.modules[name], "__file__", None) == str(path):
+        if folder not in sys.path:  # last: its own imports work, nothing of Python's is shadowed
+            sys.path.append(folder)
+        # a name of its own: a task file called token.py must not replace the standard module,
+        # and two task files of one name in two folders must not replace each other
+        digest = hashlib.sha256(str(path).encode()).hexdigest()[:12]
+        name = f"hetd_task_{path.stem}_{digest}"
+        if name in sys.modules:
             return sys.modules[name]
         loader_spec = importlib.util.spec_from_file_location(name, path)
         if loader_spec is None or loader_spec.loader is None:
@@ -356,6 +373,13 @@ class Bound:
     ) -> tuple[Any, dict[str, Any]]:
         """The task's loss and metrics on flat parameters (jit-able)."""
         return _scalar_metrics(self.name, self.task.loss(self.layout.unflatten(flat), batch, key))
+
+    def eval_flat(
+        self, flat: Mapping[str, Any], batch: Batch, key: Any
+    ) -> tuple[Any, dict[str, Any]]:
+        """The evaluation's loss and metrics on flat parameters (``eval_loss``, else ``loss``)."""
+        fn = self.task.eval_loss or self.task.loss
+        return _scalar_metrics(self.name, fn(self.layout.unflatten(flat), batch, key))
 
     def describe(self) -> dict[str, Any]:
         """What a worker compares with its own task: name, fingerprint and shapes."""

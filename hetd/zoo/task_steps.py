@@ -18,6 +18,7 @@ structure, shapes or dtypes change, or an iterator that raises, is a :class:`Tas
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -67,7 +68,7 @@ class BatchStream:
     def current(self) -> Shard:
         """The shard this epoch reads: the next one along after each pass."""
         s = self.shard
-        return Shard((s.index + self.epoch) % s.count, s.count, s.seed, s.batch_size, self.epoch)
+        return dataclasses.replace(s, index=(s.index + self.epoch) % s.count, epoch=self.epoch)
 
     def next(self) -> Batch:
         """The next batch; a new epoch when the iterator ends."""

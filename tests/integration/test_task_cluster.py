@@ -196,3 +196,24 @@ async def test_hetd_worker_refuses_a_bad_task_before_connecting() -> None:
     proc = await _worker("ws://127.0.0.1:9", f"{TASKS / 'linreg.py'}:nope")
     code, err = await _exits(proc)
     assert code == 2 and "has no attribute 'nope'" in err and "Traceback" not in err, err
+
+
+async def test_hetd_demo_stops_at_a_tasks_target(tmp_path: Path) -> None:
+    from hetd.local.demo import DemoOptions, replace, result_text, run_demo
+
+    opts = replace(
+        DemoOptions(),
+        task=LINREG,
+        slowdowns=(1.0, 2.0),
+        policy="asp",
+        policy_params=(),
+        budget_s=150.0,
+        quiet=True,
+        out=str(tmp_path / "demo"),
+    )
+    summary = await run_demo(opts)
+    assert summary["time_to_target_s"] is not None, summary
+    assert summary["stop_metrics"]["r2"] >= 0.98 and "r2" in summary["final_metrics"]
+    text = result_text(summary)
+    assert text.startswith("target r2 >= 0.98 reached at"), text
+    assert (tmp_path / "demo" / "accuracy.png").is_file()

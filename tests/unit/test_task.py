@@ -68,6 +68,16 @@ def test_load_task_by_file_and_by_function(tmp_path: Path) -> None:
     assert built.name == "mytask:make"
 
 
+def test_a_task_file_never_shadows_a_module_of_pythons(tmp_path: Path) -> None:
+    import token
+
+    path = _write(tmp_path, "token", GOOD)  # the standard library has a module "token"
+    assert load_task(f"{path}:task").name == "token:task"
+    import sys
+
+    assert sys.modules["token"] is token and sys.path.index(str(tmp_path)) > 0
+
+
 def test_load_task_by_module_from_the_working_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -144,17 +154,60 @@ def test_a_loss_that_is_not_a_scalar_is_refused() -> None:
 def test_target_parse_and_reached() -> None:
     t = Target.parse({"metric": "r2", "mode": "max", "value": 0.9})
     assert t is not None and t.reached({"r2": 0.95}) and not t.reached({"r2": float("nan")})
-    low = Target.parse({"metric": "mse", "value": 0.1})  # mode defaults to min
+    low = Target.parse({"metric": "mse", "mode": "min", "value": 0.1})
     assert low is not None and low.reached({"mse": 0.05}) and not low.reached({"loss": 0.0})
+    loss = Target.parse({"metric": "loss", "value": 0.1})  # loss and accuracy need no mode
+    assert loss is not None and loss.mode == "min"
     for bad in ({"metric": "x", "mode": "up", "value": 1}, {"metric": "x", "value": "1"}, {"m": 1}):
         with pytest.raises(TaskError):
             Target.parse(bad)
+    with pytest.raises(TaskError, match="'r2' needs a mode"):  # not guessed: r2 is a max
+        Target.parse({"metric": "r2", "value": 0.5})
 
 
 def test_shard_slices_cover_the_data_whatever_the_count() -> None:
     for n, count in ((10, 3), (7, 7), (100, 4)):
         rows = [r for i in range(count) for r in Shard(i, count, 0, 1).slice(n)]
         assert rows == list(range(n))
+
+
+def test_a_data_share_reaches_train_data_every_epoch() -> None:
+    seen: list[Shard] = []
+
+    def data(shard: Shard) -> Any:
+        seen.append(shard)
+        yield {"x": np.zeros((4, 1), np.float32)}
+
+    bound = Bound(Task(_init, _loss, data, name="t"))
+    stream = BatchStream(bound, Shard(0, 2, 0, 4, share=(0.25, 0.5)))
+    stream.next()
+    stream.next()
+    assert [s.share for s in seen] == [(0.25, 0.5), (0.25, 0.5)]
+    assert Shard(0, 2, 0, 4, share=(0.25, 0.5)).slice(100) == range(25, 75)
+
+
+def test_nnx_evaluations_run_the_module_in_eval_mode() -> None:
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.dense = nnx.Linear(3, 1, rngs=rngs)
+            self.drop = nnx.Dropout(0.5)
+
+        def __call__(self, x: jax.Array, key: jax.Array) -> jax.Array:
+            return self.drop(self.dense(x), rngs=nnx.Rngs(dropout=key))
+
+    def loss_fn(model: Any, batch: Any, key: jax.Array) -> jax.Array:
+        return jnp.mean(model(batch["x"], key) ** 2)
+
+    bound = Bound(Task.from_nnx(Net, loss_fn, _train, name="drop"))
+    flat = bound.init_flat()
+    batch = {"x": X[:16], "y": Y[:16]}
+    keys = [jax.random.PRNGKey(i) for i in range(2)]
+    train = [float(jax.jit(bound.loss_flat)(flat, batch, k)[0]) for k in keys]
+    evals = [float(jax.jit(bound.eval_flat)(flat, batch, k)[0]) for k in keys]
+    assert train[0] != train[1]  # dropout on while training, a mask per key
+    assert evals[0] == evals[1]  # and off for evaluations
 
 
 def test_stream_starts_a_new_epoch_on_the_next_shard() -> None:
