@@ -1,0 +1,41 @@
+"""Each example in ``examples/`` trained to its own target by a real daemon and two real
+``hetd-worker`` processes, each under another policy, as a user runs them (the README's commands:
+``hetd serve --task examples/X.py:task`` and ``hetd-worker URL --task examples/X.py:task``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import Cluster
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.mark.parametrize(
+    ("example", "policy", "params"),
+    [
+        ("digits_cnn", "ssp", {"staleness": 3}),
+        ("tiny_gpt", "asp", {}),
+        ("regression", "bsp", {}),
+        ("linen_mlp", "lbbsp", {}),
+    ],
+)
+async def test_an_example_reaches_its_target(
+    cluster: Any, example: str, policy: str, params: dict[str, Any]
+) -> None:
+    spec = f"{EXAMPLES / example}.py:task"
+    c: Cluster = await cluster(policy, params, task=spec)
+    assert c.engine.target is not None
+    for slowdown in (1.0, 1.5):
+        await c.spawn(slowdown, 0.0, "--task", spec)
+    await c.wait_for(
+        lambda: c.engine.target_at is not None, 300, f"{example}'s target {c.engine.target}"
+    )
+    metric = c.engine.target.metric
+    reached = [m[metric] for _, m in c.engine.metric_evals if c.engine.target.reached(m)]
+    assert reached, c.engine.metric_evals[-3:]
