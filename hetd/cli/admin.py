@@ -115,7 +115,8 @@ def add_export(sub: Sub, client: argparse.ArgumentParser) -> None:
         help="write the model for the JAX ecosystem (POST /v1/export)",
         description="Ask a running daemon to write its current model into DIR on the daemon's "
         "machine: an orbax CheckpointManager directory (step = version; items params, opt_state, "
-        "meta) and a bare params.msgpack that flax.serialization.msgpack_restore reads.",
+        "meta), a bare params.msgpack that flax.serialization.msgpack_restore reads, and "
+        "model.json: the model, version and every parameter's shape.",
     )
     s.add_argument("--out", required=True, metavar="DIR", help="directory to write (created)")
     s.set_defaults(run=_export)
@@ -173,6 +174,7 @@ def _export(args: argparse.Namespace) -> None:
         lambda r: (
             f"exported version {r['version']} to {r['dir']} (orbax step {r['step']}"
             f"{'' if r['written'] else ', already there'}) and {r['params_msgpack']}"
+            + (f", described in {r['model_json']}" if r.get("model_json") else "")
         ),
     )
 
