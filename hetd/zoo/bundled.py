@@ -20,7 +20,7 @@ import numpy as np
 
 from hetd.zoo.data import BatchSampler, Dataset, load_dataset, shard_indices, share_indices
 from hetd.zoo.models import Model, get_model
-from hetd.zoo.task import Shard, Task
+from hetd.zoo.task import Shard, Task, TaskError, reason
 
 
 class ZooTask(Task):
@@ -62,9 +62,33 @@ class ZooTask(Task):
 
 def zoo_task(setup: Mapping[str, Any]) -> ZooTask:
     """The task a welcome's (or ``/v1/prepare``'s, or a config's) ``model`` and ``dataset`` parts
-    name."""
+    name; :class:`TaskError` when the model's outputs do not fit the data set's labels."""
     model_spec, data_spec = setup["model"], setup["dataset"]
     seed = int(data_spec.get("seed", 0))
     data = load_dataset(data_spec["spec"], seed=seed, **dict(data_spec.get("kwargs", {})))
     model = get_model(model_spec["spec"], data.num_classes, **dict(model_spec.get("kwargs", {})))
+    check_outputs(model, data, model_spec["spec"], data_spec["spec"])
     return ZooTask(model, data, seed)
+
+
+def check_outputs(model: Model, data: Dataset, model_name: str, data_name: str) -> None:
+    """What the model produces for one example (shapes only, nothing computed) against the data
+    set's classes: a model of 3 outputs on 10 classes would train to a NaN loss and be refused
+    push after push without saying why."""
+    key = jax.random.PRNGKey(0)
+    try:
+        params = jax.eval_shape(lambda k: model.init(k, data.input_shape), key)
+        out = jax.eval_shape(model.logits, params, data.x_train[:1])
+    except Exception as exc:
+        raise TaskError(
+            f"model {model_name!r} cannot take data set {data_name!r}'s examples of shape "
+            f"{data.input_shape}: {reason(exc)}"
+        ) from exc
+    outputs = int(out.shape[-1]) if out.shape else 0
+    labels = int(np.max(data.y_train)) + 1 if data.y_train.size else 0
+    if outputs != data.num_classes or labels > outputs:
+        raise TaskError(
+            f"model {model_name!r} has {outputs} outputs but data set {data_name!r} has "
+            f"{data.num_classes} classes (labels up to {labels - 1}): give the model "
+            f"num_classes={data.num_classes}"
+        )

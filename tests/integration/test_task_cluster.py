@@ -217,3 +217,26 @@ async def test_hetd_demo_stops_at_a_tasks_target(tmp_path: Path) -> None:
     text = result_text(summary)
     assert text.startswith("target r2 >= 0.98 reached at"), text
     assert (tmp_path / "demo" / "accuracy.png").is_file()
+
+
+async def test_hetd_serve_refuses_a_model_that_does_not_fit_the_labels() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "hetd",
+        "serve",
+        "--model",
+        "tests.tasks.three_outputs:model",
+        "--dataset",
+        "digits",
+        "--port",
+        "0",
+        "--admin-port",
+        "-1",
+        env={**os.environ, "HETD_WORKER_TOKEN": WORKER_TOKEN},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), 120)
+    text = err.decode()
+    assert proc.returncode == 2 and "3 outputs" in text and "10 classes" in text, text[-2000:]

@@ -352,3 +352,16 @@ def test_no_batch_size_compiles_a_new_shape_after_warm() -> None:
         steps.gradient(params, stream, b, jax.random.PRNGKey(0))
         steps.local_steps(params, stream, b, 3, 0.5, jax.random.PRNGKey(0))
     assert steps.traces == compiled
+
+
+def test_a_bundled_model_whose_outputs_do_not_fit_the_labels_is_refused() -> None:
+    from hetd.zoo.bundled import zoo_task
+
+    setup = {
+        "model": {"spec": "tests.tasks.three_outputs:model", "kwargs": {}},
+        "dataset": {"spec": "digits", "kwargs": {}, "seed": 0},
+    }
+    with pytest.raises(TaskError, match="has 3 outputs but data set 'digits' has 10 classes"):
+        zoo_task(setup)
+    setup["model"] = {"spec": "mlp", "kwargs": {"hidden": [8]}}
+    assert zoo_task(setup).name == "mlp@digits"
