@@ -26,6 +26,7 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import secrets
 import time
 from collections import deque
@@ -110,6 +111,49 @@ COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
 
 def _fmt(v: float) -> str:
     return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+
+
+def _target_metric(status: Mapping[str, Any]) -> str | None:
+    """A task's target metric when it is not the accuracy (the dashboard then shows it)."""
+    target = status.get("target")
+    metric = target["metric"] if target else None
+    return None if metric in (None, "accuracy") else str(metric)
+
+
+def _headline(status: Mapping[str, Any]) -> dict[str, Any]:
+    """The first card: the accuracy, or a task's target metric by its own name."""
+    metric = _target_metric(status)
+    if metric is None:
+        return {"label": "Accuracy", "value": status.get("accuracy")}
+    return {"label": metric, "value": (status.get("metrics") or {}).get(metric)}
+
+
+def _eval_chart(
+    status: Mapping[str, Any],
+    evals: Sequence[tuple[float, float, float]],
+    metric_evals: Sequence[tuple[float, Mapping[str, float]]],
+) -> str:
+    """Test accuracy and loss against time; for a task with another target metric, that metric
+    and the loss (not capped: their scales are the task's). NaN points are left out."""
+    metric = _target_metric(status)
+    if metric is None:
+        return line_chart(
+            [
+                ("accuracy", [(t, a) for t, _, a in evals if math.isfinite(a)]),
+                ("loss", [(t, min(1.0, x)) for t, x, _ in evals if math.isfinite(x)]),
+            ],
+            title="test accuracy and loss (loss capped at 1) against time",
+            y_min=0.0,
+            y_max=1.0,
+        )
+
+    def points(name: str) -> list[tuple[float, float]]:
+        return [(t, m[name]) for t, m in metric_evals if math.isfinite(m.get(name, math.nan))]
+
+    return line_chart(
+        [(metric, points(metric)), ("loss", points("loss"))],
+        title=f"test {metric} and loss against time",
+    )
 
 
 def line_chart(
@@ -293,6 +337,7 @@ class Recorder:
                 "workers": engine.workers(),
                 "policy": {**engine.policy.describe(), "known": policy_names()},
                 "evals": list(engine.evals[-MAX_EVALS:]),
+                "metric_evals": list(engine.metric_evals[-MAX_EVALS:]),
                 "stages": list(engine.stages),
                 "departures": list(engine.departures),
             }
@@ -393,16 +438,9 @@ class Recorder:
             "workers": workers,
             "events": list(self.events)[::-1],
             "daemon": dict(daemon),
+            "headline": _headline(st),
             "charts": {
-                "accuracy": line_chart(
-                    [
-                        ("accuracy", [(t, a) for t, _, a in evals]),
-                        ("loss", [(t, min(1.0, loss)) for t, loss, _ in evals]),
-                    ],
-                    title="test accuracy and loss (loss capped at 1) against time",
-                    y_min=0.0,
-                    y_max=1.0,
-                ),
+                "accuracy": _eval_chart(st, evals, raw.get("metric_evals") or []),
                 "updates": line_chart(
                     [("updates/s", [(t, u) for t, u, _, _ in rates])],
                     title="updates applied per second",

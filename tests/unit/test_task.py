@@ -365,3 +365,21 @@ def test_a_bundled_model_whose_outputs_do_not_fit_the_labels_is_refused() -> Non
         zoo_task(setup)
     setup["model"] = {"spec": "mlp", "kwargs": {"hidden": [8]}}
     assert zoo_task(setup).name == "mlp@digits"
+
+
+def test_the_dashboard_shows_a_tasks_target_metric_by_name() -> None:
+    from hetd.server.dashboard import _eval_chart, _headline
+
+    status = {
+        "accuracy": None,
+        "metrics": {"loss": 0.2, "r2": 0.7},
+        "target": {"metric": "r2", "mode": "max", "value": 0.9, "reached_at_s": None},
+    }
+    assert _headline(status) == {"label": "r2", "value": 0.7}
+    chart = _eval_chart(
+        status, [], [(0.5, {"loss": 0.3, "r2": float("nan")}), (1.0, status["metrics"])]
+    )
+    assert "test r2 and loss" in chart and "<svg" in chart
+    plain = {"accuracy": 0.9, "metrics": {"loss": 0.1, "accuracy": 0.9}, "target": None}
+    assert _headline(plain) == {"label": "Accuracy", "value": 0.9}
+    assert "test accuracy and loss" in _eval_chart(plain, [(0.5, 0.1, 0.9)], [])

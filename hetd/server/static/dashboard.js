@@ -17,7 +17,9 @@ function render(doc) {
   const st = doc.status;
   const thr = st.throughput || {};
   $("version").textContent = st.version;
-  $("accuracy").textContent = st.accuracy === null ? "–" : fmt(st.accuracy, 4);
+  const head = doc.headline || {label: "Accuracy", value: st.accuracy};
+  $("accuracy-label").textContent = head.label;
+  $("accuracy").textContent = head.value === null || head.value === undefined ? "–" : fmt(head.value, 4);
   $("updates").textContent = fmt(thr.updates_per_s, 1);
   $("mbps").textContent = fmt(thr.mb_in_per_s, 2) + " / " + fmt(thr.mb_out_per_s, 2);
   $("nworkers").textContent = st.workers;
