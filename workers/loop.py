@@ -205,6 +205,14 @@ class Trainer:
         self.stream = BatchStream(self.bound, self.shard)
         self.key = jax.random.PRNGKey(seed * 1000 + self.shard.index)
         self._share: tuple[float, float] | None = None  # (offset, share) the stream covers
+        self._next_shard: Shard | None = None  # a re-cut, taken at the start of the next step
+
+    def reshard(self, index: int, count: int) -> None:
+        """Read part ``index`` of ``count`` from the next step on (the daemon cut the data again
+        after a join or a leave): the iterator is built anew for it. Called from the receiving
+        task while a step may run in a thread, so the step itself makes the change."""
+        if 0 <= index < count:
+            self._next_shard = dataclasses.replace(self.shard, index=index, count=count)
 
     def _follow_share(self, plan: Plan) -> None:
         """A plan with ``data_share`` (and ``data_offset``) moves this worker to that fraction of
@@ -220,6 +228,10 @@ class Trainer:
         """One plan's worth of work on the current parameters."""
         batch = max(1, plan.batch_size)
         k = max(1, plan.local_steps)
+        shard, self._next_shard = self._next_shard, None
+        if shard is not None and shard != self.shard:
+            self.shard = shard
+            self.stream = BatchStream(self.bound, dataclasses.replace(shard, share=self._share))
         self._follow_share(plan)
         if k == 1 and plan.push_kind != "delta":
             r = self.steps.gradient(params, self.stream, batch, self.key)

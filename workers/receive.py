@@ -88,6 +88,10 @@ async def read(
                 if state.plan.pipeline and not plan.pipeline:
                     inbox.unpipeline()
                 state.plan = plan
+            elif msg.type == "shard":  # the data was cut again (a worker came or went)
+                if state.trainer is not None:
+                    state.trainer.reshard(int(msg["index"]), int(msg["count"]))
+                    log.info("now reading shard %d of %d", msg["index"], msg["count"])
             elif msg.type == "params":
                 delay = opts.emulation.transfer_seconds(size)
                 if delay:  # the emulated link carries parameters too, as the simulator charges

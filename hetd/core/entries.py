@@ -98,6 +98,9 @@ class EngineConfig:
     eval_interval_s: float = 1.0
     max_staleness: int = 1000
     shards: int = 0  # 0: max(4, workers present), fixed per worker at its join
+    # a user's Task: one shard per active worker, cut again at every join and leave (workers
+    # that take "shard" messages); shards is then ignored
+    recut_shards: bool = False
     profile_steps: int = 3  # steps a joining worker times for its profile (0: no profile)
     eval_inline: bool = False  # evaluate inside tick() (the simulator: virtual time, no threads)
     # The update guard ([train] guard_factor, guard_warmup): refuse a push whose norm is over
@@ -148,6 +151,8 @@ class WorkerEntry:
     held_ref: int | None = None  # the downlink reference it holds (its parameters' base)
     same_host: bool = False  # on loopback, emulating no slower link: parameters in full are cheaper
     hashes: bool = False  # its hello named "hash": its full frames carry the parameters' hash
+    reshard: bool = False  # its hello named "reshard": it takes "shard" messages
+    shard: tuple[int, int] = (0, 1)  # (index, count) it was last told
     # how its big frames travel: "ws" (its websocket) or "shm" (the same host's shared memory)
     transport: str = "ws"
     # the request id of the last push the engine answered with an ack (applied, buffered or

@@ -16,7 +16,7 @@ from typing import Any
 from hetd.codecs import registry as codecs
 from hetd.core.decisions import DecisionsMixin
 from hetd.core.entries import Peer, WorkerEntry, WorkerStats
-from hetd.protocol.messages import Bye, JoinIn, ProfileRequest, Welcome
+from hetd.protocol.messages import Bye, JoinIn, ProfileRequest, ShardUpdate, Welcome
 from policies.types import Join, Leave, Tick, WorkerFacts
 
 log = logging.getLogger("hetd.core.engine")  # one logger for the engine and its parts
@@ -85,20 +85,25 @@ class MembersMixin(DecisionsMixin):
         self._facts[wid] = facts
         # Automatic shards are disjoint for up to 4 workers (fewer workers leave some data unused:
         # set [train] shards to their number). Overlapping shares (the first worker on everything,
-        # the k-th on 1/k) covered all data but trained the 4-worker demo ~30 % slower.
+        # the k-th on 1/k) covered all data but trained the 4-worker demo ~30 % slower. A user's
+        # Task cuts its data again at every join and leave instead: one shard per worker.
+        entry.reshard = "reshard" in hello.features
+        cuts = self._recut() if self.config.recut_shards else {}
         shards = self.config.shards or max(4, len(self._workers))
+        entry.shard = cuts.get(wid, (slot % shards, shards))
         peer.send(
             Welcome(
                 id=hello.id,
                 worker_id=wid,
                 plan=entry.plan,
                 heartbeat_s=self.config.heartbeat_s,
-                shard=slot % shards,
-                shards=shards,
+                shard=entry.shard[0],
+                shards=entry.shard[1],
                 setup=self.config.welcome,
                 secret=secret,
             )
         )
+        self._send_cuts(cuts, but=wid)
         if self.config.profile_steps > 0:
             peer.send(ProfileRequest(self.config.profile_steps, self.config.batch_size))
         log.info("worker %d (%s) joined on slot %d, codec %s", wid, hello.name, slot, codec)
@@ -133,8 +138,30 @@ class MembersMixin(DecisionsMixin):
             peer.close(reason)
         self.departures.append((self.clock.now() - self.started_at, wid, reason))
         log.info("worker %d left: %s", wid, reason)
+        if self.config.recut_shards:
+            self._send_cuts(self._recut())
         if in_view:  # a replica's later stage left the view when the replica formed
             self._dispatch(Leave(self.clock.now(), wid, reason))
+
+    def _recut(self) -> dict[int, tuple[int, int]]:
+        """One shard per active worker that takes "shard" messages, in slot order; the others
+        keep what they were told (their count may then overlap a new cut: a worker from before
+        the message reads as it did)."""
+        takers = sorted((e.stats.slot, wid) for wid, e in self._workers.items() if e.reshard)
+        count = max(1, len(takers))
+        return {wid: (i, count) for i, (_, wid) in enumerate(takers)}
+
+    def _send_cuts(self, cuts: Mapping[int, tuple[int, int]], but: int | None = None) -> None:
+        """Tell each worker whose shard changed (``but``: the one just welcomed with it)."""
+        for wid, cut in cuts.items():
+            entry = self._workers.get(wid)
+            if entry is None or wid == but or entry.shard == cut or not entry.reshard:
+                continue
+            entry.shard = cut
+            if entry.peer is not None:
+                entry.peer.send(ShardUpdate(*cut))
+        if cuts:
+            log.info("data cut into %d shards", next(iter(cuts.values()))[1])
 
     def bye_all(self, reason: str) -> None:
         """Say bye to every worker and let it leave (they may reconnect later)."""

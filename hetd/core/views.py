@@ -64,6 +64,7 @@ class ViewsMixin(EngineBase):
                     "worker": wid,
                     "name": f.name,
                     "device": dict(st.device),
+                    "shard": list(entry.shard),  # [index, count] of the data it reads
                     "clock": f.clock,
                     "samples": f.samples,
                     "samples_per_s": f.samples / alive,

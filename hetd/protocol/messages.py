@@ -186,6 +186,20 @@ class PlanUpdate(ReplyBase):
 
 
 @dataclass(frozen=True, slots=True)
+class ShardUpdate(ReplyBase):
+    """A worker's part of the data changed (a join or a leave cut it again): it reads part
+    ``index`` of ``count`` from its next step."""
+
+    type: ClassVar[str] = "shard"
+    index: int
+    count: int
+
+    def fields(self) -> dict[str, Any]:
+        """The shard message's wire fields."""
+        return {"index": self.index, "count": self.count}
+
+
+@dataclass(frozen=True, slots=True)
 class ProfileRequest(ReplyBase):
     """Ask a joining worker to time ``steps`` steps of ``batch_size`` samples."""
 
@@ -214,5 +228,5 @@ class Bye(ReplyBase):
         return {"reason": self.reason}
 
 
-Reply = Welcome | Ack | ErrorReply | PlanUpdate | ProfileRequest | Bye
+Reply = Welcome | Ack | ErrorReply | PlanUpdate | ShardUpdate | ProfileRequest | Bye
 """A control message the engine sends a worker."""

@@ -109,6 +109,8 @@ SCHEMA: Final[dict[str, dict[str, tuple[tuple[type, ...], bool]]]] = {
         "plan": (_OPT_MAP, False),
     },
     "plan": {"plan": ((dict,), True)},
+    # a user's Task: the data is cut again after a join or a leave (feature "reshard")
+    "shard": {"index": ((int,), True), "count": ((int,), True)},
     "profile": {"spec": ((dict,), True)},
     "error": {"code": ((str,), True), "message": ((str,), True)},
     # pipeline replicas: stage, step, abort (daemon -> worker), act, gact (relayed worker to worker)
@@ -119,8 +121,10 @@ ACK_STATUSES: Final = ("applied", "buffered", "dropped", "duplicate")
 # Optional fields a worker can take, named in its hello's ``features``; the daemon sends a field
 # only to workers that name it (an older worker's strict decoder refuses fields it does not know):
 # "hash": full ``params`` frames carry the version's parameter hash; "stages": it runs pipeline
-# stages (``stage``/``step``/``abort``, ``act``/``gact``): only such a worker is put in a replica.
-WORKER_FEATURES: Final = ("hash", "stages")
+# stages (``stage``/``step``/``abort``, ``act``/``gact``): only such a worker is put in a replica;
+# "reshard": it takes a ``shard`` message (its part of a Task's data, cut again when workers come
+# and go).
+WORKER_FEATURES: Final = ("hash", "stages", "reshard")
 PUSH_KINDS: Final = ("grad", "delta")
 
 

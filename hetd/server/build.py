@@ -74,6 +74,7 @@ def _engine_config(
     cfg: config_mod.Config,
     welcome: dict[str, Any],
     outer_for: Callable[[str, Mapping[str, Any]], str],
+    recut: bool = False,
 ) -> Any:
     """The engine's settings from a config (the welcome and the outer optimizer's rule apart)."""
     from hetd.core.engine import EngineConfig
@@ -94,6 +95,7 @@ def _engine_config(
         shards=t.shards,
         welcome=welcome,
         outer_for=outer_for,
+        recut_shards=recut,
     )
 
 
@@ -164,7 +166,7 @@ def build_engine(cfg: config_mod.Config, clock: Clock | None = None) -> Engine:
             "" if task.target is None else f", target {task.target}",
         )
     policy = make_policy(cfg.policy.name, cfg.policy.params)
-    econf = _engine_config(cfg, setup, outer_for)
+    econf = _engine_config(cfg, setup, outer_for, recut=not bundled)
     engine = Engine(store, policy, econf, clock=clock, evaluator=evaluator)
     engine.target = task.target
     return engine

@@ -57,6 +57,8 @@ async def test_a_task_trains_to_its_target_and_comes_out_in_its_own_structure(
     for _ in range(2):
         await c.spawn(1.0, 0.0, "--task", LINREG)
     await c.wait_for(lambda: c.engine.target_at is not None, 150, "the task's target (r2 >= 0.98)")
+    # two workers: the data cut in two, one half each
+    assert sorted(tuple(w["shard"]) for w in c.engine.workers()) == [(0, 2), (1, 2)]
 
     code, out, err = await hetd_cli("status", "--json", "--admin-url", c.admin_url)
     assert code == 0, err
@@ -137,6 +139,7 @@ async def test_a_worker_whose_data_fails_exits_and_the_daemon_goes_on(cluster: A
     good = await _worker(c.url, LINREG)
     c.procs.append(good)
     await c.wait_for(lambda: c.engine.updates_applied >= 5, 120, "a good worker's updates")
+    assert [w["shard"] for w in c.engine.workers()] == [[0, 1]]  # alone: all of the data
 
 
 async def test_nan_metrics_show_as_null_and_training_goes_on(cluster: Any) -> None:

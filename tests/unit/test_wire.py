@@ -80,6 +80,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "params": {"version": 42, "full": False, "base": 40, "tensors": {"a": TENSOR}, "plan": PLAN},
     "ack": {"version": 42, "status": "buffered", "reason": None, "plan": PLAN},
     "plan": {"plan": PLAN},
+    "shard": {"index": 1, "count": 3},
     "profile": {"spec": {"batches": [16, 32, 64], "steps": 3}},
     "error": {"code": "malformed", "message": "push: missing field 'base'"},
     "chunk": {"seq": 2, "last": False, "data": b"\x93\x01"},
