@@ -415,6 +415,10 @@ class Recorder:
                 "worker": w["worker"],
                 "name": w["name"],
                 "device": w.get("device") or {},
+                # what ashl, diloco and adsp change per worker: from the worker's plan
+                "stage": (w.get("plan") or {}).get("stage"),
+                "local_steps": (w.get("plan") or {}).get("local_steps"),
+                "local_time_s": (w.get("plan") or {}).get("local_time_s"),
                 "samples_per_s": w.get("samples_per_s", 0.0),
                 "batch_size": w.get("batch_size", 0),
                 "batch_share": (w.get("batch_size") or 0) / total_batch,

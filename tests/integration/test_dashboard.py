@@ -107,6 +107,8 @@ async def test_dashboard_over_http_login_cookie_live_stream_and_swap(shared: Clu
             assert names == ["w0-x1", "w1-x2"]
             assert abs(sum(w["batch_share"] for w in doc["workers"]) - 1.0) < 1e-9
             assert all(w["samples_per_s"] > 0 and w["codec"] for w in doc["workers"])
+            # each worker's plan: its local steps and stage (what ashl and diloco change)
+            assert all(w["local_steps"] >= 1 and w["stage"] for w in doc["workers"])
             charts = doc["charts"]
             assert {"accuracy", "updates", "bytes", "stages"} <= set(charts)
             assert all(svg.startswith("<svg") for svg in charts.values())
@@ -133,6 +135,31 @@ async def test_dashboard_over_http_login_cookie_live_stream_and_swap(shared: Clu
             assert resp.status == 303
         async with http.get(c.admin_url + "/v1/dashboard") as resp:
             assert resp.status == 401
+
+
+# In the browser: the swap button's label, the workers table's headers and first row, the
+# policy's parameters, and every element of the policy box (parameters, swap form) that sticks out
+# of that box or of the page.
+LAYOUT_JS = """
+const box = document.getElementById("swap").closest(".box").getBoundingClientRect();
+const out = [];
+for (const el of document.querySelectorAll("#policy-params, #policy-params *, #swap, #swap *")) {
+  const r = el.getBoundingClientRect();
+  if (r.width && (r.left < box.left - 0.5 || r.right > box.right + 0.5)) {
+    out.push((el.id || el.tagName) + " " + Math.round(r.left) + "-" + Math.round(r.right));
+  }
+}
+const pairs = [...document.querySelectorAll("#policy-params > div")];
+return {
+  button: document.getElementById("swap-button").innerText.trim(),
+  headers: [...document.querySelectorAll("#workers thead th")].map((th) => th.innerText.trim()),
+  row: [...document.querySelectorAll("#workers tbody tr:first-child td")].map((td) => td.innerText),
+  params: Object.fromEntries(pairs.map((d) => [d.children[0].innerText, d.children[1].innerText])),
+  outside: out,
+  box: [box.left, box.right],
+  page: [document.documentElement.scrollWidth, window.innerWidth],
+};
+"""
 
 
 def _browser() -> tuple[str, str] | str:
@@ -196,12 +223,20 @@ async def test_dashboard_in_headless_chromium(shared: Cluster, tmp_path: Path) -
                 )
             )
             browser.save_screenshot(str(tmp_path / "dashboard.png"))
+            layout = browser.execute_script(LAYOUT_JS)
+            # a long parameter list (as ashl's) and a long value wrap inside the box too
+            browser.execute_script(
+                "showParams(Object.fromEntries([...Array(30).keys()].map("
+                "(i) => ['parameter_' + i, i === 7 ? Array(120).fill(0.125) : i])))"
+            )
+            stressed = browser.execute_script(LAYOUT_JS)
             return {
                 "cookies": cookies,
                 "url": url_after_login,
                 "result": browser.find_element(By.ID, "swap-result").text,
-                "params": browser.find_element(By.ID, "policy-params").text,
                 "workers": browser.find_element(By.CSS_SELECTOR, "#workers tbody").text,
+                "layout": layout,
+                "stressed": stressed,
             }
         finally:
             browser.quit()
@@ -210,8 +245,20 @@ async def test_dashboard_in_headless_chromium(shared: Cluster, tmp_path: Path) -
     (session,) = [k for k in seen["cookies"] if k["name"].startswith("hetd_session_")]
     assert session["httpOnly"] is True and session["sameSite"] == "Strict"
     assert ADMIN_TOKEN not in seen["url"] and ADMIN_TOKEN not in session["value"]
-    assert seen["result"].startswith("now dssp") and json.loads(seen["params"])["s_lo"] == 2
+    assert seen["result"].startswith("now dssp")
     assert "w0-x1" in seen["workers"] and "w1-x2" in seen["workers"]
+    layout = seen["layout"]
+    assert layout["button"] == "Swap policy"
+    assert layout["params"]["s_lo"] == "2", layout["params"]  # a key/value list
+    headers = layout["headers"]
+    assert "stage" in headers and "local steps" in headers, headers
+    row = dict(zip(headers, layout["row"], strict=True))
+    assert int(row["local steps"]) >= 1 and row["stage"] not in ("", "–"), row
+    for name in ("layout", "stressed"):
+        fit = seen[name]
+        assert not fit["outside"], (name, fit["box"], fit["outside"])
+        assert fit["page"][0] <= fit["page"][1], (name, fit["page"])  # no sideways scrolling
+    assert len(seen["stressed"]["params"]) == 30
     assert c.engine.policy.name == "dssp"
     shot = tmp_path / "dashboard.png"
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000

@@ -6,11 +6,34 @@
 const $ = (id) => document.getElementById(id);
 const fmt = (v, d = 2) => (v === null || v === undefined ? "–" : Number(v).toFixed(d));
 let knownPolicies = "";
+let shownParams = "";
 
-function cell(row, text) {
+function cell(row, text, className) {
   const td = document.createElement("td");
   td.textContent = text;
+  if (className) td.className = className;
   row.appendChild(td);
+}
+
+// A policy's parameters as a key/value list (one entry per parameter; values as JSON).
+function showParams(params) {
+  const list = $("policy-params");
+  list.replaceChildren();
+  for (const [key, value] of Object.entries(params || {})) {
+    const item = document.createElement("div");
+    const dt = document.createElement("dt");
+    const dd = document.createElement("dd");
+    dt.textContent = key;
+    dd.textContent = JSON.stringify(value);
+    item.append(dt, dd);
+    list.appendChild(item);
+  }
+}
+
+// A worker's local steps per push; with ADSP's time budget, that budget too.
+function localSteps(w) {
+  if (w.local_steps === null || w.local_steps === undefined) return "–";
+  return w.local_time_s ? w.local_steps + " (" + fmt(w.local_time_s, 2) + " s)" : String(w.local_steps);
 }
 
 function render(doc) {
@@ -34,14 +57,16 @@ function render(doc) {
     const row = document.createElement("tr");
     const dev = [w.device.platform, w.device.kind].filter(Boolean).join(":") || "-";
     cell(row, w.worker);
-    cell(row, w.name);
-    cell(row, dev);
+    cell(row, w.name, "text");
+    cell(row, dev, "text");
+    cell(row, w.stage || "–", "text");
+    cell(row, localSteps(w));
     cell(row, fmt(w.samples_per_s, 0));
     cell(row, w.batch_size);
     cell(row, fmt(100 * w.batch_share, 0) + "%");
     cell(row, fmt(w.staleness_mean, 2));
     cell(row, fmt(100 * w.idle_fraction, 0) + "%");
-    cell(row, w.codec);
+    cell(row, w.codec, "text");
     cell(row, fmt(w.bytes_in / 1e6, 1));
     cell(row, fmt(w.bytes_out / 1e6, 1));
     cell(row, w.refused);
@@ -49,7 +74,11 @@ function render(doc) {
   }
   const pol = doc.policy;
   $("policy-name").textContent = pol.name;
-  $("policy-params").textContent = JSON.stringify(pol.params);
+  const shown = JSON.stringify(pol.params);
+  if (shown !== shownParams) {
+    shownParams = shown;
+    showParams(pol.params);
+  }
   const known = (pol.known || []).join(",");
   if (known !== knownPolicies) {
     knownPolicies = known;
@@ -114,7 +143,8 @@ async function swap(ev) {
     out.textContent = "now " + body.name + " " + JSON.stringify(body.params);
     out.className = "result ok";
     $("policy-name").textContent = body.name;
-    $("policy-params").textContent = JSON.stringify(body.params);
+    shownParams = JSON.stringify(body.params);
+    showParams(body.params);
   } else {
     out.textContent = "refused: " + body.message;
     out.className = "result error";
