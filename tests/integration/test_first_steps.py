@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -189,7 +190,9 @@ async def test_a_working_worker_says_what_it_does_at_the_default_level(raw_asp: 
     lines = err.splitlines()
     joins = [line for line in lines if f"joined {raw_asp.url} as worker " in line]
     assert len(joins) == 1, err
-    assert "(talker), shard 0 of " in joins[0] and "plan: batch 32" in joins[0], joins
+    # the module's daemon is shared: an earlier test's worker may still hold slot 0
+    assert re.search(r"\(talker\), shard \d+ of \d+", joins[0]), joins
+    assert "plan: batch 32" in joins[0], joins
     assert " over websocket; " in joins[0] or " over shared memory; " in joins[0], joins
     progress = [line for line in lines if " pushes (+" in line and "samples/s" in line]
     assert progress, err

@@ -163,6 +163,28 @@ async def test_nan_metrics_show_as_null_and_training_goes_on(cluster: Any) -> No
     assert status["target"]["reached_at_s"] is None
 
 
+async def _serve_refused(*args: str) -> str:
+    """``hetd serve ARGS`` on free ports: it must exit 2 without a traceback; its stderr."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "hetd",
+        "serve",
+        *args,
+        "--port",
+        "0",
+        "--admin-port",
+        "-1",
+        env={**os.environ, "HETD_WORKER_TOKEN": WORKER_TOKEN},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), 120)
+    text = err.decode()
+    assert proc.returncode == 2 and "Traceback" not in text, text[-2000:]
+    return text
+
+
 @pytest.mark.parametrize(
     ("spec", "says"),
     [
@@ -173,25 +195,9 @@ async def test_nan_metrics_show_as_null_and_training_goes_on(cluster: Any) -> No
     ],
 )
 async def test_hetd_serve_refuses_a_bad_task_in_one_line(spec: str, says: str) -> None:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "hetd",
-        "serve",
-        "--task",
-        spec,
-        "--port",
-        "0",
-        "--admin-port",
-        "-1",
-        env={**os.environ, "HETD_WORKER_TOKEN": WORKER_TOKEN},
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    _, err = await asyncio.wait_for(proc.communicate(), 120)
-    lines = [line for line in err.decode().splitlines() if line.startswith("hetd:")]
-    assert proc.returncode == 2 and lines and says in lines[-1], err.decode()[-2000:]
-    assert "Traceback" not in err.decode()
+    err = await _serve_refused("--task", spec)
+    lines = [line for line in err.splitlines() if line.startswith("hetd:")]
+    assert lines and says in lines[-1], err[-2000:]
 
 
 async def test_hetd_worker_refuses_a_bad_task_before_connecting() -> None:
@@ -223,23 +229,5 @@ async def test_hetd_demo_stops_at_a_tasks_target(tmp_path: Path) -> None:
 
 
 async def test_hetd_serve_refuses_a_model_that_does_not_fit_the_labels() -> None:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "hetd",
-        "serve",
-        "--model",
-        "tests.tasks.three_outputs:model",
-        "--dataset",
-        "digits",
-        "--port",
-        "0",
-        "--admin-port",
-        "-1",
-        env={**os.environ, "HETD_WORKER_TOKEN": WORKER_TOKEN},
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    _, err = await asyncio.wait_for(proc.communicate(), 120)
-    text = err.decode()
-    assert proc.returncode == 2 and "3 outputs" in text and "10 classes" in text, text[-2000:]
+    text = await _serve_refused("--model", "tests.tasks.three_outputs:model", "--dataset", "digits")
+    assert "3 outputs" in text and "10 classes" in text, text[-2000:]
