@@ -126,7 +126,11 @@ class Progress:
         else:
             batches = sorted(self._batches)
             batch = str(batches[0]) if len(batches) == 1 else f"{batches[0]}-{batches[-1]}"
-            stale = f"staleness {sum(self._stale) / len(self._stale):.1f}" if self._stale else "-"
+            stale = (
+                f"staleness {sum(self._stale) / len(self._stale):.1f}"
+                if self._stale
+                else "staleness -"
+            )
             text = (
                 f"{self.pushes} pushes (+{self._window_pushes} in {elapsed:.0f} s), "
                 f"{self._window_samples / elapsed:.1f} samples/s, batch {batch}, {stale}, "
