@@ -1,29 +1,23 @@
-"""The examples in ``examples/`` load with :func:`hetd.zoo.task.load_task` and train in-process
-the way a daemon and its workers run them, to their own targets.
-
-Training here is hetd's loop without the network: two workers' shards (``Shard(0, 2, seed, 32)``
-and ``Shard(1, 2, seed, 32)``) take turns giving a micro-batch of 32, each gradient goes through
-:meth:`Bound.flat_optimizer` on the flat parameters, an iterator that ends is built again for the
-next epoch on the next shard along (as :class:`hetd.zoo.task_steps.BatchStream` does), and an
-evaluation averages the loss's metrics over ``eval_data`` weighted by batch size, as the daemon
-does. Step bounds are about twice the steps measured to reach each target.
+"""The examples in ``examples/`` load with :func:`hetd.zoo.task.load_task`, and their data is
+what a worker and the daemon need: disjoint shards that cover the data, batches of the
+micro-batch's size shaped alike, a new order each epoch, every test row evaluated once, a small
+data share that still fills a batch; the BatchNorm one is refused. That each trains to its target
+with a real daemon and two workers is tests/integration/test_examples.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
-from hetd.zoo.task import Bound, Shard, Task, TaskError, load_task
+from hetd.zoo.task import Shard, Task, TaskError, load_task
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MICRO = 32
@@ -63,94 +57,6 @@ def leading_sizes(batch: Any) -> set[int]:
 def spec(batch: Any) -> Any:
     leaves, treedef = jax.tree.flatten(batch)
     return treedef, [(np.shape(x), np.asarray(x).dtype) for x in leaves]
-
-
-class Stream:
-    """One worker's batches: its shard's iterator, built again when it ends for the next epoch
-    on the next shard along; every batch checked as a worker checks it (``MICRO`` examples, the
-    same shapes and dtypes)."""
-
-    def __init__(self, task: Task, shard: Shard) -> None:
-        self.task, self.first, self.epoch = task, shard, 0
-        self.it = iter(task.train_data(shard))
-        self.spec: Any = None
-
-    def next(self) -> Any:
-        try:
-            batch = next(self.it)
-        except StopIteration:
-            self.epoch += 1
-            s = self.first
-            shard = Shard(
-                (s.index + self.epoch) % s.count, s.count, s.seed, s.batch_size, self.epoch
-            )
-            self.it = iter(self.task.train_data(shard))
-            batch = next(self.it)
-        assert leading_sizes(batch) == {MICRO}
-        if self.spec is None:
-            self.spec = spec(batch)
-        assert spec(batch) == self.spec
-        return batch
-
-
-def evaluate(bound: Bound, loss: Callable[..., Any], params: Any) -> dict[str, float]:
-    """The daemon's evaluation: "loss" and the metrics, averaged over the eval batches by size."""
-    sums: dict[str, float] = {}
-    count = 0
-    for batch in bound.eval_batches():
-        value, metrics = loss(params, batch, jax.random.PRNGKey(0))
-        (size,) = leading_sizes(batch)
-        for name, v in {"loss": value, **metrics}.items():
-            sums[name] = sums.get(name, 0.0) + float(v) * size
-        count += size
-    return {name: total / count for name, total in sums.items()}
-
-
-def train(task: Task, max_steps: int, every: int) -> tuple[int | None, dict[str, float]]:
-    """Train until the target is met (checked every ``every`` steps): the steps it took (None if
-    not within ``max_steps``) and the last evaluation."""
-    assert task.target is not None and task.optimizer is not None
-    bound = Bound(task, SEED)
-    params = {name: jnp.asarray(v) for name, v in bound.init_flat().items()}
-    tx = bound.flat_optimizer(task.optimizer)
-    state = tx.init(params)
-
-    @jax.jit
-    def step(params: Any, state: Any, batch: Any, key: jax.Array) -> tuple[Any, Any]:
-        grads = jax.grad(lambda p: bound.loss_flat(p, batch, key)[0])(params)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    loss = jax.jit(bound.loss_flat)
-    workers = [Stream(task, Shard(i, 2, SEED, MICRO)) for i in range(2)]
-    key = jax.random.PRNGKey(SEED)
-    metrics: dict[str, float] = {}
-    for n in range(1, max_steps + 1):
-        batch = workers[n % 2].next()
-        params, state = step(params, state, batch, jax.random.fold_in(key, n))
-        if n % every == 0:
-            metrics = evaluate(bound, loss, params)
-            if task.target.reached(metrics):
-                return n, metrics
-    return None, metrics
-
-
-@pytest.mark.parametrize(
-    ("name", "max_steps", "every"),
-    [
-        # (example, step bound ~2x the steps measured to reach the target, steps between evals)
-        ("digits_cnn", 200, 20),  # accuracy >= 0.95 at 100
-        ("tiny_gpt", 180, 20),  # perplexity <= 8 at 85
-        ("regression", 100, 10),  # r2 >= 0.5 at 40
-        ("linen_mlp", 100, 10),  # accuracy >= 0.95 at 45
-    ],
-)
-def test_example_reaches_its_target(
-    examples_env: None, name: str, max_steps: int, every: int
-) -> None:
-    task, _ = load(name)
-    steps, metrics = train(task, max_steps, every)
-    assert steps is not None, f"{name}: {task.target} not reached in {max_steps} steps: {metrics}"
 
 
 def rows_of(x_all: np.ndarray, batches: list[dict[str, np.ndarray]], key: str) -> list[int]:
