@@ -201,7 +201,6 @@ class Trainer:
         self.seed = seed = core.seed
         shard = welcome["shard"]
         self.shard = Shard(int(shard["index"]), int(shard["count"]), seed, core.micro_batch)
-        self.shard_index = self.shard.index
         self.stream = BatchStream(self.bound, self.shard)
         self.key = jax.random.PRNGKey(seed * 1000 + self.shard.index)
         self._share: tuple[float, float] | None = None  # (offset, share) the stream covers
