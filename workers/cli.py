@@ -24,6 +24,7 @@ from workers.emulate import (
     parse_rate,
     parse_shift,
 )
+from workers.imports import Allowed
 from workers.loop import quiet_xla_threads
 
 log = logging.getLogger("hetd.worker")
@@ -72,8 +73,29 @@ def parser() -> argparse.ArgumentParser:
         "working directory) or path/to/file.py:attr; it must be the daemon's task (name and "
         "parameter shapes are compared at the welcome). Without it: the bundled models only",
     )
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="SPEC",
+        help="allow the daemon's model plug-in pkg.module:attr: this worker imports it (and calls "
+        "it with the daemon's options) only when the daemon's model is exactly SPEC; the daemon "
+        "must then train SPEC. Without it: the bundled models only (mlp, cnn, transformer, "
+        "hetd.zoo.blocks:mlp_model). Also [worker] model in --config",
+    )
+    p.add_argument(
+        "--dataset",
+        default=None,
+        metavar="SPEC",
+        help="allow the daemon's data set plug-in pkg.module:attr, as --model does for the model; "
+        "without it: the bundled data sets only (digits, mnist5k, mnist, synthetic, pydoc). Also "
+        "[worker] dataset in --config",
+    )
     p.add_argument("--name", default=None, help="a name shown in status (default: host-pid)")
-    p.add_argument("--config", default=None, help="TOML file with [worker] token = '...'")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="TOML file with [worker] token = '...' (and optionally model, dataset)",
+    )
     p.add_argument(
         "--device", default=None, help="JAX device: cpu, gpu, gpu:1 or an index (default: first)"
     )
@@ -212,20 +234,46 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _worker_section(path: str | None) -> dict[str, object]:
+    """The ``[worker]`` table of the config file (empty without one)."""
+    if path is None:
+        return {}
+    with open(path, "rb") as fh:
+        raw = tomllib.load(fh)
+    worker = raw.get("worker", {})
+    return worker if isinstance(worker, dict) else {}
+
+
+def _config_string(path: str | None, key: str) -> str | None:
+    value = _worker_section(path).get(key)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{path}: [worker] {key} must be a string")
+    return value
+
+
 def read_token(path: str | None) -> str:
     """The worker token: HETD_WORKER_TOKEN, else ``[worker] token`` in the config file."""
     env = os.environ.get("HETD_WORKER_TOKEN")
     if env:
         return env
-    if path is None:
-        return ""
-    with open(path, "rb") as fh:
-        raw = tomllib.load(fh)
-    worker = raw.get("worker", {})
-    token = worker.get("token", "") if isinstance(worker, dict) else ""
-    if not isinstance(token, str):
-        raise ValueError(f"{path}: [worker] token must be a string")
-    return token
+    return _config_string(path, "token") or ""
+
+
+def read_allowed(args: argparse.Namespace) -> Allowed:
+    """The model and data set plug-ins this worker's operator named: ``--model`` and
+    ``--dataset``, else ``[worker] model`` and ``dataset`` in ``--config``; ValueError when they
+    are combined with ``--task`` (the daemon then trains the task, not a model)."""
+    try:
+        model = args.model or _config_string(args.config, "model")
+        dataset = args.dataset or _config_string(args.config, "dataset")
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ValueError(f"--config {args.config}: {exc}") from None
+    if args.task and (model or dataset):
+        raise ValueError(
+            "--task and --model/--dataset do not go together: a daemon trains either a task "
+            "(hetd serve --task) or a model on a data set"
+        )
+    return Allowed(model or None, dataset or None)
 
 
 URL_SHAPE = (
@@ -340,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         check_url(args.url)
         emulation = build_emulation(args)
         ssl_context = tls_context(args.url, args.ca)
+        allowed = read_allowed(args)
     except ValueError as exc:
         print(f"hetd-worker: {exc}", file=sys.stderr)
         return 2
@@ -370,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
             ssl_context=ssl_context,
             shm=not args.no_shm,
             task=task,
+            allowed=allowed,
         )
         steps = asyncio.run(run_worker(opts, progress_s=args.progress_every))
     except (ValueError, OSError, FatalError) as exc:

@@ -59,7 +59,13 @@ async def _run(opts: WorkerOptions, state: WorkerState, progress: Progress) -> i
         while opts.max_steps == 0 or state.steps < opts.max_steps:
             if state.trainer is None and state.preparing is None:  # until one is built
                 state.preparing = await start_preparing(
-                    http, opts.url, opts.token, opts.ssl_context, opts.device, opts.task
+                    http,
+                    opts.url,
+                    opts.token,
+                    opts.ssl_context,
+                    opts.device,
+                    opts.task,
+                    opts.allowed,
                 )
             try:
                 await _session(http, opts, state, progress)

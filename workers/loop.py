@@ -7,7 +7,9 @@ daemon's welcome names.
 parameters in, update out. It never talks to the network; ``workers.client`` does. The worker
 imports only the task its own operator named; the welcome describes the daemon's task (name,
 fingerprint, shapes) and :func:`check_setup` compares the two, refusing a daemon that trains
-something else with a message naming both.
+something else with a message naming both. The same goes for a bundled model's plug-in specs
+(:mod:`workers.imports`): a ``pkg.module:attr`` model or data set is imported only when this
+worker's operator named it (``--model``, ``--dataset``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from hetd.zoo.optim import parse_optimizer
 from hetd.zoo.task import Bound, Shard
 from hetd.zoo.task_steps import BatchStream, TaskSteps
 from hetd.zoo.trees import shape_diff
+from workers.imports import Allowed, check_imports
 
 log = logging.getLogger("hetd.worker")
 
@@ -103,10 +106,17 @@ class TaskMismatch(ValueError):
     """The daemon trains another task than this worker's (or none, or this worker has none)."""
 
 
-def check_setup(setup: Mapping[str, Any], bound: Bound | None, full: bool = True) -> None:
+def check_setup(
+    setup: Mapping[str, Any],
+    bound: Bound | None,
+    full: bool = True,
+    allowed: Allowed | None = None,
+) -> None:
     """Raise :class:`TaskMismatch` unless the daemon's setup trains ``bound`` (or, with ``bound``
-    None, a bundled model). ``full``: the setup is a welcome's, which carries the fingerprint (the
-    early ``/v1/prepare`` names the task only)."""
+    None, a bundled model), :class:`workers.imports.ImportRefused` when that bundled model names
+    a plug-in that ``allowed`` (what this worker's operator named) does not. ``full``: the setup
+    is a welcome's, which carries the fingerprint (the early ``/v1/prepare`` names the task
+    only)."""
     theirs = (setup.get("model") or {}).get("task")
     if bound is None:
         if theirs:
@@ -116,6 +126,7 @@ def check_setup(setup: Mapping[str, Any], bound: Bound | None, full: bool = True
                 f"worker with --task naming it (e.g. --task {spec}): a worker imports only the "
                 "task its own command line names"
             )
+        check_imports(setup, allowed)  # before anything the setup names is imported
         return
     if not theirs:
         model = (setup.get("model") or {}).get("spec", "?")
@@ -141,12 +152,17 @@ class Core:
     (while the daemon builds its own) or at the welcome, and kept across reconnects.
 
     ``task``: the Task this worker's operator named (``--task``); None builds the bundled model
-    and data set the setup names (:func:`hetd.zoo.bundled.zoo_task`)."""
+    and data set the setup names (:func:`hetd.zoo.bundled.zoo_task`), plug-ins only those in
+    ``allowed`` (what the operator named with ``--model`` and ``--dataset``)."""
 
     def __init__(
-        self, setup: Mapping[str, Any], device: jax.Device, task: Bound | None = None
+        self,
+        setup: Mapping[str, Any],
+        device: jax.Device,
+        task: Bound | None = None,
+        allowed: Allowed | None = None,
     ) -> None:
-        check_setup(setup, task, full=False)
+        check_setup(setup, task, full=False, allowed=allowed)
         train = setup["train"]
         self.key = setup_key(setup)
         self.seed = int(train.get("seed", 0))
@@ -186,14 +202,15 @@ class Trainer:
         device: jax.Device,
         core: Core | None = None,
         task: Bound | None = None,
+        allowed: Allowed | None = None,
     ) -> None:
         """``core``: one built earlier (a prepared one, or the last session's); used when it is
         for the same task and settings, built afresh otherwise. ``task``: the operator's Task
-        (None: the bundled one the welcome names); :class:`TaskMismatch` when the daemon's
-        differs."""
-        check_setup(welcome, task)
+        (None: the bundled one the welcome names, its plug-ins only those in ``allowed``);
+        :class:`TaskMismatch` when the daemon's differs."""
+        check_setup(welcome, task, allowed=allowed)
         if core is None or core.key != setup_key(welcome) or core.device != device:
-            core = Core(welcome, device, task)
+            core = Core(welcome, device, task, allowed)
         self.core = core
         self.bound = core.bound
         self.data = core.data

@@ -17,6 +17,7 @@ import aiohttp
 import jax
 
 from hetd.zoo.task import Bound
+from workers.imports import Allowed
 from workers.loop import Core, check_setup
 
 log = logging.getLogger("hetd.worker")
@@ -68,12 +69,16 @@ async def fetch_setup(
 
 
 def _build(
-    setup: Mapping[str, Any], device: jax.Device | None, task: Bound | None = None
+    setup: Mapping[str, Any],
+    device: jax.Device | None,
+    task: Bound | None = None,
+    allowed: Allowed | None = None,
 ) -> Core | None:
     began = time.perf_counter()
     try:
-        check_setup(setup, task, full=False)  # never import a task the daemon names
-        core = Core(setup, device or jax.devices()[0], task)
+        # never import a task, model or data set only the daemon names (workers.imports)
+        check_setup(setup, task, full=False, allowed=allowed)
+        core = Core(setup, device or jax.devices()[0], task, allowed)
     except Exception as exc:  # an unknown model here: the welcome will say so again, clearly
         log.warning("could not prepare the model early (%s); building it at the welcome", exc)
         return None
@@ -90,6 +95,7 @@ async def start_preparing(
     ssl_context: ssl.SSLContext | None,
     device: jax.Device | None,
     task: Bound | None = None,
+    allowed: Allowed | None = None,
 ) -> asyncio.Task[Core | None] | None:
     """Ask for the setup and, when the daemon gives one, build the core in a thread; the task's
     result is the core (None when building it failed)."""
@@ -101,7 +107,9 @@ async def start_preparing(
         setup["model"].get("spec"),
         setup["dataset"].get("spec"),
     )
-    return asyncio.create_task(asyncio.to_thread(_build, setup, device, task), name="hetd-prepare")
+    return asyncio.create_task(
+        asyncio.to_thread(_build, setup, device, task, allowed), name="hetd-prepare"
+    )
 
 
 async def prepared(task: asyncio.Task[Core | None] | None) -> Core | None:

@@ -16,6 +16,7 @@ from hetd.protocol import shm, wire
 from hetd.protocol.params import apply_params, hash_matches
 from hetd.protocol.plan import Plan
 from hetd.zoo.task import Bound, TaskError
+from workers.imports import Allowed, ImportRefused
 from workers.inbox import Inbox
 from workers.loop import Core, TaskMismatch, Trainer
 from workers.prepare import prepared
@@ -77,8 +78,10 @@ async def read(
                 core = await prepared(state.preparing)
                 state.preparing = None
                 try:
-                    await asyncio.to_thread(welcome, msg, state, device, core, opts.task)
-                except (TaskMismatch, TaskError) as exc:  # retrying will not help
+                    await asyncio.to_thread(
+                        welcome, msg, state, device, core, opts.task, opts.allowed
+                    )
+                except (TaskMismatch, TaskError, ImportRefused) as exc:  # retrying will not help
                     raise FatalError(str(exc)) from None
                 inbox.welcomed.set()
             elif msg.type == "profile":
@@ -175,10 +178,12 @@ def welcome(
     device: jax.Device,
     core: Core | None = None,
     task: Bound | None = None,
+    allowed: Allowed | None = None,
 ) -> None:
     """Take the welcome; the trainer reuses ``core`` (a prepared one) or the last trainer's core
     when they were built for the same model, data and settings. ``task``: this worker's own
-    Task (``--task``), checked against the daemon's; :class:`TaskMismatch` when they differ."""
+    Task (``--task``), checked against the daemon's; :class:`TaskMismatch` when they differ.
+    ``allowed``: the plug-ins this worker's operator named (:mod:`workers.imports`)."""
     state.worker_id = msg["worker_id"]
     state.model_setup = dict(msg["model"])
     state.secret = msg.get("secret")
@@ -187,7 +192,7 @@ def welcome(
     key = repr((msg["model"], msg["dataset"], msg["shard"], msg["train"]))
     if state.trainer is None or state.trainer_key != key:
         reuse = core if core is not None or state.trainer is None else state.trainer.core
-        state.trainer = Trainer(msg.body, device, reuse, task)
+        state.trainer = Trainer(msg.body, device, reuse, task, allowed)
         state.trainer_key = key
     log.info(
         "joined as worker %d, plan %s%s",

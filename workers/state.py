@@ -17,6 +17,7 @@ from hetd.protocol import wire
 from hetd.protocol.plan import Plan
 from hetd.zoo.task import Bound
 from workers.emulate import Emulation
+from workers.imports import Allowed
 from workers.loop import Core, Trainer
 from workers.stage import StageHost
 
@@ -52,6 +53,9 @@ class WorkerOptions:
     ssl_context: ssl.SSLContext | None = None
     shm: bool = True  # take shared memory when the daemon offers it (same host only)
     task: Bound | None = None  # the Task this worker's operator named (--task); None: bundled
+    # the model and data set plug-ins this worker's operator named (--model, --dataset); None:
+    # bundled ones only (workers.imports)
+    allowed: Allowed | None = None
 
 
 @dataclass
