@@ -80,7 +80,7 @@ async def test_bsp_moves_in_lockstep_and_a_killed_worker_does_not_stall_it(clust
 
 async def test_a_users_own_model_plugs_in_on_both_sides(cluster) -> None:  # type: ignore[no-untyped-def]
     c = await cluster("asp", model="tests.unit.test_models:tiny_linear")
-    await c.spawn(1, 0.01)
+    await c.spawn(1, 0.01, "--model", "tests.unit.test_models:tiny_linear")  # the operator's word
     await c.wait_for(lambda: c.engine.updates_applied >= 20, 60, "20 updates")
     # The daemon holds the plug-in's parameters and the worker pushed updates of that shape.
     assert len(c.engine.store.shapes) == 2

@@ -132,7 +132,7 @@ async def test_a_worker_that_cannot_import_the_model_plug_in_says_why_when_it_le
     caplog.set_level(logging.INFO, "hetd.core.engine")
     # The daemon imports the plug-in from this checkout; a worker started elsewhere cannot.
     c = await cluster("asp", model="tests.unit.test_models:tiny_linear")
-    code, err = await worker(c.url, cwd=tmp_path)
+    code, err = await worker(c.url, "--model", "tests.unit.test_models:tiny_linear", cwd=tmp_path)
     assert code == 2, err
     why = "cannot import module 'tests.unit.test_models'"
     assert why in err, err
