@@ -38,12 +38,13 @@ import numpy as np
 from hetd import config as config_mod
 from hetd.codecs import registry as codecs
 from hetd.codecs.feedback import ErrorFeedback, encode_with_feedback
+from hetd.core import commands as cmd
 from hetd.core.downlink import Downlink
 from hetd.core.engine import Engine
 from hetd.core.ingest import decode_hello, decode_push
 from hetd.core.store import Aggregator, Snapshot
 from hetd.protocol import wire
-from hetd.protocol.messages import PushIn, Reply
+from hetd.protocol.messages import Reply
 from hetd.protocol.params import apply_params
 from hetd.protocol.plan import Plan, codec_for
 from hetd.server.daemon import build_engine
@@ -198,10 +199,7 @@ async def _message_s(engine: Engine, frame: bytes, repeats: int) -> float:
             # a new request id (the engine answers each once), from the version it holds
             current = dataclasses.replace(push, id=i + 1, base=engine.store.version)
 
-            def command(current: PushIn = current) -> None:
-                engine.push(current)
-
-            engine.submit(command)
+            engine.submit(cmd.Push(current))
             await asyncio.wait_for(peer.got.wait(), 60.0)
         p50 = engine.latency.summary()["p50_ms"]
         assert p50 is not None  # repeats >= 1 pushes were timed

@@ -132,7 +132,7 @@ class Downlink:
         self._tick += 1
         base.used = self._tick
         if base.version == snap.version:
-            return Outgoing([self._empty(snap.version)], snap.version, False, ref)
+            return Outgoing([self.go_on(snap.version)], snap.version, False, ref)
         assert ref is not None
         key = (spec, ref, snap.version)
         hit = self._deltas.get(key)
@@ -212,8 +212,9 @@ class Downlink:
         if any(v < version for v in self._snap_refs):
             self._snap_refs = {v: r for v, r in self._snap_refs.items() if v >= version}
 
-    def _empty(self, version: int) -> bytes:
-        """A delta of nothing: the worker may go on with what it has."""
+    @staticmethod
+    def go_on(version: int) -> bytes:
+        """A delta of nothing at ``version``: the worker may go on with what it has."""
         return wire.encode("params", 0, version=version, full=False, base=version, tensors={})
 
     def _full_frame(self, snap: Snapshot, spec: str, hashes: bool) -> bytes | memoryview:

@@ -29,15 +29,11 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import math
-import statistics
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any, Literal
 
-import numpy as np
-
+from hetd.core import commands as cmd
 from hetd.core.decisions import DecisionsMixin
 from hetd.core.entries import (
     LINK_WINDOW,
@@ -49,7 +45,7 @@ from hetd.core.entries import (
     WorkerEntry,
     WorkerStats,
 )
-from hetd.core.evals import EvalMixin
+from hetd.core.evals import EvalMixin, metrics_of
 from hetd.core.ingest import update_norm
 from hetd.core.members import PROFILE_KEYS, MembersMixin
 from hetd.core.publish import OFF_LOOP_PARAMS, PublishMixin
@@ -79,8 +75,6 @@ log = logging.getLogger("hetd.core.engine")
 
 BATCH = 64  # commands at most taken before one publish
 EWMA = 0.5  # smoothing of per-worker timing facts (docs/policies.md)
-GUARD_WINDOW = 256  # accepted pushes' norms per kind the update guard takes its median over
-MAX_NORM = math.sqrt(float(np.finfo(np.float32).max))  # a larger norm's square overflows float32
 
 
 class Engine(MembersMixin, EvalMixin, ViewsMixin, StateMixin, DecisionsMixin, PublishMixin):
@@ -97,26 +91,56 @@ class Engine(MembersMixin, EvalMixin, ViewsMixin, StateMixin, DecisionsMixin, Pu
 
     # --- the single writer -----------------------------------------------------------------------
 
-    def submit(self, command: Callable[[], Any]) -> None:
-        """Queue a command (a closure over engine methods) for the engine task."""
-        self._queue.put_nowait((time.perf_counter(), command))
-
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the engine task and return its result (or raise its error)."""
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.submit(cmd.Call(fn, done))
+        return await done
 
-        def run() -> None:
-            try:
-                result = fn()
-            except Exception as exc:
-                if not fut.done():
-                    fut.set_exception(exc)
-            else:
-                if not fut.done():
-                    fut.set_result(result)
-
-        self.submit(run)
-        return await fut
+    def handle(self, command: cmd.Command) -> Any:
+        """Carry out one command now (on the engine task, or synchronously in tests and the
+        simulator); a :class:`~hetd.core.commands.Join` returns the worker's id, a
+        :class:`~hetd.core.commands.Call` its function's result."""
+        match command:
+            case cmd.Push(push):
+                self.push(push)
+            case cmd.Pull(wid, have):
+                self.pull(wid, have)
+            case cmd.Heartbeat(wid):
+                self.heartbeat(wid)
+            case cmd.Join(hello, peer, on_id):
+                return self.join(hello, peer, on_id)
+            case cmd.Leave(wid, reason, peer):
+                self.leave(wid, reason, peer)
+            case cmd.ProfileResult(wid, result):
+                self.profile_result(wid, result)
+            case cmd.Resend(wid, peer):
+                self.resend(wid, peer)
+            case cmd.Transport(wid, peer, transport, sink):
+                if sink is not None:
+                    self.store.frame_sink = sink
+                self.set_transport(wid, peer, transport)
+            case cmd.Tick():
+                self.tick()
+            case cmd.EvalDue():
+                self._evaluate_if_due(self.clock.now())
+            case cmd.EvalDone(result, taken):
+                self.record_eval(*result, taken, metrics=metrics_of(result))
+            case cmd.DissolveReplica(head, reason):
+                self.dissolve_replica(head, reason)
+            case cmd.Call(fn, None):
+                return fn()
+            case cmd.Call(fn, done):
+                assert done is not None  # (the case above took None)
+                try:
+                    result = fn()
+                except Exception as exc:
+                    if not done.done():
+                        done.set_exception(exc)
+                else:
+                    if not done.done():
+                        done.set_result(result)
+        return None
 
     async def run(self) -> None:
         """Process commands until cancelled; a timer task feeds ticks."""
@@ -139,16 +163,19 @@ class Engine(MembersMixin, EvalMixin, ViewsMixin, StateMixin, DecisionsMixin, Pu
             with contextlib.suppress(asyncio.CancelledError):
                 await evals
 
-    async def _run_batch(self, first: tuple[float, Callable[[], Any]]) -> None:
+    async def _run_batch(self, first: tuple[float, cmd.Command]) -> None:
         """Run ``first`` and whatever else is already queued (up to :data:`BATCH`), then publish
         once: one snapshot and one encode serve every release of the batch."""
-        item: tuple[float, Callable[[], Any]] | None = first
+        item: tuple[float, cmd.Command] | None = first
         taken = 0
         while item is not None:
             queued_at, command = item
             start = time.perf_counter()
             self.wait.add(start - queued_at)
-            self._run_command(command)
+            try:
+                self.handle(command)
+            except Exception:  # a bug in one command must not stop training
+                log.exception("engine command %s failed", type(command).__name__)
             self.latency.add(time.perf_counter() - start)
             taken += 1
             item = self._queue.get_nowait() if taken < BATCH and not self._queue.empty() else None
@@ -158,16 +185,10 @@ class Engine(MembersMixin, EvalMixin, ViewsMixin, StateMixin, DecisionsMixin, Pu
             await self._publish()
             self.publish_latency.add(time.perf_counter() - start)
 
-    def _run_command(self, command: Callable[[], Any]) -> None:
-        try:
-            command()
-        except Exception:  # a bug in one command must not stop training
-            log.exception("engine command failed")
-
     async def _ticker(self) -> None:
         while True:
             await asyncio.sleep(self.config.tick_s)
-            self.submit(self.tick)
+            self.submit(cmd.Tick())
 
     # --- commands (run on the engine task only) -----------------------------------------------------
 
@@ -266,29 +287,11 @@ class Engine(MembersMixin, EvalMixin, ViewsMixin, StateMixin, DecisionsMixin, Pu
         self._dispatch(event, p)
 
     def _guard(self, p: PushIn) -> str | None:
-        """Why the update guard refuses push ``p`` (None: it passes, and its norm joins the
-        median window of its kind). A norm whose square overflows float32 is refused whenever the
-        guard is on, warm-up included."""
-        factor = self.config.guard_factor
-        if factor <= 0:
+        """Why the update guard refuses push ``p`` (None: it passes)."""
+        if not self.guard.on:
             return None
         norm = p.norm if p.norm is not None else update_norm(p.tensors)
-        if not norm < MAX_NORM:
-            return f"update norm {norm:.3g} is out of range for a float32 model; not applied"
-        window = self.guard_norms.get(p.kind)
-        if window is None:
-            window = self.guard_norms[p.kind] = deque(
-                maxlen=max(GUARD_WINDOW, self.config.guard_warmup)
-            )
-        if window and len(window) >= self.config.guard_warmup:
-            median = statistics.median(window)
-            if median > 0 and norm > factor * median:
-                return (
-                    f"update norm {norm:.3g} is over {factor:g} x the median {median:.3g} of the "
-                    f"last {len(window)} accepted {p.kind} pushes; not applied"
-                )
-        window.append(norm)
-        return None
+        return self.guard.check(p.kind, norm)
 
     def tick(self) -> None:
         """Time passes: heartbeats, evaluation, and a chance for gates to open."""

@@ -14,14 +14,18 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from hetd.core.downlink import Downlink
+from hetd.core.guard import UpdateGuard
 from hetd.core.rates import LatencyRecorder, RateMeter
 from hetd.core.store import Aggregator, Snapshot, Store
 from hetd.protocol.messages import PushIn, Reply
 from hetd.zoo.task import Target
 from policies.types import ClusterView, Event, Plan, Policy, ReplicaShape, WorkerFacts
+
+if TYPE_CHECKING:
+    from hetd.core.commands import Command
 
 # A worker's link is the fastest of its last pushes, send to receipt: a busy host (a worker not
 # yet scheduled, a daemon loop with other work) only ever makes a transfer look slower, never
@@ -239,9 +243,8 @@ class EngineBase:
         self.publish_latency = LatencyRecorder()  # s per publish: steps, snapshot, param frames
         self.wait = LatencyRecorder()  # s a command waited in the queue
         self.rates = RateMeter()  # updates/s and MB/s over the last seconds, sampled on ticks
-        # the update guard's window: kind -> the norms of its last accepted pushes, newest last
-        self.guard_norms: dict[str, deque[float]] = {}
-        self._queue: asyncio.Queue[tuple[float, Callable[[], Any]]] = asyncio.Queue()
+        self.guard = UpdateGuard(config.guard_factor, config.guard_warmup)
+        self._queue: asyncio.Queue[tuple[float, Command]] = asyncio.Queue()
         self._last_eval = -math.inf
         self._eval_task: asyncio.Task[None] | None = None
         self._deferred = False  # True while run() drives the engine: releases wait to be published
@@ -258,6 +261,10 @@ class EngineBase:
         # head's id once the release's updates are applied.
         self.replica_release: Callable[[int], None] | None = None
         self.policy_state: Any = policy.init(self.view())
+
+    def submit(self, command: Command) -> None:
+        """Queue a command for the engine task (:meth:`hetd.core.engine.Engine.handle` runs it)."""
+        self._queue.put_nowait((time.perf_counter(), command))
 
     # --- the workers -----------------------------------------------------------------------------
 

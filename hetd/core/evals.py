@@ -15,8 +15,8 @@ import asyncio
 import logging
 import math
 from collections.abc import Callable
-from typing import Any
 
+from hetd.core.commands import EvalDone, EvalDue
 from hetd.core.entries import EngineBase
 from hetd.core.store import Snapshot
 from policies.types import Eval
@@ -52,16 +52,12 @@ class EvalMixin(EngineBase):
 
     _keeper: Keeper | None = None  # deferred evaluations: who keeps the grid's snapshots
 
-    def submit(self, command: Callable[[], Any]) -> None:
-        """Queue a command for the engine task (the engine's own)."""
-        raise NotImplementedError
-
     async def _eval_timer(self) -> None:
         """Evaluations on their grid, not at the first tick after it (ticks are 0.25 s apart)."""
         while True:
             due = self._last_eval + self.config.eval_interval_s - self.clock.now()
             await asyncio.sleep(max(0.01, due) if math.isfinite(due) else self.config.tick_s)
-            self.submit(lambda: self._evaluate_if_due(self.clock.now()))
+            self.submit(EvalDue())
 
     def anchor_evals(self, at: float) -> None:
         """Evaluate at ``at`` + k × ``eval_interval_s`` from now on (engine clock): the real bench
@@ -107,7 +103,7 @@ class EvalMixin(EngineBase):
             result = await asyncio.to_thread(self.evaluator, snap)
         finally:
             self._eval_task = None
-        self.submit(lambda: self.record_eval(*result, taken, metrics=metrics_of(result)))
+        self.submit(EvalDone(result, taken))
 
     def record_eval(
         self,

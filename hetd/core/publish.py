@@ -15,7 +15,6 @@ from hetd.codecs.registry import spec_name as codec_name
 from hetd.core.downlink import Outgoing
 from hetd.core.entries import Peer, WorkerEntry, WorkerStats
 from hetd.core.replicas import ReplicaMixin
-from hetd.protocol import wire
 
 log = logging.getLogger("hetd.core.engine")  # one logger for the engine and its parts
 
@@ -219,9 +218,7 @@ class PublishMixin(ReplicaMixin):
         # for a wait that two of its pushes joined would leave one unanswered for good, and it
         # would never compute with a push in flight again. An empty delta ("go on") answers it.
         if entry.joined_pushes:
-            empty = wire.encode(
-                "params", 0, version=release.version, full=False, base=release.version, tensors={}
-            )
+            empty = self.downlink.go_on(release.version)
         for _ in range(entry.joined_pushes):
             entry.stats.bytes_out += len(empty)
             self.bytes_out += len(empty)

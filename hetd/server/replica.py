@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from hetd.codecs import registry as codecs
+from hetd.core import commands as cmd
 from hetd.core.engine import Engine
 from hetd.protocol import wire
 from hetd.protocol.messages import PushIn
@@ -219,7 +220,7 @@ class Replica:
             self._watch = None
             return
         expire = partial(self._expire, self.gen, self.step, self.timeout_s)
-        self._watch = loop.call_later(self.timeout_s, self.engine.submit, expire)
+        self._watch = loop.call_later(self.timeout_s, self.engine.submit, cmd.Call(expire))
 
     def _expire(self, gen: int, step: int, after_s: float) -> None:
         """On the engine task: step ``step`` of generation ``gen`` is overdue. If it is still
@@ -268,7 +269,7 @@ class Replica:
         self._pending = False
         self.relay.install({k: w for k, w in self.relay.routes.items() if k[0] != self.replica})
         head, reason = self.members[0], f"stage worker {wid} left"
-        self.engine.submit(partial(self.engine.dissolve_replica, head, reason))
+        self.engine.submit(cmd.DissolveReplica(head, reason))
         survivors, self.members = [w for w in self.members if w != wid], ()
         self._send_dissolve(survivors, reason)
         log.info("replica %d gen %d dissolved: worker %d left", self.replica, self.gen, wid)

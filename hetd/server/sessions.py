@@ -23,6 +23,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 
 from hetd.codecs import registry as codecs
 from hetd.config import is_loopback
+from hetd.core import commands as cmd
 from hetd.core.engine import Engine
 from hetd.core.ingest import decode_hello, decode_push
 from hetd.protocol import shm, wire
@@ -264,7 +265,7 @@ async def handle(
             if item is None:  # a chunk: the rest of its message is still to come
                 continue
             if isinstance(item, PushIn):
-                engine.submit(partial(engine.push, item))
+                engine.submit(cmd.Push(item))
                 continue
             if isinstance(item, Relayed) and item.msg.type == "push":
                 if relay is None or relay.on_part is None or wid is None:
@@ -300,8 +301,8 @@ async def handle(
                     # policy that puts it in a replica at once reaches it (the stage frames
                     # queue behind its welcome).
                     route = None if relay is None else partial(relay.attach, sink=outbox)
-                    wid = await engine.call(partial(engine.join, hello, outbox, route))
-                    outbox.resend = partial(engine.submit, partial(engine.resend, wid, outbox))
+                    wid = await engine.call(partial(engine.handle, cmd.Join(hello, outbox, route)))
+                    outbox.resend = partial(engine.submit, cmd.Resend(wid, outbox))
                     if hub is not None and hello.same_host and offers_shm(msg):
                         size = shm_slot_bytes(engine)  # (the ring takes its memory: a thread)
                         ring = await asyncio.to_thread(hub.offer, size)
@@ -313,9 +314,9 @@ async def handle(
                     break
                 continue
             if msg.type == "heartbeat":
-                engine.submit(partial(engine.heartbeat, wid))
+                engine.submit(cmd.Heartbeat(wid))
             elif msg.type == "pull":
-                engine.submit(partial(engine.pull, wid, msg.get("have")))
+                engine.submit(cmd.Pull(wid, msg.get("have")))
             elif msg.type == "bye":
                 reason = msg.get("reason") or "bye"
                 break
@@ -327,9 +328,8 @@ async def handle(
                     outbox.send_error(exc.code, exc.message, msg.id)
                     continue
                 outbox.shm = hub
-                engine.store.frame_sink = hub  # snapshots are packed into the ring from now on
-                if wid is not None:
-                    engine.submit(partial(engine.set_transport, wid, outbox, "shm"))
+                if wid is not None:  # snapshots are packed into the ring from then on
+                    engine.submit(cmd.Transport(wid, outbox, "shm", sink=hub))
                 log.info(
                     "worker %s: shared memory on (rings %s, %s)",
                     wid,
@@ -337,7 +337,7 @@ async def handle(
                     msg["segment"],
                 )
             elif msg.type == "profile_result":
-                engine.submit(partial(engine.profile_result, wid, msg["result"]))
+                engine.submit(cmd.ProfileResult(wid, msg["result"]))
             elif msg.type == "hello":
                 outbox.send_error("malformed", "hello was already received", msg.id)
             else:
@@ -352,7 +352,7 @@ async def handle(
         if wid is not None:
             if relay is not None:
                 relay.detach(wid, outbox)
-            engine.submit(partial(engine.leave, wid, reason, outbox))
+            engine.submit(cmd.Leave(wid, reason, outbox))
         outbox.close(reason)
         with contextlib.suppress(asyncio.TimeoutError, Exception):
             await asyncio.wait_for(writer, 2.0)

@@ -48,6 +48,7 @@ import jax
 
 from hetd import config as config_mod
 from hetd.config import TrainConfig
+from hetd.core import commands as cmd
 from hetd.core.downlink import DELTA_S_PER_PARAM
 from hetd.core.engine import BATCH, Engine, EngineConfig
 from hetd.core.ingest import decode_hello, decode_push
@@ -64,9 +65,17 @@ from policies import make_policy
 # event kinds (events at the same virtual time run in the order they were scheduled)
 _DELIVER, _ARRIVE, _PROFILE, _PULL, _WAKE, _TICK, _EVAL, _DECODED, _FREE, _RECORD = range(10)
 
-Command = Callable[[], float]
-"""An engine command for the daemon's queue: runs it, returns its own cost in seconds (before the
-optimizer steps and frames it caused, which the batch adds)."""
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    """An engine command on the daemon's queue, with its own cost in seconds (before the
+    optimizer steps and frames it causes, which the batch adds); a push also names its emulated
+    worker and whether the daemon applies it as fused int8."""
+
+    command: cmd.Command
+    cost: float = 0.0
+    worker: EmuWorker | None = None
+    fused: bool = False
 
 
 class VirtualClock:
@@ -201,7 +210,7 @@ class _Sim:
         self.bytes_marks: list[list[float]] = []  # [[t s, bytes up + down]] at each evaluation
         self.pushes = 0
         # the daemon as one server: commands waiting, and when it is free again
-        self.waiting: deque[Command] = deque()
+        self.waiting: deque[Queued] = deque()
         self.server_free = 0.0
         self._fused: list[Tensors] = []  # this batch's pushes that the daemon applies as int8
         self._encoded: set[tuple[Any, ...]] = set()  # parameter frames already paid for
@@ -216,7 +225,7 @@ class _Sim:
     def run(self) -> SimRun:
         sc = self.sc
         for w in self.workers:
-            self.waiting.append(self._join_command(w))
+            self.waiting.append(self._join(w))
         self._serve()
         # evaluations at k × interval, and always one at the budget (the final accuracy)
         n_evals = math.ceil(sc.budget_s / sc.eval_interval_s)
@@ -239,20 +248,20 @@ class _Sim:
                 self._arrive(payload)
             elif kind == _DECODED:
                 pushed, msg = payload
-                self._submit(self._push_command(pushed, msg, on_loop_s=0.0))
+                self._submit(self._push(pushed, msg, on_loop_s=0.0))
             elif kind == _PROFILE:
-                self._submit(self._message(self.engine.profile_result, payload[0].wid, payload[1]))
+                self._submit(self._message(cmd.ProfileResult(payload[0].wid, payload[1])))
             elif kind == _PULL:
-                self._submit(self._message(self.engine.pull, payload.wid, None))
+                self._submit(self._message(cmd.Pull(payload.wid, None)))
             elif kind == _WAKE:
                 self._try_start(payload)
             elif kind == _TICK:
-                self._submit(self._tick_command)
+                self._submit(Queued(cmd.Tick()))
                 self.schedule((payload + 1) * sc.tick_s, _TICK, payload + 1)
             elif kind == _FREE:
                 self._serve()
             elif kind == _RECORD:
-                self._submit(self._record_command(*payload))
+                self._submit(self._record(*payload))
             else:
                 self._evaluate()
         self.clock.t = sc.budget_s
@@ -260,7 +269,7 @@ class _Sim:
 
     # --- the daemon: one server in virtual time -------------------------------------------------
 
-    def _submit(self, command: Command) -> None:
+    def _submit(self, command: Queued) -> None:
         """Queue an engine command; it runs now if the daemon is free."""
         self.waiting.append(command)
         self._serve()
@@ -276,7 +285,7 @@ class _Sim:
             buffered = self._buffered() if self.costs.buffer_s_per_param else 0
             cost = 0.0
             for _ in range(min(len(self.waiting), BATCH)):
-                cost += self.waiting.popleft()()
+                cost += self._run(self.waiting.popleft())
             self.engine.publish_batch()
             for kind, tensors in self.store.queued:
                 cost += self.costs.apply(kind, int8=any(tensors is f for f in self._fused))
@@ -293,54 +302,48 @@ class _Sim:
     def _buffered(self) -> int:
         return sum(s.buffered for s in self.engine.stats.values())
 
-    def _message(self, method: Callable[..., Any], *args: Any) -> Command:
-        """A worker message the engine handles (costs ``message_s``)."""
-
-        def command() -> float:
-            method(*args)
-            return self.costs.message_s
-
-        return command
-
-    def _join_command(self, w: EmuWorker) -> Command:
-        def command() -> float:
-            w.wid = self.engine.join(decode_hello(w.hello()), SimPeer(w.index, self.inbox))
-            return self.costs.message_s
-
-        return command
-
-    def _tick_command(self) -> float:
-        self.engine.tick()
-        return 0.0
-
-    def _record_command(self, loss: float, acc: float) -> Command:
-        def command() -> float:
-            self.engine.record_eval(loss, acc)
+    def _run(self, q: Queued) -> float:
+        """Run one queued command on the engine; what it cost the daemon."""
+        c = q.command
+        if isinstance(c, cmd.Push):
+            assert q.worker is not None  # every queued push names its worker
+            if q.fused:
+                self._fused.append(c.push.tensors)
+            q.worker.staleness.append(max(0, self.engine.store.version - c.push.base))
+        self.engine.handle(c)
+        if isinstance(c, cmd.Push):
+            self.pushes += 1
+        elif isinstance(c, cmd.EvalDone):
             t = self.engine.evals[-1][0]  # bytes to target: what crossed the links until now
             self.bytes_marks.append([t, self.engine.bytes_in + self.engine.bytes_out])
-            return 0.0
+        return q.cost
 
-        return command
+    def _message(self, command: cmd.Command) -> Queued:
+        """A worker message the engine handles (costs ``message_s``)."""
+        return Queued(command, self.costs.message_s)
 
-    def _push_command(self, p: InFlight, msg: wire.Message, on_loop_s: float) -> Command:
+    def _join(self, w: EmuWorker) -> Queued:
+        def got(wid: int) -> None:
+            w.wid = wid
+
+        hello = decode_hello(w.hello())
+        return self._message(cmd.Join(hello, SimPeer(w.index, self.inbox), on_id=got))
+
+    @staticmethod
+    def _record(loss: float, acc: float) -> Queued:
+        return Queued(cmd.EvalDone((loss, acc), None))
+
+    def _push(self, p: InFlight, msg: wire.Message, on_loop_s: float) -> Queued:
         """The engine takes a decoded push (``on_loop_s``: its decode, when the daemon decodes it
         on the engine's loop)."""
-
-        def command() -> float:
-            w = p.worker
-            assert p.frame is not None  # encoded before it was queued
-            push_in = decode_push(self.engine.store.shapes, w.wid, msg, len(p.frame))
-            # the transfer time the engine would measure from the worker's stamp, in virtual time
-            # (the link's: the round trip's exchange_s is not the bytes' time on the link)
-            push_in = dataclasses.replace(push_in, transfer_s=p.arrive - p.exchange_s - p.sent_at)
-            if self.costs.apply_s and _fused_int8(msg["tensors"]):
-                self._fused.append(push_in.tensors)
-            w.staleness.append(max(0, self.engine.store.version - p.base))
-            self.engine.push(push_in)
-            self.pushes += 1
-            return self.costs.message_s + on_loop_s
-
-        return command
+        w = p.worker
+        assert p.frame is not None  # encoded before it was queued
+        push_in = decode_push(self.engine.store.shapes, w.wid, msg, len(p.frame))
+        # the transfer time the engine would measure from the worker's stamp, in virtual time
+        # (the link's: the round trip's exchange_s is not the bytes' time on the link)
+        push_in = dataclasses.replace(push_in, transfer_s=p.arrive - p.exchange_s - p.sent_at)
+        fused = bool(self.costs.apply_s) and _fused_int8(msg["tensors"])
+        return Queued(cmd.Push(push_in), self.costs.message_s + on_loop_s, w, fused)
 
     def _frame_cost(self, msg: wire.Message, batch: set[tuple[Any, ...]]) -> float:
         """What encoding this ``params`` frame cost the daemon: once per frame (the downlink
@@ -439,7 +442,7 @@ class _Sim:
         if decode_s > 0 and len(p.frame) > self.costs.off_loop_bytes:
             self.schedule(self.clock.t + decode_s, _DECODED, (p, msg))  # in a thread: no queue
             return
-        self._submit(self._push_command(p, msg, on_loop_s=decode_s))
+        self._submit(self._push(p, msg, on_loop_s=decode_s))
 
     def _evaluate(self) -> None:
         """An evaluation at its virtual time. Its accuracy reaches the engine ``eval_s`` later,
@@ -451,9 +454,9 @@ class _Sim:
             if self.costs.eval_s > 0:
                 self.schedule(t + self.costs.eval_s, _RECORD, (loss, acc))
             else:
-                self._submit(self._record_command(loss, acc))
+                self._submit(self._record(loss, acc))
         else:
-            self._record_command(loss, acc)()
+            self._run(self._record(loss, acc))
             self.engine.publish_batch()
             self._drain()
         sizes = {

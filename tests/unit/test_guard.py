@@ -112,7 +112,7 @@ def test_the_median_window_is_bounded() -> None:
     w = Worker(e)
     for _ in range(5000):
         w.push(0.01)
-    assert max(len(n) for n in e.guard_norms.values()) <= 512
+    assert max(len(n) for n in e.guard.norms.values()) <= 512
 
 
 def test_refusals_are_counted_per_worker_in_metrics() -> None:
@@ -200,3 +200,18 @@ def test_a_session_measures_an_int8_norm_only_for_the_guard() -> None:
     e.push(dataclasses.replace(p, id=w.next_id + 1, base=e.store.version))
     reply = w.peer.replies[-1]
     assert isinstance(reply, ErrorReply) and reply.code == "out_of_range"
+
+
+def test_the_guard_alone_warms_up_then_refuses_by_kind() -> None:
+    from hetd.core.guard import MAX_NORM, UpdateGuard
+
+    g = UpdateGuard(factor=10.0, warmup=3)
+    assert [g.check("grad", 1.0) for _ in range(3)] == [None, None, None]
+    refusal = g.check("grad", 11.0)
+    assert refusal is not None and "over 10 x the median 1" in refusal
+    assert len(g.norms["grad"]) == 3  # a refused norm does not join the window
+    assert g.check("delta", 11.0) is None  # another kind warms up on its own
+    assert g.check("grad", 9.0) is None
+    assert "out of range" in (g.check("delta", MAX_NORM) or "")
+    off = UpdateGuard(factor=0.0, warmup=3)
+    assert not off.on and off.check("grad", math.inf) is None and off.norms == {}
