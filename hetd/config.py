@@ -103,6 +103,9 @@ class StoreConfig:
         60.0  # s between timed checkpoints; 0: only on SIGTERM and POST /v1/checkpoint
     )
     keep: int = 3  # newest checkpoints kept; older ones are deleted after each write
+    # where hetd export (POST /v1/export) writes: "out" names a directory under it; empty: the
+    # state directory's exports/ (and with no state directory either, exports are refused)
+    export_dir: str = ""
 
 
 @dataclass(frozen=True)

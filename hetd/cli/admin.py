@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from typing import Any
 
 from hetd.cli.admin_text import policy_text, status_text, workers_text
@@ -113,12 +112,19 @@ def add_export(sub: Sub, client: argparse.ArgumentParser) -> None:
         "export",
         parents=[client],
         help="write the model for the JAX ecosystem (POST /v1/export)",
-        description="Ask a running daemon to write its current model into DIR on the daemon's "
-        "machine: an orbax CheckpointManager directory (step = version; items params, opt_state, "
-        "meta), a bare params.msgpack that flax.serialization.msgpack_restore reads, and "
-        "model.json: the model, version and every parameter's shape.",
+        description="Ask a running daemon to write its current model into NAME under its export "
+        "root on the daemon's machine ([store] export_dir; by default the state directory's "
+        "exports/): an orbax CheckpointManager directory (step = version; items params, "
+        "opt_state, meta), a bare params.msgpack that flax.serialization.msgpack_restore reads, "
+        "and model.json: the model, version and every parameter's shape. Prints the full path.",
     )
-    s.add_argument("--out", required=True, metavar="DIR", help="directory to write (created)")
+    s.add_argument(
+        "--out",
+        default="model",
+        metavar="NAME",
+        help="directory under the daemon's export root, e.g. model or runs/a (created; default "
+        "model); absolute paths, '..' and symbolic links are refused",
+    )
     s.set_defaults(run=_export)
 
 
@@ -167,10 +173,9 @@ def _policy_patch(args: argparse.Namespace) -> None:
 
 @admin_command
 def _export(args: argparse.Namespace) -> None:
-    out = os.path.abspath(args.out)  # the daemon's working directory is not ours
     emit(
         args,
-        admin_request(args, "POST", "/v1/export", {"out": out}),
+        admin_request(args, "POST", "/v1/export", {"out": args.out}),
         lambda r: (
             f"exported version {r['version']} to {r['dir']} (orbax step {r['step']}"
             f"{'' if r['written'] else ', already there'}) and {r['params_msgpack']}"

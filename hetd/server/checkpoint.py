@@ -12,8 +12,10 @@ memory and reads it back without copying the payload out; after a write or a loa
 back to the system.
 
 Files are ``ckpt-<seq>-v<version>.msgpack`` (``seq`` grows by one per write), written as
-``.<name>.tmp`` + fsync + rename + fsync of the directory. **The newest checkpoint is the one with the
-highest version; of two with the same version, the later write (the higher ``seq``).** Never the
+``.<name>.<random>.tmp`` (created exclusively, never through a link) + fsync + rename + fsync
+of the directory, mode 0600 whatever the umask (the file holds the workers' resume secrets).
+**The newest checkpoint is the one with the highest version; of two with the same version, the
+later write (the higher ``seq``).** Never the
 file's time: clocks move, and a copied file gets a new one. Training only ever raises the version,
 so in one daemon's life the two orders agree; the rule decides when they do not (a directory that
 two daemons wrote into before it was locked, :mod:`hetd.server.statedir`): the most trained state
@@ -40,7 +42,6 @@ import contextlib
 import dataclasses
 import io
 import logging
-import os
 import re
 import threading
 import time
@@ -54,7 +55,7 @@ import numpy as np
 from flax import serialization
 
 from hetd.core.engine import Engine, EngineState, SavedWorker
-from hetd.server import ckpt_file
+from hetd.server import ckpt_file, safe_files
 from hetd.server.ckpt_file import FORMAT, FORMAT_VERSION, CheckpointError, decode
 from hetd.server.policy_state import plain, policy_state_tree, revive_policy_state
 
@@ -62,6 +63,7 @@ log = logging.getLogger("hetd.server.checkpoint")
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "CheckpointError", "Checkpointer", "decode", "encode"]
 
+CHECKPOINT_MODE = 0o600  # the file holds every worker's resume secret: its owner's alone
 _NAME = re.compile(r"^ckpt-(\d{8,})-v(\d+)\.msgpack$")
 
 
@@ -198,14 +200,6 @@ def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
     return [(seq, p) for _, seq, p in sorted(found, reverse=True)]
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write(directory: Path, state: Mapping[str, Any], keep: int) -> CheckpointInfo:
     """Write ``state`` atomically as the newest checkpoint, then rotate: keep the newest ``keep``
     *valid* checkpoints (this one included) and delete the rest, invalid ones too.
@@ -217,18 +211,11 @@ def write(directory: Path, state: Mapping[str, Any], keep: int) -> CheckpointInf
     seq = max((s for s, _ in existing), default=0) + 1  # after every write, whatever its version
     version = int(state["version"])
     final = directory / f"ckpt-{seq:08d}-v{version}.msgpack"
-    tmp = directory / f".{final.name}.tmp"
-    try:
-        with open(tmp, "wb") as fh:
-            nbytes = ckpt_file.write_to(fh, state)  # streamed: no copy of the state in memory
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
-        _fsync_dir(directory)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+    # streamed (no copy of the state in memory) into an exclusively created temp file, never
+    # through a link planted at its name; 0600 whatever the umask: it holds the resume secrets
+    nbytes = safe_files.write_atomic(
+        final, lambda fh: ckpt_file.write_to(fh, state), mode=CHECKPOINT_MODE
+    )
     _rotate(directory, keep, final)
     created = float(state.get("created_unix", time.time()))
     return CheckpointInfo(str(final), seq, version, nbytes, created)

@@ -16,13 +16,19 @@ export is for users, and needs nothing of ours to read:
   (so a user builds the same layers, e.g. the hidden width of ``mlp``, without asking).
 
 :func:`capture` runs on the engine task (a consistent cut); :func:`write` runs in a thread.
+
+``DIR`` is a name under the export root (:func:`export_root`: ``[store] export_dir``, by default
+the state directory's ``exports/``), never a path of the client's choosing: an absolute path,
+``..`` or a symlinked component is refused with 400 (:mod:`hetd.server.safe_files`), and a daemon
+with neither a state directory nor ``export_dir`` refuses exports (409). Files of ours are
+written through exclusively created temp files (never through a link planted at their name), with
+the umask's modes: an export holds parameters and the config without its secrets.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,10 +36,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from hetd.server.safe_files import Refused, UnsafePath, under_root, write_atomic
+
 if TYPE_CHECKING:
     from hetd.config import Config
     from hetd.core.engine import Engine
 
+EXPORTS = "exports"  # the export root's name in the state directory
 ITEMS = ("params", "opt_state", "meta")
 PARAMS_FILE = "params.msgpack"
 MODEL_FILE = "model.json"  # what PARAMS_FILE holds (:func:`describe`)
@@ -146,23 +155,39 @@ def describe(state: Captured, cfg: Config) -> dict[str, Any]:
     }
 
 
-def _atomic_write(path: Path, blob: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(blob)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def export_root(cfg: Config) -> Path:
+    """Where exports go: ``[store] export_dir``, else the state directory's ``exports/``;
+    :class:`~hetd.server.safe_files.Refused` (409) when the daemon has neither."""
+    if cfg.store.export_dir:
+        return Path(cfg.store.export_dir).expanduser().absolute()
+    if cfg.store.dir:
+        return Path(cfg.store.dir).expanduser().absolute() / EXPORTS
+    raise Refused(
+        "this daemon has no export root: give it a state directory (hetd serve --state-dir, "
+        "[store] dir; exports go to its exports/) or [store] export_dir",
+        status=409,
+        code="no_export_root",
+    )
 
 
-def write(out: str | os.PathLike[str], state: Captured, cfg: Config) -> dict[str, Any]:
+def target(cfg: Config, out: str) -> Path:
+    """The directory ``out`` names under the export root, made; :class:`Refused` (400) for an
+    absolute path, ``..`` or a symlinked component, naming the root."""
+    root = export_root(cfg)
+    try:
+        return under_root(root, out)
+    except UnsafePath as exc:
+        raise UnsafePath(f"{exc}; exports go under {root}, give a name such as 'model'") from None
+
+
+def write(out: str, state: Captured, cfg: Config) -> dict[str, Any]:
     """Write the orbax step ``state.version`` (unless that step is there already: same version,
-    same params) and ``params.msgpack`` into ``out``; returns what was written."""
+    same params) and ``params.msgpack`` into ``out``, a name under the export root
+    (:func:`target`); returns what was written, ``dir`` the directory's full path."""
     import orbax.checkpoint as ocp
     from flax import serialization
 
-    directory = Path(out).absolute()
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = target(cfg, out)
     params = nested(state.params)
     info = meta(state, cfg)
     options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
@@ -179,9 +204,9 @@ def write(out: str | os.PathLike[str], state: Captured, cfg: Config) -> dict[str
             )
             manager.wait_until_finished()
     blob = serialization.msgpack_serialize(params)
-    _atomic_write(directory / PARAMS_FILE, blob)
+    write_atomic(directory / PARAMS_FILE, blob)
     described = json.dumps(_json_safe(describe(state, cfg)), indent=2, sort_keys=True)
-    _atomic_write(directory / MODEL_FILE, described.encode() + b"\n")
+    write_atomic(directory / MODEL_FILE, described.encode() + b"\n")
     return {
         "dir": str(directory),
         "step": state.version,

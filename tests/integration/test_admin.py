@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import sys
-import tempfile
 from typing import Any
 
 import aiohttp
@@ -29,7 +28,7 @@ ROUTES: list[tuple[str, str, Any]] = [
     ("PUT", "/v1/policy", {"name": "asp"}),
     ("PATCH", "/v1/policy", {"params": {}}),
     ("POST", "/v1/checkpoint", None),
-    ("POST", "/v1/export", {"out": os.path.join(tempfile.gettempdir(), "hetd-test-admin-export")}),
+    ("POST", "/v1/export", {"out": "hetd-test-admin-export"}),
     ("GET", "/metrics", None),
     ("GET", "/openapi.json", None),
     ("GET", "/v1/dashboard", None),
@@ -103,8 +102,12 @@ async def test_every_route_wants_the_admin_token_and_is_documented(cluster) -> N
                     assert (await resp.content.readline()).startswith(b"retry:")
                 continue
             status, reply = await call(http, c, method, path, body)
-            # No state directory is configured here: checkpointing is refused with a reason.
-            conflict = path == "/v1/checkpoint" or (method, path) == ("POST", "/v1/replicas")
+            # No state directory is configured here: checkpointing and exporting (no export
+            # root) are refused with a reason.
+            conflict = path in ("/v1/checkpoint", "/v1/export") or (method, path) == (
+                "POST",
+                "/v1/replicas",
+            )
             assert status == (409 if conflict else 200), (method, path, reply)
         status, reply = await call(http, c, "GET", "/healthz", headers={})
         assert status == 200 and reply["ok"] is True

@@ -69,25 +69,29 @@ READER = textwrap.dedent(
 async def test_export_round_trips_bit_identical_through_orbax_and_msgpack(
     cluster: Any, tmp_path: Path
 ) -> None:
-    c: Cluster = await cluster("asp", model_kwargs={"hidden": [32]}, optimizer="momentum")
+    c: Cluster = await cluster(
+        "asp",
+        model_kwargs={"hidden": [32]},
+        optimizer="momentum",
+        store={"export_dir": str(tmp_path / "exports")},
+    )
     await c.spawn(1.0, 0.01)
     await c.wait_for(lambda: c.engine.store.version >= 5, 120, "5 applied updates")
     await stop_processes(c.procs)
     await c.wait_for(lambda: not c.engine.facts, 30, "the worker to leave")
     snap = c.engine.store.snapshot()
 
-    out = tmp_path / "model"
-    code, stdout, err = await hetd_cli("export", "--out", str(out), "--admin-url", c.admin_url)
+    out = tmp_path / "exports" / "model"  # --out names a directory under the export root
+    code, stdout, err = await hetd_cli("export", "--out", "model", "--admin-url", c.admin_url)
     assert code == 0, err
     assert f"exported version {snap.version} to {out}" in stdout, stdout
     # again at the same version: the step is kept, not written twice
-    code, stdout, err = await hetd_cli("export", "--out", str(out), "--admin-url", c.admin_url)
+    code, stdout, err = await hetd_cli("export", "--out", "model", "--admin-url", c.admin_url)
     assert code == 0 and "already there" in stdout, (stdout, err)
     # a path it cannot write: a clear refusal, and the daemon carries on
-    blocker = tmp_path / "file"
-    blocker.write_text("not a directory")
-    code, _, err = await hetd_cli("export", "--out", str(blocker / "x"), "--admin-url", c.admin_url)
-    assert code == 1 and "export_failed" in err, err
+    (tmp_path / "exports" / "file").write_text("not a directory")
+    code, _, err = await hetd_cli("export", "--out", "file/x", "--admin-url", c.admin_url)
+    assert code == 1 and "bad_out" in err and "'file' is not a directory" in err, err
     assert c.daemon._engine_task is not None and not c.daemon._engine_task.done()
 
     dump = tmp_path / "restored.npz"

@@ -83,15 +83,13 @@ async def test_a_task_trains_to_its_target_and_comes_out_in_its_own_structure(
     assert counts and all(n == c.engine.updates_applied for n in counts), (counts, version)
 
     # hetd export writes the user's tree: a list of two weights and a 0-d bias
-    code, _, err = await hetd_cli(
-        "export", "--out", str(tmp_path / "out"), "--admin-url", c.admin_url
-    )
+    code, _, err = await hetd_cli("export", "--out", "out", "--admin-url", c.admin_url)
     assert code == 0, err
     from flax import serialization
 
     import tests.tasks.linreg as linreg
 
-    blob = (tmp_path / "out" / "params.msgpack").read_bytes()
+    blob = (tmp_path / "state" / "exports" / "out" / "params.msgpack").read_bytes()
     restored = serialization.from_state_dict(linreg.init(None), serialization.msgpack_restore(blob))
     assert isinstance(restored["w"], list) and np.shape(restored["b"]) == ()
     snap = c.engine.store.snapshot()

@@ -225,7 +225,12 @@ def test_checkpoint_config_is_validated() -> None:
     with pytest.raises(config.ConfigError, match=r"\[server\] admin_port"):
         config.replace(config.Config(), "server", admin_port=-2)
     cfg = config.replace(config.Config(), "server", admin_port=-1)
-    assert dataclasses.asdict(cfg.store) == {"dir": "", "interval_s": 60.0, "keep": 3}
+    assert dataclasses.asdict(cfg.store) == {
+        "dir": "",
+        "interval_s": 60.0,
+        "keep": 3,
+        "export_dir": "",
+    }
 
 
 class Counts(NamedTuple):
