@@ -1,7 +1,8 @@
 """The admin HTTP API: status, workers, policy hot-swap, checkpoints, Prometheus metrics, OpenAPI.
 
 Every route but ``/healthz`` needs ``Authorization: Bearer <admin token>``; with no admin token
-configured every such call is refused (401). The engine is only read or changed through
+configured every such call is refused (401). An address that sent too many wrong tokens gets 429
+(with ``Retry-After``) until its window ends (:mod:`hetd.server.throttle`). The engine is only read or changed through
 ``engine.call``, so each answer is consistent and each change lands between two events. Nothing an
 operator sends can stop the daemon: bad JSON, wrong types or a policy that will not build get a 400
 whose message says what to fix, and the running policy stays. ``hetd/openapi.json`` documents the
@@ -19,10 +20,13 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from hetd.protocol.endpoints import ADMIN_REALM
+from hetd.server import front
 from hetd.server.auth import ADMIN_ENDPOINT, name_endpoint
+from hetd.server.throttle import AuthThrottle
+from hetd.server.safe_files import Refused
 
 if TYPE_CHECKING:  # the engine's modules import JAX: the admin app is built before they load
     from hetd.core.engine import Engine
@@ -57,9 +61,13 @@ class AdminSlot:
     answers 503 ``starting``. The token and the TLS flag are known from the start.
     """
 
-    def __init__(self, token: str, *, tls: bool = False) -> None:
+    def __init__(
+        self, token: str, *, tls: bool = False, throttle: AuthThrottle | None = None
+    ) -> None:
         self.token = token
         self.tls = tls
+        # wrong tokens per address (the daemon's, shared with its worker endpoint)
+        self.throttle = throttle if throttle is not None else AuthThrottle()
         self.ctx: AdminContext | None = None
 
     def attach(self, ctx: AdminContext) -> None:
@@ -101,6 +109,32 @@ def _authorized(request: web.Request, token: str) -> bool:
     return hmac.compare_digest(got, f"Bearer {token}".encode())
 
 
+def too_many_failures(slot: AdminSlot, request: web.Request) -> web.Response | None:
+    """A 429 (JSON, ``Retry-After``) for an address that sent too many wrong tokens; None: it may
+    try."""
+    wait = slot.throttle.retry_after(request.remote)
+    if wait is None:
+        return None
+    reply = error_response(
+        429,
+        "too_many_failures",
+        f"too many wrong tokens from this address: retry after {wait} s",
+    )
+    reply.headers[hdrs.RETRY_AFTER] = str(wait)
+    return reply
+
+
+def note_failure(slot: AdminSlot, request: web.Request) -> None:
+    """Count a wrong token from ``request``'s address; log once when it is used up."""
+    if slot.throttle.failed(request.remote):
+        log.warning(
+            "%s sent %d wrong tokens within %g s: it gets 429 until that window ends",
+            request.remote,
+            slot.throttle.failures,
+            slot.throttle.window_s,
+        )
+
+
 SessionCheck = Callable[[web.Request], bool]
 SESSION_CHECK: web.AppKey[SessionCheck] = web.AppKey("admin_session_check")
 
@@ -121,11 +155,17 @@ async def _guard(
                 "the admin API is disabled: no admin token is configured "
                 "(set HETD_ADMIN_TOKEN or [server] admin_token)",
             )
+        busy = too_many_failures(slot, request)
+        if busy is not None:
+            return busy
         session = request.app.get(SESSION_CHECK)
         if not _authorized(request, slot.token) and not (session is not None and session(request)):
+            if hdrs.AUTHORIZATION in request.headers:  # a guess (not a browser without a session)
+                note_failure(slot, request)
             return error_response(
                 401, "unauthorized", "missing or wrong admin token (Authorization: Bearer <token>)"
             )
+        front.trust(request)  # no longer pending: the caps and the header timeout are done
     try:
         return await handler(request)
     except ApiError as exc:
@@ -334,17 +374,20 @@ async def openapi(request: web.Request) -> web.Response:
 
 
 async def post_export(request: web.Request) -> web.Response:
-    """Write the model for users: ``{"out": DIR}`` on the daemon's machine gets an orbax
-    CheckpointManager directory (step = version) and a bare ``params.msgpack``."""
+    """Write the model for users: ``{"out": NAME}``, a directory under the daemon's export root
+    (:func:`hetd.server.export.export_root`), gets an orbax CheckpointManager directory (step =
+    version) and a bare ``params.msgpack``."""
     ctx = context(request)
     body = await _json_object(request, {"out"}, {"out"})
     out = body["out"]
     if not isinstance(out, str) or not out:
-        raise ApiError(400, "bad_request", 'out must be a non-empty path, e.g. "/tmp/model"')
+        raise ApiError(400, "bad_request", 'out must be a name under the export root, e.g. "model"')
     if ctx.export is None:
         raise ApiError(409, "no_export", "this daemon cannot export")
     try:
         reply = await ctx.export(out)
+    except Refused as exc:  # out outside the export root, through a link; no export root
+        raise ApiError(exc.status, exc.code, str(exc)) from None
     except (OSError, ValueError) as exc:
         raise ApiError(500, "export_failed", f"writing the export to {out} failed: {exc}") from None
     return web.json_response(reply)
