@@ -309,7 +309,7 @@ def calibrate(
         worker_decode[name] /= n
 
     say("an evaluation of the global model")
-    evaluator = engine.evaluator
+    evaluator = engine.evaluations.evaluator
     assert evaluator is not None  # build_engine sets one
     snap = store.snapshot()
     eval_s = _median(lambda: evaluator(snap), repeats)

@@ -404,7 +404,7 @@ async def _measure(
     deferred (the module docstring): evaluated after the budget, the workers stopped first;
     without, they run live."""
     engine = daemon.engine
-    evaluate = engine.evaluator
+    evaluate = engine.evaluations.evaluator
     assert evaluate is not None  # build_engine always sets one
     by_name = {f.name: wid for wid, f in engine.facts.items()}
     wids = {str(i): by_name[f"w{i}"] for i in range(sc.n)}

@@ -37,17 +37,15 @@ from hetd.core import commands as cmd
 from hetd.core.decisions import DecisionsMixin
 from hetd.core.entries import (
     LINK_WINDOW,
-    Clock,
     EngineBase,
     EngineConfig,
-    MonotonicClock,
-    Peer,
     WorkerEntry,
     WorkerStats,
 )
-from hetd.core.evals import EvalMixin, metrics_of
+from hetd.core.evals import Keeper, metrics_of
 from hetd.core.ingest import update_norm
 from hetd.core.members import PROFILE_KEYS, MembersMixin
+from hetd.core.peers import Clock, MonotonicClock, Peer
 from hetd.core.publish import OFF_LOOP_PARAMS, PublishMixin
 from hetd.core.saved import EngineState, SavedWorker, StateMixin
 from hetd.core.views import ViewsMixin
@@ -77,12 +75,12 @@ BATCH = 64  # commands at most taken before one publish
 EWMA = 0.5  # smoothing of per-worker timing facts (docs/policies.md)
 
 
-class Engine(MembersMixin, EvalMixin, ViewsMixin, StateMixin, DecisionsMixin, PublishMixin):
+class Engine(MembersMixin, ViewsMixin, StateMixin, DecisionsMixin, PublishMixin):
     """Owns the workers' entries, policy state, the store and the aggregation buffers. Its parts:
     :class:`~hetd.core.entries.EngineBase` (fields, tables, the view),
     :class:`~hetd.core.members.MembersMixin` (joins, leaves, profiles, heartbeats),
     :class:`~hetd.core.decisions.DecisionsMixin` (the policy's decisions, policy swaps),
-    :class:`~hetd.core.evals.EvalMixin` (evaluations),
+    :class:`~hetd.core.evals.Evaluations` (evaluations, a part of its own),
     :class:`~hetd.core.publish.PublishMixin` (releases, publishing),
     :class:`~hetd.core.replicas.ReplicaMixin` (pipeline replicas),
     :class:`~hetd.core.saved.StateMixin` (checkpoints) and
@@ -145,7 +143,7 @@ class Engine(MembersMixin, EvalMixin, ViewsMixin, StateMixin, DecisionsMixin, Pu
     async def run(self) -> None:
         """Process commands until cancelled; a timer task feeds ticks."""
         ticker = asyncio.create_task(self._ticker())
-        evals = asyncio.create_task(self._eval_timer())
+        evals = asyncio.create_task(self.evaluations.timer(self.config.tick_s))
         self._deferred = True
         self.store.combine = True  # a batch's updates: one optimizer step of their weighted sum
         try:
@@ -156,8 +154,7 @@ class Engine(MembersMixin, EvalMixin, ViewsMixin, StateMixin, DecisionsMixin, Pu
             self.store.combine = False
             ticker.cancel()
             evals.cancel()
-            if self._eval_task is not None:
-                self._eval_task.cancel()
+            self.evaluations.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await ticker
             with contextlib.suppress(asyncio.CancelledError):
@@ -302,3 +299,30 @@ class Engine(MembersMixin, EvalMixin, ViewsMixin, StateMixin, DecisionsMixin, Pu
                 self.leave(wid, "heartbeat timeout")
         self._evaluate_if_due(now)
         self._dispatch(Tick(now))
+
+    # --- evaluations (hetd.core.evals.Evaluations) -------------------------------------------------
+
+    def _evaluate_if_due(self, now: float) -> None:
+        event = self.evaluations.due(now, self.store.snapshot)
+        if event is not None:
+            self._dispatch(event)
+
+    def record_eval(
+        self,
+        loss: float,
+        accuracy: float,
+        taken: float | None = None,
+        metrics: dict[str, float] | None = None,
+    ) -> None:
+        """Store an evaluation (:meth:`Evaluations.record`) and tell the policy."""
+        self._dispatch(self.evaluations.record(loss, accuracy, taken, metrics))
+
+    def anchor_evals(self, at: float) -> None:
+        """Evaluate at ``at`` + k × ``eval_interval_s`` from now on (engine clock): the real bench
+        puts the grid on its t = 0, where the simulator evaluates."""
+        self.evaluations.anchor(at)
+
+    def keep_evals(self, keeper: Keeper | None) -> None:
+        """Defer evaluations to ``keeper`` (:meth:`Evaluations.keep`; ValueError if the running
+        policy reads ``Eval`` events; a policy swapped in later is checked by the caller)."""
+        self.evaluations.keep(keeper, self.policy)

@@ -14,14 +14,15 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from hetd.core.downlink import Downlink
+from hetd.core.evals import Evaluations
 from hetd.core.guard import UpdateGuard
+from hetd.core.peers import Clock, MonotonicClock, Peer
 from hetd.core.rates import LatencyRecorder, RateMeter
 from hetd.core.store import Aggregator, Snapshot, Store
-from hetd.protocol.messages import PushIn, Reply
-from hetd.zoo.task import Target
+from hetd.protocol.messages import PushIn
 from policies.types import ClusterView, Event, Plan, Policy, ReplicaShape, WorkerFacts
 
 if TYPE_CHECKING:
@@ -54,36 +55,6 @@ def block_facts(shapes: Mapping[str, tuple[int, ...]]) -> tuple[tuple[float, flo
         width = next((s[0] for s in reversed(blocks[name]) if len(s) == 1), 1)
         out.append((4.0 * params, 4.0 * width, float(params)))
     return tuple(out)
-
-
-class Clock(Protocol):
-    """Where the engine reads the time (seconds)."""
-
-    def now(self) -> float: ...
-
-
-class MonotonicClock:
-    """Wall time for the real daemon."""
-
-    def now(self) -> float:
-        return time.monotonic()
-
-
-class Peer(Protocol):
-    """A session's outbox as the engine sees it; nothing here blocks."""
-
-    def send(self, reply: Reply) -> None:
-        """Queue a control reply (the peer encodes it, or reads it as it is)."""
-        ...
-
-    def send_params(self, frame: bytes | memoryview, *, full: bool) -> None:
-        """Queue one encoded ``params`` frame of a release (``full``: it replaces every
-        parameter frame still queued)."""
-        ...
-
-    def close(self, reason: str) -> None:
-        """End the session after what is queued."""
-        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,7 +187,6 @@ class EngineBase:
         store.hashes = config.param_hashes  # a snapshot's frame carries its hash (or not)
         self.config = config
         self.clock: Clock = clock or MonotonicClock()
-        self.evaluator = evaluator
         self.policy = policy
         self._workers: dict[int, WorkerEntry] = {}  # active workers
         self._departed: dict[int, WorkerEntry] = {}  # left (or known from a checkpoint)
@@ -225,15 +195,17 @@ class EngineBase:
         self.buffers: dict[int, Aggregator] = {}  # group (e.g. round) -> buffered updates
         self.stage = "main"
         self.started_at = self.clock.now()
+        self.evaluations = Evaluations(
+            self.clock,
+            self.started_at,
+            config.eval_interval_s,
+            config.eval_inline,
+            self.submit,
+            evaluator,
+        )
         self.updates_applied = 0
         self.publishes = 0  # batches published by run() (updates_applied / publishes: batch size)
         self.max_release_gap = 0  # the largest clock lead any worker was released with
-        self.evals: list[tuple[float, float, float]] = []  # (t since start, loss, accuracy)
-        # a Task's evaluations: every metric of the last one, by name ("loss" included)
-        self.eval_metrics: dict[str, float] = {}
-        self.metric_evals: list[tuple[float, dict[str, float]]] = []  # (t since start, metrics)
-        self.target: Target | None = None  # a Task's target: when reached, target_at is set
-        self.target_at: float | None = None  # s since start of the first evaluation meeting it
         self.stages: list[tuple[float, str]] = []  # (t since start, stage entered), each switch
         self._next_id = 1
         self.downlink = Downlink(s_per_param=config.delta_s_per_param, hashes=config.param_hashes)
@@ -245,8 +217,6 @@ class EngineBase:
         self.rates = RateMeter()  # updates/s and MB/s over the last seconds, sampled on ticks
         self.guard = UpdateGuard(config.guard_factor, config.guard_warmup)
         self._queue: asyncio.Queue[tuple[float, Command]] = asyncio.Queue()
-        self._last_eval = -math.inf
-        self._eval_task: asyncio.Task[None] | None = None
         self._deferred = False  # True while run() drives the engine: releases wait to be published
         self._releases: dict[int, None] = {}  # workers released, not yet sent parameters (ordered)
         # Pipeline replicas (hetd.core.replicas): head (stage 0) -> members in stage order. The
@@ -265,6 +235,11 @@ class EngineBase:
     def submit(self, command: Command) -> None:
         """Queue a command for the engine task (:meth:`hetd.core.engine.Engine.handle` runs it)."""
         self._queue.put_nowait((time.perf_counter(), command))
+
+    @property
+    def evals(self) -> list[tuple[float, float, float]]:
+        """Every evaluation: (s since start, loss, accuracy)."""
+        return self.evaluations.evals
 
     # --- the workers -----------------------------------------------------------------------------
 

@@ -1,12 +1,13 @@
-"""Evaluations, a part of :class:`hetd.core.engine.Engine`: on a fixed grid of the engine clock
-(``eval_interval_s`` apart), of a snapshot of the parameters, in a worker thread (the daemon) or
-inline (the simulator); each result is stored and reaches the policy as an ``Eval`` event.
+"""Evaluations, a part of :class:`hetd.core.engine.Engine` (:class:`Evaluations`): on a fixed grid
+of the engine clock (``eval_interval_s`` apart), of a snapshot of the parameters, in a worker
+thread (the daemon) or inline (the simulator); each result is stored, and the engine hands the
+``Eval`` event it makes to the policy.
 
-Or deferred (:meth:`EvalMixin.keep_evals`, the real bench's default): at each point of the grid the
+Or deferred (:meth:`Evaluations.keep`, the real bench's default): at each point of the grid the
 engine hands the snapshot and its time to a keeper, which copies the parameters; nothing is
 evaluated, no ``Eval`` event is sent, and the bench evaluates the kept copies after the run, so a
 benchmark's probe takes no CPU from what it measures. Only for a policy that does not read ``Eval``
-events (``Policy.reads_evals``): :meth:`keep_evals` refuses one that does.
+events (``Policy.reads_evals``): :meth:`Evaluations.keep` refuses one that does.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import asyncio
 import logging
 import math
 from collections.abc import Callable
+from typing import Any
 
-from hetd.core.commands import EvalDone, EvalDue
-from hetd.core.entries import EngineBase
+from hetd.core.commands import Command, EvalDone, EvalDue
+from hetd.core.peers import Clock
 from hetd.core.store import Snapshot
+from hetd.zoo.task import Target
 from policies.types import Eval
 
 log = logging.getLogger("hetd.core.engine")
@@ -47,91 +50,109 @@ def metrics_of(result: tuple[float, float]) -> dict[str, float]:
     return {"loss": result[0], "accuracy": result[1]}
 
 
-class EvalMixin(EngineBase):
-    """:meth:`anchor_evals`, :meth:`keep_evals`, :meth:`record_eval` and the evaluation timer."""
+class Evaluations:
+    """The evaluation grid, its results and the task's target. Reaches the engine only through
+    ``submit`` (a due point, a finished evaluation: commands on its queue); what the engine does
+    with a result (the policy's ``Eval`` event) is the engine's."""
 
-    _keeper: Keeper | None = None  # deferred evaluations: who keeps the grid's snapshots
+    def __init__(
+        self,
+        clock: Clock,
+        started_at: float,
+        interval_s: float,
+        inline: bool,
+        submit: Callable[[Command], None],
+        evaluator: Callable[[Snapshot], tuple[float, float]] | None = None,
+    ) -> None:
+        self.clock = clock
+        self.started_at = started_at
+        self.interval_s = interval_s
+        self.inline = inline  # evaluate inside the due check (the simulator: virtual time)
+        self.submit = submit
+        self.evaluator = evaluator
+        self.evals: list[tuple[float, float, float]] = []  # (t since start, loss, accuracy)
+        # a Task's evaluations: every metric of the last one, by name ("loss" included)
+        self.latest: dict[str, float] = {}
+        self.history: list[tuple[float, dict[str, float]]] = []  # (t since start, metrics)
+        self.target: Target | None = None  # a Task's target: when reached, target_at is set
+        self.target_at: float | None = None  # s since start of the first evaluation meeting it
+        self.keeper: Keeper | None = None  # deferred evaluations: who keeps the grid's snapshots
+        self._last = -math.inf
+        self._task: asyncio.Task[None] | None = None
 
-    async def _eval_timer(self) -> None:
-        """Evaluations on their grid, not at the first tick after it (ticks are 0.25 s apart)."""
+    async def timer(self, idle_s: float) -> None:
+        """Due points on their grid, not at the first tick after them (``idle_s``: how long to
+        wait while there is no grid yet)."""
         while True:
-            due = self._last_eval + self.config.eval_interval_s - self.clock.now()
-            await asyncio.sleep(max(0.01, due) if math.isfinite(due) else self.config.tick_s)
+            due = self._last + self.interval_s - self.clock.now()
+            await asyncio.sleep(max(0.01, due) if math.isfinite(due) else idle_s)
             self.submit(EvalDue())
 
-    def anchor_evals(self, at: float) -> None:
-        """Evaluate at ``at`` + k × ``eval_interval_s`` from now on (engine clock): the real bench
-        puts the grid on its t = 0, where the simulator evaluates."""
-        self._last_eval = at
+    def anchor(self, at: float) -> None:
+        """Evaluate at ``at`` + k × ``interval_s`` from now on (engine clock)."""
+        self._last = at
 
-    def keep_evals(self, keeper: Keeper | None) -> None:
-        """Defer evaluations: from now on each point of the grid calls ``keeper(snapshot, now)``
-        (on the engine's task; the snapshot's memory is the store's, so the keeper copies what it
-        keeps) instead of evaluating; None evaluates live again. ValueError if the running policy
-        reads ``Eval`` events (it would never get one); a policy swapped in later is checked by
-        the caller."""
-        if keeper is not None and self.policy.reads_evals:
+    def keep(self, keeper: Keeper | None, policy: Any) -> None:
+        """Defer evaluations to ``keeper`` (None: evaluate live again); ValueError when
+        ``policy`` reads ``Eval`` events (it would never get one)."""
+        if keeper is not None and policy.reads_evals:
             raise ValueError(
-                f"policy {self.policy.name!r} reads Eval events: its evaluations must stay live"
+                f"policy {policy.name!r} reads Eval events: its evaluations must stay live"
             )
-        self._keeper = keeper
+        self.keeper = keeper
 
-    def _evaluate_if_due(self, now: float) -> None:
-        """Start an evaluation when the next point of the grid (``eval_interval_s`` apart, at a
-        fixed rate: a late one does not move the next) is due and none is running."""
-        interval = self.config.eval_interval_s
-        if (
-            self.evaluator is not None
-            and self._eval_task is None
-            and now - self._last_eval >= interval
-        ):
-            last = self._last_eval
-            self._last_eval = now if not math.isfinite(last) else now - (now - last) % interval
-            if self._keeper is not None:
-                self._keeper(self.store.snapshot(), now)
-            elif self.config.eval_inline:
-                result = self.evaluator(self.store.snapshot())
-                self.record_eval(*result, now, metrics=metrics_of(result))
-            else:
-                self._eval_task = asyncio.get_running_loop().create_task(
-                    self._evaluate(self.store.snapshot(), now)
-                )
+    def due(self, now: float, snapshot: Callable[[], Snapshot]) -> Eval | None:
+        """Start an evaluation when the next point of the grid (at a fixed rate: a late one does
+        not move the next) is due and none is running; an inline one's ``Eval`` event."""
+        interval = self.interval_s
+        if self.evaluator is None or self._task is not None or now - self._last < interval:
+            return None
+        last = self._last
+        self._last = now if not math.isfinite(last) else now - (now - last) % interval
+        if self.keeper is not None:
+            self.keeper(snapshot(), now)
+        elif self.inline:
+            result = self.evaluator(snapshot())
+            return self.record(*result, now, metrics=metrics_of(result))
+        else:
+            self._task = asyncio.get_running_loop().create_task(self._evaluate(snapshot(), now))
+        return None
 
     async def _evaluate(self, snap: Snapshot, taken: float) -> None:
         assert self.evaluator is not None  # checked by the caller; not network input
         try:
             result = await asyncio.to_thread(self.evaluator, snap)
         finally:
-            self._eval_task = None
+            self._task = None
         self.submit(EvalDone(result, taken))
 
-    def record_eval(
+    def cancel(self) -> None:
+        """Stop an evaluation under way (the engine stops)."""
+        if self._task is not None:
+            self._task.cancel()
+
+    def record(
         self,
         loss: float,
         accuracy: float,
         taken: float | None = None,
         metrics: dict[str, float] | None = None,
-    ) -> None:
-        """Store an evaluation and tell the policy. ``taken`` (engine clock, default now) is when
-        the evaluated parameters were snapshotted: ``evals`` keeps that time, not the end of an
-        evaluation that took seconds on a loaded host (a time-to-target read from it would be
-        late by as much, and the real bench's t = 0 restart would see an evaluation of the
-        parameters before it land after it)."""
+    ) -> Eval:
+        """Store an evaluation; the ``Eval`` event for the policy. ``taken`` (engine clock,
+        default now) is when the evaluated parameters were snapshotted: ``evals`` keeps that
+        time, not the end of an evaluation that took seconds on a loaded host (a time-to-target
+        read from it would be late by as much)."""
         now = self.clock.now()
-        at = now if taken is None else taken
-        self.evals.append((at - self.started_at, loss, accuracy))
-        self.eval_metrics = metrics if metrics is not None else {"loss": loss, "accuracy": accuracy}
-        self.metric_evals.append((at - self.started_at, self.eval_metrics))
-        if (
-            self.target is not None
-            and self.target_at is None
-            and self.target.reached(self.eval_metrics)
-        ):
-            self.target_at = at - self.started_at
+        at = (now if taken is None else taken) - self.started_at
+        self.evals.append((at, loss, accuracy))
+        self.latest = metrics if metrics is not None else {"loss": loss, "accuracy": accuracy}
+        self.history.append((at, self.latest))
+        if self.target is not None and self.target_at is None and self.target.reached(self.latest):
+            self.target_at = at
             log.info(
                 "target %s reached at %.1f s: %s",
                 self.target,
-                self.target_at,
-                ", ".join(f"{k} {v:.4g}" for k, v in self.eval_metrics.items()),
+                at,
+                ", ".join(f"{k} {v:.4g}" for k, v in self.latest.items()),
             )
-        self._dispatch(Eval(now, loss, accuracy))
+        return Eval(now, loss, accuracy)

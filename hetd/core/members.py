@@ -15,7 +15,8 @@ from typing import Any
 
 from hetd.codecs import registry as codecs
 from hetd.core.decisions import DecisionsMixin
-from hetd.core.entries import Peer, WorkerEntry, WorkerStats
+from hetd.core.entries import WorkerEntry, WorkerStats
+from hetd.core.peers import Peer
 from hetd.protocol.messages import Bye, JoinIn, ProfileRequest, ShardUpdate, Welcome
 from policies.types import Join, Leave, Tick, WorkerFacts
 

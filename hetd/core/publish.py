@@ -13,7 +13,8 @@ import math
 
 from hetd.codecs.registry import spec_name as codec_name
 from hetd.core.downlink import Outgoing
-from hetd.core.entries import Peer, WorkerEntry, WorkerStats
+from hetd.core.entries import WorkerEntry, WorkerStats
+from hetd.core.peers import Peer
 from hetd.core.replicas import ReplicaMixin
 
 log = logging.getLogger("hetd.core.engine")  # one logger for the engine and its parts

@@ -36,14 +36,16 @@ class ViewsMixin(EngineBase):
             "accuracy": None if last is None or not math.isfinite(last[2]) else last[2],
             "loss": None if last is None else last[1],
             # every metric of the last evaluation by name (a Task's own); NaN shown as null
-            "metrics": {k: (v if math.isfinite(v) else None) for k, v in self.eval_metrics.items()},
+            "metrics": {
+                k: (v if math.isfinite(v) else None) for k, v in self.evaluations.latest.items()
+            },
             "target": None
-            if self.target is None
+            if self.evaluations.target is None
             else {
-                "metric": self.target.metric,
-                "mode": self.target.mode,
-                "value": self.target.value,
-                "reached_at_s": self.target_at,
+                "metric": self.evaluations.target.metric,
+                "mode": self.evaluations.target.mode,
+                "value": self.evaluations.target.value,
+                "reached_at_s": self.evaluations.target_at,
             },
             "throughput": self.rates.rates(),
             "engine_latency": self.latency.summary(),

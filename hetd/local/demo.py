@@ -138,7 +138,7 @@ async def stop_processes(procs: list[asyncio.subprocess.Process], timeout: float
 def _record_versions(engine: Any, out: list[tuple[int, float]]) -> None:
     """Wrap the engine's evaluator so each evaluation's version is known: ``engine.evals`` keeps
     (time, loss, accuracy) only, and the demo reports which version met the target."""
-    evaluate = engine.evaluator
+    evaluate = engine.evaluations.evaluator
     if evaluate is None:
         return
 
@@ -147,7 +147,7 @@ def _record_versions(engine: Any, out: list[tuple[int, float]]) -> None:
         out.append((int(snap.version), result[1]))
         return result
 
-    engine.evaluator = recording
+    engine.evaluations.evaluator = recording
 
 
 def waiting_for(status: dict[str, Any] | None, spawned: int, alive: int) -> str:
@@ -295,7 +295,7 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
         if not daemon.ready or not finished:  # no summary to make: close its ports now
             await daemon.stop()
     engine = daemon.engine
-    evaluate = engine.evaluator
+    evaluate = engine.evaluations.evaluator
     assert evaluate is not None  # build_engine always sets one
     final = engine.store.snapshot()
     result = await asyncio.to_thread(evaluate, final)
@@ -305,7 +305,7 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     samples = await asyncio.to_thread(write_samples, opts, dict(final.tensors))
     pushes = sum(w["pushes"] for w in workers)
     train_s = time.monotonic() - (first_push or t0 or launched)
-    target = engine.target
+    target = engine.evaluations.target
     summary = {
         "policy": engine.policy.describe(),
         "dataset": opts.dataset if not opts.task else None,
@@ -316,7 +316,7 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
         else {"metric": target.metric, "mode": target.mode, "value": target.value},
         "stop_metrics": stop_metrics,
         "final_metrics": final_metrics,
-        "metric_curve": [[t, m] for t, m in engine.metric_evals],
+        "metric_curve": [[t, m] for t, m in engine.evaluations.history],
         "target_accuracy": opts.target if opts.target_loss <= 0 else None,
         "target_loss": opts.target_loss if opts.target_loss > 0 else None,
         "stop_loss": stop_loss,

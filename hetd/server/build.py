@@ -168,5 +168,5 @@ def build_engine(cfg: config_mod.Config, clock: Clock | None = None) -> Engine:
     policy = make_policy(cfg.policy.name, cfg.policy.params)
     econf = _engine_config(cfg, setup, outer_for, recut=not bundled)
     engine = Engine(store, policy, econf, clock=clock, evaluator=evaluator)
-    engine.target = task.target
+    engine.evaluations.target = task.target
     return engine

@@ -337,7 +337,7 @@ class Recorder:
                 "workers": engine.workers(),
                 "policy": {**engine.policy.describe(), "known": policy_names()},
                 "evals": list(engine.evals[-MAX_EVALS:]),
-                "metric_evals": list(engine.metric_evals[-MAX_EVALS:]),
+                "metric_evals": list(engine.evaluations.history[-MAX_EVALS:]),
                 "stages": list(engine.stages),
                 "departures": list(engine.departures),
             }

@@ -104,7 +104,7 @@ class Metrics:
             "uptime_s": now - e.started_at,
             "accuracy": None if last is None or last[2] != last[2] else last[2],
             "loss": None if last is None else last[1],
-            "metrics": dict(e.eval_metrics),
+            "metrics": dict(e.evaluations.latest),
             "departures": len(e.departures),
             "throughput": e.rates.rates(),
             "latency": e.latency.summary(),

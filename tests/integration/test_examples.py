@@ -30,12 +30,16 @@ async def test_an_example_reaches_its_target(
 ) -> None:
     spec = f"{EXAMPLES / example}.py:task"
     c: Cluster = await cluster(policy, params, task=spec)
-    assert c.engine.target is not None
+    assert c.engine.evaluations.target is not None
     for slowdown in (1.0, 1.5):
         await c.spawn(slowdown, 0.0, "--task", spec)
     await c.wait_for(
-        lambda: c.engine.target_at is not None, 300, f"{example}'s target {c.engine.target}"
+        lambda: c.engine.evaluations.target_at is not None,
+        300,
+        f"{example}'s target {c.engine.evaluations.target}",
     )
-    metric = c.engine.target.metric
-    reached = [m[metric] for _, m in c.engine.metric_evals if c.engine.target.reached(m)]
-    assert reached, c.engine.metric_evals[-3:]
+    metric = c.engine.evaluations.target.metric
+    reached = [
+        m[metric] for _, m in c.engine.evaluations.history if c.engine.evaluations.target.reached(m)
+    ]
+    assert reached, c.engine.evaluations.history[-3:]

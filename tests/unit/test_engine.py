@@ -351,7 +351,7 @@ def test_evaluations_keep_to_their_grid_from_the_anchor() -> None:
     not move the later points, and a point missed entirely is skipped, not caught up."""
     config = dataclasses.replace(CONFIG, eval_interval_s=0.5, eval_inline=True)
     h = Harness.of(make_policy("asp"), config)
-    h.engine.evaluator = lambda snap: (0.0, 0.5)
+    h.engine.evaluations.evaluator = lambda snap: (0.0, 0.5)
     h.clock.t = 10.0
     h.engine.anchor_evals(10.0)
     for t in (10.3, 10.6, 10.9, 11.05, 12.3, 12.4, 12.55):
