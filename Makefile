@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export MALLOC_MMAP_THRESHOLD_ := 1073741824
 export MALLOC_TRIM_THRESHOLD_ := 4294967296
 
-.PHONY: demo test test-stress lint typecheck check venv clean
+.PHONY: demo test test-fast test-stress lint typecheck check venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,6 +25,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The unit tests without those marked slow (they train models for seconds; `make test` runs them):
+# the loop to run while editing.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" tests/unit
 
 # The suite beside two busy processes: tests must assert what holds on a loaded machine (CI may
 # share its cores), not timings that hold on a quiet one.

@@ -13,6 +13,7 @@ from hetd.cli.bench import main
 from hetd.sim.dpmp import SCENARIOS, compare
 
 
+@pytest.mark.slow  # the whole dpmp suite, every scenario and seed: `make test` runs it, `make test-fast` does not
 def test_the_suite_writes_every_scenario_and_target(tmp_path: Path) -> None:
     opts = DpmpOptions(
         out=tmp_path, seeds=2, rounds=26, from_round=20, budget_rounds=400, sweep=(1.0, 10.0)

@@ -91,6 +91,7 @@ def mnist_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("hetd-cache")
 
 
+@pytest.mark.slow  # loads and caches full MNIST: `make test` runs it, `make test-fast` does not
 def test_mnist_loads_and_is_cached_as_npz(
     mnist_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

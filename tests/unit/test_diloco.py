@@ -347,6 +347,7 @@ def test_serve_and_the_simulator_resolve_auto_in_one_place() -> None:
     assert config.optimizers("sgd", 0.2, "", 0.0, "auto")[2] == "sgd:lr=1"  # no policy
 
 
+@pytest.mark.slow  # builds a daemon from a config: `make test` runs it, `make test-fast` does not
 def test_hetd_serve_builds_the_family_outer_optimizer_from_the_config() -> None:
     import jax
 

@@ -83,6 +83,7 @@ def test_a_different_number_of_micro_batches_does_not_recompile() -> None:
         np.testing.assert_allclose(out.grads[k], want[k], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # trains a model for seconds: `make test` runs it, `make test-fast` does not
 def test_the_transformer_as_blocks_pipelines_exactly() -> None:
     bm = transformer_blocks(16, d_model=16, layers=2, heads=2)
     assert [name for name, _ in bm.blocks] == ["embed", "layer0", "layer1", "head"]

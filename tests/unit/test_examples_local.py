@@ -66,7 +66,13 @@ def rows_of(x_all: np.ndarray, batches: list[dict[str, np.ndarray]], key: str) -
 
 
 @pytest.mark.parametrize(
-    ("name", "key"), [("digits_cnn", "image"), ("linen_mlp", "image"), ("regression", "x")]
+    ("name", "key"),
+    [
+        # digits_cnn reads full MNIST (seconds): `make test` runs it, `make test-fast` does not
+        pytest.param("digits_cnn", "image", marks=pytest.mark.slow),
+        ("linen_mlp", "image"),
+        ("regression", "x"),
+    ],
 )
 def test_tabular_shards_are_disjoint_and_reshuffled(
     examples_env: None, name: str, key: str
@@ -96,6 +102,7 @@ def test_tabular_shards_are_disjoint_and_reshuffled(
     assert sum(leading_sizes(b).pop() for b in task.eval_data()) == len(x_test)
 
 
+@pytest.mark.slow  # writes and reads the example's byte corpus: `make test` runs it, `make test-fast` does not
 def test_tiny_gpt_reads_disjoint_bytes_from_its_memmap(examples_env: None) -> None:
     task, gpt = load("tiny_gpt")
     data = gpt.tokens()

@@ -15,6 +15,10 @@ from hetd.local.demo import DemoOptions, reached_target, result_text, write_samp
 from hetd.zoo.lm import generate
 from hetd.zoo.models import get_model
 
+# Its module fixture trains the language model for seconds: `make test` runs it, `make test-fast`
+# does not.
+pytestmark = pytest.mark.slow
+
 TINY = {"d_model": 32, "layers": 1, "heads": 2}
 CONTEXT = 16
 TEXT = b"hello world. " * 40

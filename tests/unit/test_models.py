@@ -99,6 +99,7 @@ def test_mlp_trains_to_90_percent_on_digits(digits) -> None:  # type: ignore[no-
     assert set(params) == {"Dense_0/kernel", "Dense_0/bias", "Dense_1/kernel", "Dense_1/bias"}
 
 
+@pytest.mark.slow  # trains a model for seconds: `make test` runs it, `make test-fast` does not
 def test_cnn_takes_images_or_flat_squares_and_learns(digits) -> None:  # type: ignore[no-untyped-def]
     model = models.get_model("cnn", 10, features=(8, 16), dense=32)
     images = digits.x_train[:64].reshape(-1, 8, 8, 1)

@@ -48,7 +48,10 @@ def _steps(bound: Bound, spec: str) -> TaskSteps:
     return TaskSteps(bound, 8, parse_optimizer(spec).build(), jax.devices()[0])
 
 
-@pytest.mark.parametrize("b", [1, 7, 8, 13, 40])
+# b = 13 (not a multiple of the micro-batch) in the fast target, the other sizes in `make test`.
+@pytest.mark.parametrize(
+    "b", [*(pytest.param(b, marks=pytest.mark.slow) for b in (1, 7, 8, 40)), 13]
+)
 def test_micro_batched_gradient_equals_the_whole_batch(setup: Any, b: int) -> None:
     bound, model, params = setup
     got = _steps(bound, "sgd:lr=0.1").gradient(params, _stream(bound), b, KEY)
@@ -73,6 +76,7 @@ def test_changing_the_batch_never_compiles_a_new_shape(setup: Any) -> None:
     assert steps.traces == compiled  # no batch size traced (compiled) anything again
 
 
+@pytest.mark.slow  # trains a model for seconds: `make test` runs it, `make test-fast` does not
 def test_after_warm_no_step_compiles_anything() -> None:
     """Counted with JAX's own compilation events, eager operations included. After a worker's
     warm-up its first push of two or more local steps compiled four subtractions (the delta, one

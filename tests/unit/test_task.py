@@ -334,6 +334,7 @@ def test_a_bundled_task_takes_exactly_b_examples_across_batches() -> None:
         np.testing.assert_allclose(got.tensors[k], want[k], rtol=2e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # trains a model for seconds: `make test` runs it, `make test-fast` does not
 def test_no_batch_size_compiles_a_new_shape_after_warm() -> None:
     from hetd.zoo.bundled import zoo_task
 

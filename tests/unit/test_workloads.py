@@ -78,6 +78,7 @@ def test_transformer_options_are_checked() -> None:
         get_model("transformer", 256, d_model=30, layers=1, heads=4)
 
 
+@pytest.mark.slow  # trains a model for seconds: `make test` runs it, `make test-fast` does not
 def test_transformer_is_causal() -> None:
     model = get_model("transformer", 256, **TINY)
     params = jax.jit(model.init, static_argnums=1)(jax.random.PRNGKey(1), (16,))
@@ -91,6 +92,7 @@ def test_transformer_is_causal() -> None:
     assert a.shape == (2, 16, 256)
 
 
+@pytest.mark.slow  # trains a model for seconds: `make test` runs it, `make test-fast` does not
 def test_a_tiny_transformer_learns_text_through_the_workers_steps() -> None:
     data = load_dataset("pydoc", context=32, max_bytes=100_000)
     model = get_model("transformer", data.num_classes, **TINY)
@@ -110,6 +112,7 @@ def test_a_tiny_transformer_learns_text_through_the_workers_steps() -> None:
     assert steps.traces == {"accumulate": 1, "apply": 1}  # fixed shapes: compiled once each
 
 
+@pytest.mark.slow  # trains a model for seconds: `make test` runs it, `make test-fast` does not
 def test_cnn_takes_full_mnist_and_learns() -> None:
     data = load_dataset("mnist")
     assert data.x_train.shape == (60000, 784) and data.x_test.shape == (10000, 784)
