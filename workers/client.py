@@ -22,6 +22,7 @@ from hetd.protocol import wire
 from hetd.protocol.endpoints import ADMIN_ENDPOINT, ADMIN_REALM, ENDPOINT_HEADER
 from hetd.protocol.messages import EMULATED_LINK
 from hetd.protocol.plan import local_steps_for
+from workers.dial import plain_port_message, tls_port_message
 from workers.inbox import Inbox
 from workers.loop import device_info
 from workers.prepare import start_preparing
@@ -133,6 +134,11 @@ async def _session(
         refused = handshake_refusal(opts.url, exc.status, exc.headers, bool(opts.token))
         if refused is not None:  # retrying will not help
             raise FatalError(refused) from None
+        raise
+    except aiohttp.ClientError as exc:  # a URL of the wrong scheme for the port: say which
+        wrong = plain_port_message(opts.url, exc) or await tls_port_message(opts.url, exc)
+        if wrong is not None:
+            raise FatalError(wrong) from None
         raise
     device = opts.device or jax.devices()[0]
     info = device_info(device)
