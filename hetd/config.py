@@ -35,8 +35,23 @@ class ServerConfig:
     heartbeat_s: float = 2.0  # workers send a heartbeat this often
     heartbeat_timeout_s: float = 10.0  # a silent worker is dropped after this long
     outbox_frames: int = 16  # control frames queued per session before it is closed as stuck
-    worker_token: str = ""  # empty: no worker token required
+    worker_token: str = ""  # empty: refused at start-up unless open_workers (the demo's way)
     admin_token: str = ""  # empty: admin API refuses every call but /healthz
+    # With no worker token, any process that reaches the worker port joins and reads the model:
+    # only when this says so, and only on loopback (demos). Tokens are 16 characters or more.
+    open_workers: bool = False
+    # The front (both ports): a client sends its request's headers (and ends its TLS handshake)
+    # within header_timeout_s, and a request that has not shown a token ends within it; idle
+    # keep-alive connections close after it. Connections that have shown no token yet are
+    # "pending": at most max_pending of them, max_pending_per_address from one address (an IPv6
+    # /64); over a cap the oldest is closed.
+    header_timeout_s: float = 10.0
+    max_pending: int = 256
+    max_pending_per_address: int = 64
+    # Token guessing: after max_auth_failures wrong tokens from one address within auth_window_s
+    # (worker, admin and dashboard login together) it gets 429 until the window ends.
+    max_auth_failures: int = 100
+    auth_window_s: float = 60.0
     stop_timeout_s: float = 10.0  # bound on each step of a graceful stop (bye, checkpoint, close)
     # TLS: PEM certificate (chain) and private key; both empty = plain ws:// and http://. Set, the
     # worker endpoint is wss:// and the admin API https://, both with this one certificate.
@@ -209,6 +224,11 @@ _RANGES: dict[tuple[str, str], tuple[float, float | None, str]] = {
     ("server", "heartbeat_timeout_s"): (1e-3, None, "positive seconds"),
     ("server", "outbox_frames"): (1, None, "at least 1"),
     ("server", "stop_timeout_s"): (0.1, None, "at least 0.1 s"),
+    ("server", "header_timeout_s"): (0.1, None, "at least 0.1 s"),
+    ("server", "max_pending"): (1, None, "at least 1"),
+    ("server", "max_pending_per_address"): (1, None, "at least 1"),
+    ("server", "max_auth_failures"): (1, None, "at least 1"),
+    ("server", "auth_window_s"): (1, None, "at least 1 s"),
     ("train", "lr"): (0, None, "not negative"),
     ("train", "worker_lr"): (0, None, "not negative"),
     ("train", "global_batch"): (1, None, "at least 1"),
@@ -225,15 +245,37 @@ _RANGES: dict[tuple[str, str], tuple[float, float | None, str]] = {
 }
 
 
+MIN_TOKEN = 16  # characters: a shorter token is refused at start-up
+MAKE_TOKEN = (
+    "make one with `hetd token` (or python -c 'import secrets; print(secrets.token_urlsafe(24))')"
+)
+
+
 def check_serving(cfg: Config) -> None:
-    """What only a daemon about to listen needs: a worker token whenever ``host`` admits other
-    machines. (An admin client reading the same file needs only the admin token.)"""
-    if not cfg.server.worker_token and not is_loopback(cfg.server.host):
+    """What only a daemon about to listen needs (an admin client reading the same file needs only
+    the admin token): a usable certificate; tokens of :data:`MIN_TOKEN` characters or more; a
+    worker token, unless ``open_workers`` says to run without one on loopback (the demo's way)."""
+    server = cfg.server
+    server_ssl_context(server)  # the certificate and key are readable and match
+    if not server.worker_token and not is_loopback(server.host):
         raise ConfigError(
-            f"[server] worker_token is empty while host = {cfg.server.host!r} admits other "
-            "machines: set HETD_WORKER_TOKEN (or worker_token in the file)"
+            f"[server] worker_token is empty while host = {server.host!r} admits other "
+            f"machines: set HETD_WORKER_TOKEN (or worker_token in the file); {MAKE_TOKEN}"
         )
-    server_ssl_context(cfg.server)  # the certificate and key are readable and match
+    if not server.worker_token and not server.open_workers:
+        raise ConfigError(
+            "[server] worker_token is empty: set HETD_WORKER_TOKEN (or worker_token in the "
+            f"file) and give workers the same; {MAKE_TOKEN}. To let any process on this machine "
+            "join as a worker and read the model without one (a demo), set [server] "
+            "open_workers = true (hetd serve --open-workers)"
+        )
+    for key in ("worker_token", "admin_token"):
+        token = getattr(server, key)
+        if token and len(token) < MIN_TOKEN:
+            raise ConfigError(
+                f"[server] {key} is {len(token)} characters: use a random one of at least "
+                f"{MIN_TOKEN}; {MAKE_TOKEN}"
+            )
 
 
 def server_ssl_context(server: ServerConfig) -> ssl.SSLContext | None:

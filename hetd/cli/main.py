@@ -1,7 +1,7 @@
 """``hetd``: the daemon's command line. The logic lives in the library modules.
 
-* ``serve`` runs the daemon (:mod:`hetd.cli.serve`), ``demo`` the embedded demo
-  (:mod:`hetd.cli.demo`), ``calibrate`` measures the simulator's cost profile
+* ``serve`` runs the daemon and ``token`` makes a token for it (:mod:`hetd.cli.serve`), ``demo``
+  the embedded demo (:mod:`hetd.cli.demo`), ``calibrate`` measures the simulator's cost profile
   (:mod:`hetd.cli.calibrate`), ``sim`` and ``bench`` run the simulator and the benchmark
   (:mod:`hetd.cli.bench`);
 * ``status``, ``workers``, ``policy get|set|patch``, ``checkpoint`` and ``export``
@@ -50,6 +50,7 @@ def parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve.add_serve(sub)
+    serve.add_token(sub)
     demo.add_demo(sub)
     client = client_flags()
     admin.add_status(sub, client)

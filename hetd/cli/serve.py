@@ -54,6 +54,13 @@ def add_serve(sub: Sub) -> None:
         "pkg.module:attr (a hetd.zoo.data.Dataset or a factory (seed, **kwargs) returning one)",
     )
     s.add_argument("--policy", default=None, help="override [policy] name (its default params)")
+    s.add_argument(
+        "--open-workers",
+        action="store_true",
+        default=None,
+        help="set [server] open_workers: run without a worker token on loopback, so that any "
+        "process on this machine joins as a worker and reads the model (demos only)",
+    )
     # the same switches as before the command: `hetd serve -q` reads naturally
     s.add_argument(
         "-q",
@@ -80,7 +87,12 @@ def _serve(args: argparse.Namespace) -> int:
     cfg = config.load(args.config)
     server = {
         k: v
-        for k, v in (("host", args.host), ("port", args.port), ("admin_port", args.admin_port))
+        for k, v in (
+            ("host", args.host),
+            ("port", args.port),
+            ("admin_port", args.admin_port),
+            ("open_workers", args.open_workers),
+        )
         if v is not None
     }
     if server:
@@ -112,4 +124,22 @@ def _serve(args: argparse.Namespace) -> int:
             raise
         print(f"hetd: checkpoint: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    return 0
+
+
+def add_token(sub: Sub) -> None:
+    t = sub.add_parser(
+        "token",
+        help="print a new random token (for HETD_WORKER_TOKEN or HETD_ADMIN_TOKEN)",
+        description="Print a new random token: 32 URL-safe characters (192 bits) from the "
+        "system's secure random source. Run it twice for the worker and the admin token (they "
+        "must differ); the daemon refuses tokens under 16 characters.",
+    )
+    t.set_defaults(run=_token)
+
+
+def _token(args: argparse.Namespace) -> int:
+    import secrets
+
+    print(secrets.token_urlsafe(24))
     return 0

@@ -16,6 +16,7 @@ from typing import Any, Final, TypeVar
 import msgpack
 
 from hetd.protocol import pipeline
+from hetd.protocol.text import clip
 
 PROTOCOL_VERSION: Final = 1
 DEFAULT_MAX_FRAME: Final = 64 * 1024 * 1024  # bytes; aiohttp's max_msg_size is set from this
@@ -25,10 +26,14 @@ class ProtocolError(ValueError):
     """A frame that breaks protocol v1. ``code`` is a short machine-readable reason."""
 
     def __init__(self, code: str, message: str, id_: int = 0) -> None:
+        message = clip(message, MAX_ERROR_TEXT)  # it may quote what a peer sent: logged, replied
         super().__init__(message)
         self.code = code
         self.message = message
         self.id = id_  # the request id of the offending message, when it could be read
+
+
+MAX_ERROR_TEXT: Final = 500  # characters of a ProtocolError's message
 
 
 _NUM = (int, float)
@@ -409,11 +414,15 @@ def _check_hello(body: Mapping[str, Any]) -> None:
         raise ProtocolError("malformed", "hello: name must be 1-200 characters")
     device = body["device"]
     if len(device) > 32 or not all(
-        isinstance(k, str) and isinstance(v, _SCALAR) and (not isinstance(v, str) or len(v) <= 200)
+        isinstance(k, str)
+        and len(k) <= 64
+        and isinstance(v, _SCALAR)
+        and (not isinstance(v, str) or len(v) <= 200)
         for k, v in device.items()
     ):
         raise ProtocolError(
-            "malformed", "hello: device must map at most 32 names to short strings or numbers"
+            "malformed",
+            "hello: device must map at most 32 short names to short strings or numbers",
         )
     codecs = body["codecs"]
     if len(codecs) > 64 or not all(isinstance(c, str) and len(c) <= 64 for c in codecs):

@@ -9,27 +9,49 @@ import logging
 import time
 from collections.abc import Callable
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from hetd.protocol.endpoints import ADMIN_ENDPOINT, ENDPOINT_HEADER, WORKER_ENDPOINT
+from hetd.server.throttle import AuthThrottle
 
 __all__ = [
     "ADMIN_ENDPOINT",
     "WORKER_ENDPOINT",
     "RefusalLog",
     "bearer_ok",
+    "from_browser",
     "name_endpoint",
+    "throttled",
     "token_problem",
 ]
 
 
 def bearer_ok(request: web.Request, token: str) -> bool:
     """``Authorization: Bearer <token>`` matches (an empty configured token admits everyone);
-    compared in constant time."""
+    compared in constant time. Bytes that are not UTF-8 are a wrong token, not an error."""
     if not token:
         return True
-    got = request.headers.get("Authorization", "")
-    return hmac.compare_digest(got.encode(), f"Bearer {token}".encode())
+    got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(got, f"Bearer {token}".encode())
+
+
+def from_browser(request: web.Request) -> bool:
+    """Whether a browser sent ``request``: browsers send ``Origin`` on every websocket handshake
+    and cross-site request, which no script can leave out; workers (aiohttp) never send it."""
+    return hdrs.ORIGIN in request.headers
+
+
+def throttled(request: web.Request, throttle: AuthThrottle, text: str) -> web.Response | None:
+    """A 429 for an address that used up its wrong tokens (:mod:`hetd.server.throttle`); None:
+    it may try."""
+    wait = throttle.retry_after(request.remote)
+    if wait is None:
+        return None
+    return web.Response(
+        status=429,
+        text=f"{text}: retry after {wait} s",
+        headers={hdrs.RETRY_AFTER: str(wait)},
+    )
 
 
 def name_endpoint(app: web.Application, name: str) -> None:

@@ -36,11 +36,12 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from hetd import config as config_mod
-from hetd.server import admin
+from hetd.server import admin, front
 from hetd.server.build import build_engine as build_engine  # hetd.server.daemon.build_engine too
 from hetd.server.relay import Relay
 from hetd.server.shm_hub import ShmHub
 from hetd.server.statedir import StateDirError, StateDirLock
+from hetd.server.throttle import AuthThrottle
 from hetd.server.worker_app import make_worker_app
 
 if TYPE_CHECKING:  # the heavy modules (JAX, flax, optax) load behind the listening sockets
@@ -78,7 +79,7 @@ class Daemon:
         self.ready = False  # True once the engine runs (and the admin API answers)
         self._ready = asyncio.Event()  # set when ready, or when the daemon stops before that
         self._runners: list[web.AppRunner] = []
-        self._worker_sites: list[web.TCPSite] = []
+        self._worker_sites: list[front.GuardedSite] = []
         self._engine_task: asyncio.Task[None] | None = None
         self._timer_task: asyncio.Task[None] | None = None
         self._warm_task: asyncio.Task[None] | None = None
@@ -86,7 +87,18 @@ class Daemon:
         self.port = 0  # the bound worker port
         self.admin_port: int | None = None  # the bound admin port (None: admin API off)
         self.admin_app: web.Application | None = None
-        self._admin_slot = admin.AdminSlot(cfg.server.admin_token, tls=self.ssl_context is not None)
+        server = cfg.server
+        # wrong tokens per address, on both ports and the dashboard's login (hetd.server.throttle)
+        self.throttle = AuthThrottle(server.max_auth_failures, server.auth_window_s)
+        # connections that showed no token yet, on both ports (hetd.server.front)
+        self.front = front.FrontGuard(
+            front.FrontLimits(
+                server.header_timeout_s, server.max_pending, server.max_pending_per_address
+            )
+        )
+        self._admin_slot = admin.AdminSlot(
+            server.admin_token, tls=self.ssl_context is not None, throttle=self.throttle
+        )
         # pipeline replicas' act/gact frames between workers (routes installed by their owner)
         self.relay = Relay()
         self.replicas: ReplicaDriver | None = None  # one pipeline replica beside DP (built later)
@@ -234,23 +246,33 @@ class Daemon:
         log.info("listening on %s", where)
         if server.admin_port >= 0 and not server.admin_token:
             log.warning("no admin token configured: the admin API refuses every call")
+        if not server.worker_token:
+            log.warning(
+                "no worker token ([server] open_workers = true): any process that reaches "
+                "%s:%d joins as a worker and reads the model; for demos only (set "
+                "HETD_WORKER_TOKEN otherwise)",
+                server.host,
+                self.port,
+            )
 
     async def _listen(
         self, app: web.Application, host: str, port: int, what: str
-    ) -> tuple[int, web.TCPSite]:
-        runner = web.AppRunner(app, handle_signals=False)
+    ) -> tuple[int, front.GuardedSite]:
+        """Serve ``app`` on ``host:port`` behind the front guard (header timeout, pending caps);
+        idle keep-alive connections close after ``[server] header_timeout_s`` too."""
+        front.install(app, self.front)
+        timeout = self.cfg.server.header_timeout_s
+        runner = web.AppRunner(app, handle_signals=False, keepalive_timeout=timeout)
         await runner.setup()
         self._runners.append(runner)
-        site = web.TCPSite(runner, host, port, ssl_context=self.ssl_context)
+        site = front.GuardedSite(runner, host, port, self.front, ssl_context=self.ssl_context)
         try:
             await site.start()
         except OSError as exc:  # in use, not an address of this machine, a privileged port
             raise StartupError(
                 f"cannot listen on {host}:{port} ({what}): {exc.strerror or exc}"
             ) from exc
-        sockets = getattr(site._server, "sockets", None) or []
-        bound: int = sockets[0].getsockname()[1] if sockets else port
-        return bound, site
+        return site.port, site
 
     async def checkpoint(self) -> checkpoint.CheckpointInfo:
         """Write a checkpoint now (POST /v1/checkpoint); RuntimeError without a state directory."""
@@ -331,6 +353,7 @@ class Daemon:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(runner.cleanup(), timeout)
         self._runners.clear()
+        self.front.close()
         self.shm.close()  # after the sessions: nothing in /dev/shm is left behind
         if engine is not None and self.checkpointer is not None and state is not None:
             try:

@@ -39,6 +39,8 @@ from urllib.parse import parse_qs
 
 from aiohttp import web
 
+from hetd.protocol.text import clip
+
 if TYPE_CHECKING:
     from hetd.server.admin import AdminContext, AdminSlot
 
@@ -52,6 +54,7 @@ WATCH_S = 60.0  # a page or an API read counts as watching for this long
 MAX_EVALS = 5000  # evaluations drawn in the accuracy chart (the newest)
 HISTORY = 600  # samples kept for the rate charts (10 minutes)
 EVENTS = 100  # recent events kept
+MAX_EVENT = 600  # characters of an event's text
 KEEPALIVE_S = 15.0
 CHANGE_HEADER = "X-Hetd-Dashboard"
 STATIC = ("dashboard.js", "dashboard.css")
@@ -351,7 +354,8 @@ class Recorder:
         return self.state
 
     def _event(self, t: float, kind: str, text: str) -> None:
-        self.events.append({"t": round(t, 2), "kind": kind, "text": text})
+        # (a worker's name and bye reason are cut to 200 characters each before they get here)
+        self.events.append({"t": round(t, 2), "kind": kind, "text": clip(text, MAX_EVENT)})
 
     def _fold(self, raw: Mapping[str, Any], daemon: Mapping[str, Any]) -> None:
         st = raw["status"]
@@ -506,7 +510,15 @@ async def index(request: web.Request) -> web.Response:
 
 async def login(request: web.Request) -> web.StreamResponse:
     """The login form's POST: the token as a form field; a session cookie on success."""
+    from hetd.server.admin import note_failure, too_many_failures
+
     slot = request.app[RECORDER].slot
+    busy = too_many_failures(slot, request)  # counted per address: parallel guesses too
+    if busy is not None:
+        page = _page("login.html", message="too many wrong tokens: try again later")
+        page.set_status(429)
+        page.headers.update({k: v for k, v in busy.headers.items() if k == "Retry-After"})
+        return page
     raw = await request.read()
     if len(raw) > 4096:
         raise web.HTTPRequestEntityTooLarge(max_size=4096, actual_size=len(raw))
@@ -514,6 +526,8 @@ async def login(request: web.Request) -> web.StreamResponse:
     token = (form.get("token") or [""])[0]
     if not slot.token or not hmac.compare_digest(token.encode(), slot.token.encode()):
         log.warning("dashboard: refused a login from %s (wrong token)", request.remote)
+        if slot.token:
+            note_failure(slot, request)
         await asyncio.sleep(0.3)  # a guess costs time
         reason = "no admin token is configured" if not slot.token else "wrong token"
         page = _page("login.html", message=reason)
@@ -587,8 +601,8 @@ async def stream(request: web.Request) -> web.StreamResponse:
                 await response.write(_sse(recorder.state))
             elif not recorder.closing:
                 await response.write(b": keep-alive\n\n")
-    except (ConnectionResetError, asyncio.CancelledError):
-        pass
+    except (ConnectionError, asyncio.CancelledError):  # the viewer left (while a write waited
+        pass  # for it: ConnectionError, not ConnectionResetError)
     return response
 
 

@@ -28,6 +28,7 @@ from hetd.core.engine import Engine
 from hetd.core.ingest import decode_hello, decode_push
 from hetd.protocol import shm, wire
 from hetd.protocol.messages import PushIn, Reply
+from hetd.protocol.text import clip
 from hetd.server.auth import bearer_ok
 from hetd.server.relay import NoRoute, Relay
 from hetd.server.shm_hub import ShmHub, Uplink
@@ -317,15 +318,15 @@ async def handle(
                 engine.submit(cmd.Heartbeat(wid))
             elif msg.type == "pull":
                 engine.submit(cmd.Pull(wid, msg.get("have")))
-            elif msg.type == "bye":
-                reason = msg.get("reason") or "bye"
+            elif msg.type == "bye":  # (cut: the log, the engine's departures, the dashboard)
+                reason = clip(msg.get("reason") or "bye")
                 break
             elif msg.type == "shm_ready" and hub is not None and uplink is None:
                 try:
                     uplink = Uplink(hub, msg["nonce"], msg["segment"])
                 except shm.ShmError as exc:
-                    log.info("worker %s: no shared memory: %s", wid, exc.message)
-                    outbox.send_error(exc.code, exc.message, msg.id)
+                    log.info("worker %s: no shared memory: %s", wid, clip(exc.message))
+                    outbox.send_error(exc.code, clip(exc.message), msg.id)
                     continue
                 outbox.shm = hub
                 if wid is not None:  # snapshots are packed into the ring from then on

@@ -9,10 +9,19 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from hetd import config as config_mod
-from hetd.server.auth import WORKER_ENDPOINT, RefusalLog, bearer_ok, name_endpoint, token_problem
+from hetd.server import front
+from hetd.server.auth import (
+    WORKER_ENDPOINT,
+    RefusalLog,
+    bearer_ok,
+    from_browser,
+    name_endpoint,
+    throttled,
+    token_problem,
+)
 
 if TYPE_CHECKING:
     from hetd.server.daemon import Daemon
@@ -23,20 +32,46 @@ log = logging.getLogger("hetd.server.sessions")  # where a worker's join and lea
 def make_worker_app(daemon: Daemon) -> web.Application:
     """The workers' HTTP app: ``/v1/ws`` (waits for the engine while the daemon starts),
     ``/v1/prepare`` (what every worker builds, from the config: answers at once) and ``/healthz``
-    (answers at once: ``ready`` false and version 0 until the engine runs)."""
+    (answers at once: ``ready`` false and version 0 until the engine runs). The first two want
+    the worker token, refuse browsers, and answer 429 to an address that sent too many wrong
+    tokens (``daemon.throttle``)."""
     server = daemon.cfg.server
     app = web.Application(client_max_size=server.max_frame_bytes)
     name_endpoint(app, WORKER_ENDPOINT)
     refusals = RefusalLog(log)
+    throttle = daemon.throttle
 
-    def refuse(request: web.Request) -> web.Response:
-        why = token_problem(request)
-        refusals.refused(request.remote or "?", why)
-        return web.Response(status=401, text=f"{why} (Authorization: Bearer <worker token>)")
+    def gate(request: web.Request) -> web.Response | None:
+        """None when ``request`` may go on (it showed the worker token), else the refusal: a
+        browser (403), an address that guessed too often (429), a missing or wrong token (401).
+        Checked at once, also while the daemon starts."""
+        if from_browser(request):
+            refusals.refused(request.remote or "?", "a browser (an Origin header)")
+            return web.Response(
+                status=403, text="the worker endpoint refuses browsers (an Origin header)"
+            )
+        busy = throttled(request, throttle, "too many wrong worker tokens from this address")
+        if busy is not None:
+            refusals.refused(request.remote or "?", "too many wrong worker tokens")
+            return busy
+        if not bearer_ok(request, server.worker_token):
+            why = token_problem(request)
+            if hdrs.AUTHORIZATION in request.headers and throttle.failed(request.remote):
+                log.warning(
+                    "%s sent %d wrong tokens within %g s: it gets 429 until that window ends",
+                    request.remote,
+                    throttle.failures,
+                    throttle.window_s,
+                )
+            refusals.refused(request.remote or "?", why)
+            return web.Response(status=401, text=f"{why} (Authorization: Bearer <worker token>)")
+        front.trust(request)  # no longer pending: the caps and the header timeout are done
+        return None
 
     async def ws(request: web.Request) -> web.StreamResponse:
-        if not bearer_ok(request, server.worker_token):  # at once, also while the daemon starts
-            return refuse(request)
+        refused = gate(request)
+        if refused is not None:
+            return refused
         engine = await daemon.wait_ready()
         if engine is None:
             return web.json_response(
@@ -59,9 +94,8 @@ def make_worker_app(daemon: Daemon) -> web.Application:
     async def prepare(request: web.Request) -> web.Response:
         # Config only, so it answers while the engine builds: a worker that asks loads its data
         # and compiles its step at the same time, and its welcome then finds them ready.
-        if not bearer_ok(request, server.worker_token):
-            return refuse(request)
-        return web.json_response(setup)
+        refused = gate(request)
+        return refused if refused is not None else web.json_response(setup)
 
     async def healthz(request: web.Request) -> web.Response:
         engine = daemon.engine_or_none

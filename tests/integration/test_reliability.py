@@ -111,6 +111,7 @@ async def test_a_plug_in_factory_that_raises_exits_2_with_one_line(
     root = Path(__file__).resolve().parents[2]
     args = ["serve", "--port", "0", "--admin-port", "-1", "--dataset", "digits", option, spec]
     env = {k: v for k, v in os.environ.items() if not k.startswith("HETD_")}
+    env["HETD_WORKER_TOKEN"] = "worker-secret-for-tests"  # (none: start-up would stop on that)
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",

@@ -41,6 +41,7 @@ async def hetd_serve(*args: str) -> tuple[int, str]:
         "127.0.0.1",
         "--dataset",
         "digits",
+        "--open-workers",  # (no token in this environment)
         *args,
         env=env,
         stdout=asyncio.subprocess.DEVNULL,

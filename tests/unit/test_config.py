@@ -183,14 +183,20 @@ def test_a_public_host_needs_a_worker_token(host: str) -> None:
     public = config.replace(Config(), "server", host=host)  # an admin client may read it
     with pytest.raises(ConfigError, match="worker_token"):
         config.check_serving(public)  # a daemon may not listen on it
-    cfg = config.replace(Config(), "server", host=host, worker_token="w", admin_token="a")
+    with pytest.raises(ConfigError, match="worker_token"):  # open workers: loopback only
+        config.check_serving(config.replace(public, "server", open_workers=True))
+    tokens = {"worker_token": "w" * 16, "admin_token": "a" * 16}
+    cfg = config.replace(Config(), "server", host=host, **tokens)
     config.check_serving(cfg)
     assert cfg.server.host == host
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1"])
-def test_loopback_runs_without_a_worker_token(host: str) -> None:
+def test_loopback_runs_without_a_worker_token_only_when_opted_in(host: str) -> None:
     cfg = config.replace(Config(), "server", host=host)
+    with pytest.raises(ConfigError, match="open_workers = true"):
+        config.check_serving(cfg)
+    cfg = config.replace(cfg, "server", open_workers=True)
     config.check_serving(cfg)
     assert cfg.server.worker_token == ""
 
