@@ -94,11 +94,14 @@ def writable_under(unit_text: str) -> list[str]:
 
 
 def test_the_readme_exports_where_the_daemon_unit_may_write() -> None:
-    """README's `hetd export --out DIR` examples name a directory the sandboxed daemon can write
-    (ProtectSystem=strict makes the rest of the file system read-only for it)."""
+    """README's `hetd export --out NAME` examples name a directory under the export root, the
+    state directory's exports/, which the sandboxed daemon can write (ProtectSystem=strict makes
+    the rest of the file system read-only for it)."""
     writable = writable_under((ROOT / "systemd" / "hetd.service").read_text())
-    outs = re.findall(r"hetd export --out (/\S+)", (ROOT / "README.md").read_text())
-    assert outs, "README shows no hetd export --out with an absolute path"
+    names = re.findall(r"hetd export --out (\S+)", (ROOT / "README.md").read_text())
+    assert names, "README shows no hetd export --out"
+    outs = [f"/var/lib/hetd/exports/{name}" for name in names if name not in ("NAME", "DIR")]
+    assert outs and not [n for n in names if n.startswith("/")], names
     for out in outs:
         assert any(out == w or out.startswith(w.rstrip("/") + "/") for w in writable), (
             out,
