@@ -1,8 +1,9 @@
 """A worker imports only what its own operator named (issue 35, item 4). A fake daemon on
 loopback answers ``/v1/prepare`` and the welcome with a plug-in of its choosing: a shell command
 (``subprocess:getoutput`` called with the daemon's options) or a module that leaves a marker file
-when it is imported. A real ``hetd-worker`` without ``--model``/``--dataset`` imports neither,
-and exits 2 naming the flag to pass; the same worker told ``--dataset`` does import it (so the
+when it is imported. A ``hetd-worker`` (a real process for the shell command, its ``main`` in this process for
+the rest) without ``--model``/``--dataset`` imports neither, and exits 2 naming the flag to pass;
+one started with another ``--model`` is refused too; one told ``--dataset`` does import it (so the
 marker would show an import)."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from hetd.local.demo import worker_env
 from hetd.protocol import wire
 from hetd.protocol.plan import Plan
 from tests.conftest import WORKER_TOKEN
+from workers.cli import main
 
 pytestmark = pytest.mark.slow
 
@@ -83,8 +85,8 @@ async def fake_daemon(setup: dict[str, Any]) -> AsyncIterator[str]:
         await runner.cleanup()
 
 
-async def run_worker(url: str, cwd: Path, *args: str) -> tuple[int, str]:
-    """A real ``hetd-worker URL ARGS`` in ``cwd`` (its modules importable, as ``python -m``
+async def run_process(url: str, cwd: Path, *args: str) -> tuple[int, str]:
+    """A real ``hetd-worker URL ARGS`` process in ``cwd`` (its modules importable, as ``python -m``
     makes them); (exit status, stderr)."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -111,41 +113,54 @@ async def run_worker(url: str, cwd: Path, *args: str) -> tuple[int, str]:
     return proc.returncode, err.decode(errors="replace")
 
 
+def run_main(url: str, *args: str) -> int:
+    """``hetd-worker URL ARGS`` through its ``main`` in this process (no start-up to wait for)."""
+    return main([url, "--max-retries", "1", "--retry-max-delay", "0.5", "-q", *args])
+
+
 async def test_a_spoofed_daemon_cannot_make_a_worker_import_or_call_its_plug_ins(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     shell_marker = tmp_path / "shell.marker"
     shell = _setup(
         {"spec": "subprocess:getoutput", "kwargs": {"cmd": f"touch {shell_marker}"}},
         {"spec": "digits", "kwargs": {}},
     )
-    (tmp_path / "evil_plugin.py").write_text(EVIL_MODULE)
-    import_marker = tmp_path / "imported.marker"
-    evil_data = _setup({"spec": "mlp", "kwargs": {}}, {"spec": "evil_plugin:data", "kwargs": {}})
-    async with fake_daemon(shell) as shell_url, fake_daemon(evil_data) as data_url:
-        (code_m, err_m), (code_d, err_d) = await asyncio.gather(
-            run_worker(shell_url, tmp_path), run_worker(data_url, tmp_path)
+    for name in ("evil_refused", "evil_allowed"):  # each leaves <name>.marker when imported
+        (tmp_path / f"{name}.py").write_text(
+            EVIL_MODULE.replace("imported.marker", f"{name}.marker")
         )
-        assert code_m == 2, err_m
-        assert "the daemon trains the plug-in model 'subprocess:getoutput'" in err_m, err_m
-        assert "start it with --model subprocess:getoutput if you trust that code" in err_m
-        assert not shell_marker.exists()
+    monkeypatch.syspath_prepend(str(tmp_path))  # importable here, as from a worker's directory
+    refused = _setup({"spec": "mlp", "kwargs": {}}, {"spec": "evil_refused:data", "kwargs": {}})
+    allowed = _setup({"spec": "mlp", "kwargs": {}}, {"spec": "evil_allowed:data", "kwargs": {}})
+    async with (
+        fake_daemon(shell) as shell_url,
+        fake_daemon(refused) as refused_url,
+        fake_daemon(allowed) as allowed_url,
+    ):
+        # the attack of the issue on a real worker process, while the rest runs in this one
+        process = asyncio.create_task(run_process(shell_url, tmp_path))
 
-        assert code_d == 2, err_d
-        assert "the daemon trains the plug-in data set 'evil_plugin:data'" in err_d, err_d
-        assert "start it with --dataset evil_plugin:data" in err_d
-        assert not import_marker.exists()
+        assert await asyncio.to_thread(run_main, refused_url) == 2
+        err = capsys.readouterr().err
+        assert "the daemon trains the plug-in data set 'evil_refused:data'" in err, err
+        assert "start it with --dataset evil_refused:data if you trust that code" in err, err
+        assert not (tmp_path / "evil_refused.marker").exists()
 
-        # The operator's word: now it is imported (so the marker shows an import when one
-        # happens); named, but not what the daemon trains: compared, refused, nothing imported.
-        (code_d, err_d), (code, err) = await asyncio.gather(
-            run_worker(data_url, tmp_path, "--dataset", "evil_plugin:data"),
-            run_worker(shell_url, tmp_path, "--model", "mlp"),
-        )
-        assert import_marker.exists(), err_d
-        assert code_d == 2 and "never a data set" in err_d, err_d
-
-        assert code == 2, err
+        # Named, but not what the daemon trains: compared, refused, nothing imported.
+        assert await asyncio.to_thread(run_main, shell_url, "--model", "mlp") == 2
+        err = capsys.readouterr().err
         assert "the daemon trains the model 'subprocess:getoutput' but this worker was " in err
         assert "started with --model mlp" in err, err
+
+        # The operator's word: now it is imported (so the marker shows an import when one does).
+        code = await asyncio.to_thread(run_main, allowed_url, "--dataset", "evil_allowed:data")
+        err = capsys.readouterr().err
+        assert (tmp_path / "evil_allowed.marker").exists(), err
+        assert code == 2 and "never a data set" in err, err
+
+        code, err = await process
+        assert code == 2, err
+        assert "the daemon trains the plug-in model 'subprocess:getoutput'" in err, err
+        assert "start it with --model subprocess:getoutput if you trust that code" in err
         assert not shell_marker.exists()
