@@ -45,6 +45,17 @@ def is_bundled(spec: str) -> bool:
     return ":" not in spec or spec in BUNDLED_PLUGINS
 
 
+def operator_flags(model: str, dataset: str) -> list[str]:
+    """The ``hetd-worker`` flags by which a launcher that named ``model`` and ``dataset`` itself
+    (``hetd demo``, ``hetd bench --mode real``) lets its own workers build them: none for bundled
+    ones."""
+    flags: list[str] = []
+    for flag, spec in (("--model", model), ("--dataset", dataset)):
+        if not is_bundled(spec):
+            flags += [flag, spec]
+    return flags
+
+
 def _shown(spec: object) -> str:
     text = repr(spec)
     return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN] + "..."

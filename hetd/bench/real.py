@@ -80,6 +80,7 @@ from hetd.sim.results import PolicySpec, RunResult, Trace, staleness_stats, time
 from hetd.sim.scenario import Scenario
 from policies import ClusterView, Policy
 from policies.types import Decision, Event, Leave, Push, Release
+from workers.imports import operator_flags
 
 LINKS = ("emulated", "netns")  # --links: the worker sleeps for its link, or a real shaped one
 # worker processes import jax, build their trainer and compile before their first push: under
@@ -206,7 +207,9 @@ def _worker_args(sc: Scenario, i: int, seed: int, shaped: bool = False) -> list[
     w = sc.workers[i]
     fastest = min([x.slowdown for x in sc.workers] + [s.slowdown for s in sc.shifts])
     per_32 = sc.base_step_s * 32 / sc.base_batch * fastest
+    # the scenario named its model and data set: its own workers may build them (workers.imports)
     args = [
+        *operator_flags(sc.model, sc.dataset),
         "--name",
         f"w{i}",
         "--emulate-slowdown",

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from hetd import config as config_mod
 from hetd.core.evals import metrics_of
 from hetd.server.daemon import Daemon
+from workers.imports import operator_flags
 
 
 @dataclass(frozen=True)
@@ -200,7 +201,10 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     launched = time.monotonic()
     port = await daemon.listen()
     url = f"ws://127.0.0.1:{port}"
-    task_args = ("--task", opts.task) if opts.task else ()
+    # this command named the model and data set: its workers may build them (workers.imports)
+    task_args = (
+        ("--task", opts.task) if opts.task else operator_flags(opts.model, cfg.train.dataset)
+    )
     procs = [
         await spawn_worker(
             url,

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from workers.cli import parser, read_allowed
-from workers.imports import Allowed, ImportRefused, check_imports
+from workers.imports import Allowed, ImportRefused, check_imports, operator_flags
 
 
 def _setup(model: Any, dataset: Any = "digits") -> dict[str, Any]:
@@ -77,3 +77,14 @@ def test_the_command_line_and_the_config_name_plug_ins(tmp_path: Path) -> None:
     conf.write_text("[worker]\nmodel = 3\n")
     with pytest.raises(ValueError, match=r"\[worker\] model must be a string"):
         read_allowed(parser().parse_args([url, "--config", str(conf)]))
+
+
+def test_a_launcher_passes_the_flags_for_what_it_named() -> None:
+    """``hetd demo`` and ``hetd bench --mode real`` name the model and data set themselves: their
+    workers get the flags for plug-ins, none for bundled names."""
+    assert operator_flags("mlp", "digits") == []
+    assert operator_flags("hetd.zoo.blocks:mlp_model", "x.y:data") == ["--dataset", "x.y:data"]
+    flags = operator_flags("a.b:net", "mnist5k")
+    assert flags == ["--model", "a.b:net"]
+    allowed = read_allowed(parser().parse_args(["ws://127.0.0.1:7070", *flags]))
+    check_imports(_setup("a.b:net", "mnist5k"), allowed)
