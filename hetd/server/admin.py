@@ -25,8 +25,8 @@ from aiohttp import hdrs, web
 from hetd.protocol.endpoints import ADMIN_REALM
 from hetd.server import front
 from hetd.server.auth import ADMIN_ENDPOINT, name_endpoint
-from hetd.server.throttle import AuthThrottle
 from hetd.server.safe_files import Refused
+from hetd.server.throttle import AuthThrottle
 
 if TYPE_CHECKING:  # the engine's modules import JAX: the admin app is built before they load
     from hetd.core.engine import Engine
