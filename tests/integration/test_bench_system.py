@@ -19,6 +19,8 @@ from hetd.bench.system_peers import PeerPool
 from hetd.cli.bench import main
 from hetd.server.metrics import Metrics
 
+pytestmark = pytest.mark.slow  # a real daemon on loopback (and real worker processes)
+
 
 def test_a_tiny_run_writes_system_json_in_its_schema_and_a_table(tmp_path: Path) -> None:
     out = tmp_path / "sys"

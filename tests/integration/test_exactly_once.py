@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import optax
+import pytest
 
 from hetd.codecs import registry as codecs
 from hetd.core.engine import Engine, EngineConfig
@@ -23,6 +24,8 @@ from tests.conftest import WORKER_AUTH as AUTH
 from tests.conftest import FakeClock, FakePeer
 from tests.conftest import raw_hello as hello
 from tests.conftest import recv_type as recv
+
+pytestmark = pytest.mark.slow  # a real daemon on loopback (and real worker processes)
 
 SHAPES = {"dense/w": (3, 2), "dense/b": (2,)}
 

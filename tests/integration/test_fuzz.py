@@ -21,12 +21,15 @@ from typing import Any
 import aiohttp
 import msgpack
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hetd.codecs import registry as codecs
 from hetd.protocol import wire
 from tests.conftest import WORKER_TOKEN
+
+pytestmark = pytest.mark.slow  # a real daemon on loopback (and real worker processes)
 
 AUTH = {"Authorization": f"Bearer {WORKER_TOKEN}"}
 CAP = 16 * 1024 * 1024  # the daemon's max_frame_bytes in this test

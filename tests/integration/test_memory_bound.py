@@ -11,10 +11,13 @@ import asyncio
 import tracemalloc
 
 import aiohttp
+import pytest
 
 from hetd.bench.system import make_daemon, n_params, synthetic_shapes
 from hetd.bench.system_peers import PushFrame, ready_update
 from hetd.protocol import wire
+
+pytestmark = pytest.mark.slow  # a real daemon on loopback (and real worker processes)
 
 PARAMS = 2_000_000  # 8 MB frames: a few fill the loopback socket buffers of a reader that stops
 

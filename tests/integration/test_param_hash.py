@@ -11,9 +11,12 @@ import time
 
 import aiohttp
 import msgpack
+import pytest
 from aiohttp import web
 
 from hetd.local.demo import stop_processes
+
+pytestmark = pytest.mark.slow  # a real daemon on loopback (and real worker processes)
 
 VERIFIED = re.compile(r"params hash verified: version (\d+) \(hash_mismatches=(\d+)\)")
 MISMATCH = re.compile(r"params hash mismatch: version (\d+) .*\(hash_mismatches=(\d+)\)")

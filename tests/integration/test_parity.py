@@ -10,6 +10,8 @@ import pytest
 
 from hetd.cli.bench import main
 
+pytestmark = pytest.mark.slow  # a real daemon on loopback (and real worker processes)
+
 TINY = """
 name = "tiny-parity"
 dataset = "digits"

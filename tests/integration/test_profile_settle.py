@@ -10,9 +10,13 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import pytest
+
 from policies import ClusterView, Policy
 from policies.types import Decision, Event, Push
 from tests.conftest import Cluster, spawn_worker
+
+pytestmark = pytest.mark.slow  # a real daemon on loopback (and real worker processes)
 
 BASE_STEP_S = 0.02  # s per 32 samples at slow-down 1
 AT_JOIN = 8.0  # the worker's slow-down until the origin is written: the load at its join

@@ -17,6 +17,8 @@ from hetd.protocol import wire
 from policies.types import ReplicaShape
 from tests.conftest import WORKER_AUTH
 
+pytestmark = pytest.mark.slow  # a real daemon on loopback (and real worker processes)
+
 CAP = 16 * 1024  # bytes: the big activation below is sent as chunks both ways
 
 

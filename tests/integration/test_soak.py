@@ -7,7 +7,11 @@ import asyncio
 import json
 from pathlib import Path
 
+import pytest
+
 from hetd.bench.soak import SoakOptions, growth, run_soak
+
+pytestmark = pytest.mark.slow  # a real daemon on loopback (and real worker processes)
 
 
 def test_growth_is_measured_after_the_warm_up() -> None:

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hetd.server.metrics import Metrics
+
+pytestmark = pytest.mark.slow  # a real daemon on loopback (and real worker processes)
 
 
 def _transitions(c: Any) -> list[str]:
