@@ -17,7 +17,7 @@ from hetd.cli.bench import main as bench_main
 from hetd.sim.costs import CostProfile
 from hetd.sim.loop import run_sim
 from hetd.sim.results import PolicySpec
-from hetd.sim.scenario import Scenario, from_mapping, load_scenario
+from hetd.sim.scenario import Scenario, from_mapping, load_scenario, replace
 from policies import ClusterView, Policy, make_policy
 from policies.types import Decision, Event, Push, Release
 
@@ -134,7 +134,7 @@ def test_ssp_in_the_sim_releases_exactly_by_its_rule(monkeypatch: pytest.MonkeyP
     monkeypatch.setitem(policies.registry._REGISTRY, "test-recording-ssp", _recording_ssp)
     RECORDED.clear()
     run = run_sim(digits_s1(budget_s=2.0), PolicySpec("test-recording-ssp", (("staleness", 1),)))
-    assert run.engine.max_release_gap == 1  # the bound holds, and the fast workers reach it
+    assert run.engine.meters.max_release_gap == 1  # the bound holds, and the fast workers reach it
     pushes = [(e, v, d) for e, v, d in RECORDED if isinstance(e, Push)]
     assert len(pushes) == run.pushes > 100
     reference = make_policy("ssp", {"staleness": 1})
@@ -154,7 +154,7 @@ def test_bsp_in_the_sim_moves_in_lockstep() -> None:
     engine = run.engine
     clocks = [f.clock for f in engine.facts.values()]
     assert max(clocks) - min(clocks) <= 1
-    assert engine.max_release_gap == 0
+    assert engine.meters.max_release_gap == 0
     assert all(s.buffered == s.pushes and s.applied == 0 for s in engine.stats.values())
     assert engine.updates_applied == min(clocks) == engine.store.version  # one version per round
     assert run.result.staleness_mean == 0.0
@@ -251,14 +251,16 @@ def write_scenario(
     return path
 
 
-def test_a_hundred_workers_get_through_a_minute_of_virtual_time() -> None:
-    sc = load_scenario("scale100")
+def test_a_hundred_workers_get_through_half_a_minute_of_virtual_time() -> None:
+    # Half of scale100's minute: every worker is past 140 steps by then (the bound asked is 50) and
+    # the model at 0.94 (0.96 at 60 s); the run costs half as much.
+    sc = replace(load_scenario("scale100"), budget_s=30.0)
     t0 = time.monotonic()
     run = run_sim(sc, PolicySpec("ssp", (("staleness", 3),)), seed=0)
     wall = time.monotonic() - t0
-    print(f"\n100 workers, 60 virtual s, ssp: {run.pushes} pushes in {wall:.1f} s real time")
-    assert run.virtual_s == sc.budget_s == 60.0
-    assert run.result.curve[-1][0] == 60.0
+    print(f"\n100 workers, 30 virtual s, ssp: {run.pushes} pushes in {wall:.1f} s real time")
+    assert run.virtual_s == sc.budget_s == 30.0
+    assert run.result.curve[-1][0] == 30.0
     assert len(run.engine.facts) == 100 and min(f.clock for f in run.engine.facts.values()) > 50
     assert run.result.final_accuracy > 0.9
 
