@@ -194,14 +194,14 @@ async def _message_s(engine: Engine, frame: bytes, repeats: int) -> float:
         push = decode_push(engine.store.shapes, wid, wire.decode(frame), len(frame), fused=True)
         for i in range(WARM + repeats):
             if i == WARM:
-                engine.latency.reset()
+                engine.meters.latency.reset()
             peer.got.clear()
             # a new request id (the engine answers each once), from the version it holds
             current = dataclasses.replace(push, id=i + 1, base=engine.store.version)
 
             engine.submit(cmd.Push(current))
             await asyncio.wait_for(peer.got.wait(), 60.0)
-        p50 = engine.latency.summary()["p50_ms"]
+        p50 = engine.meters.latency.summary()["p50_ms"]
         assert p50 is not None  # repeats >= 1 pushes were timed
         return float(p50) / 1e3
     finally:

@@ -190,7 +190,12 @@ def rss_bytes() -> int:
 
 
 def _engine_counters(engine: Engine) -> Any:
-    return lambda: (engine.updates_applied, engine.bytes_in, engine.bytes_out, engine.publishes)
+    return lambda: (
+        engine.updates_applied,
+        engine.meters.bytes_in,
+        engine.meters.bytes_out,
+        engine.meters.publishes,
+    )
 
 
 async def _until(predicate: Any, timeout: float, what: str) -> None:
@@ -436,7 +441,7 @@ async def run_latency(pool: PeerPool, opts: SystemOptions) -> dict[str, Any]:
         await pool.start(jobs, timeout=120.0)
         await asyncio.sleep(opts.warmup_s)
         connected = await engine.call(lambda: len(engine.facts))
-        recorders = (engine.latency, engine.publish_latency, engine.wait)
+        recorders = (engine.meters.latency, engine.meters.publish_latency, engine.meters.wait)
         await engine.call(partial(_reset, recorders))
         rates = (await _measure(_engine_counters(engine), opts.latency_seconds)).rates()
         decide, publish, wait = await engine.call(lambda: [r.summary() for r in recorders])

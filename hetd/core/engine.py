@@ -8,9 +8,17 @@ profile request) and encoded parameter frames to per-session :class:`Peer` outbo
 block it. Time comes from an injected :class:`Clock`; the engine imports neither aiohttp nor the
 wire format, so the simulator drives the same code under a virtual clock.
 
-The engine owns one :class:`WorkerEntry` per worker (facts, counters, plan, peer, the parameters
-it holds), active or departed, and its whole training state as an :class:`EngineState`
-(:meth:`Engine.state` / :meth:`Engine.restore`; checkpoints store that).
+The engine is a router over its parts, each a plain class with its own state:
+:class:`~hetd.core.members.Members` (the worker table: joins, resumes, leaves),
+:class:`~hetd.core.policy_host.PolicyHost` (the policy, its state, the stage),
+:class:`~hetd.core.applier.Applier` (the store and the aggregation buffers),
+:class:`~hetd.core.publish.Publisher` (releases and the downlink),
+:class:`~hetd.core.replicas.Replicas` (pipeline replicas),
+:class:`~hetd.core.evals.Evaluations`, :class:`~hetd.core.guard.UpdateGuard` and
+:class:`~hetd.core.rates.Meters`. Commands (:mod:`hetd.core.commands`) come in through
+:meth:`Engine.handle`; the parts' policy events go to the policy, and its decisions back to the
+parts. Its whole training state is an :class:`EngineState` (:meth:`Engine.state` /
+:meth:`Engine.restore`; checkpoints store that).
 
 Under :meth:`Engine.run` (the daemon) a released worker's parameters are not encoded at once: the
 engine first takes whatever else is already queued (up to :data:`BATCH` commands), then *publishes*
@@ -30,27 +38,64 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
+from hetd.codecs import registry as codecs
 from hetd.core import commands as cmd
-from hetd.core.decisions import DecisionsMixin
+from hetd.core import saved
+from hetd.core.applier import Applier
 from hetd.core.entries import (
     LINK_WINDOW,
-    EngineBase,
     EngineConfig,
     WorkerEntry,
     WorkerStats,
+    block_facts,
 )
-from hetd.core.evals import Keeper, metrics_of
+from hetd.core.evals import Evaluations, Keeper, metrics_of
+from hetd.core.guard import UpdateGuard
 from hetd.core.ingest import update_norm
-from hetd.core.members import PROFILE_KEYS, MembersMixin
+from hetd.core.members import PROFILE_KEYS, Members
 from hetd.core.peers import Clock, MonotonicClock, Peer
-from hetd.core.publish import OFF_LOOP_PARAMS, PublishMixin
-from hetd.core.saved import EngineState, SavedWorker, StateMixin
-from hetd.core.views import ViewsMixin
-from hetd.protocol.messages import ErrorReply, PushIn
-from policies.types import Pull, Push, Tick
+from hetd.core.policy_host import PolicyHost
+from hetd.core.publish import OFF_LOOP_PARAMS, Publisher
+from hetd.core.rates import Meters
+from hetd.core.replicas import Replicas
+from hetd.core.saved import EngineState, SavedWorker
+from hetd.core.store import Snapshot, Store
+from hetd.core.views import status, worker_rows
+from hetd.protocol.messages import (
+    Ack,
+    AckStatus,
+    Bye,
+    ErrorReply,
+    JoinIn,
+    PlanUpdate,
+    ProfileRequest,
+    PushIn,
+    Welcome,
+)
+from policies.compose import Resolved
+from policies.types import (
+    Apply,
+    Buffer,
+    ClusterView,
+    Drop,
+    Event,
+    Flush,
+    Join,
+    Leave,
+    Plan,
+    Policy,
+    Pull,
+    Push,
+    PushDecision,
+    Regroup,
+    Release,
+    SetStage,
+    Tick,
+    WorkerFacts,
+)
 
 __all__ = [
     "BATCH",
@@ -59,7 +104,6 @@ __all__ = [
     "PROFILE_KEYS",
     "Clock",
     "Engine",
-    "EngineBase",
     "EngineConfig",
     "EngineState",
     "MonotonicClock",
@@ -72,22 +116,121 @@ __all__ = [
 log = logging.getLogger("hetd.core.engine")
 
 BATCH = 64  # commands at most taken before one publish
-EWMA = 0.5  # smoothing of per-worker timing facts (docs/policies.md)
 
 
-class Engine(MembersMixin, ViewsMixin, StateMixin, DecisionsMixin, PublishMixin):
-    """Owns the workers' entries, policy state, the store and the aggregation buffers. Its parts:
-    :class:`~hetd.core.entries.EngineBase` (fields, tables, the view),
-    :class:`~hetd.core.members.MembersMixin` (joins, leaves, profiles, heartbeats),
-    :class:`~hetd.core.decisions.DecisionsMixin` (the policy's decisions, policy swaps),
-    :class:`~hetd.core.evals.Evaluations` (evaluations, a part of its own),
-    :class:`~hetd.core.publish.PublishMixin` (releases, publishing),
-    :class:`~hetd.core.replicas.ReplicaMixin` (pipeline replicas),
-    :class:`~hetd.core.saved.StateMixin` (checkpoints) and
-    :class:`~hetd.core.views.ViewsMixin` (summaries). This module keeps the single writer's loop
-    and the commands on the hot path (pull, push with its update guard, tick)."""
+class Engine:
+    """Routes commands to the parts, events to the policy and its decisions back."""
+
+    def __init__(
+        self,
+        store: Store,
+        policy: Policy,
+        config: EngineConfig,
+        clock: Clock | None = None,
+        evaluator: Callable[[Snapshot], tuple[float, float]] | None = None,
+    ) -> None:
+        self.store = store
+        store.hashes = config.param_hashes  # a snapshot's frame carries its hash (or not)
+        self.config = config
+        self.clock: Clock = clock or MonotonicClock()
+        self.started_at = self.clock.now()
+        self._queue: asyncio.Queue[tuple[float, cmd.Command]] = asyncio.Queue()
+        self.meters = Meters()
+        self.members = Members(config, self.clock, self.started_at)
+        self.applier = Applier(store)
+        self.publisher = Publisher(self.members, store, config, self.meters)
+        self.pipelines = Replicas(self.members, block_facts(store.shapes))
+        self.guard = UpdateGuard(config.guard_factor, config.guard_warmup)
+        self.evaluations = Evaluations(
+            self.clock,
+            self.started_at,
+            config.eval_interval_s,
+            config.eval_inline,
+            self.submit,
+            evaluator,
+        )
+        self.host = PolicyHost(policy, self.clock, self.started_at)
+        self.host.state = policy.init(self.view())
+
+    # --- what callers read (each part's own) --------------------------------------------------------
+
+    @property
+    def entries(self) -> Mapping[int, WorkerEntry]:
+        """The active workers' entries, by id (read-only, live)."""
+        return self.members.entries
+
+    @property
+    def facts(self) -> Mapping[int, WorkerFacts]:
+        """The facts the policy sees, by id (read-only, live; not a replica's later stages)."""
+        return self.members.facts
+
+    @property
+    def departed(self) -> Mapping[int, WorkerFacts]:
+        """The facts of workers that left (or that a restored checkpoint knows), by id."""
+        return self.members.departed
+
+    @property
+    def stats(self) -> Mapping[int, WorkerStats]:
+        """Every worker's counters, active or departed, by id (read-only, live)."""
+        return self.members.stats
+
+    @property
+    def plans(self) -> Mapping[int, Plan]:
+        return self.members.plans
+
+    @property
+    def departures(self) -> Sequence[tuple[float, int, str]]:
+        """The last departures: (s since start, worker, reason)."""
+        return self.members.departures
+
+    @property
+    def replicas(self) -> Mapping[int, tuple[int, ...]]:
+        """The pipeline replicas, head -> members in stage order (read-only, live)."""
+        return self.pipelines.view
+
+    @property
+    def policy(self) -> Policy:
+        return self.host.policy
+
+    @policy.setter
+    def policy(self, policy: Policy) -> None:
+        self.host.policy = policy
+
+    @property
+    def policy_state(self) -> Any:
+        return self.host.state
+
+    @policy_state.setter
+    def policy_state(self, state: Any) -> None:
+        self.host.state = state
+
+    @property
+    def stage(self) -> str:
+        return self.host.stage
+
+    @property
+    def stages(self) -> list[tuple[float, str]]:
+        """(s since start, stage entered), each switch."""
+        return self.host.stages
+
+    @property
+    def updates_applied(self) -> int:
+        return self.applier.updates_applied
+
+    @property
+    def evals(self) -> list[tuple[float, float, float]]:
+        """Every evaluation: (s since start, loss, accuracy)."""
+        return self.evaluations.evals
+
+    def buffered(self) -> int:
+        """Pushes waiting in aggregation buffers."""
+        return self.applier.buffered()
 
     # --- the single writer -----------------------------------------------------------------------
+
+    def submit(self, command: cmd.Command) -> None:
+        """Queue a command for the engine task."""
+        self._queue.put_nowait((time.perf_counter(), command))
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the engine task and return its result (or raise its error)."""
@@ -105,7 +248,7 @@ class Engine(MembersMixin, ViewsMixin, StateMixin, DecisionsMixin, PublishMixin)
             case cmd.Pull(wid, have):
                 self.pull(wid, have)
             case cmd.Heartbeat(wid):
-                self.heartbeat(wid)
+                self.members.seen(wid)
             case cmd.Join(hello, peer, on_id):
                 return self.join(hello, peer, on_id)
             case cmd.Leave(wid, reason, peer):
@@ -141,16 +284,15 @@ class Engine(MembersMixin, ViewsMixin, StateMixin, DecisionsMixin, PublishMixin)
         return None
 
     async def run(self) -> None:
-        """Process commands until cancelled; a timer task feeds ticks."""
+        """Process commands until cancelled; timer tasks feed ticks and evaluations."""
         ticker = asyncio.create_task(self._ticker())
         evals = asyncio.create_task(self.evaluations.timer(self.config.tick_s))
-        self._deferred = True
-        self.store.combine = True  # a batch's updates: one optimizer step of their weighted sum
+        self.defer_publishing()
         try:
             while True:
                 await self._run_batch(await self._queue.get())
         finally:
-            self._deferred = False
+            self.publisher.deferred = False
             self.store.combine = False
             ticker.cancel()
             evals.cancel()
@@ -163,144 +305,390 @@ class Engine(MembersMixin, ViewsMixin, StateMixin, DecisionsMixin, PublishMixin)
     async def _run_batch(self, first: tuple[float, cmd.Command]) -> None:
         """Run ``first`` and whatever else is already queued (up to :data:`BATCH`), then publish
         once: one snapshot and one encode serve every release of the batch."""
+        m = self.meters
         item: tuple[float, cmd.Command] | None = first
         taken = 0
         while item is not None:
             queued_at, command = item
             start = time.perf_counter()
-            self.wait.add(start - queued_at)
+            m.wait.add(start - queued_at)
             try:
                 self.handle(command)
             except Exception:  # a bug in one command must not stop training
                 log.exception("engine command %s failed", type(command).__name__)
-            self.latency.add(time.perf_counter() - start)
+            m.latency.add(time.perf_counter() - start)
             taken += 1
             item = self._queue.get_nowait() if taken < BATCH and not self._queue.empty() else None
-        if self._releases or self.store.pending or self._replica_releases:
+        if self._to_publish():
             start = time.perf_counter()
-            self.publishes += 1
-            await self._publish()
-            self.publish_latency.add(time.perf_counter() - start)
+            m.publishes += 1
+            wants = self.publisher.take()
+            try:
+                if self.store.n_params >= OFF_LOOP_PARAMS:
+                    frames = await asyncio.to_thread(self.publisher.encode, wants)
+                else:
+                    frames = self.publisher.encode(wants)
+            except Exception:
+                log.exception("publishing parameters failed; dropping %d session(s)", len(wants))
+                why = "the daemon could not encode parameters for this worker; reconnect"
+                self.publisher.drop(wants, why)
+            else:
+                self.publisher.send_all(wants, frames)
+            self._run_replicas()
+            m.publish_latency.add(time.perf_counter() - start)
 
     async def _ticker(self) -> None:
         while True:
             await asyncio.sleep(self.config.tick_s)
             self.submit(cmd.Tick())
 
-    # --- commands (run on the engine task only) -----------------------------------------------------
+    def defer_publishing(self) -> None:
+        """Publish as the daemon does, for a caller that runs commands in batches without
+        :meth:`run` (the simulator's daemon server): releases wait for :meth:`publish_batch`,
+        and the updates queued in between go through one optimizer step of their weighted sum."""
+        self.publisher.deferred = True
+        self.store.combine = True
+
+    def publish_batch(self) -> None:
+        """What :meth:`run` does after each batch, synchronously."""
+        if self._to_publish():
+            self.meters.publishes += 1
+            wants = self.publisher.take()
+            self.publisher.send_all(wants, self.publisher.encode(wants))
+            self._run_replicas()
+
+    def _to_publish(self) -> bool:
+        return bool(self.publisher.pending or self.store.pending or self.pipelines.pending)
+
+    # --- worker commands --------------------------------------------------------------------------
+
+    def join(self, hello: JoinIn, peer: Peer, on_id: Callable[[int], None] | None = None) -> int:
+        """Admit a worker: facts, plan, welcome with a new random secret; the policy decides when
+        it may start. A worker that says it is a known one (``resume_id``) and shows that worker's
+        secret gets its id, clock, last push id and secret back (an active one's old session
+        leaves first); a wrong or missing secret makes it a new worker. ``on_id`` is called with
+        the worker's id once it is welcomed and before the policy hears of it."""
+        codec = codecs.negotiate(list(hello.codecs), self.config.codec)  # raises before any change
+        members, rid = self.members, hello.resume_id
+        if rid in members.active and members.may_resume(rid, hello.resume_secret):
+            self.leave(rid, "resumed on a new connection")
+        entry = members.admit(hello, peer, codec, self._default_plan(codec, self.host.stage))
+        wid, cuts = entry.facts.worker, members.shard_for(entry)
+        peer.send(
+            Welcome(
+                id=hello.id,
+                worker_id=wid,
+                plan=entry.plan,
+                heartbeat_s=self.config.heartbeat_s,
+                shard=entry.shard[0],
+                shards=entry.shard[1],
+                setup=self.config.welcome,
+                secret=entry.secret,
+            )
+        )
+        members.send_cuts(cuts, but=wid)
+        if self.config.profile_steps > 0:
+            peer.send(ProfileRequest(self.config.profile_steps, self.config.batch_size))
+        log.info(
+            "worker %d (%s) joined on slot %d, codec %s", wid, hello.name, entry.stats.slot, codec
+        )
+        if on_id is not None:
+            on_id(wid)
+        self._dispatch(Join(self.clock.now(), wid))
+        return wid
+
+    def leave(self, wid: int, reason: str, peer: Peer | None = None) -> None:
+        """A worker left; it leaves every barrier at once (its entry is kept as departed).
+        ``peer``: the session that ended; nothing happens when the worker is now on another one
+        (it resumed on a new connection first)."""
+        gone = self.members.remove(wid, reason, peer)
+        if gone is None:
+            return
+        head = self.pipelines.of(wid)
+        if head is not None:  # its replica cannot go on: the others go back to data parallel
+            self.dissolve_replica(head, f"worker {wid} left")
+        if self.config.recut_shards:
+            self.members.send_cuts(self.members.recut())
+        if gone[1]:  # a replica's later stage left the view when the replica formed
+            self._dispatch(Leave(self.clock.now(), wid, reason))
+
+    def bye_all(self, reason: str) -> None:
+        """Say bye to every worker and let it leave (they may reconnect later)."""
+        for wid in list(self.members.active):
+            self.members.send(wid, Bye(reason))
+            self.leave(wid, reason)
+
+    def profile_result(self, wid: int, result: Mapping[str, Any]) -> None:
+        if self.members.profiled(wid, result):
+            self._dispatch(Tick(self.clock.now()))
+
+    def heartbeat(self, wid: int) -> None:
+        self.members.seen(wid)
 
     def pull(self, wid: int, have: int | None = None) -> None:
         """A worker asks for parameters (``have``: the version it holds; None: send them in full);
         the gate decides when it gets them."""
-        entry = self._workers.get(wid)
+        entry = self.members.active.get(wid)
         if entry is None:
             return
-        if self.replica_of(wid) is not None:
-            # A stage without its step's base: the newest in full, outside any gate (the
-            # replica's steps are released with its head).
-            entry.stats.last_seen = self.clock.now()
-            self.resend(wid)
-            return
-        facts = entry.facts
         now = self.clock.now()
         entry.stats.last_seen = now
-        held = facts.version if have is not None and have == facts.version else -1
-        self._put(
-            entry,
-            dataclasses.replace(
-                facts, waiting=True, waiting_since=facts.waiting_since or now, version=held
-            ),
-        )
+        if self.pipelines.of(wid) is not None:
+            # A stage without its step's base: the newest in full, outside any gate (the
+            # replica's steps are released with its head).
+            self.resend(wid)
+            return
+        f = entry.facts
+        held = f.version if have is not None and have == f.version else -1
+        self.members.update(entry, waiting=True, waiting_since=f.waiting_since or now, version=held)
         self._dispatch(Pull(now, wid))
 
     def push(self, p: PushIn) -> None:
         """One validated update: facts, policy, store, ack."""
-        entry = self._workers.get(p.worker)
+        entry = self.members.active.get(p.worker)
         if entry is None:
             return
-        facts = entry.facts
         now = self.clock.now()
         st = entry.stats
         st.last_seen = now
         if p.id <= entry.last_push:  # seen before (sent again, or after a reconnect): never twice
             st.duplicates += 1
-            why = (
-                f"push {p.id} was received before (last push {entry.last_push}); not applied again"
+            last = entry.last_push
+            self._ack(
+                p,
+                "duplicate",
+                f"push {p.id} was received before (last push {last}); not applied again",
             )
-            self._ack(p, "duplicate", why)
             return
-        if p.worker in self._stages:  # a data-parallel step that ended after its worker became
-            st.dropped += 1  # a replica's stage: the policy no longer counts it
+        if p.worker in self.pipelines.head_of:  # a data-parallel step that ended after its
+            st.dropped += 1  # worker became a replica's stage: the policy no longer counts it
             entry.last_push = max(entry.last_push, p.id)
             self._ack(p, "dropped", "the worker is a stage of a pipeline replica now")
             return
-        refusal = self._guard(p)
+        refusal = (
+            self.guard.check(p.kind, p.norm if p.norm is not None else update_norm(p.tensors))
+            if self.guard.on
+            else None
+        )
         if refusal is not None:  # nothing of it counts: the worker goes on from what it holds
             st.refused += 1
             log.warning("worker %d: push %d refused: %s", p.worker, p.id, refusal)
-            if entry.peer is not None:
-                entry.peer.send(ErrorReply(p.id, "out_of_range", refusal))
+            self.members.send(p.worker, ErrorReply(p.id, "out_of_range", refusal))
             return
         entry.last_push = p.id  # from here on, this push is answered with an ack
-        if facts.waiting:  # one release ends the wait: it answers this push too (publish)
+        if entry.facts.waiting:  # one release ends the wait: it answers this push too
             entry.joined_pushes += 1
-        st.pushes += 1
-        st.bytes_in += p.nbytes
-        self.bytes_in += p.nbytes
-        st.worker_idle_s += p.idle_s or 0.0
+        self.meters.bytes_in += p.nbytes
         staleness = max(0, self.store.version - p.base)
         st.staleness.append(staleness)
         if len(st.staleness) > 4096:
             del st.staleness[:2048]
-
-        def ewma(old: float | None, new: float) -> float:
-            return new if old is None else EWMA * new + (1 - EWMA) * old
-
-        new = dataclasses.replace(
-            facts,
-            clock=facts.clock + 1,
-            waiting=True,
-            waiting_since=now,
-            prev_push_at=facts.last_push_at,
-            last_push_at=now,
-            compute_s=ewma(facts.compute_s, p.compute_s),
-            sample_s=ewma(facts.sample_s, p.compute_s / max(1, p.samples))
-            if p.samples
-            else facts.sample_s,
-            push_bytes=ewma(facts.push_bytes, float(p.nbytes)),
-            link_bps=self._link_rate(st, p.nbytes, p.transfer_s, facts.link_bps),
-            samples=facts.samples + p.samples,
-            free_mem=p.free_mem if p.free_mem is not None else facts.free_mem,
-        )
-        self._put(entry, new)
+        self.members.pushed(entry, p, now)
         kind: Literal["grad", "delta"] = "grad" if p.kind == "grad" else "delta"
-        event = Push(now, p.worker, p.base, kind, p.samples, p.steps, p.compute_s, p.loss)
         if p.base > self.store.version or staleness > self.config.max_staleness:
             why = "base version from the future" if p.base > self.store.version else "too stale"
             self._ack(p, "dropped", why)
             st.dropped += 1
             self._dispatch(Tick(now))  # the clock moved: gates may open
             return
+        event = Push(now, p.worker, p.base, kind, p.samples, p.steps, p.compute_s, p.loss)
         self._dispatch(event, p)
 
-    def _guard(self, p: PushIn) -> str | None:
-        """Why the update guard refuses push ``p`` (None: it passes)."""
-        if not self.guard.on:
-            return None
-        norm = p.norm if p.norm is not None else update_norm(p.tensors)
-        return self.guard.check(p.kind, norm)
+    def resend(self, wid: int, peer: Peer | None = None) -> None:
+        """Send a worker the newest parameters in full, in place of a full frame its outbox
+        dropped because it was still writing an earlier one (a slow reader: the dropped frame
+        would have pinned one more snapshot). Not a release: the policy is not asked and the
+        worker's gates do not change. ``peer``: the session that asked (nothing happens when the
+        worker is on another one)."""
+        entry = self.members.active.get(wid)
+        if entry is None or entry.peer is None or (peer is not None and entry.peer is not peer):
+            return
+        self.publisher.resend(entry)
+
+    def set_transport(self, wid: int, peer: Peer, transport: str) -> None:
+        """Worker ``wid``'s session ``peer`` now carries its big frames by ``transport``
+        (``"shm"``: the daemon's shared memory); /v1/workers shows it as ``path``."""
+        entry = self.members.active.get(wid)
+        if entry is not None and entry.peer is peer:
+            entry.transport = transport
 
     def tick(self) -> None:
         """Time passes: heartbeats, evaluation, and a chance for gates to open."""
         now = self.clock.now()
-        self.rates.sample(now, self.updates_applied, self.bytes_in, self.bytes_out)
-        for wid, entry in list(self._workers.items()):
+        m = self.meters
+        m.rates.sample(now, self.applier.updates_applied, m.bytes_in, m.bytes_out)
+        for wid, entry in list(self.members.active.items()):
             if now - entry.stats.last_seen > self.config.heartbeat_timeout_s:
                 self.leave(wid, "heartbeat timeout")
         self._evaluate_if_due(now)
         self._dispatch(Tick(now))
 
-    # --- evaluations (hetd.core.evals.Evaluations) -------------------------------------------------
+    # --- replicas ---------------------------------------------------------------------------------
+
+    def form_replica(self, members: Sequence[int]) -> None:
+        """Make connected workers ``members`` (stage order) one replica (:meth:`Replicas.form`;
+        ValueError before anything changes)."""
+        events = self.pipelines.form(members, self.clock.now())
+        for wid in members[1:]:
+            self.publisher.pending.pop(wid, None)
+        self._events(events)
+
+    def dissolve_replica(self, head: int, reason: str = "") -> None:
+        """End replica ``head`` (:meth:`Replicas.dissolve`)."""
+        self._events(self.pipelines.dissolve(head, reason, self.clock.now()))
+
+    def _run_replicas(self) -> None:
+        """After a publish: the released replicas' next steps."""
+        for head in self.pipelines.take_pending():
+            if not self.pipelines.run(head):
+                self.dissolve_replica(head, "no replica driver")
+
+    def replica_of(self, wid: int) -> int | None:
+        return self.pipelines.of(wid)
+
+    # --- the policy --------------------------------------------------------------------------------
+
+    def view(self) -> ClusterView:
+        """The facts as the policy sees them (active replicas only)."""
+        m = self.members
+        return ClusterView(
+            now=self.clock.now(),
+            version=self.store.version,
+            workers=m.view_facts,
+            global_batch=self.config.global_batch,
+            buffered=self.applier.buffered(),
+            stage=self.host.stage,
+            replicas=self.pipelines.groups,
+            stage_workers={w: m.active[w].facts for w in self.pipelines.head_of if w in m.active},
+            blocks=self.pipelines.blocks,
+        )
+
+    def swap_policy(self, name: str, params: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Replace the policy between two events, all or nothing.
+
+        The new policy is built, initialised and asked for its first decisions on a trial view
+        (:meth:`PolicyHost.trial`); any error raises :class:`PolicyError` and nothing has
+        changed. Then the swap is carried out: buffered pushes are applied (never lost), the
+        policy, its state, the stage and the plans change together (each worker whose plan
+        changed is told once), and the first decisions' releases and flushes are carried out.
+        """
+        active = self.members.active
+        visible = {wid: e.facts for wid, e in active.items() if wid in self.members.view_facts}
+        t = self.host.trial(
+            name,
+            params,
+            visible,
+            lambda f: self._default_plan(f.codec, "main"),
+            self.store.version,
+            self.config.global_batch,
+            self.config.outer_for,
+        )
+        # Nothing below refuses: the swap happens as a whole.
+        if self.applier.buffered():  # never lose buffered updates: apply them before the change
+            self.applier.flush(Flush(normalize=True))
+        old = self.host.policy.name
+        self.host.install(t.policy, t.state)
+        # after the flush, which applied the old policy's rounds through the old one
+        if t.outer is not None and self.store.set_outer(t.outer):
+            log.info("outer optimizer -> %s (state reset)", self.store.outer_spec)
+        self.host.enter(t.stage, "policy swap")
+        for wid, plan in t.plans.items():
+            entry = active[wid]
+            changed = plan != entry.plan
+            entry.plan = plan
+            self.members.update(entry, batch_size=plan.batch_size, clock=t.top)
+            if changed:
+                self.members.send(wid, PlanUpdate(plan))
+        for gone in self.members.gone.values():  # one that returns rejoins the same round
+            gone.facts = dataclasses.replace(gone.facts, clock=min(gone.facts.clock, t.top))
+        log.info("policy swapped: %s -> %s %s", old, t.policy.name, dict(t.policy.params))
+        self._execute(Resolved((), t.first.scale, t.first.actions), None)
+        return t.policy.describe()
+
+    def _default_plan(self, codec: str, stage: str) -> Plan:
+        """A worker's plan before any policy changes it: the configured batch, pushes in the
+        codec its parameters come in, nothing else set."""
+        return Plan(batch_size=self.config.batch_size, codec=codec, stage=stage)
+
+    def _events(self, events: Iterable[Event]) -> None:
+        for event in events:
+            self._dispatch(event)
+
+    def _dispatch(self, event: Event, push: PushIn | None = None) -> None:
+        """Ask the policy about ``event`` and carry out its decisions."""
+        self._execute(self.host.decide(event, self.view(), push is not None), push)
+
+    def _execute(self, r: Resolved, push: PushIn | None) -> None:
+        """Carry out one event's resolved decisions (the rules are :func:`policies.resolve`'s)."""
+        # Plans first, so a worker released by this event computes under its new plan.
+        for d in r.plans:
+            if isinstance(d, SetStage):
+                if self.host.enter(d.stage):
+                    for wid in list(self.members.active):
+                        self._set_plan(wid, {"stage": d.stage})
+            elif isinstance(d, Regroup):
+                self.pipelines.regroup(d.replicas, self.host.policy.name)
+            else:
+                self._set_plan(d.worker, d.fields)
+        for a in r.actions:
+            if isinstance(a, Flush):
+                self.applier.flush(a)
+            elif isinstance(a, Release):
+                self._release(a.worker)
+            elif push is not None:
+                self._decide_push(a, push, r.scale)
+        if push is not None and r.push is None:
+            # A policy that says nothing about a push must not lose it.
+            log.warning("policy %s made no decision on a push; applying it", self.host.policy.name)
+            self._decide_push(Apply(1.0 / max(1, len(self.members.view_facts))), push, r.scale)
+
+    def _decide_push(self, d: PushDecision, p: PushIn, factor: float) -> None:
+        st = self.members.stats[p.worker]
+        if isinstance(d, Apply):
+            self.applier.apply(p.kind, p.tensors, d.weight * factor)
+            st.applied += 1
+            self._ack(p, "applied")
+        elif isinstance(d, Buffer):
+            self.applier.buffer(d.group, p.kind, p.tensors, d.weight * factor)
+            st.buffered += 1
+            self._ack(p, "buffered")
+        elif isinstance(d, Drop):
+            st.dropped += 1
+            self._ack(p, "dropped", d.reason)
+
+    def _set_plan(self, wid: int, fields: Mapping[str, Any]) -> None:
+        entry = self.members.active.get(wid)
+        if entry is None:
+            return
+        new = entry.plan.merge(fields)  # checked: resolve() raised on unknown fields already
+        if new == entry.plan:
+            return
+        entry.plan = new
+        self.members.update(entry, batch_size=new.batch_size)
+        self.members.send(wid, PlanUpdate(new))
+
+    def _release(self, wid: int) -> None:
+        entry = self.members.active.get(wid)
+        if entry is None or not entry.facts.waiting or wid in self.pipelines.head_of:
+            return  # a replica's later stage is released with its head
+        f, now = entry.facts, self.clock.now()
+        gap = f.clock - min(x.clock for x in self.members.view_facts.values())
+        self.meters.max_release_gap = max(self.meters.max_release_gap, gap)
+        idle = now - f.waiting_since if f.waiting_since is not None else 0.0
+        self.members.update(entry, waiting=False, waiting_since=None, idle_s=f.idle_s + idle)
+        if wid not in self.pipelines.groups:
+            self.publisher.release(entry)
+        elif self.publisher.deferred:  # its driver runs the step once this batch is applied
+            self.pipelines.pending[wid] = None
+        else:
+            self.store.flush()
+            if not self.pipelines.run(wid):
+                self.dissolve_replica(wid, "no replica driver")
+
+    def _ack(self, p: PushIn, status: AckStatus, reason: str | None = None) -> None:
+        self.members.send(p.worker, Ack(p.id, self.store.version, status, reason))
+
+    # --- evaluations ---------------------------------------------------------------------------------
 
     def _evaluate_if_due(self, now: float) -> None:
         event = self.evaluations.due(now, self.store.snapshot)
@@ -318,11 +706,26 @@ class Engine(MembersMixin, ViewsMixin, StateMixin, DecisionsMixin, PublishMixin)
         self._dispatch(self.evaluations.record(loss, accuracy, taken, metrics))
 
     def anchor_evals(self, at: float) -> None:
-        """Evaluate at ``at`` + k × ``eval_interval_s`` from now on (engine clock): the real bench
-        puts the grid on its t = 0, where the simulator evaluates."""
+        """Evaluate at ``at`` + k × ``eval_interval_s`` from now on (engine clock)."""
         self.evaluations.anchor(at)
 
     def keep_evals(self, keeper: Keeper | None) -> None:
-        """Defer evaluations to ``keeper`` (:meth:`Evaluations.keep`; ValueError if the running
-        policy reads ``Eval`` events; a policy swapped in later is checked by the caller)."""
-        self.evaluations.keep(keeper, self.policy)
+        """Defer evaluations to ``keeper`` (:meth:`Evaluations.keep`)."""
+        self.evaluations.keep(keeper, self.host.policy)
+
+    # --- state and summaries -------------------------------------------------------------------------
+
+    def state(self) -> EngineState:
+        """Everything a restart needs (:func:`hetd.core.saved.capture`)."""
+        return saved.capture(self.members, self.applier, self.host)
+
+    def restore(self, state: EngineState, revive: Callable[[Any, Any], Any] | None = None) -> None:
+        """Put a saved state into this engine before it serves anyone
+        (:func:`hetd.core.saved.restore`)."""
+        saved.restore(state, self.members, self.applier, self.host, self.view, revive)
+
+    def status(self) -> dict[str, Any]:
+        return status(self)
+
+    def workers(self) -> list[dict[str, Any]]:
+        return worker_rows(self)

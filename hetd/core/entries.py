@@ -1,32 +1,21 @@
-"""The engine's parts that every other part builds on: the clock and the peer it is given, its
-configuration, one :class:`WorkerEntry` per worker, and :class:`EngineBase`, which holds the
-engine's fields, the tables of workers and the policy's view (:mod:`hetd.core.engine` adds the
-commands; :mod:`hetd.core.publish`, :mod:`hetd.core.saved` and :mod:`hetd.core.views` the
-releases, checkpoints and summaries).
-"""
+"""What the engine keeps per worker and is configured with: :class:`EngineConfig`, one
+:class:`WorkerEntry` per worker (facts, counters, plan, peer), and a live read-only column of the
+entries' fields (:class:`Column`); :func:`block_facts` reads a block-structured model's blocks
+from its shapes. Plain data: the parts of :mod:`hetd.core` own and change it."""
 
 from __future__ import annotations
 
-import asyncio
 import math
-import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from hetd.core.downlink import Downlink
-from hetd.core.evals import Evaluations
-from hetd.core.guard import UpdateGuard
-from hetd.core.peers import Clock, MonotonicClock, Peer
-from hetd.core.rates import LatencyRecorder, RateMeter
-from hetd.core.store import Aggregator, Snapshot, Store
-from hetd.protocol.messages import PushIn
-from policies.types import ClusterView, Event, Plan, Policy, ReplicaShape, WorkerFacts
+from hetd.core.peers import Peer
+from policies.types import Plan, WorkerFacts
 
 if TYPE_CHECKING:
-    from hetd.core.commands import Command
+    pass
 
 # A worker's link is the fastest of its last pushes, send to receipt: a busy host (a worker not
 # yet scheduled, a daemon loop with other work) only ever makes a transfer look slower, never
@@ -146,7 +135,7 @@ class WorkerEntry:
 _V = TypeVar("_V")
 
 
-class _Column(Mapping[int, _V], Generic[_V]):
+class Column(Mapping[int, _V], Generic[_V]):
     """One field of the worker entries of some tables, by worker id: read-only and live."""
 
     __slots__ = ("_attr", "_tables")
@@ -169,133 +158,3 @@ class _Column(Mapping[int, _V], Generic[_V]):
 
     def __len__(self) -> int:
         return sum(len(table) for table in self._tables)
-
-
-class EngineBase:
-    """The engine's fields, its tables of workers and the policy's view (see
-    :class:`hetd.core.engine.Engine`)."""
-
-    def __init__(
-        self,
-        store: Store,
-        policy: Policy,
-        config: EngineConfig,
-        clock: Clock | None = None,
-        evaluator: Callable[[Snapshot], tuple[float, float]] | None = None,
-    ) -> None:
-        self.store = store
-        store.hashes = config.param_hashes  # a snapshot's frame carries its hash (or not)
-        self.config = config
-        self.clock: Clock = clock or MonotonicClock()
-        self.policy = policy
-        self._workers: dict[int, WorkerEntry] = {}  # active workers
-        self._departed: dict[int, WorkerEntry] = {}  # left (or known from a checkpoint)
-        self._facts: dict[int, WorkerFacts] = {}  # the active workers' facts: the policy's view
-        self.departures: deque[tuple[float, int, str]] = deque(maxlen=64)  # (t, worker, reason)
-        self.buffers: dict[int, Aggregator] = {}  # group (e.g. round) -> buffered updates
-        self.stage = "main"
-        self.started_at = self.clock.now()
-        self.evaluations = Evaluations(
-            self.clock,
-            self.started_at,
-            config.eval_interval_s,
-            config.eval_inline,
-            self.submit,
-            evaluator,
-        )
-        self.updates_applied = 0
-        self.publishes = 0  # batches published by run() (updates_applied / publishes: batch size)
-        self.max_release_gap = 0  # the largest clock lead any worker was released with
-        self.stages: list[tuple[float, str]] = []  # (t since start, stage entered), each switch
-        self._next_id = 1
-        self.downlink = Downlink(s_per_param=config.delta_s_per_param, hashes=config.param_hashes)
-        self.bytes_in = 0  # push bytes received, all workers, since start
-        self.bytes_out = 0  # parameter bytes sent, all workers, since start
-        self.latency = LatencyRecorder()  # s to decide one event: policy, bookkeeping, acks
-        self.publish_latency = LatencyRecorder()  # s per publish: steps, snapshot, param frames
-        self.wait = LatencyRecorder()  # s a command waited in the queue
-        self.rates = RateMeter()  # updates/s and MB/s over the last seconds, sampled on ticks
-        self.guard = UpdateGuard(config.guard_factor, config.guard_warmup)
-        self._queue: asyncio.Queue[tuple[float, Command]] = asyncio.Queue()
-        self._deferred = False  # True while run() drives the engine: releases wait to be published
-        self._releases: dict[int, None] = {}  # workers released, not yet sent parameters (ordered)
-        # Pipeline replicas (hetd.core.replicas): head (stage 0) -> members in stage order. The
-        # head stands for its replica in the policy's view; the later stages are not in it.
-        self._replicas: dict[int, tuple[int, ...]] = {}
-        self._stages: dict[int, int] = {}  # a replica's later stages -> its head
-        self._replica_releases: dict[int, None] = {}  # heads released, their step not yet sent
-        self.blocks = block_facts(store.shapes)  # what planners of replicas know of the model
-        # Who forms and dissolves pipeline replicas on a policy's Regroup (the daemon's driver).
-        self.replica_regroup: Callable[[tuple[ReplicaShape, ...]], None] | None = None
-        # Who runs a released replica's next step (the daemon's replica driver): called with the
-        # head's id once the release's updates are applied.
-        self.replica_release: Callable[[int], None] | None = None
-        self.policy_state: Any = policy.init(self.view())
-
-    def submit(self, command: Command) -> None:
-        """Queue a command for the engine task (:meth:`hetd.core.engine.Engine.handle` runs it)."""
-        self._queue.put_nowait((time.perf_counter(), command))
-
-    @property
-    def evals(self) -> list[tuple[float, float, float]]:
-        """Every evaluation: (s since start, loss, accuracy)."""
-        return self.evaluations.evals
-
-    # --- the workers -----------------------------------------------------------------------------
-
-    @property
-    def entries(self) -> Mapping[int, WorkerEntry]:
-        """The active workers' entries, by id (read-only, live)."""
-        return MappingProxyType(self._workers)
-
-    @property
-    def facts(self) -> Mapping[int, WorkerFacts]:
-        """The active workers' facts, by id (read-only, live)."""
-        return MappingProxyType(self._facts)
-
-    @property
-    def departed(self) -> Mapping[int, WorkerFacts]:
-        """The facts of workers that left (or that a restored checkpoint knows), by id: each gets
-        its clock back when it reconnects (read-only, live)."""
-        return _Column("facts", self._departed)
-
-    @property
-    def stats(self) -> Mapping[int, WorkerStats]:
-        """Every worker's counters, active or departed, by id (read-only, live)."""
-        return _Column("stats", self._workers, self._departed)
-
-    @property
-    def plans(self) -> Mapping[int, Plan]:
-        """The active workers' plans, by id (read-only, live)."""
-        return _Column("plan", self._workers)
-
-    def _put(self, entry: WorkerEntry, facts: WorkerFacts) -> None:
-        """Replace an active worker's facts (in its entry and, unless it is a later stage of a
-        replica, in the policy's view)."""
-        entry.facts = facts
-        if facts.worker not in self._stages:
-            self._facts[facts.worker] = facts
-
-    # --- the view --------------------------------------------------------------------------------
-
-    def view(self) -> ClusterView:
-        """The facts as the policy sees them (active replicas only)."""
-        return ClusterView(
-            now=self.clock.now(),
-            version=self.store.version,
-            workers=self._facts,
-            global_batch=self.config.global_batch,
-            buffered=self.buffered(),
-            stage=self.stage,
-            replicas=self._replicas,
-            stage_workers={w: self._workers[w].facts for w in self._stages if w in self._workers},
-            blocks=self.blocks,
-        )
-
-    def _dispatch(self, event: Event, push: PushIn | None = None) -> None:
-        """Ask the policy about ``event`` and carry out its decisions (the engine's own)."""
-        raise NotImplementedError
-
-    def buffered(self) -> int:
-        """Pushes waiting in aggregation buffers."""
-        return sum(b.count for b in self.buffers.values())

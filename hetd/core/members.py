@@ -1,6 +1,7 @@
-"""Membership, a part of :class:`hetd.core.engine.Engine`: workers join (or resume their id with
-its secret), send profiles and heartbeats, and leave; each change reaches the policy as an event.
-Run on the engine task only, like every command.
+"""The worker table, a part of :class:`hetd.core.engine.Engine` (:class:`Members`): who is connected
+(active entries) and who was (departed, or known from a checkpoint); the facts the policy sees;
+joins, resumes by secret, leaves, profiles, heartbeats, pushes' timing facts and the data shards.
+It tells the policy nothing itself: the engine turns what it returns into events.
 """
 
 from __future__ import annotations
@@ -10,54 +11,120 @@ import hmac
 import logging
 import math
 import secrets
-from collections.abc import Callable, Mapping
+from collections import deque
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
-from hetd.codecs import registry as codecs
-from hetd.core.decisions import DecisionsMixin
-from hetd.core.entries import WorkerEntry, WorkerStats
-from hetd.core.peers import Peer
-from hetd.protocol.messages import Bye, JoinIn, ProfileRequest, ShardUpdate, Welcome
-from policies.types import Join, Leave, Tick, WorkerFacts
+from hetd.core.entries import Column, EngineConfig, WorkerEntry, WorkerStats
+from hetd.core.peers import Clock, Peer
+from hetd.protocol.messages import JoinIn, PushIn, Reply, ShardUpdate
+from policies.types import Plan, WorkerFacts
 
 log = logging.getLogger("hetd.core.engine")  # one logger for the engine and its parts
 
 PROFILE_KEYS = frozenset({"sample_s", "push_s", "pull_s", "compress_s"})
+EWMA = 0.5  # smoothing of per-worker timing facts (docs/policies.md)
 
 
-class MembersMixin(DecisionsMixin):
-    """:meth:`join`, :meth:`leave`, :meth:`bye_all`, :meth:`profile_result` and
-    :meth:`heartbeat`."""
+class Members:
+    """Active and departed workers by id; the active ones' facts as the policy sees them (a
+    pipeline replica's later stages are hidden from that view)."""
 
-    def join(self, hello: JoinIn, peer: Peer, on_id: Callable[[int], None] | None = None) -> int:
-        """Admit a worker: facts, plan, welcome with a new random secret; the policy decides when
-        it may start. A worker that says it is a known one (``resume_id``) and shows that worker's
-        secret gets its id, clock, last push id and secret back (an active one's old session
-        leaves first: it reconnected before its old socket was seen to die); a wrong or missing
-        secret makes it a new worker. ``on_id`` is called with the worker's id once it is
-        welcomed and before the policy hears of it (the session routes pipeline frames to it
-        from then on: a policy may put the worker in a replica at once)."""
+    def __init__(self, config: EngineConfig, clock: Clock, started_at: float) -> None:
+        self.config = config
+        self.clock = clock
+        self.started_at = started_at
+        self.active: dict[int, WorkerEntry] = {}
+        self.gone: dict[int, WorkerEntry] = {}  # left (or known from a checkpoint)
+        self.view_facts: dict[int, WorkerFacts] = {}  # the active workers the policy sees
+        self.hidden: set[int] = set()  # active workers kept out of that view (later stages)
+        self.departures: deque[tuple[float, int, str]] = deque(maxlen=64)  # (t, worker, reason)
+        self.next_id = 1
+
+    # --- reading ----------------------------------------------------------------------------------
+
+    @property
+    def entries(self) -> Mapping[int, WorkerEntry]:
+        return MappingProxyType(self.active)
+
+    @property
+    def facts(self) -> Mapping[int, WorkerFacts]:
+        return MappingProxyType(self.view_facts)
+
+    @property
+    def departed(self) -> Mapping[int, WorkerFacts]:
+        return Column("facts", self.gone)
+
+    @property
+    def stats(self) -> Mapping[int, WorkerStats]:
+        return Column("stats", self.active, self.gone)
+
+    @property
+    def plans(self) -> Mapping[int, Plan]:
+        return Column("plan", self.active)
+
+    def min_clock(self) -> int:
+        """The slowest clock in the policy's view (0 when nobody is in it)."""
+        return min((f.clock for f in self.view_facts.values()), default=0)
+
+    # --- changing ---------------------------------------------------------------------------------
+
+    def put(self, entry: WorkerEntry, facts: WorkerFacts) -> None:
+        """Replace an active worker's facts (in its entry and, unless hidden, in the view)."""
+        entry.facts = facts
+        if facts.worker not in self.hidden:
+            self.view_facts[facts.worker] = facts
+
+    def update(self, entry: WorkerEntry, **changes: Any) -> None:
+        """:meth:`put` the entry's facts with ``changes``."""
+        self.put(entry, dataclasses.replace(entry.facts, **changes))
+
+    def hide(self, wid: int) -> bool:
+        """Take an active worker out of the policy's view; whether it was in it."""
+        self.hidden.add(wid)
+        return self.view_facts.pop(wid, None) is not None
+
+    def show(self, wid: int) -> None:
+        """Put a hidden worker back into the view (when it is still active)."""
+        self.hidden.discard(wid)
+        entry = self.active.get(wid)
+        if entry is not None:
+            self.view_facts[wid] = entry.facts
+
+    def send(self, wid: int, reply: Reply) -> None:
+        """A control reply to an active worker's session (nothing when it has none)."""
+        entry = self.active.get(wid)
+        if entry is not None and entry.peer is not None:
+            entry.peer.send(reply)
+
+    def may_resume(self, wid: int, secret: str | None) -> bool:
+        """Whether ``secret`` is known worker ``wid``'s (compared in constant time)."""
+        entry = self.active.get(wid) or self.gone.get(wid)
+        if entry is None or not entry.secret or not secret:
+            return False
+        return hmac.compare_digest(secret.encode(), entry.secret.encode())
+
+    def admit(self, hello: JoinIn, peer: Peer, codec: str, plan: Plan) -> WorkerEntry:
+        """A new entry for ``hello`` (its resumed id, clock and secret when it may resume a
+        departed one; the caller made an active one leave first). Its shard is the caller's."""
         now = self.clock.now()
-        codec = codecs.negotiate(list(hello.codecs), self.config.codec)  # raises before any change
         saved: WorkerFacts | None = None
         last_push = 0
         secret = ""
         rid = hello.resume_id
-        if rid is not None and self._may_resume(rid, hello.resume_secret):
-            if rid in self._workers:
-                self.leave(rid, "resumed on a new connection")
-            old = self._departed.pop(rid)
+        if rid is not None and rid in self.gone and self.may_resume(rid, hello.resume_secret):
+            old = self.gone.pop(rid)
             wid, saved, last_push, secret = rid, old.facts, old.last_push, old.secret
         else:
             if rid is not None:
                 log.warning("worker %s: resume refused (wrong or no secret); a new id", rid)
-            wid = self._next_id
-            self._next_id += 1
-        secret = secret or secrets.token_urlsafe(32)
-        start_clock = self.view().min_clock() if self._workers else 0
+            wid = self.next_id
+            self.next_id += 1
+        start_clock = self.min_clock() if self.active else 0
         if saved is not None:  # a returning worker keeps its clock, never below the slowest
-            start_clock = max(saved.clock, start_clock) if self._workers else saved.clock
-        used = {e.stats.slot for e in self._workers.values()}
+            start_clock = max(saved.clock, start_clock) if self.active else saved.clock
+        used = {e.stats.slot for e in self.active.values()}
         slot = next(i for i in range(len(used) + 1) if i not in used)
         facts = WorkerFacts(
             worker=wid,
@@ -75,108 +142,74 @@ class MembersMixin(DecisionsMixin):
         entry = WorkerEntry(
             facts=facts,
             stats=WorkerStats(last_seen=now, device=dict(hello.device), slot=slot),
-            plan=self._default_plan(facts, self.stage),
+            plan=dataclasses.replace(plan, codec=codec),
             peer=peer,
             same_host=hello.downlink_same_host,
             hashes="hash" in hello.features,
             last_push=last_push,
-            secret=secret,
+            secret=secret or secrets.token_urlsafe(32),
         )
-        self._workers[wid] = entry
-        self._facts[wid] = facts
-        # Automatic shards are disjoint for up to 4 workers (fewer workers leave some data unused:
-        # set [train] shards to their number). Overlapping shares (the first worker on everything,
-        # the k-th on 1/k) covered all data but trained the 4-worker demo ~30 % slower. A user's
-        # Task cuts its data again at every join and leave instead: one shard per worker.
         entry.reshard = "reshard" in hello.features
-        cuts = self._recut() if self.config.recut_shards else {}
-        shards = self.config.shards or max(4, len(self._workers))
-        entry.shard = cuts.get(wid, (slot % shards, shards))
-        peer.send(
-            Welcome(
-                id=hello.id,
-                worker_id=wid,
-                plan=entry.plan,
-                heartbeat_s=self.config.heartbeat_s,
-                shard=entry.shard[0],
-                shards=entry.shard[1],
-                setup=self.config.welcome,
-                secret=secret,
-            )
-        )
-        self._send_cuts(cuts, but=wid)
-        if self.config.profile_steps > 0:
-            peer.send(ProfileRequest(self.config.profile_steps, self.config.batch_size))
-        log.info("worker %d (%s) joined on slot %d, codec %s", wid, hello.name, slot, codec)
-        if on_id is not None:
-            on_id(wid)
-        self._dispatch(Join(now, wid))
-        return wid
+        self.active[wid] = entry
+        self.view_facts[wid] = facts
+        return entry
 
-    def _may_resume(self, wid: int, secret: str | None) -> bool:
-        """Whether ``secret`` is known worker ``wid``'s (compared in constant time)."""
-        entry = self._workers.get(wid) or self._departed.get(wid)
-        if entry is None or not entry.secret or not secret:
-            return False
-        return hmac.compare_digest(secret.encode(), entry.secret.encode())
+    def shard_for(self, entry: WorkerEntry) -> dict[int, tuple[int, int]]:
+        """Give a newly admitted worker its shard; the re-cut of the others (user tasks).
 
-    def leave(self, wid: int, reason: str, peer: Peer | None = None) -> None:
-        """A worker left; it leaves every barrier at once (its entry is kept as departed).
-        ``peer``: the session that ended; nothing happens when the worker is now on another one
-        (it resumed on a new connection first)."""
-        entry = self._workers.get(wid)
+        Automatic shards are disjoint for up to 4 workers (fewer workers leave some data unused:
+        set [train] shards to their number). Overlapping shares (the first worker on everything,
+        the k-th on 1/k) covered all data but trained the 4-worker demo ~30 % slower. A user's
+        Task cuts its data again at every join and leave instead: one shard per worker."""
+        cuts = self.recut() if self.config.recut_shards else {}
+        shards = self.config.shards or max(4, len(self.active))
+        entry.shard = cuts.get(entry.facts.worker, (entry.stats.slot % shards, shards))
+        return cuts
+
+    def remove(self, wid: int, reason: str, peer: Peer | None) -> tuple[WorkerEntry, bool] | None:
+        """Worker ``wid`` left (None: it is not active, or is on another session than ``peer``):
+        its entry, kept as departed, and whether it was in the policy's view. Its session is
+        closed with ``reason``."""
+        entry = self.active.get(wid)
         if entry is None or (peer is not None and entry.peer is not peer):
-            return
-        del self._workers[wid]
-        in_view = self._facts.pop(wid, None) is not None
-        head = self.replica_of(wid)
-        if head is not None:  # its replica cannot go on: the others go back to data parallel
-            self.dissolve_replica(head, f"worker {wid} left")
-        peer, entry.peer, entry.held_ref, entry.same_host = entry.peer, None, None, False
+            return None
+        del self.active[wid]
+        self.hidden.discard(wid)
+        in_view = self.view_facts.pop(wid, None) is not None
+        session, entry.peer, entry.held_ref, entry.same_host = entry.peer, None, None, False
         entry.hashes = False
-        self._departed[wid] = entry
-        if peer is not None:
-            peer.close(reason)
+        self.gone[wid] = entry
+        if session is not None:
+            session.close(reason)
         self.departures.append((self.clock.now() - self.started_at, wid, reason))
         log.info("worker %d left: %s", wid, reason)
-        if self.config.recut_shards:
-            self._send_cuts(self._recut())
-        if in_view:  # a replica's later stage left the view when the replica formed
-            self._dispatch(Leave(self.clock.now(), wid, reason))
+        return entry, in_view
 
-    def _recut(self) -> dict[int, tuple[int, int]]:
+    def recut(self) -> dict[int, tuple[int, int]]:
         """One shard per active worker that takes "shard" messages, in slot order; the others
         keep what they were told (their count may then overlap a new cut: a worker from before
         the message reads as it did)."""
-        takers = sorted((e.stats.slot, wid) for wid, e in self._workers.items() if e.reshard)
+        takers = sorted((e.stats.slot, wid) for wid, e in self.active.items() if e.reshard)
         count = max(1, len(takers))
         return {wid: (i, count) for i, (_, wid) in enumerate(takers)}
 
-    def _send_cuts(self, cuts: Mapping[int, tuple[int, int]], but: int | None = None) -> None:
+    def send_cuts(self, cuts: Mapping[int, tuple[int, int]], but: int | None = None) -> None:
         """Tell each worker whose shard changed (``but``: the one just welcomed with it)."""
         for wid, cut in cuts.items():
-            entry = self._workers.get(wid)
+            entry = self.active.get(wid)
             if entry is None or wid == but or entry.shard == cut or not entry.reshard:
                 continue
             entry.shard = cut
-            if entry.peer is not None:
-                entry.peer.send(ShardUpdate(*cut))
+            self.send(wid, ShardUpdate(*cut))
         if cuts:
             log.info("data cut into %d shards", next(iter(cuts.values()))[1])
 
-    def bye_all(self, reason: str) -> None:
-        """Say bye to every worker and let it leave (they may reconnect later)."""
-        for wid, entry in list(self._workers.items()):
-            if entry.peer is not None:
-                entry.peer.send(Bye(reason))
-            self.leave(wid, reason)
-
-    def profile_result(self, wid: int, result: Mapping[str, Any]) -> None:
+    def profiled(self, wid: int, result: Mapping[str, Any]) -> bool:
         """A worker's profile run: finite, non-negative seconds for the known keys go into its
-        facts (anything else is ignored); policies see it with the next event."""
-        entry = self._workers.get(wid)
+        facts (anything else is ignored). Whether the worker is active."""
+        entry = self.active.get(wid)
         if entry is None:
-            return
+            return False
         clean = {
             k: float(v)
             for k, v in result.items()
@@ -186,13 +219,50 @@ class MembersMixin(DecisionsMixin):
             and math.isfinite(v)
             and v >= 0
         }
-        self._put(entry, dataclasses.replace(entry.facts, profile=clean))
+        self.update(entry, profile=clean)
         entry.stats.last_seen = self.clock.now()
         log.info("worker %d profile: %s", wid, clean)
-        self._dispatch(Tick(self.clock.now()))
+        return True
 
-    def heartbeat(self, wid: int) -> None:
+    def seen(self, wid: int) -> None:
         """A sign of life."""
-        entry = self._workers.get(wid)
+        entry = self.active.get(wid)
         if entry is not None:
             entry.stats.last_seen = self.clock.now()
+
+    def pushed(self, entry: WorkerEntry, p: PushIn, now: float) -> None:
+        """An accepted push's counters and timing facts (the worker now waits)."""
+        st, facts = entry.stats, entry.facts
+        st.pushes += 1
+        st.bytes_in += p.nbytes
+        st.worker_idle_s += p.idle_s or 0.0
+
+        def ewma(old: float | None, new: float) -> float:
+            return new if old is None else EWMA * new + (1 - EWMA) * old
+
+        self.update(
+            entry,
+            clock=facts.clock + 1,
+            waiting=True,
+            waiting_since=now,
+            prev_push_at=facts.last_push_at,
+            last_push_at=now,
+            compute_s=ewma(facts.compute_s, p.compute_s),
+            sample_s=ewma(facts.sample_s, p.compute_s / max(1, p.samples))
+            if p.samples
+            else facts.sample_s,
+            push_bytes=ewma(facts.push_bytes, float(p.nbytes)),
+            link_bps=link_rate(st, p.nbytes, p.transfer_s, facts.link_bps),
+            samples=facts.samples + p.samples,
+            free_mem=p.free_mem if p.free_mem is not None else facts.free_mem,
+        )
+
+
+def link_rate(
+    st: WorkerStats, nbytes: int, transfer_s: float | None, old: float | None
+) -> float | None:
+    """The worker's link estimate after a push of ``nbytes`` taking ``transfer_s``."""
+    if not transfer_s or transfer_s <= 0:
+        return old
+    st.link_rates.append(nbytes / transfer_s)
+    return max(st.link_rates)

@@ -77,3 +77,18 @@ class RateMeter:
             "mb_out_per_s": round((o1 - o0) / dt / MB, 3),
             "window_s": round(dt, 3),
         }
+
+
+class Meters:
+    """The engine's meters, a part of :class:`hetd.core.engine.Engine`: bytes in and out, batches
+    published, the largest clock lead released, and the latency recorders and rate meter above."""
+
+    def __init__(self) -> None:
+        self.bytes_in = 0  # push bytes received, all workers, since start
+        self.bytes_out = 0  # parameter bytes sent, all workers, since start
+        self.publishes = 0  # batches published by run() (updates / publishes: batch size)
+        self.max_release_gap = 0  # the largest clock lead any worker was released with
+        self.latency = LatencyRecorder()  # s to decide one event: policy, bookkeeping, acks
+        self.publish_latency = LatencyRecorder()  # s per publish: steps, snapshot, param frames
+        self.wait = LatencyRecorder()  # s a command waited in the queue
+        self.rates = RateMeter()  # updates/s and MB/s over the last seconds, sampled on ticks

@@ -1,6 +1,6 @@
 """The engine's whole training state as a restart needs it (:class:`EngineState`, what a
-checkpoint stores), taken and put back by :class:`StateMixin`, a part of
-:class:`hetd.core.engine.Engine`.
+checkpoint stores), taken from an engine's parts by :func:`capture` and put back by
+:func:`restore`.
 """
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from hetd.core.entries import EngineBase, WorkerEntry, WorkerStats
-from hetd.core.store import Aggregator
+from hetd.core.applier import Applier
+from hetd.core.entries import WorkerEntry, WorkerStats
+from hetd.core.members import Members
+from hetd.core.policy_host import PolicyHost
 from policies.registry import PolicyError, make_policy
-from policies.types import Plan, WorkerFacts
+from policies.types import ClusterView, Plan, WorkerFacts
 
 log = logging.getLogger("hetd.core.engine")  # one logger for the engine and its parts
 
@@ -58,88 +60,91 @@ class EngineState:
     workers: Mapping[int, SavedWorker]  # every worker known, active or departed
 
 
-class StateMixin(EngineBase):
-    """:meth:`state` and :meth:`restore`."""
+def capture(members: Members, applier: Applier, host: PolicyHost) -> EngineState:
+    """Everything a restart needs, as host copies: parameters, optimizer state and version,
+    the non-empty aggregation buffers (a half-finished round is not lost), the policy's name,
+    parameters and state, the stage, the counters, and every worker's clock by id and name,
+    departed or active (so a reconnecting worker gets its clock back). Run on the engine task."""
+    params, opt_state, version = applier.store.state()
+    workers: dict[int, SavedWorker] = {}
+    for active, table in ((False, members.gone), (True, members.active)):
+        for wid, entry in table.items():
+            f = entry.facts
+            workers[wid] = SavedWorker(
+                name=f.name,
+                clock=f.clock,
+                samples=f.samples,
+                idle_s=f.idle_s,
+                batch_size=f.batch_size,
+                codec=f.codec,
+                active=active,
+                last_push=entry.last_push,
+                secret=entry.secret,
+            )
+    return EngineState(
+        params={k: np.array(v, copy=True) for k, v in params.items()},
+        # the next step may donate (reuse) the buffers a host view would share
+        opt_state=jax.tree.map(lambda x: np.array(x, copy=True), opt_state),
+        version=version,
+        buffers=applier.saved_buffers(),
+        policy=host.policy.name,
+        policy_params=dict(host.policy.params),
+        policy_state=host.state,
+        stage=host.stage,
+        updates_applied=applier.updates_applied,
+        next_id=members.next_id,
+        workers=workers,
+    )
 
-    def state(self) -> EngineState:
-        """Everything a restart needs, as host copies: parameters, optimizer state and version,
-        the non-empty aggregation buffers (a half-finished round is not lost), the policy's name,
-        parameters and state, the stage, the counters, and every worker's clock by id and name,
-        departed or active (so a reconnecting worker gets its clock back). Run on the engine task.
-        """
-        params, opt_state, version = self.store.state()
-        workers: dict[int, SavedWorker] = {}
-        for active, table in ((False, self._departed), (True, self._workers)):
-            for wid, entry in table.items():
-                f = entry.facts
-                workers[wid] = SavedWorker(
-                    name=f.name,
-                    clock=f.clock,
-                    samples=f.samples,
-                    idle_s=f.idle_s,
-                    batch_size=f.batch_size,
-                    codec=f.codec,
-                    active=active,
-                    last_push=entry.last_push,
-                    secret=entry.secret,
-                )
-        return EngineState(
-            params={k: np.array(v, copy=True) for k, v in params.items()},
-            # the next step may donate (reuse) the buffers a host view would share
-            opt_state=jax.tree.map(lambda x: np.array(x, copy=True), opt_state),
-            version=version,
-            buffers={g: agg.state() for g, agg in self.buffers.items() if agg.count},
-            policy=self.policy.name,
-            policy_params=dict(self.policy.params),
-            policy_state=self.policy_state,
-            stage=self.stage,
-            updates_applied=self.updates_applied,
-            next_id=self._next_id,
-            workers=workers,
+
+def restore(
+    state: EngineState,
+    members: Members,
+    applier: Applier,
+    host: PolicyHost,
+    view: Callable[[], ClusterView],
+    revive: Callable[[Any, Any], Any] | None = None,
+) -> None:
+    """Put a saved state into an engine's parts before it serves anyone. Every saved worker is
+    known as departed (it gets its id and clock back when it reconnects).
+
+    Raises ValueError, before anything changes, when the parameters do not fit the store's
+    model. A saved policy that cannot be made here (:class:`policies.PolicyError`: a plug-in
+    went missing) leaves the current one in place, with a warning. ``revive(fresh, saved)``
+    turns a saved policy state back into the policy's own (``fresh``: the restored policy's
+    ``init``); without it the saved state is taken as it is; a saved None means ``fresh``.
+    """
+    store = applier.store
+    store.restore(state.params, state.opt_state, state.version)
+    applier.restore_buffers(state.buffers)
+    host.stage = state.stage
+    applier.updates_applied = state.updates_applied
+    now = members.clock.now()
+    for wid, w in state.workers.items():
+        facts = WorkerFacts(
+            worker=wid,
+            name=w.name,
+            clock=w.clock,
+            version=store.version,
+            waiting=True,
+            joined_at=now,
+            samples=w.samples,
+            batch_size=w.batch_size,
+            codec=w.codec,
+            idle_s=w.idle_s,
         )
-
-    def restore(self, state: EngineState, revive: Callable[[Any, Any], Any] | None = None) -> None:
-        """Put a saved state into this engine before it serves anyone. Every saved worker is
-        known as departed (it gets its id and clock back when it reconnects).
-
-        Raises ValueError, before anything changes, when the parameters do not fit the store's
-        model. A saved policy that cannot be made here (:class:`policies.PolicyError`: a plug-in
-        went missing) leaves the current one in place, with a warning. ``revive(fresh, saved)``
-        turns a saved policy state back into the policy's own (``fresh``: the restored policy's
-        ``init``); without it the saved state is taken as it is; a saved None means ``fresh``.
-        """
-        self.store.restore(state.params, state.opt_state, state.version)
-        self.buffers = {int(g): Aggregator.from_state(b) for g, b in state.buffers.items()}
-        self.stage = state.stage
-        self.updates_applied = state.updates_applied
-        now = self.clock.now()
-        for wid, w in state.workers.items():
-            facts = WorkerFacts(
-                worker=wid,
-                name=w.name,
-                clock=w.clock,
-                version=self.store.version,
-                waiting=True,
-                joined_at=now,
-                samples=w.samples,
-                batch_size=w.batch_size,
-                codec=w.codec,
-                idle_s=w.idle_s,
-            )
-            plan = Plan(batch_size=w.batch_size, codec=w.codec, stage=self.stage)
-            self._departed[wid] = WorkerEntry(
-                facts, WorkerStats(), plan, peer=None, last_push=w.last_push, secret=w.secret
-            )
-        self._next_id = max([self._next_id, state.next_id, *(w + 1 for w in state.workers)])
-        try:
-            policy = make_policy(state.policy, state.policy_params)
-        except PolicyError as exc:
-            log.warning("saved policy not restored (%s); keeping %s", exc, self.policy.name)
-            return
-        fresh = policy.init(self.view())
-        policy_state = fresh
-        if state.policy_state is not None:
-            policy_state = (
-                state.policy_state if revive is None else revive(fresh, state.policy_state)
-            )
-        self.policy, self.policy_state = policy, policy_state
+        plan = Plan(batch_size=w.batch_size, codec=w.codec, stage=host.stage)
+        members.gone[wid] = WorkerEntry(
+            facts, WorkerStats(), plan, peer=None, last_push=w.last_push, secret=w.secret
+        )
+    members.next_id = max([members.next_id, state.next_id, *(w + 1 for w in state.workers)])
+    try:
+        policy = make_policy(state.policy, state.policy_params)
+    except PolicyError as exc:
+        log.warning("saved policy not restored (%s); keeping %s", exc, host.policy.name)
+        return
+    fresh = policy.init(view())
+    policy_state = fresh
+    if state.policy_state is not None:
+        policy_state = state.policy_state if revive is None else revive(fresh, state.policy_state)
+    host.install(policy, policy_state)

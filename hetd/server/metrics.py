@@ -106,8 +106,8 @@ class Metrics:
             "loss": None if last is None else last[1],
             "metrics": dict(e.evaluations.latest),
             "departures": len(e.departures),
-            "throughput": e.rates.rates(),
-            "latency": e.latency.summary(),
+            "throughput": e.meters.rates.rates(),
+            "latency": e.meters.latency.summary(),
             "extra": self._extra() if self._extra is not None else {},
         }
         rows = []

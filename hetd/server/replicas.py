@@ -35,8 +35,8 @@ class ReplicaDriver(Replica):
         self.others: dict[int, Replica] = {}  # replica id (1, 2, ...) -> replica
         relay.on_part = self.part
         relay.on_detach = self.lost
-        engine.replica_release = self.released
-        engine.replica_regroup = self.regroup
+        engine.pipelines.run_step = self.released
+        engine.pipelines.regroup_to = self.regroup
 
     def _all(self) -> list[Replica]:
         return [self, *(self.others[r] for r in sorted(self.others))]

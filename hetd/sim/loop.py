@@ -315,7 +315,7 @@ class _Sim:
             self.pushes += 1
         elif isinstance(c, cmd.EvalDone):
             t = self.engine.evals[-1][0]  # bytes to target: what crossed the links until now
-            self.bytes_marks.append([t, self.engine.bytes_in + self.engine.bytes_out])
+            self.bytes_marks.append([t, self.engine.meters.bytes_in + self.engine.meters.bytes_out])
         return q.cost
 
     def _message(self, command: cmd.Command) -> Queued:

@@ -176,7 +176,7 @@ async def test_a_publish_that_cannot_be_encoded_drops_the_session_not_the_worker
     c = await cluster("asp")
     await c.spawn(1.0, 0.01)
     await c.wait_for(lambda: c.engine.store.version >= 10, 60, "10 updates")
-    downlink = c.engine.downlink
+    downlink = c.engine.publisher.downlink
     real = downlink.frames
     failures = []
 

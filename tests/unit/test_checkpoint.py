@@ -109,7 +109,7 @@ def test_engine_state_round_trips_through_the_file_format() -> None:
     }
     assert not fresh.facts and fresh.state().next_id == 3
     assert fresh.buffered() == 1
-    ((kind, sums),) = fresh.buffers[4].take(normalize=True)
+    ((kind, sums),) = fresh.applier.buffers[4].take(normalize=True)
     assert kind == "grad"
     np.testing.assert_allclose(sums["dense/w"], 2.0)
     # The restored optimizer keeps working (its state is live jax arrays again).

@@ -52,15 +52,15 @@ def _engine_with_a_replica_runner() -> tuple[Engine, FakeClock, list[tuple[Repli
         if shapes and shapes[0].members[0] not in engine.replicas:
             engine.form_replica(shapes[0].members)
 
-    engine.replica_regroup = regroup
+    engine.pipelines.regroup_to = regroup
     return engine, clock, formed
 
 
 def test_dpmp_pairs_the_memory_poor_worker_and_runs_rounds_over_replicas() -> None:
     engine, clock, formed = _engine_with_a_replica_runner()
-    assert len(engine.blocks) == 4
+    assert len(engine.pipelines.blocks) == 4
     steps: list[int] = []
-    engine.replica_release = steps.append
+    engine.pipelines.run_step = steps.append
     ids = {}
     for name, mem in (("a", 8 << 30), ("b", 8 << 30), ("poor", POOR)):
         hello = wire.encode(
@@ -113,7 +113,7 @@ def test_dpmp_pairs_the_memory_poor_worker_and_runs_rounds_over_replicas() -> No
 def test_a_worker_that_runs_no_stages_is_never_put_in_a_replica() -> None:
     engine, clock = _dpmp_engine()
     formed: list[tuple[ReplicaShape, ...]] = []
-    engine.replica_regroup = formed.append
+    engine.pipelines.regroup_to = formed.append
     ids = {}
     for name, mem in (("a", 8 << 30), ("b", 8 << 30), ("poor", POOR)):
         # an older worker: its hello names no features
@@ -137,7 +137,7 @@ def test_a_replica_its_driver_gave_up_on_neither_stalls_the_round_nor_runs_as_dp
     wait for the replica's push, nor release its members as data-parallel workers when they
     ask for parameters; the next round forms the replica again."""
     engine, clock, formed = _engine_with_a_replica_runner()
-    engine.replica_release = lambda head: None
+    engine.pipelines.run_step = lambda head: None
     ids, peers = {}, {}
     for name, mem in (("a", 8 << 30), ("b", 8 << 30), ("poor", POOR)):
         hello = wire.encode(

@@ -365,10 +365,10 @@ def test_a_worker_link_is_the_fastest_of_its_recent_pushes() -> None:
     """A busy host only makes a transfer look slower: the link estimate is the max of the last
     pushes' rates, so one slow reading does not halve it, and a link that really slowed down is
     read once its fast readings have left the window."""
-    from hetd.core.engine import LINK_WINDOW, Engine, WorkerStats
+    from hetd.core.engine import LINK_WINDOW, WorkerStats
+    from hetd.core.members import link_rate as rate
 
     st = WorkerStats()
-    rate = Engine._link_rate
     assert rate(st, 1_000_000, None, None) is None  # no stamp: nothing known
     assert rate(st, 1_000_000, 0.01, None) == pytest.approx(1e8)
     assert rate(st, 1_000_000, 0.05, 1e8) == pytest.approx(1e8)  # a slow reading: unchanged

@@ -31,7 +31,7 @@ def _engine(policy: str) -> tuple[Engine, dict[int, FakePeer], list[int]]:
         hello = wire.encode("hello", 1, name=name, device={}, codecs=["none"], features=["stages"])
         peers[engine.join(decode_hello(wire.decode(hello)), peer)] = peer
     steps: list[int] = []
-    engine.replica_release = steps.append
+    engine.pipelines.run_step = steps.append
     return engine, peers, steps
 
 

@@ -1,0 +1,209 @@
+"""The engine's parts, each alone (no :class:`~hetd.core.engine.Engine`): the worker table, the
+applier, the policy host, the replicas and the publisher. The engine's own tests
+(tests/unit/test_engine.py) cover how it routes between them."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import optax
+import pytest
+
+from hetd.core.applier import Applier
+from hetd.core.entries import EngineConfig
+from hetd.core.members import Members
+from hetd.core.policy_host import PolicyHost
+from hetd.core.publish import Publisher
+from hetd.core.rates import Meters
+from hetd.core.replicas import Replicas
+from hetd.core.store import Store
+from hetd.protocol import wire
+from hetd.protocol.messages import JoinIn, PushIn, ShardUpdate
+from policies import make_policy
+from policies.registry import PolicyError
+from policies.types import ClusterView, Flush, Join, Leave, Plan, Policy, Push
+from tests.conftest import FakeClock, FakePeer
+
+SHAPES = {"w": (3,), "b": (1,)}
+
+
+def hello(name: str, *features: str, **kw: object) -> JoinIn:
+    return JoinIn(id=1, name=name, device={}, codecs=("none",), features=frozenset(features), **kw)  # type: ignore[arg-type]
+
+
+def members(**config: object) -> tuple[Members, FakeClock]:
+    clock = FakeClock()
+    return Members(EngineConfig(**config), clock, clock.now()), clock  # type: ignore[arg-type]
+
+
+def admit(m: Members, name: str, *features: str, **kw: object) -> tuple[int, FakePeer]:
+    peer = FakePeer()
+    entry = m.admit(hello(name, *features, **kw), peer, "none", Plan(batch_size=32))
+    m.shard_for(entry)
+    return entry.facts.worker, peer
+
+
+def store() -> Store:
+    return Store({k: np.zeros(s, np.float32) for k, s in SHAPES.items()}, optax.sgd(1.0))
+
+
+def test_members_admit_resume_by_secret_and_leave() -> None:
+    m, clock = members()
+    a, pa = admit(m, "a")
+    b, _ = admit(m, "b")
+    assert (a, b) == (1, 2) and set(m.facts) == {a, b}
+    assert [m.active[w].stats.slot for w in (a, b)] == [0, 1]
+    m.update(m.active[a], clock=7)
+    clock.t += 5
+    gone = m.remove(a, "bye", None)
+    assert gone is not None and gone[1] and pa.closed == "bye"
+    assert set(m.facts) == {b} and m.departed[a].clock == 7
+    assert m.departures[-1] == (5.0, a, "bye")
+    assert m.remove(a, "again", None) is None  # not active: nothing happens
+    secret = m.gone[a].secret
+    wrong, _ = admit(m, "a", resume_id=a, resume_secret="guess")
+    assert wrong == 3 and a in m.gone  # a wrong secret: a new worker
+    back, _ = admit(m, "a", resume_id=a, resume_secret=secret)
+    assert back == a and m.active[a].facts.clock == 7 and m.active[a].secret == secret
+    assert m.active[a].stats.slot == 2  # the first free slot (the wrong one took slot 0)
+
+
+def test_members_hide_keeps_a_worker_out_of_the_view_only() -> None:
+    m, _ = members()
+    a, _ = admit(m, "a")
+    assert m.hide(a) and a not in m.facts and a in m.entries
+    m.update(m.active[a], clock=3)
+    assert a not in m.facts  # a hidden worker's facts change in its entry only
+    m.show(a)
+    assert m.facts[a].clock == 3
+    gone = m.remove(a, "x", None)
+    assert gone is not None and gone[1]  # it was in the view again
+
+
+def test_members_recut_one_shard_per_resharding_worker() -> None:
+    m, _ = members(recut_shards=True)
+    a, pa = admit(m, "a", "reshard")
+    b, pb = admit(m, "b", "reshard")
+    assert m.active[a].shard == (0, 1) and m.active[b].shard == (1, 2)
+    m.send_cuts(m.recut(), but=b)
+    assert pa.replies == [ShardUpdate(0, 2)] and pb.replies == []
+    m.remove(a, "bye", None)
+    m.send_cuts(m.recut())
+    assert pb.replies == [ShardUpdate(0, 1)]
+
+
+def test_members_profile_keeps_finite_known_keys_only() -> None:
+    m, _ = members()
+    a, _ = admit(m, "a")
+    assert m.profiled(a, {"sample_s": 0.5, "push_s": math.nan, "odd": 1.0, "pull_s": -1})
+    assert m.facts[a].profile == {"sample_s": 0.5}
+    assert not m.profiled(99, {"sample_s": 1.0})
+
+
+def test_applier_buffers_flush_by_group_and_round_trip() -> None:
+    ap = Applier(store())
+    one = {"w": np.ones(3, np.float32), "b": np.ones(1, np.float32)}
+    ap.apply("grad", one, 1.0)
+    ap.buffer(2, "grad", one, 0.5)
+    ap.buffer(2, "grad", one, 0.5)
+    ap.buffer(5, "grad", one, 1.0)
+    assert ap.updates_applied == 1 and ap.buffered() == 3
+    saved = ap.saved_buffers()
+    ap.flush(Flush(upto=2, normalize=True))
+    assert ap.updates_applied == 2 and ap.buffered() == 1 and set(ap.buffers) == {5}
+    np.testing.assert_allclose(np.asarray(ap.store.snapshot().tensors["w"]), -2.0)
+    again = Applier(store())
+    again.restore_buffers(saved)
+    assert again.buffered() == 3 and set(again.buffers) == {2, 5}
+
+
+def _view(workers: dict[int, object] | None = None) -> ClusterView:
+    return ClusterView(now=0.0, version=0, workers=workers or {}, global_batch=64, buffered=0)  # type: ignore[arg-type]
+
+
+def test_policy_host_falls_back_to_async_on_a_policy_bug_and_keeps_its_state() -> None:
+    clock = FakeClock()
+
+    def broken(event: object, state: object, view: object) -> object:
+        raise RuntimeError("a policy bug")
+
+    host = PolicyHost(Policy("broken", lambda v: "its state", broken, {}), clock, clock.now())  # type: ignore[arg-type]
+    host.state = "its state"
+    r = host.decide(Push(0.0, 1, 0, "grad", 8, 1, 0.1, None), _view(), push=True)
+    assert r.push is not None and host.state == "its state"  # applied; the state kept
+    assert host.decide(Push(0.0, 1, 0, "grad", 8, 1, 0.1, None), _view(), push=False).push is None
+    assert host.enter("shl", "test") and not host.enter("shl")
+    assert [s for _, s in host.stages] == ["shl"]
+
+
+def test_policy_host_trial_refuses_before_anything_changes() -> None:
+    clock = FakeClock()
+    host = PolicyHost(make_policy("asp"), clock, clock.now())
+    before = (host.policy, host.state, host.stage)
+    with pytest.raises(PolicyError):
+        host.trial("no-such-policy", None, {}, lambda f: Plan(), 0, 64, None)
+    with pytest.raises(PolicyError, match="failed to start"):
+        host.trial("asp", None, {}, lambda f: Plan(), 0, 64, lambda n, p: "no-such-outer")
+    assert (host.policy, host.state, host.stage) == before
+    t = host.trial("bsp", None, {}, lambda f: Plan(), 0, 64, None)
+    assert t.policy.name == "bsp" and host.policy.name == "asp"  # installed only when asked
+
+
+def test_replicas_form_hides_later_stages_and_dissolve_brings_them_back() -> None:
+    m, _ = members()
+    ids = [admit(m, n, "stages")[0] for n in "abc"]
+    plain, _ = admit(m, "d")
+    r = Replicas(m)
+    with pytest.raises(ValueError, match="do not run pipeline stages"):
+        r.form([ids[0], plain], 0.0)
+    with pytest.raises(ValueError, match="distinct"):
+        r.form([ids[0], ids[0]], 0.0)
+    assert r.groups == {} and set(m.facts) == {*ids, plain}  # refused: nothing changed
+    events = r.form(ids, 1.0)
+    assert [type(e) for e in events] == [Leave, Leave] and set(m.facts) == {ids[0], plain}
+    assert r.of(ids[2]) == ids[0] and r.row(ids[1]) == [ids[0], 1]
+    with pytest.raises(ValueError, match="in a replica already"):
+        r.form([ids[1], plain], 0.0)
+    m.remove(ids[1], "gone", None)
+    back = r.dissolve(ids[0], "a stage left", 2.0)
+    assert back == [Join(2.0, ids[2])]
+    assert set(m.facts) == {ids[0], ids[2], plain} and r.groups == {} and r.head_of == {}
+    assert r.dissolve(ids[0], "again", 3.0) == []
+
+
+def test_publisher_defers_releases_and_answers_every_joined_push() -> None:
+    m, _ = members()
+    a, pa = admit(m, "a")
+    meters = Meters()
+    pub = Publisher(m, store(), EngineConfig(), meters)
+    pub.deferred = True
+    pub.release(m.active[a])
+    assert pa.frames == [] and list(pub.pending) == [a]
+    m.active[a].joined_pushes = 2  # two pushes waited for this release
+    wants = pub.take()
+    pub.send_all(wants, pub.encode(wants))
+    assert pub.pending == {} and len(pa.frames) == 3
+    full, *go_on = (wire.decode(f) for f in pa.frames)
+    assert full["full"] and all(not g["full"] and g["tensors"] == {} for g in go_on)
+    assert meters.bytes_out == sum(len(f) for f in pa.frames) == m.stats[a].bytes_out
+    assert m.facts[a].version == 0 and m.active[a].joined_pushes == 0
+    pub.deferred = False
+    pub.resend(m.active[a])
+    assert wire.decode(pa.frames[-1])["full"] and m.stats[a].releases == 2
+
+
+def test_members_push_facts_are_smoothed() -> None:
+    m, clock = members()
+    a, _ = admit(m, "a")
+    entry = m.active[a]
+
+    def push(compute_s: float) -> None:
+        p = PushIn(a, 1, 0, "grad", {}, 10, 1, compute_s, None, None, 100)
+        m.pushed(entry, p, clock.now())
+
+    push(1.0)
+    push(3.0)
+    f = m.facts[a]
+    assert f.clock == 2 and f.samples == 20 and f.compute_s == pytest.approx(2.0)
+    assert entry.stats.pushes == 2 and entry.stats.bytes_in == 200
