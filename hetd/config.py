@@ -53,6 +53,15 @@ class ServerConfig:
     max_auth_failures: int = 100
     auth_window_s: float = 60.0
     stop_timeout_s: float = 10.0  # bound on each step of a graceful stop (bye, checkpoint, close)
+    # Departed workers: one that leaves before any push of it was answered leaves nothing behind;
+    # the others are kept (to resume with their clock and push ids) for departed_retention_s,
+    # at most max_departed of them (the longest gone go first).
+    departed_retention_s: float = 86400.0
+    max_departed: int = 4096
+    # Decoding a push takes several times its frame's size in memory: at most max_decodes big
+    # frames are decoded at once, holding at most decode_bytes of frames (one alone always may).
+    max_decodes: int = 4
+    decode_bytes: int = 256 * 1024 * 1024
     # TLS: PEM certificate (chain) and private key; both empty = plain ws:// and http://. Set, the
     # worker endpoint is wss:// and the admin API https://, both with this one certificate.
     tls_cert: str = ""
@@ -229,6 +238,10 @@ _RANGES: dict[tuple[str, str], tuple[float, float | None, str]] = {
     ("server", "max_pending_per_address"): (1, None, "at least 1"),
     ("server", "max_auth_failures"): (1, None, "at least 1"),
     ("server", "auth_window_s"): (1, None, "at least 1 s"),
+    ("server", "departed_retention_s"): (1, None, "at least 1 s"),
+    ("server", "max_departed"): (0, None, "0 or more"),
+    ("server", "max_decodes"): (1, None, "at least 1"),
+    ("server", "decode_bytes"): (1024, None, "at least 1024 bytes"),
     ("train", "lr"): (0, None, "not negative"),
     ("train", "worker_lr"): (0, None, "not negative"),
     ("train", "global_batch"): (1, None, "at least 1"),

@@ -371,7 +371,7 @@ class Engine:
         codec = codecs.negotiate(list(hello.codecs), self.config.codec)  # raises before any change
         members, rid = self.members, hello.resume_id
         if rid in members.active and members.may_resume(rid, hello.resume_secret):
-            self.leave(rid, "resumed on a new connection")
+            self._leave(rid, "resumed on a new connection", None, keep=True)
         entry = members.admit(hello, peer, codec, self._default_plan(codec, self.host.stage))
         wid, cuts = entry.facts.worker, members.shard_for(entry)
         peer.send(
@@ -401,7 +401,10 @@ class Engine:
         """A worker left; it leaves every barrier at once (its entry is kept as departed).
         ``peer``: the session that ended; nothing happens when the worker is now on another one
         (it resumed on a new connection first)."""
-        gone = self.members.remove(wid, reason, peer)
+        self._leave(wid, reason, peer)
+
+    def _leave(self, wid: int, reason: str, peer: Peer | None, keep: bool = False) -> None:
+        gone = self.members.remove(wid, reason, peer, keep)
         if gone is None:
             return
         head = self.pipelines.of(wid)
@@ -520,6 +523,7 @@ class Engine:
         for wid, entry in list(self.members.active.items()):
             if now - entry.stats.last_seen > self.config.heartbeat_timeout_s:
                 self.leave(wid, "heartbeat timeout")
+        self.members.evict_due(now)
         self._evaluate_if_due(now)
         self._dispatch(Tick(now))
 

@@ -58,6 +58,9 @@ class EngineConfig:
     param_hashes: bool = True  # full params frames carry the version's hash (workers verify)
     heartbeat_s: float = 2.0
     heartbeat_timeout_s: float = 10.0
+    # departed workers: kept this long, at most this many (one without an answered push: not kept)
+    departed_retention_s: float = 86400.0
+    max_departed: int = 4096
     tick_s: float = 0.25
     eval_interval_s: float = 1.0
     max_staleness: int = 1000
@@ -130,6 +133,7 @@ class WorkerEntry:
     # before the last one was released): the release that ends the wait answers each with a
     # frame, as a worker counts one frame per push it sent (workers.inbox.Inbox)
     joined_pushes: int = 0
+    left_at: float | None = None  # engine clock when it left (or was restored as departed)
 
 
 _V = TypeVar("_V")

@@ -41,6 +41,7 @@ class Members:
         self.hidden: set[int] = set()  # active workers kept out of that view (later stages)
         self.departures: deque[tuple[float, int, str]] = deque(maxlen=64)  # (t, worker, reason)
         self.next_id = 1
+        self._evict_at = -math.inf  # when departed workers are next looked at for eviction
 
     # --- reading ----------------------------------------------------------------------------------
 
@@ -166,10 +167,13 @@ class Members:
         entry.shard = cuts.get(entry.facts.worker, (entry.stats.slot % shards, shards))
         return cuts
 
-    def remove(self, wid: int, reason: str, peer: Peer | None) -> tuple[WorkerEntry, bool] | None:
+    def remove(
+        self, wid: int, reason: str, peer: Peer | None, keep: bool = False
+    ) -> tuple[WorkerEntry, bool] | None:
         """Worker ``wid`` left (None: it is not active, or is on another session than ``peer``):
-        its entry, kept as departed, and whether it was in the policy's view. Its session is
-        closed with ``reason``."""
+        its entry and whether it was in the policy's view. Its session is closed with
+        ``reason``. The entry is kept as departed when a push of it was answered (exactly-once
+        and a resume need it) or ``keep`` says so (it resumes at once); else nothing is left."""
         entry = self.active.get(wid)
         if entry is None or (peer is not None and entry.peer is not peer):
             return None
@@ -178,12 +182,36 @@ class Members:
         in_view = self.view_facts.pop(wid, None) is not None
         session, entry.peer, entry.held_ref, entry.same_host = entry.peer, None, None, False
         entry.hashes = False
-        self.gone[wid] = entry
+        entry.left_at = self.clock.now()
+        if entry.last_push or keep:
+            self.gone[wid] = entry
+            self.evict(entry.left_at)
         if session is not None:
             session.close(reason)
         self.departures.append((self.clock.now() - self.started_at, wid, reason))
         log.info("worker %d left: %s", wid, reason)
         return entry, in_view
+
+    def evict_due(self, now: float, every_s: float = 10.0) -> None:
+        """:meth:`evict` at most every ``every_s`` (called on ticks)."""
+        if self.gone and now >= self._evict_at:
+            self._evict_at = now + every_s
+            self.evict(now)
+
+    def evict(self, now: float) -> int:
+        """Forget departed workers gone longer than ``departed_retention_s``, then the longest
+        gone beyond ``max_departed``; how many."""
+        cfg, gone = self.config, self.gone
+        old = [w for w, e in gone.items() if now - (e.left_at or now) > cfg.departed_retention_s]
+        over = len(gone) - len(old) - cfg.max_departed
+        if over > 0:
+            left = sorted((e.left_at or now, w) for w, e in gone.items() if w not in set(old))
+            old += [w for _, w in left[:over]]
+        for w in old:
+            del gone[w]
+        if old:
+            log.info("%d departed worker(s) forgotten", len(old))
+        return len(old)
 
     def recut(self) -> dict[int, tuple[int, int]]:
         """One shard per active worker that takes "shard" messages, in slot order; the others

@@ -135,7 +135,13 @@ def restore(
         )
         plan = Plan(batch_size=w.batch_size, codec=w.codec, stage=host.stage)
         members.gone[wid] = WorkerEntry(
-            facts, WorkerStats(), plan, peer=None, last_push=w.last_push, secret=w.secret
+            facts,
+            WorkerStats(),
+            plan,
+            peer=None,
+            last_push=w.last_push,
+            secret=w.secret,
+            left_at=now,  # retention counts from the restart
         )
     members.next_id = max([members.next_id, state.next_id, *(w + 1 for w in state.workers)])
     try:

@@ -87,6 +87,8 @@ def _engine_config(
         downlink=t.downlink,
         heartbeat_s=cfg.server.heartbeat_s,
         heartbeat_timeout_s=cfg.server.heartbeat_timeout_s,
+        departed_retention_s=cfg.server.departed_retention_s,
+        max_departed=cfg.server.max_departed,
         eval_interval_s=t.eval_interval_s,
         max_staleness=t.max_staleness_drop,
         guard_factor=t.guard_factor,

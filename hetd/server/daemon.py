@@ -37,6 +37,7 @@ from aiohttp import web
 
 from hetd import config as config_mod
 from hetd.server import admin, front
+from hetd.server.budget import DecodeBudget
 from hetd.server.build import build_engine as build_engine  # hetd.server.daemon.build_engine too
 from hetd.server.relay import Relay
 from hetd.server.shm_hub import ShmHub
@@ -102,6 +103,8 @@ class Daemon:
         # pipeline replicas' act/gact frames between workers (routes installed by their owner)
         self.relay = Relay()
         self.replicas: ReplicaDriver | None = None  # one pipeline replica beside DP (built later)
+        # pushes decoded at once, and their bytes ([server] max_decodes, decode_bytes)
+        self.decodes = DecodeBudget(cfg.server.max_decodes, cfg.server.decode_bytes)
         self.shm = ShmHub()  # shared memory for same-host workers that ask (made on demand)
         self.state_lock: StateDirLock | None = None  # [store] dir, held from listen to stop
 

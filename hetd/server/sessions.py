@@ -30,6 +30,7 @@ from hetd.protocol import shm, wire
 from hetd.protocol.messages import PushIn, Reply
 from hetd.protocol.text import clip
 from hetd.server.auth import bearer_ok
+from hetd.server.budget import DecodeBudget
 from hetd.server.relay import NoRoute, Relay
 from hetd.server.shm_hub import ShmHub, Uplink
 
@@ -223,10 +224,11 @@ async def handle(
     limit: int,
     relay: Relay | None = None,
     hub: ShmHub | None = None,
+    budget: DecodeBudget | None = None,
 ) -> web.StreamResponse:
     """The websocket endpoint ``/v1/ws``; ``relay`` forwards pipeline stages' ``act``/``gact``
     frames (None: they are refused); ``hub``: shared memory for same-host workers that ask for
-    it (None: sockets only)."""
+    it (None: sockets only); ``budget``: the daemon's bound on decodes at once (None: none)."""
     if not authorized(request, token):
         return web.Response(
             status=401, text="missing or wrong worker token (Authorization: Bearer)"
@@ -256,7 +258,11 @@ async def handle(
                 if len(data) + parts.pending > OFF_LOOP_BYTES or (
                     uplink is not None and len(data) < 256
                 ):  # (a small frame from a shared-memory worker may name a big push)
-                    item = await asyncio.to_thread(_decode, engine, wid, data, cap, parts, uplink)
+                    held = len(data) + parts.pending
+                    async with budget.hold(held) if budget else contextlib.nullcontext():
+                        item = await asyncio.to_thread(
+                            _decode, engine, wid, data, cap, parts, uplink
+                        )
                 else:
                     item = _decode(engine, wid, data, cap, parts)
             except wire.ProtocolError as exc:

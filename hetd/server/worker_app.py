@@ -87,6 +87,7 @@ def make_worker_app(daemon: Daemon) -> web.Application:
             server.outbox_frames,
             daemon.relay,
             hub=daemon.shm,
+            budget=daemon.decodes,
         )
 
     setup = config_mod.worker_setup(daemon.cfg)

@@ -202,14 +202,17 @@ TABLES: dict[str, tuple[Policy, list[Row]]] = {
             ("join a", {"a": ["welcome 1", "params v0"]}, 0),
             ("join b", {"b": ["welcome 2", "params v0"]}, 0),
             ("push a", {"a": ["ack buffered"]}, 0),
+            # (each has a push answered: a worker without one leaves nothing behind to resume)
+            ("push b", {"a": ["params v1"], "b": ["ack buffered", "params v1"]}, 1),
+            ("push a", {"a": ["ack buffered"]}, 1),
             (
                 "tick +11",
                 {"a": ["closed: heartbeat timeout"], "b": ["closed: heartbeat timeout"]},
-                1,
+                2,
             ),
-            ("join b resume 2", {"b": ["welcome 2", "params v1"]}, 1),
-            ("join a resume 1", {"a": ["welcome 1"]}, 1),  # its clock 1 is a round ahead
-            ("push b", {"a": ["params v2"], "b": ["ack buffered", "params v2"]}, 2),
+            ("join b resume 2", {"b": ["welcome 2", "params v2"]}, 2),
+            ("join a resume 1", {"a": ["welcome 1"]}, 2),  # its clock 2 is a round ahead
+            ("push b", {"a": ["params v3"], "b": ["ack buffered", "params v3"]}, 3),
         ],
     ),
     "a policy's plan goes out as a plan reply before the worker's parameters": (
@@ -272,8 +275,8 @@ def test_a_departed_worker_keeps_its_entry_out_of_the_view() -> None:
 
 def test_bye_all_says_bye_and_lets_everyone_leave() -> None:
     h = Harness.of(make_policy("asp"))
-    h.run("join a")
-    h.run("join b")
+    for event in ("join a", "join b", "push a", "push b"):
+        h.run(event)
     h.engine.bye_all("daemon stopping")
     for name in "ab":
         assert h.peers[name].got[-2:] == ["bye: daemon stopping", "closed: daemon stopping"]

@@ -55,6 +55,7 @@ def test_members_admit_resume_by_secret_and_leave() -> None:
     assert (a, b) == (1, 2) and set(m.facts) == {a, b}
     assert [m.active[w].stats.slot for w in (a, b)] == [0, 1]
     m.update(m.active[a], clock=7)
+    m.active[a].last_push = 1  # a push of it was answered: it is kept to resume
     clock.t += 5
     gone = m.remove(a, "bye", None)
     assert gone is not None and gone[1] and pa.closed == "bye"
@@ -207,3 +208,35 @@ def test_members_push_facts_are_smoothed() -> None:
     f = m.facts[a]
     assert f.clock == 2 and f.samples == 20 and f.compute_s == pytest.approx(2.0)
     assert entry.stats.pushes == 2 and entry.stats.bytes_in == 200
+
+
+def test_a_worker_that_never_had_a_push_answered_leaves_nothing_behind() -> None:
+    """A hello-then-leave flood grew the departed table (and every checkpoint) without bound."""
+    m, clock = members(departed_retention_s=100.0, max_departed=2)
+    for i in range(50):
+        w, _ = admit(m, f"flood{i}")
+        m.remove(w, "bye", None)
+    assert m.gone == {} and m.stats == {}
+    kept = []
+    for name in "abc":
+        w, _ = admit(m, name)
+        m.active[w].last_push = 3  # a push of it was answered: exactly-once needs the id
+        clock.t += 1
+        m.remove(w, "bye", None)
+        kept.append(w)
+    assert list(m.gone) == kept[1:]  # at most max_departed: the longest gone went first
+    r, _ = admit(m, "r")
+    clock.t += 1
+    assert m.remove(r, "resumes at once", None, keep=True) is not None and r in m.gone
+    clock.t += 150
+    m.evict_due(clock.now())
+    assert m.gone == {}  # past the retention time
+
+
+def test_a_resume_keeps_its_id_before_any_push() -> None:
+    m, _ = members()
+    a, _ = admit(m, "a")
+    secret = m.active[a].secret
+    m.remove(a, "resumed on a new connection", None, keep=True)
+    back, _ = admit(m, "a", resume_id=a, resume_secret=secret)
+    assert back == a
