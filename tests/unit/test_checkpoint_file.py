@@ -179,6 +179,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.slow  # a subprocess builds an engine and measures its RSS: `make test` runs it, `make test-fast` does not
 def test_a_saved_checkpoint_leaves_the_daemons_resident_memory_as_it_was() -> None:
     from hetd.launch import MALLOC_ENV
 

@@ -141,7 +141,17 @@ def test_tiny_gpt_reads_disjoint_bytes_from_its_memmap(examples_env: None) -> No
     assert batch["mask"].sum() == len(held_out)
 
 
-@pytest.mark.parametrize("name", ["digits_cnn", "tiny_gpt", "regression", "linen_mlp"])
+# digits_cnn (full MNIST) and tiny_gpt (its byte corpus) take seconds: `make test` runs them,
+# `make test-fast` does not
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("digits_cnn", marks=pytest.mark.slow),
+        pytest.param("tiny_gpt", marks=pytest.mark.slow),
+        "regression",
+        "linen_mlp",
+    ],
+)
 def test_a_small_data_share_still_fills_a_batch(examples_env: None, name: str) -> None:
     """ashl gives a slow worker a small fraction of the data (``Shard.share``): fewer examples
     than a batch are repeated to fill one."""

@@ -81,6 +81,7 @@ def world() -> tuple[object, dict[str, np.ndarray]]:
     return data, params
 
 
+@pytest.mark.slow  # two stage hosts compile and run a pipeline step: `make test` runs it, `make test-fast` does not
 def test_two_hosts_through_wire_frames_give_the_whole_gradient(world) -> None:  # type: ignore[no-untyped-def]
     data, params = world
     ids = count(1)

@@ -104,6 +104,7 @@ def test_after_warm_no_step_compiles_anything() -> None:
     assert compiled == []
 
 
+@pytest.mark.slow  # compiles and runs local steps against plain SGD: `make test` runs it, `make test-fast` does not
 def test_local_sgd_steps_match_plain_sgd(setup: Any) -> None:
     bound, model, params = setup
     got = _steps(bound, "sgd:lr=0.1").local_steps(params, _stream(bound), 12, 3, 0.5, KEY)
