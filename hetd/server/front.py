@@ -9,9 +9,9 @@ For a pending connection:
   long). aiohttp's keep-alive timeout, set to the same value, bounds the wait for a later
   request's headers, and asyncio's TLS handshake timeout the handshake;
 * at most ``max_pending_per_address`` of them come from one address (an IPv6 /64), and at most
-  ``max_pending`` in all: over a cap the *oldest* is closed, so a flood of unfinished requests
-  holds a bounded number of sockets while a real client, which sends its request at once, still
-  gets through;
+  ``max_pending`` in all: over a cap the *oldest* is closed (one without a request under way
+  first), so a flood of unfinished requests holds a bounded number of sockets while a real client,
+  which sends its request at once, still gets through;
 * what was closed is logged at most once per :data:`LOG_EVERY_S`, counted.
 
 A connection that showed a token is no longer watched. :class:`GuardedSite` is an aiohttp site that
@@ -90,9 +90,9 @@ class FrontGuard:
         key = client_key(peer[0] if isinstance(peer, tuple) and peer else None)
         mine = self._by_key.setdefault(key, {})
         while len(mine) >= self.limits.max_pending_per_address:
-            self._close(next(iter(mine.values())), "over the per-address cap")
+            self._close(_victim(mine), "over the per-address cap")
         while len(self._pending) >= self.limits.max_pending:
-            self._close(next(iter(self._pending.values())), "over the total cap")
+            self._close(_victim(self._pending), "over the total cap")
         conn = _Pending(transport, key)
         self._pending[transport] = mine[transport] = conn
         self._arm(conn, self.limits.header_timeout_s)
@@ -194,6 +194,15 @@ class FrontGuard:
         for conn in self._pending.values():
             if conn.timer is not None:
                 conn.timer.cancel()
+
+
+def _victim(conns: dict[asyncio.Transport, _Pending]) -> _Pending:
+    """Whom a cap closes: the oldest connection that has no request under way (a slow client's
+    headers never make one; a real client's request is being answered), else the oldest."""
+    for conn in conns.values():
+        if conn.busy_since is None:
+            return conn
+    return next(iter(conns.values()))
 
 
 GUARD = web.AppKey("front_guard", FrontGuard)
