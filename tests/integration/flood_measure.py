@@ -1,6 +1,6 @@
 """A slow-client flood against a real ``hetd serve``, measured (not a test: run it by hand).
 
-    python tests/integration/flood_measure.py REPO [SOCKETS] [PHASE_S] [FD_LIMIT]
+    python tests/integration/flood_measure.py REPO [SOCKETS] [PHASE_S] [FD_LIMIT] [MODE]
 
 starts ``hetd serve`` from the checkout at REPO (digits, asp, file-descriptor limit FD_LIMIT,
 default 1024, as on the machine of issue 35), one real ``hetd-worker`` process, and measures for
@@ -11,6 +11,11 @@ worker is started for 10 pushes: the time until it has joined (or "never") is re
 worker port is probed once a second. Prints one JSON object: per phase the daemon's RSS (MB), its
 open file descriptors, the first worker's pushes per second, the healthz answers and the bytes the
 daemon logged.
+
+MODE ``hello`` (the default is ``slow``) floods with SOCKETS concurrent clients that each join as a
+worker (token, ``hello``, ``welcome``) and leave at once, over and over; the daemon then runs with a
+state directory, and each phase ends with a checkpoint whose size is reported (what the departed
+workers left behind).
 """
 
 from __future__ import annotations
@@ -110,11 +115,43 @@ class Flood:
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
+class HelloFlood(Flood):
+    """``n`` clients that each join as a worker and leave at once, over and over."""
+
+    def __init__(self, port: int, n: int, token: str) -> None:
+        super().__init__(port, n)
+        self.token = token
+
+    async def one(self) -> None:
+        import aiohttp
+
+        from hetd.protocol import wire
+
+        hello = wire.encode("hello", 1, name="flood", device={}, codecs=["none"])
+        url = f"ws://127.0.0.1:{self.port}/v1/ws"
+        auth = {"Authorization": f"Bearer {self.token}"}
+        async with aiohttp.ClientSession() as http:
+            while True:
+                try:
+                    async with http.ws_connect(url, headers=auth, max_msg_size=0) as ws:
+                        await ws.send_bytes(hello)
+                        async for frame in ws:  # until the welcome
+                            if wire.decode(frame.data).type == "welcome":
+                                break
+                    self.opened += 1
+                except (TimeoutError, OSError, aiohttp.ClientError):
+                    self.refused += 1
+                    await asyncio.sleep(0.1)
+
+
 async def main() -> None:
     repo = os.path.abspath(sys.argv[1])
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 300
     phase_s = float(sys.argv[3]) if len(sys.argv) > 3 else 20.0
     fd_limit = int(sys.argv[4]) if len(sys.argv) > 4 else 1024
+    mode = sys.argv[5] if len(sys.argv) > 5 else "slow"
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    state = tempfile.mkdtemp(prefix="hetd-flood-state-")
     resource.setrlimit(resource.RLIMIT_NOFILE, (20000, 20000))  # the attacker's own
     wt, at = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
     port, admin = free_port(), free_port()
@@ -135,6 +172,7 @@ async def main() -> None:
         [
             *(sys.executable, "-m", "hetd", "serve", "--dataset", "digits", "--policy", "asp"),
             *("--port", str(port), "--admin-port", str(admin)),
+            *(("--state-dir", state) if mode == "hello" else ()),
         ],
         cwd=repo,
         env=env,
@@ -163,7 +201,13 @@ async def main() -> None:
     def pushes(name: str) -> int:
         return sum(int(w.get("pushes", 0)) for w in rows() if w["name"] == name)
 
-    result: dict[str, Any] = {"repo": repo, "sockets": n, "phase_s": phase_s, "fd_limit": fd_limit}
+    result: dict[str, Any] = {
+        "repo": repo,
+        "mode": mode,
+        "sockets": n,
+        "phase_s": phase_s,
+        "fd_limit": fd_limit,
+    }
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -231,6 +275,21 @@ async def main() -> None:
                 out["late_worker_joined_after_s"] = (
                     round(joined, 1) if joined is not None else "never"
                 )
+            if mode == "hello":
+                req = urllib.request.Request(
+                    admin_url + "/v1/checkpoint",
+                    method="POST",
+                    headers={"Authorization": f"Bearer {at}"},
+                )
+                try:
+                    await asyncio.to_thread(urllib.request.urlopen, req, None, 60)
+                    newest = max(
+                        (os.path.join(d, f) for d, _, fs in os.walk(state) for f in fs),
+                        key=os.path.getmtime,
+                    )
+                    out["checkpoint_bytes"] = os.path.getsize(newest)
+                except (OSError, ValueError) as exc:
+                    out["checkpoint_bytes"] = f"no checkpoint: {exc}"
             if during is not None:
                 out["flood"] = {
                     "opened": during.opened,
@@ -240,7 +299,7 @@ async def main() -> None:
             return out
 
         result["before"] = await phase("before")
-        flood = Flood(port, n)
+        flood = HelloFlood(port, n, wt) if mode == "hello" else Flood(port, n)
         flood.start()
         await asyncio.sleep(2.0)  # the flood is up
         result["during"] = await phase("during", flood)

@@ -240,3 +240,18 @@ def test_a_resume_keeps_its_id_before_any_push() -> None:
     m.remove(a, "resumed on a new connection", None, keep=True)
     back, _ = admit(m, "a", resume_id=a, resume_secret=secret)
     assert back == a
+
+
+def test_the_core_package_front_names_its_parts_lazily() -> None:
+    import importlib
+    import subprocess
+    import sys
+
+    import hetd.core
+
+    for name in hetd.core.__all__:
+        sub = importlib.import_module(f"hetd.core.{hetd.core._WHERE[name]}")
+        assert getattr(hetd.core, name) is getattr(sub, name), name
+    code = "import sys, hetd.core; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr[-1000:]
