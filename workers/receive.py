@@ -13,6 +13,14 @@ import aiohttp
 import jax
 
 from hetd.protocol import shm, wire
+from hetd.protocol.messages import (
+    Ack,
+    ErrorReply,
+    PlanUpdate,
+    ProfileRequest,
+    ShardUpdate,
+    read_reply,
+)
 from hetd.protocol.params import apply_params, hash_matches
 from hetd.protocol.plan import Plan
 from hetd.zoo.task import Bound, TaskError
@@ -84,17 +92,16 @@ async def read(
                 except (TaskMismatch, TaskError, ImportRefused) as exc:  # retrying will not help
                     raise FatalError(str(exc)) from None
                 inbox.welcomed.set()
-            elif msg.type == "profile":
-                inbox.profile = dict(msg["spec"])
-            elif msg.type == "plan":  # the whole plan, every time
-                plan = Plan.from_wire(msg["plan"])
-                if state.plan.pipeline and not plan.pipeline:
+            elif isinstance(reply := read_reply(msg), ProfileRequest):
+                inbox.profile = reply.spec()
+            elif isinstance(reply, PlanUpdate):  # the whole plan, every time
+                if state.plan.pipeline and not reply.plan.pipeline:
                     inbox.unpipeline()
-                state.plan = plan
-            elif msg.type == "shard":  # the data was cut again (a worker came or went)
+                state.plan = reply.plan
+            elif isinstance(reply, ShardUpdate):  # the data was cut again (a worker came or went)
                 if state.trainer is not None:
-                    state.trainer.reshard(int(msg["index"]), int(msg["count"]))
-                    log.info("now reading shard %d of %d", msg["index"], msg["count"])
+                    state.trainer.reshard(reply.index, reply.count)
+                    log.info("now reading shard %d of %d", reply.index, reply.count)
             elif msg.type == "params":
                 delay = opts.emulation.transfer_seconds(size)
                 if delay:  # the emulated link carries parameters too, as the simulator charges
@@ -131,8 +138,8 @@ async def read(
                     state.stage_host = StageHost(state.model_setup, dataset, state.next_push_id)
                 if state.stage_host is not None:
                     was_staged, inbox.staged = inbox.staged, True  # no data-parallel step now
-                    reply = partial(send, ws, opts=opts)
-                    await handle(state.stage_host, msg, inbox.params, reply)
+                    answer = partial(send, ws, opts=opts)
+                    await handle(state.stage_host, msg, inbox.params, answer)
                     if state.stage_host.assignment is None:  # dissolved (or never assigned)
                         if was_staged:  # a stage holds its blocks' slice: pull the whole set
                             inbox.params = None
@@ -140,30 +147,30 @@ async def read(
                         inbox.staged = False
                         inbox.in_flight = 0
                         inbox.changed.set()
-            elif msg.type == "ack":
-                state.unacked.pop(msg.id, None)
-                inbox.answered(msg.id, msg["status"])
-                if msg["status"] in ("dropped", "duplicate"):
-                    log.info("push %d %s: %s", msg.id, msg["status"], msg.get("reason"))
-            elif msg.type == "error":
-                log.warning("daemon error %s: %s", msg["code"], msg["message"])
-                if msg["code"] == "no_codec":
-                    raise FatalError(msg["message"])
+            elif isinstance(reply, Ack):
+                state.unacked.pop(reply.id, None)
+                inbox.answered(reply.id, reply.status)
+                if reply.status in ("dropped", "duplicate"):
+                    log.info("push %d %s: %s", reply.id, reply.status, reply.reason)
+            elif isinstance(reply, ErrorReply):
+                log.warning("daemon error %s: %s", reply.code, reply.text)
+                if reply.code == "no_codec":
+                    raise FatalError(reply.text)
                 if (
-                    msg["code"] == "malformed"
-                    and "features" in msg["message"]
+                    reply.code == "malformed"
+                    and "features" in reply.text
                     and not state.plain_hello
                     and not inbox.joined.is_set()
                 ):
                     # A daemon from before hello's ``features``: say hello again without them.
                     state.plain_hello = True
                     raise ConnectionError("the daemon takes no hello features; saying hello again")
-                state.unacked.pop(msg.id, None)  # a refused push is not sent again
-                if inbox.refused(msg.id) and inbox.rejected_in_a_row >= MAX_REFUSED:
+                state.unacked.pop(reply.id, None)  # a refused push is not sent again
+                if inbox.refused(reply.id) and inbox.rejected_in_a_row >= MAX_REFUSED:
                     # Leaving frees every barrier this worker holds; the operator sees why.
                     raise FatalError(
                         f"the daemon refused {MAX_REFUSED} pushes in a row; last: "
-                        f"{msg['code']}: {msg['message']}"
+                        f"{reply.code}: {reply.text}"
                     )
         raise ConnectionError(f"daemon closed the connection (code {ws.close_code})")
     except BaseException as exc:

@@ -230,3 +230,38 @@ class Bye(ReplyBase):
 
 Reply = Welcome | Ack | ErrorReply | PlanUpdate | ShardUpdate | ProfileRequest | Bye
 """A control message the engine sends a worker."""
+
+
+def read_reply(msg: wire.Message) -> Reply | None:
+    """The typed control reply a worker received (``msg`` as :func:`hetd.protocol.wire.decode`
+    checked it); None for the frames that stay messages (parameters, stage and shared-memory
+    frames, whose binary fields are read in place)."""
+    t = msg.type
+    if t == "ack":
+        status: AckStatus = msg["status"]
+        return Ack(msg.id, int(msg["version"]), status, msg.get("reason"))
+    if t == "error":
+        return ErrorReply(msg.id, str(msg["code"]), str(msg["message"]))
+    if t == "plan":
+        return PlanUpdate(Plan.from_wire(msg["plan"]))
+    if t == "shard":
+        return ShardUpdate(int(msg["index"]), int(msg["count"]))
+    if t == "profile":
+        spec = msg["spec"]
+        return ProfileRequest(int(spec.get("steps", 0)), int(spec.get("batch_size", 0)))
+    if t == "bye":
+        return Bye(str(msg.get("reason") or ""))
+    if t == "welcome":
+        shard = msg["shard"]
+        known = {"worker_id", "plan", "heartbeat_s", "shard", "secret"}
+        return Welcome(
+            msg.id,
+            int(msg["worker_id"]),
+            Plan.from_wire(msg["plan"]),
+            float(msg["heartbeat_s"]),
+            int(shard["index"]),
+            int(shard["count"]),
+            {k: v for k, v in msg.body.items() if k not in known},
+            msg.get("secret"),
+        )
+    return None

@@ -27,6 +27,7 @@ import numpy as np
 from hetd.codecs import registry as codecs
 from hetd.codecs.feedback import ErrorFeedback, encode_with_feedback
 from hetd.protocol import wire
+from hetd.protocol.messages import Welcome
 from hetd.protocol.params import Held, apply_params
 from hetd.protocol.plan import Plan, codec_for, data_range, local_steps_for
 from hetd.sim.compute import StepWork, Straggler
@@ -113,28 +114,26 @@ class EmuWorker:
         frame = wire.encode("hello", 1, name=f"w{self.index}", device=device, codecs=codecs.names())
         return wire.decode(frame)
 
-    def welcome(self, msg: wire.Message) -> None:
+    def welcome(self, w: Welcome) -> None:
         """Plan and shard from the welcome (the shard as ``workers.loop.Trainer`` samples it)."""
-        self.plan = Plan.from_wire(msg["plan"])
-        train = msg.get("train") or {}
+        self.plan = w.plan
+        train = w.setup.get("train") or {}
         self.worker_lr = float(train.get("worker_lr") or self.sc.worker_lr)  # as workers.loop
         inner = parse_optimizer(str(train.get("inner_optimizer") or "sgd"))
         self.worker_lr = inner.lr or self.worker_lr  # a spec's own lr wins, as on a worker
         self.inner = str(inner.without_lr())
-        shard = msg["shard"]
-        self._shard = int(shard["index"])
-        rows = shard_indices(len(self.data.y_train), shard["index"], shard["count"], self.seed)
+        self._shard = w.shard
+        rows = shard_indices(len(self.data.y_train), w.shard, w.shards, self.seed)
         self.sampler = self._sampler(rows)
 
     def _sampler(self, rows: np.ndarray) -> BatchSampler:
         seed = self.seed * 1000 + self._shard
         return BatchSampler(self.data.x_train, self.data.y_train, rows, seed=seed)
 
-    def follow_plan(self, plan: Mapping[str, Any]) -> None:
+    def follow_plan(self, new: Plan) -> None:
         """A ``plan`` frame's plan (the whole plan, every time) replaces the one it follows; one
         that stops pipelining forgets the pushes in flight, as the real client does
         (``workers.inbox.Inbox.unpipeline``)."""
-        new = Plan.from_wire(plan)
         if self.plan.pipeline and not new.pipeline:
             self.in_flight = 0
         self.plan = new

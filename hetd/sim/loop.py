@@ -377,9 +377,9 @@ class _Sim:
                     frames, nbytes = releases.get(index, ([], 0))
                     releases[index] = ([*frames, wire.decode(item)], nbytes + len(item))
                 elif isinstance(item, Welcome):
-                    w.welcome(item.message())
+                    w.welcome(item)
                 elif isinstance(item, PlanUpdate):
-                    w.follow_plan(item.plan.to_wire())
+                    w.follow_plan(item.plan)
                 elif isinstance(item, ProfileRequest):
                     w.profile = item.spec()
                 # acks need no action: the next params frame is what a worker waits for
