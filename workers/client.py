@@ -31,7 +31,7 @@ from workers.progress import Progress
 from workers.push import compute, heartbeats, restamped, send
 from workers.receive import read
 from workers.shm import wanted
-from workers.state import FatalError, WorkerOptions, WorkerState
+from workers.state import HELLO_ID, FatalError, WorkerOptions, WorkerState
 
 __all__ = ["FatalError", "Inbox", "WorkerOptions", "WorkerState", "run_worker"]
 
@@ -186,7 +186,7 @@ async def _converse(
     await ws.send_bytes(
         wire.encode(
             "hello",
-            1,
+            HELLO_ID,
             name=opts.name,
             device=info,
             codecs=codecs.names(),

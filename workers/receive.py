@@ -31,7 +31,7 @@ from workers.prepare import prepared
 from workers.push import send
 from workers.shm import ShmLink
 from workers.stage import PIPELINE_TYPES, StageHost, handle, new_params
-from workers.state import MAX_REFUSED, FatalError, WorkerOptions, WorkerState
+from workers.state import HELLO_ID, MAX_REFUSED, FatalError, WorkerOptions, WorkerState
 
 log = logging.getLogger("hetd.worker")
 
@@ -158,11 +158,12 @@ async def read(
                     raise FatalError(reply.text)
                 if (
                     reply.code == "malformed"
-                    and "features" in reply.text
+                    and reply.id == HELLO_ID
                     and not state.plain_hello
                     and not inbox.joined.is_set()
                 ):
-                    # A daemon from before hello's ``features``: say hello again without them.
+                    # Our hello itself was refused: a daemon from before hello's ``features``
+                    # (the one optional field of a hello it could not know). Once without them.
                     state.plain_hello = True
                     raise ConnectionError("the daemon takes no hello features; saying hello again")
                 state.unacked.pop(reply.id, None)  # a refused push is not sent again

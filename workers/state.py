@@ -23,6 +23,7 @@ from workers.stage import StageHost
 
 log = logging.getLogger("hetd.worker")
 
+HELLO_ID = 1  # the request id of every hello (its welcome, or its refusal, carries it)
 MAX_REFUSED = 5  # pushes refused in a row before the worker gives up (a diverging worker)
 MAX_UNACKED = 8  # unanswered pushes kept to send again after a reconnect (the oldest go first)
 
@@ -70,7 +71,7 @@ class WorkerState:
     trainer: Trainer | None = None
     trainer_key: str = ""
     # the daemon refused our hello's ``features`` (a daemon from before that field): say none
-    plain_hello: bool = False
+    plain_hello: bool = False  # say hello without ``features`` (an older daemon refused them)
     # the core being built from the daemon's /v1/prepare while it starts (workers.prepare)
     preparing: asyncio.Task[Core | None] | None = None
     plan: Plan = field(default_factory=Plan)  # the daemon's latest plan for this worker
