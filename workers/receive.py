@@ -19,10 +19,10 @@ from hetd.protocol.messages import (
     PlanUpdate,
     ProfileRequest,
     ShardUpdate,
+    Welcome,
     read_reply,
 )
 from hetd.protocol.params import apply_params, hash_matches
-from hetd.protocol.plan import Plan
 from hetd.zoo.task import Bound, TaskError
 from workers.imports import Allowed, ImportRefused
 from workers.inbox import Inbox
@@ -192,15 +192,18 @@ def welcome(
     when they were built for the same model, data and settings. ``task``: this worker's own
     Task (``--task``), checked against the daemon's; :class:`TaskMismatch` when they differ.
     ``allowed``: the plug-ins this worker's operator named (:mod:`workers.imports`)."""
-    state.worker_id = msg["worker_id"]
-    state.model_setup = dict(msg["model"])
-    state.secret = msg.get("secret")
-    state.plan = Plan.from_wire(msg["plan"])
-    state.heartbeat_s = float(msg["heartbeat_s"])
-    key = repr((msg["model"], msg["dataset"], msg["shard"], msg["train"]))
+    w = read_reply(msg)
+    assert isinstance(w, Welcome)  # (called for a welcome, which wire.decode checked)
+    setup = {**w.setup, "shard": {"index": w.shard, "count": w.shards}}
+    state.worker_id = w.worker_id
+    state.model_setup = dict(setup["model"])
+    state.secret = w.secret
+    state.plan = w.plan
+    state.heartbeat_s = w.heartbeat_s
+    key = repr((setup["model"], setup["dataset"], setup["shard"], setup["train"]))
     if state.trainer is None or state.trainer_key != key:
         reuse = core if core is not None or state.trainer is None else state.trainer.core
-        state.trainer = Trainer(msg.body, device, reuse, task, allowed)
+        state.trainer = Trainer(setup, device, reuse, task, allowed)
         state.trainer_key = key
     log.info(
         "joined as worker %d, plan %s%s",
