@@ -124,6 +124,10 @@ def make_daemon(shapes: Shapes, codec: str) -> Daemon:
         heartbeat_s=2.0,
         heartbeat_timeout_s=60.0,
         open_workers=True,  # the senders carry no token (loopback only)
+        # its hundreds of peers connect at once from one address: the flood caps would close
+        # the connections still on their way to their first request
+        max_pending=4096,
+        max_pending_per_address=4096,
     )
     rng = np.random.default_rng(0)
     params = {p: rng.standard_normal(s, dtype=np.float32) * np.float32(0.01) for p, s in shapes}
