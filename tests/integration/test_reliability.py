@@ -185,6 +185,11 @@ async def test_a_departed_id_is_not_taken_over_with_the_token_alone(raw_asp: Clu
         welcome = await recv(ws, "welcome")
         wid, secret = welcome["worker_id"], welcome["secret"]
         assert isinstance(secret, str) and len(secret) >= 32
+        # one push answered: a worker that leaves without one leaves nothing to resume
+        params = codecs.decode_tree((await recv(ws, "params"))["tensors"])
+        zeros = {k: np.zeros_like(v) for k, v in params.items()}
+        await ws.send_bytes(wire.encode("push", 2, **push_fields(zeros, c.engine.store.version)))
+        await recv(ws, "ack")
         await ws.close()
         await c.wait_for(lambda: wid in c.engine.departed, 10, "the worker to leave")
         for resume in ({"worker_id": wid}, {"worker_id": wid, "secret": "guess"}):
