@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from hetd.protocol import wire
-from policies import Plan
+from policies.types import Plan
 
 AckStatus = Literal["applied", "buffered", "dropped", "duplicate"]  # wire.ACK_STATUSES
 
