@@ -130,6 +130,20 @@ class Call:
     fn: Callable[[], Any]
     done: asyncio.Future[Any] | None = field(default=None, compare=False)
 
+    def answer(self) -> Any:
+        """Run ``fn``: its result (no ``done``: its error raises), or set into ``done``."""
+        if self.done is None:
+            return self.fn()
+        try:
+            result = self.fn()
+        except Exception as exc:
+            if not self.done.done():
+                self.done.set_exception(exc)
+        else:
+            if not self.done.done():
+                self.done.set_result(result)
+        return None
+
 
 Command = (
     Join

@@ -1,60 +1,45 @@
 """The single writer: one asyncio task owns all training state and reads one queue of commands.
 
-Sessions put commands on the queue (join, push, pull, heartbeat, leave) with typed inputs
-(:class:`~hetd.protocol.messages.JoinIn`, :class:`~hetd.protocol.messages.PushIn`); the admin API
-sends others (swap policy, status, checkpoint). For each event the engine updates its facts, asks
-the policy for decisions, applies them to the store, and hands typed replies (welcome, ack, plan,
-profile request) and encoded parameter frames to per-session :class:`Peer` outboxes, which never
-block it. Time comes from an injected :class:`Clock`; the engine imports neither aiohttp nor the
-wire format, so the simulator drives the same code under a virtual clock.
-
-The engine is a router over its parts, each a plain class with its own state:
-:class:`~hetd.core.members.Members` (the worker table: joins, resumes, leaves),
+Sessions and the admin API put :mod:`~hetd.core.commands` on the queue; :meth:`Engine.handle`
+routes each to the parts, each a plain class with its own state: :class:`~hetd.core.members.Members`
+(the worker table), :class:`~hetd.core.intake.Intake` (a push's checks),
 :class:`~hetd.core.policy_host.PolicyHost` (the policy, its state, the stage),
-:class:`~hetd.core.applier.Applier` (the store and the aggregation buffers),
-:class:`~hetd.core.publish.Publisher` (releases and the downlink),
-:class:`~hetd.core.replicas.Replicas` (pipeline replicas),
-:class:`~hetd.core.evals.Evaluations`, :class:`~hetd.core.guard.UpdateGuard` and
-:class:`~hetd.core.rates.Meters`. Commands (:mod:`hetd.core.commands`) come in through
-:meth:`Engine.handle`; the parts' policy events go to the policy, and its decisions back to the
-parts. Its whole training state is an :class:`EngineState` (:meth:`Engine.state` /
-:meth:`Engine.restore`; checkpoints store that).
+:class:`~hetd.core.execute.Executor` (its decisions carried out), :class:`~hetd.core.applier.Applier`
+(the store and the aggregation buffers), :class:`~hetd.core.publish.Publisher` (releases and the
+downlink), :class:`~hetd.core.replicas.Replicas`, :class:`~hetd.core.evals.Evaluations`,
+:class:`~hetd.core.guard.UpdateGuard` and :class:`~hetd.core.rates.Meters`. The parts return the
+policy events they cause; the engine asks the policy and hands its decisions to the executor.
+Replies go to per-session :class:`Peer` outboxes, which never block it. Time comes from an injected
+:class:`Clock`; the engine imports neither aiohttp nor the wire format, so the simulator drives the
+same code under a virtual clock. Its whole training state is an :class:`EngineState`.
 
 Under :meth:`Engine.run` (the daemon) a released worker's parameters are not encoded at once: the
-engine first takes whatever else is already queued (up to :data:`BATCH` commands), then *publishes*
-once — applies the batch's updates (one optimizer step of their weighted sum per kind:
-:attr:`hetd.core.store.Store.combine`), takes the snapshot and encodes each (codec, held version)'s
-frames once — in a worker thread for models of :data:`OFF_LOOP_PARAMS` or more, while the engine
-task awaits it, so one writer still owns the state and the sockets keep flowing. Called directly
-(unit tests), every command publishes synchronously before it returns; after
-:meth:`Engine.defer_publishing` (the simulator) the caller publishes each batch with
-:meth:`Engine.publish_batch`, as :meth:`Engine.run` does.
+engine takes whatever else is queued (up to :data:`BATCH` commands), then publishes once (one
+optimizer step of the batch's weighted updates, one snapshot, one encoding per (codec, held
+version); :meth:`~hetd.core.publish.Publisher.publish_off_loop`). Called directly (unit tests),
+every command publishes before it returns; after :meth:`Engine.defer_publishing` (the simulator)
+the caller publishes each batch with :meth:`Engine.publish_batch`, as :meth:`Engine.run` does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 from hetd.codecs import registry as codecs
 from hetd.core import commands as cmd
 from hetd.core import saved
 from hetd.core.applier import Applier
-from hetd.core.entries import (
-    LINK_WINDOW,
-    EngineConfig,
-    WorkerEntry,
-    WorkerStats,
-    block_facts,
-)
+from hetd.core.entries import LINK_WINDOW, EngineConfig, WorkerEntry, WorkerStats, block_facts
 from hetd.core.evals import Evaluations, Keeper, metrics_of
+from hetd.core.execute import Executor
+from hetd.core.forward import Forward
 from hetd.core.guard import UpdateGuard
-from hetd.core.ingest import update_norm
+from hetd.core.intake import Intake
 from hetd.core.members import PROFILE_KEYS, Members
 from hetd.core.peers import Clock, MonotonicClock, Peer
 from hetd.core.policy_host import PolicyHost
@@ -64,38 +49,8 @@ from hetd.core.replicas import Replicas
 from hetd.core.saved import EngineState, SavedWorker
 from hetd.core.store import Snapshot, Store
 from hetd.core.views import status, worker_rows
-from hetd.protocol.messages import (
-    Ack,
-    AckStatus,
-    Bye,
-    ErrorReply,
-    JoinIn,
-    PlanUpdate,
-    ProfileRequest,
-    PushIn,
-    Welcome,
-)
-from policies.compose import Resolved
-from policies.types import (
-    Apply,
-    Buffer,
-    ClusterView,
-    Drop,
-    Event,
-    Flush,
-    Join,
-    Leave,
-    Plan,
-    Policy,
-    Pull,
-    Push,
-    PushDecision,
-    Regroup,
-    Release,
-    SetStage,
-    Tick,
-    WorkerFacts,
-)
+from hetd.protocol.messages import Bye, JoinIn, ProfileRequest, PushIn
+from policies.types import ClusterView, Event, Join, Leave, Plan, Policy, Push, Tick, WorkerFacts
 
 __all__ = [
     "BATCH",
@@ -119,7 +74,7 @@ BATCH = 64  # commands at most taken before one publish
 
 
 class Engine:
-    """Routes commands to the parts, events to the policy and its decisions back."""
+    """Routes commands to the parts, events to the policy and its decisions to the executor."""
 
     def __init__(
         self,
@@ -133,97 +88,42 @@ class Engine:
         store.hashes = config.param_hashes  # a snapshot's frame carries its hash (or not)
         self.config = config
         self.clock: Clock = clock or MonotonicClock()
-        self.started_at = self.clock.now()
+        self.started_at = now = self.clock.now()
         self._queue: asyncio.Queue[tuple[float, cmd.Command]] = asyncio.Queue()
         self.meters = Meters()
-        self.members = Members(config, self.clock, self.started_at)
+        self.members = Members(config, self.clock, now)
         self.applier = Applier(store)
         self.publisher = Publisher(self.members, store, config, self.meters)
         self.pipelines = Replicas(self.members, block_facts(store.shapes))
         self.guard = UpdateGuard(config.guard_factor, config.guard_warmup)
+        self.intake = Intake(self.members, self.pipelines, self.guard, store, config, self.meters)
         self.evaluations = Evaluations(
-            self.clock,
-            self.started_at,
-            config.eval_interval_s,
-            config.eval_inline,
-            self.submit,
-            evaluator,
+            self.clock, now, config.eval_interval_s, config.eval_inline, self.submit, evaluator
         )
-        self.host = PolicyHost(policy, self.clock, self.started_at)
+        self.host = PolicyHost(policy, self.clock, now)
+        self.executor = Executor(
+            self.members, self.host, self.applier, self.publisher, self.pipelines, store, config,
+            self.meters, self.clock,
+        )  # fmt: skip
         self.host.state = policy.init(self.view())
 
-    # --- what callers read (each part's own) --------------------------------------------------------
+    # --- what callers read, each from the part that owns it ----------------------------------------
 
-    @property
-    def entries(self) -> Mapping[int, WorkerEntry]:
-        """The active workers' entries, by id (read-only, live)."""
-        return self.members.entries
-
-    @property
-    def facts(self) -> Mapping[int, WorkerFacts]:
-        """The facts the policy sees, by id (read-only, live; not a replica's later stages)."""
-        return self.members.facts
-
-    @property
-    def departed(self) -> Mapping[int, WorkerFacts]:
-        """The facts of workers that left (or that a restored checkpoint knows), by id."""
-        return self.members.departed
-
-    @property
-    def stats(self) -> Mapping[int, WorkerStats]:
-        """Every worker's counters, active or departed, by id (read-only, live)."""
-        return self.members.stats
-
-    @property
-    def plans(self) -> Mapping[int, Plan]:
-        return self.members.plans
-
-    @property
-    def departures(self) -> Sequence[tuple[float, int, str]]:
-        """The last departures: (s since start, worker, reason)."""
-        return self.members.departures
-
-    @property
-    def replicas(self) -> Mapping[int, tuple[int, ...]]:
-        """The pipeline replicas, head -> members in stage order (read-only, live)."""
-        return self.pipelines.view
-
-    @property
-    def policy(self) -> Policy:
-        return self.host.policy
-
-    @policy.setter
-    def policy(self, policy: Policy) -> None:
-        self.host.policy = policy
-
-    @property
-    def policy_state(self) -> Any:
-        return self.host.state
-
-    @policy_state.setter
-    def policy_state(self, state: Any) -> None:
-        self.host.state = state
-
-    @property
-    def stage(self) -> str:
-        return self.host.stage
-
-    @property
-    def stages(self) -> list[tuple[float, str]]:
-        """(s since start, stage entered), each switch."""
-        return self.host.stages
-
-    @property
-    def updates_applied(self) -> int:
-        return self.applier.updates_applied
-
-    @property
-    def evals(self) -> list[tuple[float, float, float]]:
-        """Every evaluation: (s since start, loss, accuracy)."""
-        return self.evaluations.evals
+    entries: Forward[Mapping[int, WorkerEntry]] = Forward("members.entries")  # active, read-only
+    facts: Forward[Mapping[int, WorkerFacts]] = Forward("members.facts")  # the policy's view
+    departed: Forward[Mapping[int, WorkerFacts]] = Forward("members.departed")
+    stats: Forward[Mapping[int, WorkerStats]] = Forward("members.stats")  # active and departed
+    plans: Forward[Mapping[int, Plan]] = Forward("members.plans")
+    departures: Forward[Sequence[tuple[float, int, str]]] = Forward("members.departures")
+    replicas: Forward[Mapping[int, tuple[int, ...]]] = Forward("pipelines.view")
+    policy: Forward[Policy] = Forward("host.policy")
+    policy_state: Forward[Any] = Forward("host.state")
+    stage: Forward[str] = Forward("host.stage")
+    stages: Forward[list[tuple[float, str]]] = Forward("host.stages")
+    updates_applied: Forward[int] = Forward("applier.updates_applied")
+    evals: Forward[list[tuple[float, float, float]]] = Forward("evaluations.evals")
 
     def buffered(self) -> int:
-        """Pushes waiting in aggregation buffers."""
         return self.applier.buffered()
 
     # --- the single writer -----------------------------------------------------------------------
@@ -260,7 +160,7 @@ class Engine:
             case cmd.Transport(wid, peer, transport, sink):
                 if sink is not None:
                     self.store.frame_sink = sink
-                self.set_transport(wid, peer, transport)
+                self.members.set_transport(wid, peer, transport)
             case cmd.Tick():
                 self.tick()
             case cmd.EvalDue():
@@ -269,46 +169,33 @@ class Engine:
                 self.record_eval(*result, taken, metrics=metrics_of(result))
             case cmd.DissolveReplica(head, reason):
                 self.dissolve_replica(head, reason)
-            case cmd.Call(fn, None):
-                return fn()
-            case cmd.Call(fn, done):
-                assert done is not None  # (the case above took None)
-                try:
-                    result = fn()
-                except Exception as exc:
-                    if not done.done():
-                        done.set_exception(exc)
-                else:
-                    if not done.done():
-                        done.set_result(result)
+            case cmd.Call():
+                return command.answer()
         return None
 
     async def run(self) -> None:
         """Process commands until cancelled; timer tasks feed ticks and evaluations."""
-        ticker = asyncio.create_task(self._ticker())
-        evals = asyncio.create_task(self.evaluations.timer(self.config.tick_s))
+        timers = [
+            asyncio.create_task(self._ticker()),
+            asyncio.create_task(self.evaluations.timer(self.config.tick_s)),
+        ]
         self.defer_publishing()
         try:
             while True:
                 await self._run_batch(await self._queue.get())
         finally:
-            self.publisher.deferred = False
-            self.store.combine = False
-            ticker.cancel()
-            evals.cancel()
+            self.publisher.deferred = self.store.combine = False
             self.evaluations.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await ticker
-            with contextlib.suppress(asyncio.CancelledError):
-                await evals
+            for task in timers:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     async def _run_batch(self, first: tuple[float, cmd.Command]) -> None:
         """Run ``first`` and whatever else is already queued (up to :data:`BATCH`), then publish
         once: one snapshot and one encode serve every release of the batch."""
-        m = self.meters
-        item: tuple[float, cmd.Command] | None = first
-        taken = 0
-        while item is not None:
+        m, item, taken = self.meters, first, 0
+        while True:
             queued_at, command = item
             start = time.perf_counter()
             m.wait.add(start - queued_at)
@@ -318,22 +205,12 @@ class Engine:
                 log.exception("engine command %s failed", type(command).__name__)
             m.latency.add(time.perf_counter() - start)
             taken += 1
-            item = self._queue.get_nowait() if taken < BATCH and not self._queue.empty() else None
+            if taken >= BATCH or self._queue.empty():
+                break
+            item = self._queue.get_nowait()
         if self._to_publish():
             start = time.perf_counter()
-            m.publishes += 1
-            wants = self.publisher.take()
-            try:
-                if self.store.n_params >= OFF_LOOP_PARAMS:
-                    frames = await asyncio.to_thread(self.publisher.encode, wants)
-                else:
-                    frames = self.publisher.encode(wants)
-            except Exception:
-                log.exception("publishing parameters failed; dropping %d session(s)", len(wants))
-                why = "the daemon could not encode parameters for this worker; reconnect"
-                self.publisher.drop(wants, why)
-            else:
-                self.publisher.send_all(wants, frames)
+            await self.publisher.publish_off_loop()
             self._run_replicas()
             m.publish_latency.add(time.perf_counter() - start)
 
@@ -346,15 +223,12 @@ class Engine:
         """Publish as the daemon does, for a caller that runs commands in batches without
         :meth:`run` (the simulator's daemon server): releases wait for :meth:`publish_batch`,
         and the updates queued in between go through one optimizer step of their weighted sum."""
-        self.publisher.deferred = True
-        self.store.combine = True
+        self.publisher.deferred = self.store.combine = True
 
     def publish_batch(self) -> None:
         """What :meth:`run` does after each batch, synchronously."""
         if self._to_publish():
-            self.meters.publishes += 1
-            wants = self.publisher.take()
-            self.publisher.send_all(wants, self.publisher.encode(wants))
+            self.publisher.publish()
             self._run_replicas()
 
     def _to_publish(self) -> bool:
@@ -372,20 +246,9 @@ class Engine:
         members, rid = self.members, hello.resume_id
         if rid in members.active and members.may_resume(rid, hello.resume_secret):
             self._leave(rid, "resumed on a new connection", None, keep=True)
-        entry = members.admit(hello, peer, codec, self._default_plan(codec, self.host.stage))
+        entry = members.admit(hello, peer, codec, self.executor.default_plan(codec, self.stage))
         wid, cuts = entry.facts.worker, members.shard_for(entry)
-        peer.send(
-            Welcome(
-                id=hello.id,
-                worker_id=wid,
-                plan=entry.plan,
-                heartbeat_s=self.config.heartbeat_s,
-                shard=entry.shard[0],
-                shards=entry.shard[1],
-                setup=self.config.welcome,
-                secret=entry.secret,
-            )
-        )
+        peer.send(members.welcome(entry, hello.id))
         members.send_cuts(cuts, but=wid)
         if self.config.profile_steps > 0:
             peer.send(ProfileRequest(self.config.profile_steps, self.config.batch_size))
@@ -425,77 +288,22 @@ class Engine:
         if self.members.profiled(wid, result):
             self._dispatch(Tick(self.clock.now()))
 
-    def heartbeat(self, wid: int) -> None:
-        self.members.seen(wid)
-
     def pull(self, wid: int, have: int | None = None) -> None:
         """A worker asks for parameters (``have``: the version it holds; None: send them in full);
-        the gate decides when it gets them."""
-        entry = self.members.active.get(wid)
-        if entry is None:
-            return
-        now = self.clock.now()
-        entry.stats.last_seen = now
-        if self.pipelines.of(wid) is not None:
-            # A stage without its step's base: the newest in full, outside any gate (the
-            # replica's steps are released with its head).
+        the gate decides when it gets them. A replica's member gets the newest in full at once."""
+        event = self.intake.pull(wid, have, self.clock.now())
+        if event is not None:
+            self._dispatch(event)
+        elif self.pipelines.of(wid) is not None:
             self.resend(wid)
-            return
-        f = entry.facts
-        held = f.version if have is not None and have == f.version else -1
-        self.members.update(entry, waiting=True, waiting_since=f.waiting_since or now, version=held)
-        self._dispatch(Pull(now, wid))
 
     def push(self, p: PushIn) -> None:
-        """One validated update: facts, policy, store, ack."""
-        entry = self.members.active.get(p.worker)
-        if entry is None:
-            return
-        now = self.clock.now()
-        st = entry.stats
-        st.last_seen = now
-        if p.id <= entry.last_push:  # seen before (sent again, or after a reconnect): never twice
-            st.duplicates += 1
-            last = entry.last_push
-            self._ack(
-                p,
-                "duplicate",
-                f"push {p.id} was received before (last push {last}); not applied again",
-            )
-            return
-        if p.worker in self.pipelines.head_of:  # a data-parallel step that ended after its
-            st.dropped += 1  # worker became a replica's stage: the policy no longer counts it
-            entry.last_push = max(entry.last_push, p.id)
-            self._ack(p, "dropped", "the worker is a stage of a pipeline replica now")
-            return
-        refusal = (
-            self.guard.check(p.kind, p.norm if p.norm is not None else update_norm(p.tensors))
-            if self.guard.on
-            else None
-        )
-        if refusal is not None:  # nothing of it counts: the worker goes on from what it holds
-            st.refused += 1
-            log.warning("worker %d: push %d refused: %s", p.worker, p.id, refusal)
-            self.members.send(p.worker, ErrorReply(p.id, "out_of_range", refusal))
-            return
-        entry.last_push = p.id  # from here on, this push is answered with an ack
-        if entry.facts.waiting:  # one release ends the wait: it answers this push too
-            entry.joined_pushes += 1
-        self.meters.bytes_in += p.nbytes
-        staleness = max(0, self.store.version - p.base)
-        st.staleness.append(staleness)
-        if len(st.staleness) > 4096:
-            del st.staleness[:2048]
-        self.members.pushed(entry, p, now)
-        kind: Literal["grad", "delta"] = "grad" if p.kind == "grad" else "delta"
-        if p.base > self.store.version or staleness > self.config.max_staleness:
-            why = "base version from the future" if p.base > self.store.version else "too stale"
-            self._ack(p, "dropped", why)
-            st.dropped += 1
-            self._dispatch(Tick(now))  # the clock moved: gates may open
-            return
-        event = Push(now, p.worker, p.base, kind, p.samples, p.steps, p.compute_s, p.loss)
-        self._dispatch(event, p)
+        """One validated update: checks (:class:`~hetd.core.intake.Intake`), policy, store, ack."""
+        reply, event = self.intake.push(p, self.clock.now())
+        if reply is not None:
+            self.members.send(p.worker, reply)
+        if event is not None:
+            self._dispatch(event, p if isinstance(event, Push) else None)
 
     def resend(self, wid: int, peer: Peer | None = None) -> None:
         """Send a worker the newest parameters in full, in place of a full frame its outbox
@@ -508,17 +316,9 @@ class Engine:
             return
         self.publisher.resend(entry)
 
-    def set_transport(self, wid: int, peer: Peer, transport: str) -> None:
-        """Worker ``wid``'s session ``peer`` now carries its big frames by ``transport``
-        (``"shm"``: the daemon's shared memory); /v1/workers shows it as ``path``."""
-        entry = self.members.active.get(wid)
-        if entry is not None and entry.peer is peer:
-            entry.transport = transport
-
     def tick(self) -> None:
         """Time passes: heartbeats, evaluation, and a chance for gates to open."""
-        now = self.clock.now()
-        m = self.meters
+        now, m = self.clock.now(), self.meters
         m.rates.sample(now, self.applier.updates_applied, m.bytes_in, m.bytes_out)
         for wid, entry in list(self.members.active.items()):
             if now - entry.stats.last_seen > self.config.heartbeat_timeout_s:
@@ -547,9 +347,6 @@ class Engine:
             if not self.pipelines.run(head):
                 self.dissolve_replica(head, "no replica driver")
 
-    def replica_of(self, wid: int) -> int | None:
-        return self.pipelines.of(wid)
-
     # --- the policy --------------------------------------------------------------------------------
 
     def view(self) -> ClusterView:
@@ -568,129 +365,20 @@ class Engine:
         )
 
     def swap_policy(self, name: str, params: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Replace the policy between two events, all or nothing.
-
-        The new policy is built, initialised and asked for its first decisions on a trial view
-        (:meth:`PolicyHost.trial`); any error raises :class:`PolicyError` and nothing has
-        changed. Then the swap is carried out: buffered pushes are applied (never lost), the
-        policy, its state, the stage and the plans change together (each worker whose plan
-        changed is told once), and the first decisions' releases and flushes are carried out.
-        """
-        active = self.members.active
-        visible = {wid: e.facts for wid, e in active.items() if wid in self.members.view_facts}
-        t = self.host.trial(
-            name,
-            params,
-            visible,
-            lambda f: self._default_plan(f.codec, "main"),
-            self.store.version,
-            self.config.global_batch,
-            self.config.outer_for,
-        )
-        # Nothing below refuses: the swap happens as a whole.
-        if self.applier.buffered():  # never lose buffered updates: apply them before the change
-            self.applier.flush(Flush(normalize=True))
-        old = self.host.policy.name
-        self.host.install(t.policy, t.state)
-        # after the flush, which applied the old policy's rounds through the old one
-        if t.outer is not None and self.store.set_outer(t.outer):
-            log.info("outer optimizer -> %s (state reset)", self.store.outer_spec)
-        self.host.enter(t.stage, "policy swap")
-        for wid, plan in t.plans.items():
-            entry = active[wid]
-            changed = plan != entry.plan
-            entry.plan = plan
-            self.members.update(entry, batch_size=plan.batch_size, clock=t.top)
-            if changed:
-                self.members.send(wid, PlanUpdate(plan))
-        for gone in self.members.gone.values():  # one that returns rejoins the same round
-            gone.facts = dataclasses.replace(gone.facts, clock=min(gone.facts.clock, t.top))
-        log.info("policy swapped: %s -> %s %s", old, t.policy.name, dict(t.policy.params))
-        self._execute(Resolved((), t.first.scale, t.first.actions), None)
-        return t.policy.describe()
-
-    def _default_plan(self, codec: str, stage: str) -> Plan:
-        """A worker's plan before any policy changes it: the configured batch, pushes in the
-        codec its parameters come in, nothing else set."""
-        return Plan(batch_size=self.config.batch_size, codec=codec, stage=stage)
+        """Replace the policy between two events, all or nothing (:meth:`Executor.swap`), then
+        carry out its first decisions' releases and flushes."""
+        first, described = self.executor.swap(name, params)
+        self._events(self.executor.run(first, None))
+        return described
 
     def _events(self, events: Iterable[Event]) -> None:
         for event in events:
             self._dispatch(event)
 
     def _dispatch(self, event: Event, push: PushIn | None = None) -> None:
-        """Ask the policy about ``event`` and carry out its decisions."""
-        self._execute(self.host.decide(event, self.view(), push is not None), push)
-
-    def _execute(self, r: Resolved, push: PushIn | None) -> None:
-        """Carry out one event's resolved decisions (the rules are :func:`policies.resolve`'s)."""
-        # Plans first, so a worker released by this event computes under its new plan.
-        for d in r.plans:
-            if isinstance(d, SetStage):
-                if self.host.enter(d.stage):
-                    for wid in list(self.members.active):
-                        self._set_plan(wid, {"stage": d.stage})
-            elif isinstance(d, Regroup):
-                self.pipelines.regroup(d.replicas, self.host.policy.name)
-            else:
-                self._set_plan(d.worker, d.fields)
-        for a in r.actions:
-            if isinstance(a, Flush):
-                self.applier.flush(a)
-            elif isinstance(a, Release):
-                self._release(a.worker)
-            elif push is not None:
-                self._decide_push(a, push, r.scale)
-        if push is not None and r.push is None:
-            # A policy that says nothing about a push must not lose it.
-            log.warning("policy %s made no decision on a push; applying it", self.host.policy.name)
-            self._decide_push(Apply(1.0 / max(1, len(self.members.view_facts))), push, r.scale)
-
-    def _decide_push(self, d: PushDecision, p: PushIn, factor: float) -> None:
-        st = self.members.stats[p.worker]
-        if isinstance(d, Apply):
-            self.applier.apply(p.kind, p.tensors, d.weight * factor)
-            st.applied += 1
-            self._ack(p, "applied")
-        elif isinstance(d, Buffer):
-            self.applier.buffer(d.group, p.kind, p.tensors, d.weight * factor)
-            st.buffered += 1
-            self._ack(p, "buffered")
-        elif isinstance(d, Drop):
-            st.dropped += 1
-            self._ack(p, "dropped", d.reason)
-
-    def _set_plan(self, wid: int, fields: Mapping[str, Any]) -> None:
-        entry = self.members.active.get(wid)
-        if entry is None:
-            return
-        new = entry.plan.merge(fields)  # checked: resolve() raised on unknown fields already
-        if new == entry.plan:
-            return
-        entry.plan = new
-        self.members.update(entry, batch_size=new.batch_size)
-        self.members.send(wid, PlanUpdate(new))
-
-    def _release(self, wid: int) -> None:
-        entry = self.members.active.get(wid)
-        if entry is None or not entry.facts.waiting or wid in self.pipelines.head_of:
-            return  # a replica's later stage is released with its head
-        f, now = entry.facts, self.clock.now()
-        gap = f.clock - min(x.clock for x in self.members.view_facts.values())
-        self.meters.max_release_gap = max(self.meters.max_release_gap, gap)
-        idle = now - f.waiting_since if f.waiting_since is not None else 0.0
-        self.members.update(entry, waiting=False, waiting_since=None, idle_s=f.idle_s + idle)
-        if wid not in self.pipelines.groups:
-            self.publisher.release(entry)
-        elif self.publisher.deferred:  # its driver runs the step once this batch is applied
-            self.pipelines.pending[wid] = None
-        else:
-            self.store.flush()
-            if not self.pipelines.run(wid):
-                self.dissolve_replica(wid, "no replica driver")
-
-    def _ack(self, p: PushIn, status: AckStatus, reason: str | None = None) -> None:
-        self.members.send(p.worker, Ack(p.id, self.store.version, status, reason))
+        """Ask the policy about ``event`` and carry out its decisions (and what they cause)."""
+        resolved = self.host.decide(event, self.view(), push is not None)
+        self._events(self.executor.run(resolved, push))
 
     # --- evaluations ---------------------------------------------------------------------------------
 

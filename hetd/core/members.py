@@ -18,7 +18,7 @@ from typing import Any
 
 from hetd.core.entries import Column, EngineConfig, WorkerEntry, WorkerStats
 from hetd.core.peers import Clock, Peer
-from hetd.protocol.messages import JoinIn, PushIn, Reply, ShardUpdate
+from hetd.protocol.messages import JoinIn, PushIn, Reply, ShardUpdate, Welcome
 from policies.types import Plan, WorkerFacts
 
 log = logging.getLogger("hetd.core.engine")  # one logger for the engine and its parts
@@ -155,6 +155,19 @@ class Members:
         self.view_facts[wid] = facts
         return entry
 
+    def welcome(self, entry: WorkerEntry, hello_id: int) -> Welcome:
+        """The answer to an admitted worker's hello: its id, plan, shard, secret and the setup."""
+        return Welcome(
+            id=hello_id,
+            worker_id=entry.facts.worker,
+            plan=entry.plan,
+            heartbeat_s=self.config.heartbeat_s,
+            shard=entry.shard[0],
+            shards=entry.shard[1],
+            setup=self.config.welcome,
+            secret=entry.secret,
+        )
+
     def shard_for(self, entry: WorkerEntry) -> dict[int, tuple[int, int]]:
         """Give a newly admitted worker its shard; the re-cut of the others (user tasks).
 
@@ -251,6 +264,13 @@ class Members:
         entry.stats.last_seen = self.clock.now()
         log.info("worker %d profile: %s", wid, clean)
         return True
+
+    def set_transport(self, wid: int, peer: Peer, transport: str) -> None:
+        """Worker ``wid``'s session ``peer`` now carries its big frames by ``transport``
+        (``"shm"``: the daemon's shared memory); /v1/workers shows it as ``path``."""
+        entry = self.active.get(wid)
+        if entry is not None and entry.peer is peer:
+            entry.transport = transport
 
     def seen(self, wid: int) -> None:
         """A sign of life."""

@@ -7,6 +7,7 @@ each (codec, held version)'s frames once. The only part that hands ``params`` fr
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 
@@ -103,6 +104,30 @@ class Publisher:
                 made[key] = self.downlink.frames(codec, held, snap, ref, link, hashes=hashes)
             out[wid] = made[key]
         return out
+
+    def publish(self) -> None:
+        """The batch's publish, here and now: its updates applied, each release's frames sent."""
+        self.meters.publishes += 1
+        wants = self.take()
+        self.send_all(wants, self.encode(wants))
+
+    async def publish_off_loop(self) -> None:
+        """:meth:`publish` with the encoding in a worker thread for models of
+        :data:`OFF_LOOP_PARAMS` or more (the caller, the engine task, awaits it: one writer still
+        owns the state while the sockets keep flowing). Encoding that fails drops the released
+        workers' sessions (:meth:`drop`) rather than leave them waiting."""
+        self.meters.publishes += 1
+        wants = self.take()
+        try:
+            if self.store.n_params >= OFF_LOOP_PARAMS:
+                frames = await asyncio.to_thread(self.encode, wants)
+            else:
+                frames = self.encode(wants)
+        except Exception:
+            log.exception("publishing parameters failed; dropping %d session(s)", len(wants))
+            self.drop(wants, "the daemon could not encode parameters for this worker; reconnect")
+        else:
+            self.send_all(wants, frames)
 
     def send_all(self, wants: list[Want], frames: dict[int, Outgoing]) -> None:
         for wid, *_ in wants:

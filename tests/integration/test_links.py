@@ -8,6 +8,7 @@ with that reason. Each run's names are unique, and every test checks nothing of 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -21,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from hetd.bench import links
-from hetd.local.demo import stop_processes, worker_env
-from hetd.protocol.messages import AckStatus, PushIn
+from hetd.local.procs import spawn_worker, stop_processes, worker_env
+from hetd.protocol.messages import Ack, Reply
 from hetd.server.daemon import Daemon
 from tests.conftest import WORKER_TOKEN, make_config
 
@@ -37,7 +38,6 @@ MLP = {"hidden": [512, 512]}  # ~0.3 M parameters: a 1.2 MB push, 0.12 s at 10 M
 HEARTBEAT_S = 0.2
 TIMEOUT_S = 1.5
 CUT_S = 3.0  # > the timeout: the daemon must evict the worker before the link comes back
-WORKER = [sys.executable, "-m", "workers.cli"]
 
 
 def test_links_are_made_and_removed() -> None:
@@ -159,19 +159,22 @@ async def test_shaped_link_measured_and_a_cut_is_seen_by_heartbeats_only() -> No
         port = await daemon.start()  # the engine exists from here; no worker has started yet
         engine = daemon.engine
         acks: list[tuple[int, int, str]] = []
-        ack = engine._ack
+        send = engine.members.send
 
-        def spy(p: PushIn, status: AckStatus, reason: str | None = None) -> None:
-            acks.append((p.worker, p.id, status))  # every answer the engine gives, in order
-            ack(p, status, reason)
+        def spy(wid: int, reply: Reply) -> None:
+            if isinstance(reply, Ack):  # every answer the engine gives a push, in order
+                acks.append((wid, reply.id, reply.status))
+            send(wid, reply)
 
-        engine._ack = spy  # type: ignore[method-assign]
+        engine.members.send = spy  # type: ignore[method-assign]
         procs = [
-            await asyncio.create_subprocess_exec(
-                *run.command(i, [*WORKER, f"ws://{run.head}:{port}", "--name", f"w{i}"]),
+            await spawn_worker(
+                f"ws://{run.head}:{port}",
+                "--name",
+                f"w{i}",
                 env=worker_env(WORKER_TOKEN),
-                stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE,
+                wrap=functools.partial(run.command, i),
             )
             for i in range(2)
         ]
