@@ -16,7 +16,6 @@ import atexit
 import contextlib
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -131,17 +130,13 @@ async def spawn_worker(
 ) -> asyncio.subprocess.Process:
     """One real ``hetd-worker`` process joining ``url`` with the worker token, ``args`` after the
     url; its ``stderr`` a pipe (``log``) or discarded, ``stdin`` a pipe when asked."""
-    from hetd.local.demo import worker_env
+    from hetd.local import procs
 
-    return await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "workers.cli",
+    return await procs.spawn_worker(
         url,
         *args,
-        env=worker_env(WORKER_TOKEN),
+        env=procs.worker_env(WORKER_TOKEN),
         stdin=asyncio.subprocess.PIPE if stdin else None,
-        stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE if log else asyncio.subprocess.DEVNULL,
     )
 
@@ -172,13 +167,9 @@ class Cluster:
         self, slowdown: float = 1.0, base_step: float = 0.02, *extra: str, token: str = WORKER_TOKEN
     ) -> asyncio.subprocess.Process:
         """Start one real worker process."""
-        from hetd.local.demo import worker_env
+        from hetd.local import procs
 
-        env = worker_env(token)
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "workers.cli",
+        proc = await procs.spawn_worker(
             self.url,
             "--name",
             f"w{len(self.procs)}-x{slowdown:g}",
@@ -189,8 +180,7 @@ class Cluster:
             "--max-retries",
             "3",
             *extra,
-            env=env,
-            stdout=asyncio.subprocess.DEVNULL,
+            env=procs.worker_env(token),
             stderr=asyncio.subprocess.PIPE,
         )
         self.procs.append(proc)
@@ -216,7 +206,7 @@ async def clusters() -> AsyncIterator[Callable[..., Awaitable[Cluster]]]:
     made is stopped on the way out. Behind :func:`cluster` and the module-scoped clusters that
     several tests of one module share (one daemon and worker start-up for all their asserts)."""
     from hetd import config as config_mod
-    from hetd.local.demo import stop_processes
+    from hetd.local.procs import stop_processes
     from hetd.server.daemon import Daemon
 
     made: list[Cluster] = []

@@ -62,6 +62,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import math
 import resource
 import secrets
@@ -74,7 +75,7 @@ from hetd import config as config_mod
 from hetd.bench import links as links_mod
 from hetd.bench.kept import DEFAULT_CAP_BYTES, KeptSnapshots
 from hetd.core.engine import Engine
-from hetd.local.demo import stop_processes, worker_env
+from hetd.local.procs import spawn_worker, stop_processes, worker_env
 from hetd.server.daemon import Daemon
 from hetd.sim.results import PolicySpec, RunResult, Trace, staleness_stats, time_to_target
 from hetd.sim.scenario import Scenario
@@ -309,15 +310,14 @@ async def _run_on(
     procs: list[asyncio.subprocess.Process] = []
     try:
         for i in range(sc.n):
-            argv = [sys.executable, "-m", "workers.cli", url]
-            argv += _worker_args(sc, i, seed, shaped=net is not None)
             procs.append(
-                await asyncio.create_subprocess_exec(
-                    *(argv if net is None else net.command(i, argv)),
+                await spawn_worker(
+                    url,
+                    *_worker_args(sc, i, seed, shaped=net is not None),
                     env=env,
                     stdin=asyncio.subprocess.PIPE,
-                    stdout=asyncio.subprocess.DEVNULL,
                     stderr=asyncio.subprocess.PIPE,
+                    wrap=None if net is None else functools.partial(net.command, i),
                 )
             )
         # The clock starts once every worker has joined and pushed once (its jit is compiled),

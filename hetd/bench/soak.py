@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import json
 import secrets
-import sys
 import tempfile
 import time
 import urllib.request
@@ -28,6 +27,7 @@ from typing import Any
 
 from hetd.bench.system_limit import free_port
 from hetd.bench.system_peers import Job, PeerPool, Report, Shapes
+from hetd.local.procs import spawn_daemon, stop_processes, wait_ready, worker_env
 
 WARMUP_S = 60.0  # growth is measured from the first sample at or after this
 
@@ -81,8 +81,6 @@ def growth(samples: list[dict[str, Any]], warmup_s: float = WARMUP_S) -> float |
 
 async def run_soak(opts: SoakOptions) -> dict[str, Any]:
     """Run the soak; returns the document also written to ``opts.out``."""
-    from hetd.local.demo import stop_processes, worker_env  # imports JAX: only here
-
     port, admin_port = free_port(), free_port()
     worker_token, admin_token = secrets.token_hex(16), secrets.token_hex(16)
     config = (
@@ -93,8 +91,7 @@ async def run_soak(opts: SoakOptions) -> dict[str, Any]:
         '[policy]\nname = "asp"\nparams = {}\n'
     )
     shapes = _shapes(opts.hidden)
-    env = worker_env(worker_token)
-    env["HETD_ADMIN_TOKEN"] = admin_token
+    env = worker_env(worker_token, admin_token)
     admin = f"http://127.0.0.1:{admin_port}"
     samples: list[dict[str, Any]] = []
     reports: list[Report] = []
@@ -102,18 +99,16 @@ async def run_soak(opts: SoakOptions) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="hetd-soak-") as tmp:
         cfg = Path(tmp) / "hetd.toml"
         cfg.write_text(config)
-        daemon = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "hetd", "serve", "--config", str(cfg), env=env,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-        )  # fmt: skip
+        daemon = await spawn_daemon("--config", str(cfg), env=env)
+
+        async def answers() -> bool:
+            with contextlib.suppress(OSError, ValueError):
+                await asyncio.to_thread(_get, f"{admin}/v1/status", admin_token)
+                return True
+            return False
+
         try:
-            for _ in range(600):  # up to 60 s to listen
-                with contextlib.suppress(OSError, ValueError):
-                    await asyncio.to_thread(_get, f"{admin}/v1/status", admin_token)
-                    break
-                if daemon.returncode is not None:
-                    raise RuntimeError(f"the daemon exited with code {daemon.returncode}")
-                await asyncio.sleep(0.1)
+            await wait_ready(answers, daemon, timeout=60.0, interval=0.1)  # up to 60 s to listen
             jobs = [
                 Job(
                     "hetd",

@@ -15,7 +15,6 @@ import contextlib
 import json
 import secrets
 import socket
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -23,6 +22,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import WSMsgType, web
+
+from hetd.local.procs import spawn_daemon, spawn_worker, stop_processes, wait_ready, worker_env
 
 
 class BareServer:
@@ -99,61 +100,48 @@ async def measure_startup(
     Also reports when the daemon first answered ``/healthz`` (listening: imports, data, model
     done). Every process started here is stopped before returning.
     """
-    from hetd.local.demo import stop_processes, worker_env  # imports JAX: only here
-
     port = free_port()
     env = worker_env(secrets.token_hex(8))
     procs: list[asyncio.subprocess.Process] = []
+    listening: float | None = None  # s from t0 to the first answer, and to version 1
+    first: float | None = None
     t0 = time.monotonic()
+
+    async def first_update() -> bool:
+        nonlocal listening, first
+        version = await asyncio.to_thread(_version, port)
+        now = time.monotonic() - t0
+        if version is not None and listening is None:
+            listening = now
+        if version is not None and version >= 1:
+            first = now
+        return first is not None
+
     try:
-        procs.append(
-            await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "hetd",
-                "serve",
-                "--port",
-                str(port),
-                "--admin-port",
-                "-1",
-                *extra,
-                env=env,
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.DEVNULL,
-            )
-        )
+        procs.append(await spawn_daemon("--port", str(port), "--admin-port", "-1", *extra, env=env))
         for i in range(workers):
             procs.append(
-                await asyncio.create_subprocess_exec(
-                    sys.executable,
-                    "-m",
-                    "workers.cli",
+                await spawn_worker(
                     f"ws://127.0.0.1:{port}",
                     "--name",
                     f"startup-{i}",
                     "--max-retries",
                     "100",
                     env=env,
-                    stdout=asyncio.subprocess.DEVNULL,
-                    stderr=asyncio.subprocess.DEVNULL,
                 )
             )
-        listening: float | None = None
-        while time.monotonic() - t0 < timeout:
-            version = await asyncio.to_thread(_version, port)
-            now = time.monotonic() - t0
-            if version is not None and listening is None:
-                listening = now
-            if version is not None and version >= 1:
-                return {
-                    "workers": workers,
-                    "seconds_to_first_update": round(now, 3),
-                    "seconds_to_listening": None if listening is None else round(listening, 3),
-                }
-            if procs[0].returncode is not None:
-                raise RuntimeError(f"the daemon exited with code {procs[0].returncode}")
-            await asyncio.sleep(0.02)
-        raise TimeoutError(f"no update applied within {timeout:g} s of start-up")
+        await wait_ready(
+            first_update,
+            procs[0],
+            timeout=timeout - (time.monotonic() - t0),
+            interval=0.02,
+            late=f"no update applied within {timeout:g} s of start-up",
+        )
+        return {
+            "workers": workers,
+            "seconds_to_first_update": None if first is None else round(first, 3),
+            "seconds_to_listening": None if listening is None else round(listening, 3),
+        }
     finally:
         with contextlib.suppress(Exception):
             await stop_processes(procs)

@@ -11,10 +11,7 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import secrets
-import signal
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -25,6 +22,7 @@ from tqdm import tqdm
 
 from hetd import config as config_mod
 from hetd.core.evals import metrics_of
+from hetd.local.procs import spawn_worker, stop_processes, worker_env
 from hetd.server.daemon import Daemon
 from workers.imports import operator_flags
 
@@ -80,37 +78,6 @@ def reached_target(opts: DemoOptions, loss: float | None, acc: float | None) -> 
     return acc is not None and acc >= opts.target
 
 
-def worker_env(token: str) -> dict[str, str]:
-    """Environment for local worker processes: the token, one XLA thread, big-frame malloc."""
-    env = dict(os.environ)
-    env["HETD_WORKER_TOKEN"] = token
-    env.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
-    env.setdefault("MALLOC_MMAP_THRESHOLD_", "1073741824")
-    env.setdefault("MALLOC_TRIM_THRESHOLD_", "4294967296")
-    env.setdefault("JAX_PLATFORMS", "cpu")
-    return env
-
-
-async def spawn_worker(
-    url: str, token: str, name: str, slowdown: float, *extra: str
-) -> asyncio.subprocess.Process:
-    """Start one real ``hetd-worker`` process."""
-    return await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "workers.cli",
-        url,
-        "--name",
-        name,
-        "--emulate-slowdown",
-        str(slowdown),
-        *extra,
-        env=worker_env(token),
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-    )
-
-
 TAIL_LINES = 20
 
 
@@ -119,21 +86,6 @@ async def _drain(proc: asyncio.subprocess.Process, tail: deque[str]) -> None:
         return
     async for line in proc.stderr:
         tail.append(line.decode(errors="replace").rstrip())
-
-
-async def stop_processes(procs: list[asyncio.subprocess.Process], timeout: float = 5.0) -> None:
-    """SIGTERM, wait, then SIGKILL what is left."""
-    for p in procs:
-        if p.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            await asyncio.wait_for(p.wait(), timeout)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                p.kill()
-            await p.wait()
 
 
 def _record_versions(engine: Any, out: list[tuple[int, float]]) -> None:
@@ -208,12 +160,15 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     procs = [
         await spawn_worker(
             url,
-            token,
+            "--name",
             f"demo-{i}-x{s:g}",
-            s,
+            "--emulate-slowdown",
+            str(s),
             "--emulate-base-step",
             str(opts.base_step_s),
             *task_args,
+            env=worker_env(token),
+            stderr=asyncio.subprocess.PIPE,
         )
         for i, s in enumerate(opts.slowdowns)
     ]

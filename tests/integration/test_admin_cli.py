@@ -16,7 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from hetd.local.demo import stop_processes
+from hetd.local.procs import stop_processes
 from hetd.server import checkpoint
 from policies.registry import policy_names
 from tests.conftest import ADMIN_TOKEN, WORKER_TOKEN, Cluster

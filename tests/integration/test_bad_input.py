@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hetd.codecs import registry as codecs
-from hetd.local.demo import stop_processes
+from hetd.local.procs import stop_processes
 from hetd.protocol import wire
 from tests.conftest import SHARED_LOOP, Cluster
 from tests.conftest import WORKER_AUTH as AUTH

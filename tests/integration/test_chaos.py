@@ -14,15 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from hetd.bench.chaos import (
-    ChaosOptions,
-    drop_sockets,
-    hash_counts,
-    merge_baselines,
-    pre_fault_goodput,
-    run_chaos,
-    schedule,
-)
+from hetd.bench.chaos import ChaosOptions, run_chaos
+from hetd.bench.chaos.faults import drop_sockets, schedule
+from hetd.bench.chaos.score import hash_counts, merge_baselines, pre_fault_goodput
 from hetd.sim.results import PolicySpec
 
 pytestmark = pytest.mark.slow

@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from hetd.local.demo import stop_processes
+from hetd.local.procs import spawn_daemon, stop_processes
 from hetd.server import checkpoint
 from tests.conftest import ADMIN_TOKEN, WORKER_TOKEN, spawn_worker
 
@@ -100,16 +100,12 @@ keep = 2
         }
         log = tmp_path / f"serve{len(started)}.log"
         with open(log, "wb") as fh:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "hetd",
-                "-v",
-                "serve",
+            proc = await spawn_daemon(
                 "--config",
                 str(cfg),
                 "--state-dir",
                 str(state),
+                hetd_flags=("-v",),
                 env=env,
                 stdout=fh,
                 stderr=fh,

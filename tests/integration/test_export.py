@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hetd.local.demo import stop_processes
+from hetd.local.procs import stop_processes
 from tests.conftest import Cluster
 from tests.integration.test_admin import hetd_cli
 

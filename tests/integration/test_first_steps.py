@@ -40,17 +40,14 @@ async def worker(
 ) -> tuple[int, str]:
     """A real ``hetd-worker URL ARGS`` (token in HETD_WORKER_TOKEN; None: unset) that gives up
     after 2 failed reconnects; (exit status, stderr)."""
-    from hetd.local.demo import worker_env
+    from hetd.local.procs import spawn_worker, worker_env
 
     env = worker_env("")
     env.pop("HETD_WORKER_TOKEN")
     env.pop("PYTHONPATH", None)
     if token is not None:
         env["HETD_WORKER_TOKEN"] = token
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "workers.cli",
+    proc = await spawn_worker(
         url,
         "--max-retries",
         "2",
@@ -59,7 +56,6 @@ async def worker(
         *args,
         env=env,
         cwd=cwd,
-        stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
     )
     try:

@@ -10,7 +10,7 @@ import contextlib
 import aiohttp
 import pytest
 
-from hetd.local.demo import stop_processes
+from hetd.local.procs import stop_processes
 from hetd.protocol import wire
 from hetd.protocol.params import apply_params, hash_matches
 from hetd.server.daemon import Daemon

@@ -14,7 +14,7 @@ import msgpack
 import pytest
 from aiohttp import web
 
-from hetd.local.demo import stop_processes
+from hetd.local.procs import stop_processes
 
 pytestmark = pytest.mark.slow  # a real daemon on loopback (and real worker processes)
 

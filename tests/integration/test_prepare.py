@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from hetd import config as config_mod
-from hetd.local.demo import stop_processes
+from hetd.local.procs import stop_processes
 from hetd.server.daemon import Daemon
 from tests.conftest import WORKER_AUTH, make_config, start_worker
 

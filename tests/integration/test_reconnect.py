@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from hetd import config as config_mod
-from hetd.local.demo import stop_processes
+from hetd.local.procs import stop_processes
 from hetd.server.daemon import Daemon
 from tests.conftest import Cluster, make_config
 

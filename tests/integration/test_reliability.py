@@ -105,17 +105,15 @@ async def test_a_plug_in_factory_that_raises_exits_2_with_one_line(
 ) -> None:
     import asyncio
     import os
-    import sys
     from pathlib import Path
 
+    from hetd.local.procs import spawn_daemon
+
     root = Path(__file__).resolve().parents[2]
-    args = ["serve", "--port", "0", "--admin-port", "-1", "--dataset", "digits", option, spec]
+    args = ["--port", "0", "--admin-port", "-1", "--dataset", "digits", option, spec]
     env = {k: v for k, v in os.environ.items() if not k.startswith("HETD_")}
     env["HETD_WORKER_TOKEN"] = "worker-secret-for-tests"  # (none: start-up would stop on that)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "hetd",
+    proc = await spawn_daemon(
         *args,
         cwd=root,
         env={**env, "JAX_PLATFORMS": "cpu"},
@@ -223,7 +221,7 @@ async def test_a_hot_swap_is_all_or_nothing(cluster) -> None:  # type: ignore[no
     """ashl with 3 real workers (one departed) in SHL; refused swaps (an unknown name, bad
     parameters, a policy whose first decision raises) change nothing; a swap to asp puts every
     plan back to its defaults."""
-    from hetd.local.demo import stop_processes
+    from hetd.local.procs import stop_processes
     from policies import Plan
     from tests.conftest import ADMIN_TOKEN
     from tests.unit.test_swap import exploding  # registers test-explodes

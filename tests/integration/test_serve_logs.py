@@ -8,11 +8,11 @@ import json
 import os
 import signal
 import socket
-import sys
 import urllib.request
 
 import pytest
 
+from hetd.local.procs import spawn_daemon
 from tests.conftest import ADMIN_TOKEN, WORKER_TOKEN
 
 pytestmark = pytest.mark.slow
@@ -33,11 +33,7 @@ async def serve(*flags: str) -> tuple[asyncio.subprocess.Process, int]:
         HETD_ADMIN_TOKEN=ADMIN_TOKEN,
         JAX_PLATFORMS="cpu",
     )
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "hetd",
-        "serve",
+    proc = await spawn_daemon(
         "--host",
         "127.0.0.1",
         "--port",
@@ -48,7 +44,6 @@ async def serve(*flags: str) -> tuple[asyncio.subprocess.Process, int]:
         "digits",
         *flags,
         env=env,
-        stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
     )
     return proc, port

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hetd.local.demo import stop_processes
+from hetd.local.procs import stop_processes
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ import pytest
 
 from hetd.cli.admin_text import workers_text
 from hetd.codecs import registry as codecs
-from hetd.local.demo import stop_processes
+from hetd.local.procs import stop_processes
 from hetd.protocol import shm, wire
 from hetd.protocol.params import apply_params, hash_matches
 from hetd.server.daemon import Daemon

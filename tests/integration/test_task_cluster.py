@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from hetd.local.demo import stop_processes, worker_env
+from hetd.local.procs import spawn_daemon, spawn_worker, stop_processes, worker_env
 from tests.conftest import ADMIN_TOKEN, WORKER_TOKEN, Cluster
 from tests.integration.test_admin import hetd_cli
 
@@ -29,17 +28,8 @@ AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 async def _worker(url: str, spec: str | None, variant: str = "") -> asyncio.subprocess.Process:
     env = {**worker_env(WORKER_TOKEN), "HETD_TEST_TASK_VARIANT": variant}
     task = ["--task", spec] if spec else []
-    return await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "workers.cli",
-        url,
-        *task,
-        "--max-retries",
-        "3",
-        env=env,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
+    return await spawn_worker(
+        url, *task, "--max-retries", "3", env=env, stderr=asyncio.subprocess.PIPE
     )
 
 
@@ -165,11 +155,7 @@ async def test_nan_metrics_show_as_null_and_training_goes_on(cluster: Any) -> No
 
 async def _serve_refused(*args: str) -> str:
     """``hetd serve ARGS`` on free ports: it must exit 2 without a traceback; its stderr."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "hetd",
-        "serve",
+    proc = await spawn_daemon(
         *args,
         "--port",
         "0",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from hetd.local.demo import worker_env
+from hetd.local.procs import spawn_worker, worker_env
 from hetd.protocol import wire
 from hetd.protocol.plan import Plan
 from tests.conftest import WORKER_TOKEN
@@ -88,10 +87,7 @@ async def fake_daemon(setup: dict[str, Any]) -> AsyncIterator[str]:
 async def run_process(url: str, cwd: Path, *args: str) -> tuple[int, str]:
     """A real ``hetd-worker URL ARGS`` process in ``cwd`` (its modules importable, as ``python -m``
     makes them); (exit status, stderr)."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "workers.cli",
+    proc = await spawn_worker(
         url,
         "--max-retries",
         "1",
@@ -100,7 +96,6 @@ async def run_process(url: str, cwd: Path, *args: str) -> tuple[int, str]:
         *args,
         cwd=cwd,
         env=worker_env(WORKER_TOKEN),
-        stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
     )
     try:
