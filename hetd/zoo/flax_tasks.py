@@ -1,4 +1,6 @@
-"""Tasks from flax modules: :func:`from_nnx` for ``flax.nnx``, :func:`from_linen` for ``flax.linen``.
+"""A Task's functions from flax modules: :func:`nnx_parts` for ``flax.nnx``, :func:`linen_parts` for
+``flax.linen``; :meth:`Task.from_nnx <hetd.zoo.task.Task.from_nnx>` and
+:meth:`Task.from_linen <hetd.zoo.task.Task.from_linen>` build the Task from them.
 
 Both give the Task the module's trainable parameters as a plain nested dict (``nnx.Param``
 variables, linen's ``params`` collection), so the wire, checkpoints and ``hetd export`` carry the
@@ -21,7 +23,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from hetd.zoo.task import Task, TaskError
+from hetd.zoo.errors import TaskError
 
 _NORMS = "use a normalisation without running statistics (LayerNorm, GroupNorm, RMSNorm)"
 
@@ -36,15 +38,17 @@ def _takes_key(fn: Callable[..., Any]) -> bool:
     return len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in params)
 
 
-def from_nnx(model: Any, loss_fn: Callable[..., Any], train_data: Any, **kwargs: Any) -> Task:
-    """A Task that trains an ``nnx.Module``'s ``nnx.Param`` variables.
+def nnx_parts(
+    model: Any, loss_fn: Callable[..., Any]
+) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    """``(init, loss, eval_loss)`` of a Task that trains an ``nnx.Module``'s ``nnx.Param``
+    variables.
 
     ``model``: a module instance (its current parameters are the initial ones; ``init``'s key is
     not used) or a function ``rngs -> module`` (called with ``nnx.Rngs(key)``; built once at
     once for its structure). ``loss_fn(model, batch)`` or ``loss_fn(model, batch, key)`` returns
     the loss or ``(loss, metrics)``; the model is in ``train()`` mode for training and ``eval()``
-    mode (dropout off) for the daemon's evaluations. ``kwargs`` are
-    :class:`~hetd.zoo.task.Task`'s (``eval_data``, ``optimizer``, ``target``, ``name``, ...).
+    mode (dropout off) for the daemon's evaluations (``eval_loss``).
     """
     import jax
     from flax import nnx
@@ -105,14 +109,13 @@ def from_nnx(model: Any, loss_fn: Callable[..., Any], train_data: Any, **kwargs:
         m = live(params, False)
         return loss_fn(m, batch, key) if with_key else loss_fn(m, batch)
 
-    kwargs.setdefault("eval_loss", eval_loss)
-    return Task(init, loss, train_data, **kwargs)
+    return init, loss, eval_loss
 
 
-def from_linen(
-    module: Any, loss_fn: Callable[..., Any], train_data: Any, *, sample: Any, **kwargs: Any
-) -> Task:
-    """A Task that trains a ``flax.linen`` module's ``params`` collection.
+def linen_parts(
+    module: Any, loss_fn: Callable[..., Any], sample: Any
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``(init, loss)`` of a Task that trains a ``flax.linen`` module's ``params`` collection.
 
     ``sample``: an input like one batch's (what ``module.init(key, sample)`` takes).
     ``loss_fn(apply, batch)`` or ``loss_fn(apply, batch, key)``, where ``apply(*args, **kw)`` is
@@ -148,4 +151,4 @@ def from_linen(
 
         return loss_fn(apply, batch, key) if with_key else loss_fn(apply, batch)
 
-    return Task(init, loss, train_data, **kwargs)
+    return init, loss

@@ -27,6 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hetd.zoo.errors import TaskError as TaskError
+from hetd.zoo.errors import reason as reason
+from hetd.zoo.flax_tasks import linen_parts, nnx_parts
+
 if TYPE_CHECKING:  # JAX and optax load when a task is bound, not when hetd is imported
     import jax
     import optax
@@ -38,10 +42,6 @@ Batch = Any
 
 LossFn = Callable[[Any, Batch, "jax.Array"], Any]
 """(params, batch, key) -> loss, or (loss, {metric: scalar})."""
-
-
-class TaskError(ValueError):
-    """A task that cannot be loaded or used, in one line that names it and what is wrong."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,20 +213,20 @@ class Task:
     @staticmethod
     def from_nnx(model: Any, loss_fn: Callable[..., Any], train_data: Any, **kwargs: Any) -> Task:
         """A Task from a ``flax.nnx`` module (an instance, or ``rngs -> module``) and
-        ``loss_fn(model, batch[, key])``; see :func:`hetd.zoo.flax_tasks.from_nnx`."""
-        from hetd.zoo.flax_tasks import from_nnx
-
-        return from_nnx(model, loss_fn, train_data, **kwargs)
+        ``loss_fn(model, batch[, key])``; see :func:`hetd.zoo.flax_tasks.nnx_parts`. ``kwargs``
+        are the Task's own (``eval_data``, ``optimizer``, ``target``, ``name``, ...)."""
+        init, loss, eval_loss = nnx_parts(model, loss_fn)
+        kwargs.setdefault("eval_loss", eval_loss)
+        return Task(init, loss, train_data, **kwargs)
 
     @staticmethod
     def from_linen(
         module: Any, loss_fn: Callable[..., Any], train_data: Any, *, sample: Any, **kwargs: Any
     ) -> Task:
         """A Task from a ``flax.linen`` module, an example input ``sample`` for its ``init``, and
-        ``loss_fn(apply, batch[, key])``; see :func:`hetd.zoo.flax_tasks.from_linen`."""
-        from hetd.zoo.flax_tasks import from_linen
-
-        return from_linen(module, loss_fn, train_data, sample=sample, **kwargs)
+        ``loss_fn(apply, batch[, key])``; see :func:`hetd.zoo.flax_tasks.linen_parts`."""
+        init, loss = linen_parts(module, loss_fn, sample)
+        return Task(init, loss, train_data, **kwargs)
 
 
 def _import(module_part: str, spec: str) -> Any:
@@ -263,11 +263,6 @@ def _import(module_part: str, spec: str) -> Any:
         return importlib.import_module(module_part)
     except Exception as exc:
         raise TaskError(f"task {spec!r}: cannot import {module_part!r}: {reason(exc)}") from exc
-
-
-def reason(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 def load_task(spec: str) -> Task:

@@ -25,7 +25,7 @@ import math
 import numpy as np
 import numpy.typing as npt
 
-from hetd.zoo.data import Dataset
+from hetd.zoo.dataset import Dataset
 
 VOCAB = 256
 """Byte-level: every byte value is a token."""
