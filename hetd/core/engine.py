@@ -44,12 +44,13 @@ from hetd.core.members import PROFILE_KEYS, Members
 from hetd.core.peers import Clock, MonotonicClock, Peer
 from hetd.core.policy_host import PolicyHost
 from hetd.core.publish import OFF_LOOP_PARAMS, Publisher
+from hetd.core.queue import BATCH, CommandQueue
 from hetd.core.rates import Meters
 from hetd.core.replicas import Replicas
 from hetd.core.saved import EngineState, SavedWorker
 from hetd.core.store import Snapshot, Store
 from hetd.core.views import status, worker_rows
-from hetd.protocol.messages import Bye, JoinIn, ProfileRequest, PushIn
+from hetd.protocol.messages import Bye, JoinIn, PushIn
 from policies.types import ClusterView, Event, Join, Leave, Plan, Policy, Push, Tick, WorkerFacts
 
 __all__ = [
@@ -70,8 +71,6 @@ __all__ = [
 
 log = logging.getLogger("hetd.core.engine")
 
-BATCH = 64  # commands at most taken before one publish
-
 
 class Engine:
     """Routes commands to the parts, events to the policy and its decisions to the executor."""
@@ -89,8 +88,8 @@ class Engine:
         self.config = config
         self.clock: Clock = clock or MonotonicClock()
         self.started_at = now = self.clock.now()
-        self._queue: asyncio.Queue[tuple[float, cmd.Command]] = asyncio.Queue()
         self.meters = Meters()
+        self.queue = CommandQueue(self.meters)
         self.members = Members(config, self.clock, now)
         self.applier = Applier(store)
         self.publisher = Publisher(self.members, store, config, self.meters)
@@ -129,14 +128,12 @@ class Engine:
     # --- the single writer -----------------------------------------------------------------------
 
     def submit(self, command: cmd.Command) -> None:
-        """Queue a command for the engine task."""
-        self._queue.put_nowait((time.perf_counter(), command))
+        """Queue a command for the engine task (:meth:`CommandQueue.submit`)."""
+        self.queue.submit(command)
 
     async def call(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on the engine task and return its result (or raise its error)."""
-        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self.submit(cmd.Call(fn, done))
-        return await done
+        """Run ``fn`` on the engine task and return its result (:meth:`CommandQueue.call`)."""
+        return await self.queue.call(fn)
 
     def handle(self, command: cmd.Command) -> Any:
         """Carry out one command now (on the engine task, or synchronously in tests and the
@@ -174,15 +171,21 @@ class Engine:
         return None
 
     async def run(self) -> None:
-        """Process commands until cancelled; timer tasks feed ticks and evaluations."""
+        """Process commands until cancelled, publishing once after each batch; timer tasks feed
+        ticks and evaluations."""
         timers = [
-            asyncio.create_task(self._ticker()),
+            asyncio.create_task(self.queue.tick_every(self.config.tick_s)),
             asyncio.create_task(self.evaluations.timer(self.config.tick_s)),
         ]
         self.defer_publishing()
         try:
             while True:
-                await self._run_batch(await self._queue.get())
+                await self.queue.run_batch(self.handle)
+                if self._to_publish():
+                    start = time.perf_counter()
+                    await self.publisher.publish_off_loop()
+                    self._run_replicas()
+                    self.meters.publish_latency.add(time.perf_counter() - start)
         finally:
             self.publisher.deferred = self.store.combine = False
             self.evaluations.cancel()
@@ -190,34 +193,6 @@ class Engine:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-
-    async def _run_batch(self, first: tuple[float, cmd.Command]) -> None:
-        """Run ``first`` and whatever else is already queued (up to :data:`BATCH`), then publish
-        once: one snapshot and one encode serve every release of the batch."""
-        m, item, taken = self.meters, first, 0
-        while True:
-            queued_at, command = item
-            start = time.perf_counter()
-            m.wait.add(start - queued_at)
-            try:
-                self.handle(command)
-            except Exception:  # a bug in one command must not stop training
-                log.exception("engine command %s failed", type(command).__name__)
-            m.latency.add(time.perf_counter() - start)
-            taken += 1
-            if taken >= BATCH or self._queue.empty():
-                break
-            item = self._queue.get_nowait()
-        if self._to_publish():
-            start = time.perf_counter()
-            await self.publisher.publish_off_loop()
-            self._run_replicas()
-            m.publish_latency.add(time.perf_counter() - start)
-
-    async def _ticker(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.tick_s)
-            self.submit(cmd.Tick())
 
     def defer_publishing(self) -> None:
         """Publish as the daemon does, for a caller that runs commands in batches without
@@ -245,28 +220,18 @@ class Engine:
         codec = codecs.negotiate(list(hello.codecs), self.config.codec)  # raises before any change
         members, rid = self.members, hello.resume_id
         if rid in members.active and members.may_resume(rid, hello.resume_secret):
-            self._leave(rid, "resumed on a new connection", None, keep=True)
-        entry = members.admit(hello, peer, codec, self.executor.default_plan(codec, self.stage))
-        wid, cuts = entry.facts.worker, members.shard_for(entry)
-        peer.send(members.welcome(entry, hello.id))
-        members.send_cuts(cuts, but=wid)
-        if self.config.profile_steps > 0:
-            peer.send(ProfileRequest(self.config.profile_steps, self.config.batch_size))
-        log.info(
-            "worker %d (%s) joined on slot %d, codec %s", wid, hello.name, entry.stats.slot, codec
-        )
+            self.leave(rid, "resumed on a new connection", None, keep=True)
+        plan = self.executor.default_plan(codec, self.host.stage)
+        wid = members.join(hello, peer, codec, plan).facts.worker
         if on_id is not None:
             on_id(wid)
         self._dispatch(Join(self.clock.now(), wid))
         return wid
 
-    def leave(self, wid: int, reason: str, peer: Peer | None = None) -> None:
-        """A worker left; it leaves every barrier at once (its entry is kept as departed).
-        ``peer``: the session that ended; nothing happens when the worker is now on another one
-        (it resumed on a new connection first)."""
-        self._leave(wid, reason, peer)
-
-    def _leave(self, wid: int, reason: str, peer: Peer | None, keep: bool = False) -> None:
+    def leave(self, wid: int, reason: str, peer: Peer | None = None, keep: bool = False) -> None:
+        """A worker left; it leaves every barrier at once (its entry is kept as departed when
+        a push of it was answered, or ``keep`` says so). ``peer``: the session that ended;
+        nothing happens when the worker is now on another one (it resumed first)."""
         gone = self.members.remove(wid, reason, peer, keep)
         if gone is None:
             return

@@ -18,7 +18,7 @@ from typing import Any
 
 from hetd.core.entries import Column, EngineConfig, WorkerEntry, WorkerStats
 from hetd.core.peers import Clock, Peer
-from hetd.protocol.messages import JoinIn, PushIn, Reply, ShardUpdate, Welcome
+from hetd.protocol.messages import JoinIn, ProfileRequest, PushIn, Reply, ShardUpdate, Welcome
 from policies.types import Plan, WorkerFacts
 
 log = logging.getLogger("hetd.core.engine")  # one logger for the engine and its parts
@@ -153,6 +153,21 @@ class Members:
         entry.reshard = "reshard" in hello.features
         self.active[wid] = entry
         self.view_facts[wid] = facts
+        return entry
+
+    def join(self, hello: JoinIn, peer: Peer, codec: str, plan: Plan) -> WorkerEntry:
+        """Admit ``hello``'s worker (:meth:`admit`), give it its shard, welcome it, tell the others
+        of a new cut and ask it for a profile run when the engine profiles."""
+        entry = self.admit(hello, peer, codec, plan)
+        wid, cuts = entry.facts.worker, self.shard_for(entry)
+        peer.send(self.welcome(entry, hello.id))
+        self.send_cuts(cuts, but=wid)
+        cfg = self.config
+        if cfg.profile_steps > 0:
+            peer.send(ProfileRequest(cfg.profile_steps, cfg.batch_size))
+        log.info(
+            "worker %d (%s) joined on slot %d, codec %s", wid, hello.name, entry.stats.slot, codec
+        )
         return entry
 
     def welcome(self, entry: WorkerEntry, hello_id: int) -> Welcome:
