@@ -28,9 +28,9 @@ from typing import Any
 
 from policies import profiling as prof
 from policies.compose import release_waiting
+from policies.finish import Timing, quantized
 from policies.profiling import ProfilingConfig, WorkerTrack, freeze, is_int
 from policies.registry import register
-from policies.shares import Timing, quantized
 from policies.types import (
     Buffer,
     ClusterView,

@@ -23,7 +23,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from policies.shares import fluid_finish
+from policies.finish import fluid_finish
 
 RHO = 0.8  # the usable fraction of a worker's memory
 

@@ -18,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies import ClusterView, Policy, PolicyError, WorkerFacts, make_policy
-from policies.shares import BITS_CODECS, Timing, choose_bits, equal_finish, hps, lbbsp
+from policies.finish import Timing, equal_finish
+from policies.shares import BITS_CODECS, choose_bits, hps, lbbsp
 from policies.types import (
     Buffer,
     Decision,
@@ -213,7 +214,7 @@ def test_equal_finish_rejects_bad_models() -> None:
         equal_finish(10, [0.0], [1.0], [5], [4])
 
 
-# BUG (policies/shares.py, equal_finish, the clipping loop): every pass fixes the violators on
+# BUG (policies/finish.py, equal_finish, the clipping loop): every pass fixes the violators on
 # *both* sides at once, and fixed workers are never freed again. Fixing an upper violator at its cap
 # raises τ for the rest, so a worker that was below its floor at the old τ may be inside its bounds
 # at the new one — but it stays pinned at the floor, and the free workers finish later than it
