@@ -108,10 +108,9 @@ def _frame_cap(n: int) -> int:
 def make_daemon(shapes: Shapes, codec: str) -> Daemon:
     """A real daemon (ASP, SGD) for a synthetic model, workers on a free loopback port."""
     from hetd import config as config_mod
-    from hetd.core.engine import Engine, EngineConfig
-    from hetd.core.store import Store, make_optimizer
+    from hetd.core.assemble import EngineSpec, Optimizers, assemble
+    from hetd.core.entries import EngineConfig
     from hetd.server.daemon import Daemon
-    from policies import make_policy
 
     cap = wire.DEFAULT_MAX_FRAME  # the default: bigger messages go in chunks
     cfg = config_mod.replace(
@@ -131,17 +130,20 @@ def make_daemon(shapes: Shapes, codec: str) -> Daemon:
     )
     rng = np.random.default_rng(0)
     params = {p: rng.standard_normal(s, dtype=np.float32) * np.float32(0.01) for p, s in shapes}
-    store = Store(params, make_optimizer("sgd", 0.01))
-    welcome = {  # what a worker would build from; the no-compute senders ignore it
-        "model": {"spec": "synthetic", "kwargs": {"params": n_params(shapes)}},
-        "dataset": {"spec": "none", "kwargs": {}, "seed": 0},
-        "train": {"worker_lr": 0.0, "seed": 0},
-    }
-    econf = EngineConfig(
-        codec=codec, profile_steps=0, heartbeat_s=2.0, heartbeat_timeout_s=60.0, welcome=welcome
+    spec = EngineSpec(
+        params=params,
+        policy="asp",
+        optimizers=Optimizers("sgd", 0.01),
+        welcome={  # what a worker would build from; the no-compute senders ignore it
+            "model": {"spec": "synthetic", "kwargs": {"params": n_params(shapes)}},
+            "dataset": {"spec": "none", "kwargs": {}, "seed": 0},
+            "train": {"worker_lr": 0.0, "seed": 0},
+        },
+        settings=EngineConfig(
+            codec=codec, profile_steps=0, heartbeat_s=2.0, heartbeat_timeout_s=60.0
+        ),
     )
-    engine = Engine(store, make_policy("asp"), econf)
-    return Daemon(cfg, engine)
+    return Daemon(cfg, assemble(spec).engine())
 
 
 class Tally(NamedTuple):

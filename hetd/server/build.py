@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from hetd import config as config_mod
@@ -70,14 +70,10 @@ def make_task_evaluator(bound: Bound, check: bool = True) -> Callable[[Snapshot]
     return guarded
 
 
-def _engine_config(
-    cfg: config_mod.Config,
-    welcome: dict[str, Any],
-    outer_for: Callable[[str, Mapping[str, Any]], str],
-    recut: bool = False,
-) -> Any:
-    """The engine's settings from a config (the welcome and the outer optimizer's rule apart)."""
-    from hetd.core.engine import EngineConfig
+def _engine_settings(cfg: config_mod.Config, recut: bool = False) -> Any:
+    """The engine's settings from a config (its welcome and outer optimizer's rule come from the
+    engine's spec)."""
+    from hetd.core.entries import EngineConfig
 
     t = cfg.train
     return EngineConfig(
@@ -95,8 +91,6 @@ def _engine_config(
         guard_warmup=t.guard_warmup,
         profile_steps=t.profile_steps,
         shards=t.shards,
-        welcome=welcome,
-        outer_for=outer_for,
         recut_shards=recut,
     )
 
@@ -104,11 +98,9 @@ def _engine_config(
 def build_engine(cfg: config_mod.Config, clock: Clock | None = None) -> Engine:
     """Task, store, policy and engine from a config: ``[train] task`` (a user's
     :class:`hetd.Task`), or the bundled ``model`` on ``dataset`` as a task."""
-    from hetd.core.engine import Engine
-    from hetd.core.store import Store, make_optimizer, make_outer
+    from hetd.core.assemble import EngineSpec, Optimizers, assemble
     from hetd.zoo.bundled import ZooTask, zoo_task
     from hetd.zoo.task import Bound, TaskError, load_task
-    from policies import make_policy
 
     t = cfg.train
     setup = config_mod.worker_setup(cfg)
@@ -120,38 +112,12 @@ def build_engine(cfg: config_mod.Config, clock: Clock | None = None) -> Engine:
             f"task {bound.name!r}: policy dpmp cuts a model into pipeline stages, and a Task "
             "offers no stages; pick another policy (lbbsp balances batches the same way)"
         )
+    # delayed Nesterov's period ("auto" outer optimizer): the workers the batches describe
+    optimizers = Optimizers.of(t, workers=max(1, t.global_batch // max(1, t.batch_size)))
     params = bound.init_flat()
-    workers = max(1, t.global_batch // max(1, t.batch_size))
-    custom_outer = task.outer_optimizer is not None
-
-    def outer_for(name: str, policy_params: Mapping[str, Any]) -> str:
-        """The outer optimizer policy ``name`` runs with (outer_optimizer "auto": the policy's;
-        delayed Nesterov's period is the workers the configuration's batches describe, as
-        ``global_batch / batch_size``): at start, and for a policy swapped in later. A task's
-        own outer optimizer ("custom") stays across swaps."""
-        if custom_outer:
-            return "custom"
-        return config_mod.optimizers(
-            t.optimizer,
-            t.lr,
-            t.inner_optimizer,
-            t.worker_lr,
-            t.outer_optimizer,
-            name,
-            policy_params,
-            workers,
-        )[2]
-
-    daemon_opt = config_mod.optimizers(
-        t.optimizer, t.lr, t.inner_optimizer, t.worker_lr, t.outer_optimizer
-    )[0]
-    tx = bound.flat_optimizer(task.optimizer) if task.optimizer else make_optimizer(daemon_opt)
-    if task.outer_optimizer is not None:
-        store = Store(params, tx, outer=bound.flat_optimizer(task.outer_optimizer))
-    else:
-        outer_opt = outer_for(cfg.policy.name, cfg.policy.params)
-        store = Store(params, tx, outer=make_outer(outer_opt), outer_spec=outer_opt)
-    store.step_each = task.optimizer is not None  # its schedule counts applied updates
+    own, own_outer = task.optimizer, task.outer_optimizer
+    task_optimizer = None if own is None else bound.flat_optimizer(own)
+    task_outer = None if own_outer is None else bound.flat_optimizer(own_outer)
     evaluator = None
     if task.eval_data is not None:
         evaluator = make_task_evaluator(bound, check=not bundled)
@@ -164,11 +130,19 @@ def build_engine(cfg: config_mod.Config, clock: Clock | None = None) -> Engine:
             bound.name,
             bound.layout.size,
             len(bound.layout.shapes),
-            "the task's own" if task.optimizer is not None else daemon_opt,
+            "the task's own" if task.optimizer is not None else optimizers.specs()[0],
             "" if task.target is None else f", target {task.target}",
         )
-    policy = make_policy(cfg.policy.name, cfg.policy.params)
-    econf = _engine_config(cfg, setup, outer_for, recut=not bundled)
-    engine = Engine(store, policy, econf, clock=clock, evaluator=evaluator)
+    spec = EngineSpec(
+        params=params,
+        policy=cfg.policy.name,
+        policy_params=cfg.policy.params,
+        optimizers=optimizers,
+        task_optimizer=task_optimizer,
+        task_outer=task_outer,
+        welcome=setup,
+        settings=_engine_settings(cfg, recut=not bundled),
+    )
+    engine = assemble(spec).engine(clock=clock, evaluator=evaluator)
     engine.evaluations.target = task.target
     return engine

@@ -46,13 +46,13 @@ from typing import Any
 
 import jax
 
-from hetd import config as config_mod
 from hetd.config import TrainConfig
 from hetd.core import commands as cmd
+from hetd.core.assemble import EngineSpec, Optimizers, assemble, worker_setup
 from hetd.core.downlink import DELTA_S_PER_PARAM
 from hetd.core.engine import BATCH, Engine, EngineConfig
 from hetd.core.ingest import decode_hello, decode_push
-from hetd.core.store import Store, Tensors, make_optimizer, make_outer
+from hetd.core.store import Store, Tensors
 from hetd.protocol import wire
 from hetd.protocol.messages import PlanUpdate, ProfileRequest, Reply, Welcome
 from hetd.sim.agent import EmuWorker, InFlight
@@ -60,7 +60,6 @@ from hetd.sim.compute import StepWork, scenario_compute
 from hetd.sim.costs import CostProfile, load_costs
 from hetd.sim.results import PolicySpec, RunResult, Trace, staleness_stats, time_to_target
 from hetd.sim.scenario import Scenario
-from policies import make_policy
 
 # event kinds (events at the same virtual time run in the order they were scheduled)
 _DELIVER, _ARRIVE, _PROFILE, _PULL, _WAKE, _TICK, _EVAL, _DECODED, _FREE, _RECORD = range(10)
@@ -148,54 +147,54 @@ class _Sim:
         self.costs = costs
         data, model, self.compute = scenario_compute(sc, seed)
         init = model.init(jax.random.PRNGKey(seed), data.input_shape)
-        daemon_opt, inner_opt, outer_opt = config_mod.optimizers(
-            sc.optimizer,
-            lr,
-            sc.inner_optimizer,
-            sc.worker_lr,
-            sc.outer_optimizer,
-            policy.name,
-            policy.build_params(),
-            sc.n,
+        optimizers = Optimizers(
+            sc.optimizer, lr, sc.inner_optimizer, sc.worker_lr, sc.outer_optimizer, workers=sc.n
         )
-        store = _RecordingStore(init, make_optimizer(daemon_opt), outer=make_outer(outer_opt))
+        defaults = TrainConfig()  # what the daemon uses unless configured
+        spec = EngineSpec(
+            params=init,
+            policy=policy.name,
+            policy_params=policy.build_params(),
+            optimizers=optimizers,
+            welcome=worker_setup(
+                sc.model,
+                sc.dataset,
+                seed,
+                optimizers,
+                micro_batch=sc.micro_batch or sc.batch_per_worker,
+                model_kwargs=sc.model_kwargs,
+                dataset_kwargs=sc.dataset_kwargs,
+            ),
+            settings=EngineConfig(
+                global_batch=sc.global_batch,
+                batch_size=sc.batch_per_worker,
+                codec=sc.codec,
+                downlink=sc.downlink,
+                # A fixed delta cost, not the measured one: a run must not depend on this CPU's
+                # load.
+                delta_s_per_param=DELTA_S_PER_PARAM,
+                # Emulated workers verify nothing; frames as before keep the golden byte counts
+                # (a full frame is 22 bytes shorter than the daemon's).
+                param_hashes=False,
+                heartbeat_s=1e9,
+                heartbeat_timeout_s=math.inf,  # virtual time: a slow worker is never silent
+                tick_s=sc.tick_s,
+                eval_interval_s=sc.eval_interval_s,
+                max_staleness=defaults.max_staleness_drop,
+                profile_steps=defaults.profile_steps,  # every joiner is profiled, as by the daemon
+                shards=sc.n,  # fixed, so that shards do not depend on how many have joined so far
+            ),
+            store_type=_RecordingStore,
+        )
+        parts = assemble(spec)
+        store = parts.store
+        assert isinstance(store, _RecordingStore)  # the spec names it
         self.store = store
         self.n_params = store.n_params
         self.clock = VirtualClock()
-        defaults = TrainConfig()  # what the daemon uses unless configured
-        config = EngineConfig(
-            global_batch=sc.global_batch,
-            batch_size=sc.batch_per_worker,
-            codec=sc.codec,
-            downlink=sc.downlink,
-            # A fixed delta cost, not the measured one: a run must not depend on this CPU's load.
-            delta_s_per_param=DELTA_S_PER_PARAM,
-            # Emulated workers verify nothing; frames as before keep the golden byte counts
-            # (a full frame is 22 bytes shorter than the daemon's).
-            param_hashes=False,
-            heartbeat_s=1e9,
-            heartbeat_timeout_s=math.inf,  # virtual time: a slow worker is never silent
-            tick_s=sc.tick_s,
-            eval_interval_s=sc.eval_interval_s,
-            max_staleness=defaults.max_staleness_drop,
-            profile_steps=defaults.profile_steps,  # every joiner is profiled, as by the daemon
-            shards=sc.n,  # fixed, so that shards do not depend on how many have joined so far
-            welcome={
-                "model": {"spec": sc.model, "kwargs": dict(sc.model_kwargs)},
-                "dataset": {"spec": sc.dataset, "kwargs": dict(sc.dataset_kwargs), "seed": seed},
-                "train": {
-                    "worker_lr": sc.worker_lr or lr,
-                    "seed": seed,
-                    "inner_optimizer": inner_opt,
-                    "micro_batch": sc.micro_batch or sc.batch_per_worker,
-                },
-            },
-        )
         # No evaluator: the loop evaluates at exact virtual times k × interval and hands the result
         # to engine.record_eval (the engine's own due-check compares differences of floats).
-        self.engine = Engine(
-            store, make_policy(policy.name, policy.build_params()), config, clock=self.clock
-        )
+        self.engine = parts.engine(clock=self.clock)
         # as under the daemon: a batch's releases are published once, after the batch, and its
         # updates go through one optimizer step of their weighted sum (Store.combine)
         self.engine.defer_publishing()
