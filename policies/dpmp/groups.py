@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from policies.dpmp.costs import (
     Block,
@@ -183,6 +183,7 @@ class GroupConfig:
 class GroupState:
     current: Groups | None = None
     changed_at: int | None = None  # round of the last change
+    pool: frozenset[int] = frozenset()  # the workers the current structure was chosen among
 
 
 def decide(
@@ -194,24 +195,28 @@ def decide(
     cfg: GroupConfig = GroupConfig(),
 ) -> tuple[Structure, GroupState, str]:
     """This round's structure, the new state and why: ``"start"``, ``"forced"`` (a member of the
-    current structure is gone or it no longer fits), ``"regroup"`` (the gain clears the
-    hysteresis), or ``"keep"``. Raises ValueError when no structure is feasible."""
+    current structure is gone or it no longer fits), ``"joined"`` (a worker came that the current
+    structure was not chosen among: the hysteresis holds a structure against small gains, not
+    against a worker it never saw), ``"regroup"`` (the gain clears the hysteresis), or
+    ``"keep"``. Raises ValueError when no structure is feasible."""
     cands = candidates(blocks, workers, total)
     if not cands:
         raise ValueError("no feasible structure: no worker or group can hold the model")
     best = cands[0]
+    present = frozenset(workers)
     if state.current is None:
-        return best, GroupState(best.groups, round_), "start"
-    present = set(workers)
+        return best, GroupState(best.groups, round_, present), "start"
     current = None
     if all(w in present for g in state.current for w in g):
         current = evaluate(blocks, workers, total, state.current)
     if current is None:
-        return best, GroupState(best.groups, round_), "forced"
+        return best, GroupState(best.groups, round_, present), "forced"
+    if present - state.pool:
+        return best, GroupState(best.groups, round_, present), "joined"
     if best.groups == current.groups:
-        return current, state, "keep"
+        return current, replace(state, pool=present), "keep"
     waited = state.changed_at is None or round_ - state.changed_at >= cfg.period
     gain = best.tau + cfg.switch_s / max(1, cfg.horizon) <= cfg.keep * current.tau
     if waited and gain:
-        return best, GroupState(best.groups, round_), "regroup"
-    return current, state, "keep"
+        return best, GroupState(best.groups, round_, present), "regroup"
+    return current, replace(state, pool=present), "keep"

@@ -117,6 +117,13 @@ def worker_specs(view: ClusterView, price: float) -> dict[int, WorkerSpec]:
     return specs
 
 
+def whole_model_bytes(view: ClusterView) -> float:
+    """A model that is not block-structured, as the planner's one block: as big as the largest
+    push measured (0 before any: its memory and its transfers are then not weighed)."""
+    sizes = [f.push_bytes for f in view.workers.values() if f.push_bytes]
+    return max(sizes, default=0.0)
+
+
 def _dp_round(view: ClusterView) -> tuple[list[int], dict[int, int]]:
     """Every worker in the view data parallel with an equal share (no plan possible)."""
     working = sorted(view.workers)
@@ -154,17 +161,18 @@ def dpmp(
         """Start a round: structure, shares, releases."""
         ctl = st.ctl
         blocks = [Block(f"b{j:02d}", p, a, fl) for j, (p, a, fl) in enumerate(view.blocks)]
+        whole = not blocks  # a model that cannot be cut: one block, data parallel only
+        if whole:
+            blocks = [Block("model", whole_model_bytes(view), 0.0, 1.0)]
         shapes: list[ReplicaShape] = []
         specs: Sequence[ReplicaSpec] = ()
         try:
-            if not blocks:
-                raise ValueError("the model is not block-structured")
             planned, ctl = plan_round(
                 blocks, worker_specs(view, price), view.global_batch, ctl, cfg
             )
             specs, tau, reason = planned.replicas, planned.tau, planned.reason
         except ValueError as exc:
-            if blocks:  # nobody here can train the model: wait for workers that can
+            if not whole:  # nobody here can train the model: wait for workers that can
                 wait = f"waiting: {exc}"
                 return [], replace(st, ctl=ctl, working=(), started=None, reason=wait)
             tau, reason = 0.0, f"data parallel: {exc}"

@@ -76,15 +76,27 @@ def test_nobody_able_to_hold_the_model_is_an_error() -> None:
 
 def test_hysteresis_waits_r_rounds_and_needs_the_gain() -> None:
     cfg = GroupConfig(period=50, keep=0.75, switch_s=1.0, horizon=50)
-    dp_d = GroupState(current=((0,), (1,)), changed_at=0)
+    dp_d = GroupState(current=((0,), (1,)), changed_at=0, pool=frozenset(D))
     s, st, why = decide(BLOCKS, D, 512, dp_d, 10, cfg)
     assert why == "keep" and s.groups == ((0,), (1,)) and st == dp_d
     s, st, why = decide(BLOCKS, D, 512, dp_d, 50, cfg)  # gain 2.2x after R rounds
     assert why == "regroup" and len(s.groups) == 4 and st.changed_at == 50
     # B's pairing gains only 1.2x < 1/0.75: DP-only stays however long it waits
-    dp_b = GroupState(current=((0,), (1,), (2,)), changed_at=0)
+    dp_b = GroupState(current=((0,), (1,), (2,)), changed_at=0, pool=frozenset(B))
     assert decide(BLOCKS, B, 512, dp_b, 500, cfg)[2] == "keep"
     assert decide(BLOCKS, B, 512, dp_b, 500, GroupConfig(keep=0.95))[2] == "regroup"
+
+
+def test_a_worker_that_joins_is_planned_at_once_whatever_the_hysteresis() -> None:
+    """A structure chosen before a worker came never weighed it: the hysteresis (R rounds, the
+    gain) holds a structure against small gains, not against a worker it never saw."""
+    cfg = GroupConfig(period=50, keep=0.75)
+    first = {0: D[0]}
+    s, st, why = decide(BLOCKS, first, 512, GroupState(), 0, cfg)
+    assert why == "start" and s.groups == ((0,),)
+    s, st, why = decide(BLOCKS, D, 512, st, 1, cfg)
+    assert why == "joined" and set(D) <= {w for g in s.groups for w in g}
+    assert decide(BLOCKS, D, 512, st, 2, cfg)[2] == "keep"
 
 
 def test_a_lost_member_forces_a_regroup_at_once() -> None:

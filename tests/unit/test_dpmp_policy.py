@@ -171,3 +171,35 @@ def test_a_replica_its_driver_gave_up_on_neither_stalls_the_round_nor_runs_as_dp
     assert {w: len(peers[w].frames) for w in members} == sent  # nobody ran as data parallel
     assert engine.replicas == {members[0]: members}  # the next round formed it again
     assert set(engine.policy_state.working) == {members[0], other}
+
+
+def test_on_a_model_that_is_not_block_structured_shares_follow_measured_speed() -> None:
+    """Every worker fits such a model, so dpmp plans data parallelism over them all, with the
+    global batch shared so that they finish together (as lbbsp's shares), not split equally."""
+    shapes = {"dense0/kernel": (64, 64), "dense0/bias": (64,), "dense1/kernel": (64, 10)}
+    params = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
+    clock = FakeClock()
+    config = EngineConfig(batch_size=32, global_batch=256, profile_steps=0)
+    engine = Engine(Store(params, optax.sgd(0.1)), make_policy("dpmp"), config, clock)
+    assert engine.pipelines.blocks == ()
+    sample_s = {"fast": 1e-4, "mid": 2e-4, "slow": 4e-4}  # seconds per sample
+    ids = {}
+    for name in sample_s:
+        hello = wire.encode("hello", 1, name=name, device={}, codecs=["none"], features=[])
+        ids[name] = engine.join(decode_hello(wire.decode(hello)), FakePeer())
+    pid = 0
+    for _ in range(4):  # rounds: every worker pushes its share once
+        for name, wid in ids.items():
+            pid += 1
+            clock.t += 0.01
+            b = engine.plans[wid].batch_size
+            grads = {k: np.full(s, 1e-3, np.float32) for k, s in shapes.items()}
+            base = engine.store.version
+            engine.push(
+                PushIn(wid, pid, base, "grad", grads, b, 1, b * sample_s[name], None, None, 1)
+            )
+    batch = {name: engine.plans[wid].batch_size for name, wid in ids.items()}
+    assert sum(batch.values()) == 256
+    assert batch["fast"] > batch["mid"] > batch["slow"], batch
+    finish = [batch[n] * sample_s[n] for n in batch]
+    assert max(finish) / min(finish) < 1.3, batch  # they finish (about) together
