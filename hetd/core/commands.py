@@ -13,8 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hetd.core.peers import Peer
-from hetd.core.store import FrameSink
+from hetd.core.peers import FrameSink, Peer
 from hetd.protocol.messages import JoinIn, PushIn
 
 __all__ = [

@@ -1,14 +1,17 @@
 """What the engine is given to talk to the world: a :class:`Clock` to read the time from (the
-daemon's wall clock, the simulator's virtual one) and one :class:`Peer` per session, its outbox."""
+daemon's wall clock, the simulator's virtual one), one :class:`Peer` per session, its outbox, and
+the :class:`FrameSink` a same-host session's frames are packed into."""
 
 from __future__ import annotations
 
 import time
 from typing import Protocol
 
+import numpy as np
+
 from hetd.protocol.messages import Reply
 
-__all__ = ["Clock", "MonotonicClock", "Peer"]
+__all__ = ["Clock", "FrameSink", "MonotonicClock", "Peer"]
 
 
 class Clock(Protocol):
@@ -39,3 +42,14 @@ class Peer(Protocol):
     def close(self, reason: str) -> None:
         """End the session after what is queued."""
         ...
+
+
+class FrameSink(Protocol):
+    """Where the store packs a snapshot's frame instead of fresh memory (the daemon's same-host
+    shared-memory ring, :class:`hetd.server.shm_hub.ShmHub`)."""
+
+    def reserve(self, nbytes: int) -> np.ndarray | None:
+        """A writable ``uint8`` buffer of at least ``nbytes`` (None: pack a fresh frame)."""
+
+    def commit(self, buf: np.ndarray, frame: memoryview, version: int) -> None:
+        """``frame``, packed into ``buf``, is complete."""

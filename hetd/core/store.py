@@ -27,13 +27,14 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Mapping
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from hetd.core.peers import FrameSink
 from hetd.protocol.params import full_frame, full_frame_into, param_hash, with_hash
 from hetd.zoo.optim import make_optimizer, parse_optimizer
 
@@ -133,17 +134,6 @@ def _delta_steps(outer: optax.GradientTransformation | None) -> tuple[_Step, _St
         jax.jit(delta_step, donate_argnums=(0, 1)),
         jax.jit(delta_step_q, donate_argnums=(0, 1)),
     )
-
-
-class FrameSink(Protocol):
-    """Where the store packs a snapshot's frame instead of fresh memory (the daemon's same-host
-    shared-memory ring, :class:`hetd.server.shm_hub.ShmHub`)."""
-
-    def reserve(self, nbytes: int) -> np.ndarray | None:
-        """A writable ``uint8`` buffer of at least ``nbytes`` (None: pack a fresh frame)."""
-
-    def commit(self, buf: np.ndarray, frame: memoryview, version: int) -> None:
-        """``frame``, packed into ``buf``, is complete."""
 
 
 class Snapshot:

@@ -45,7 +45,7 @@ class _Lease:
 class ShmHub:
     """The downlink ring and the frames written into it (each once).
 
-    It is also the store's frame sink (:class:`hetd.core.store.FrameSink`): once a same-host
+    It is also the store's frame sink (:class:`hetd.core.peers.FrameSink`): once a same-host
     worker took the ring, the store packs each snapshot's frame straight into a free slot
     (:meth:`reserve`, :meth:`commit`) instead of into fresh memory, so publishing a version to
     every same-host worker costs one copy of the parameters and no page faults. That slot stays
