@@ -20,7 +20,8 @@ import jax
 from hetd.codecs import registry as codecs
 from hetd.protocol import wire
 from hetd.protocol.endpoints import ADMIN_ENDPOINT, ADMIN_REALM, ENDPOINT_HEADER
-from hetd.protocol.messages import EMULATED_LINK
+from hetd.protocol.frames import ProfileResult
+from hetd.protocol.messages import EMULATED_LINK, Bye
 from hetd.protocol.plan import local_steps_for
 from workers.dial import plain_port_message, tls_port_message
 from workers.inbox import Inbox
@@ -154,7 +155,7 @@ async def _session(
             raise  # retried: the worker comes back
         except Exception as exc:  # the worker leaves for good: the daemon logs why
             with contextlib.suppress(Exception):
-                await ws.send_bytes(wire.encode("bye", 0, reason=leaving_reason(exc)))
+                await ws.send_bytes(Bye(leaving_reason(exc)).encode())
             raise
 
 
@@ -228,7 +229,7 @@ async def _converse(
                 result = await profile(msg, spec, opts, state)
                 rtt = await link_rtt(ws, inbox, state.rtt_s)
                 result = link_profile(result, rtt, opts.emulation, state)
-                await ws.send_bytes(wire.encode("profile_result", 0, result=result))
+                await ws.send_bytes(ProfileResult(result).encode())
             start = time.perf_counter()
             frame = await compute(msg, opts, state, idle_s=start - idle_from)
             steps = local_steps_for(plan, state.local_step_s)
@@ -247,7 +248,7 @@ async def _converse(
                 await sending
         if sending is not None:
             await sending
-        await ws.send_bytes(wire.encode("bye", 0, reason="max steps reached"))
+        await ws.send_bytes(Bye("max steps reached").encode())
     finally:
         for task in (beat, reader):
             if task is not None:

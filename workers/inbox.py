@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
+from hetd.protocol.messages import ProfileRequest
 from hetd.protocol.params import Held
 from workers.shm import ShmLink
 from workers.state import FatalError
@@ -21,7 +21,7 @@ class Inbox:
         self.changed = asyncio.Event()
         self.joined = asyncio.Event()  # the welcome arrived: heartbeats start
         self.welcomed = asyncio.Event()  # ... and the trainer is built
-        self.profile: dict[str, Any] | None = None  # a pending ``profile`` request
+        self.profile: ProfileRequest | None = None  # a pending ``profile`` request
         self.closed: BaseException | None = None
         self.pushes: set[int] = set()  # request ids of pushes the daemon has not answered
         self.resent: set[int] = set()  # ... of earlier sessions' pushes sent again (not in flight)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
-from typing import Any
 
 import aiohttp
 
 from hetd.codecs import registry as codecs
+from hetd.protocol.messages import ProfileRequest
 from hetd.protocol.params import Held
 from hetd.protocol.plan import Plan, codec_for
 from hetd.zoo.task import TaskError
@@ -19,15 +19,15 @@ from workers.state import FatalError, WorkerOptions, WorkerState
 
 
 async def profile(
-    msg: Held, spec: Mapping[str, Any], opts: WorkerOptions, state: WorkerState
+    msg: Held, asked: ProfileRequest, opts: WorkerOptions, state: WorkerState
 ) -> dict[str, float]:
     """The daemon's profile request: time a few steps, one encode, and the link (emulated)."""
     if state.trainer is None:
         raise ConnectionError("profile before welcome")
     trainer = state.trainer
     params = msg.tensors
-    steps = max(1, min(20, int(spec.get("steps", 3))))
-    plan = Plan(batch_size=int(spec.get("batch_size", 32)), local_steps=1)
+    steps = max(1, min(20, asked.steps or 3))  # (0: the daemon named none)
+    plan = Plan(batch_size=asked.batch_size or 32, local_steps=1)
     per_sample = []
     update = None
     for _ in range(steps):

@@ -15,6 +15,7 @@ import numpy as np
 from hetd.codecs import registry as codecs
 from hetd.codecs.feedback import encode_with_feedback
 from hetd.protocol import wire
+from hetd.protocol.frames import Heartbeat, Push, decode
 from hetd.protocol.params import Held
 from hetd.protocol.plan import codec_for, local_steps_for
 from hetd.zoo.task import TaskError
@@ -57,8 +58,7 @@ async def compute(msg: Held, opts: WorkerOptions, state: WorkerState, idle_s: fl
         first = next(iter(update.tensors))
         bad = np.full(update.tensors[first].shape, np.nan, np.float32)
         tensors[first] = codecs.get_codec("none").encode(bad, None)
-    return wire.pack_parts(
-        "push",
+    push = Push(
         state.push_id,
         base=msg.version,
         kind=update.kind,
@@ -71,6 +71,7 @@ async def compute(msg: Held, opts: WorkerOptions, state: WorkerState, idle_s: fl
         sent_at=time.time(),
         idle_s=idle_s,
     )
+    return wire.pack_parts(push.type, push.id, **push.fields())
 
 
 def frame_size(frame: Frame) -> int:
@@ -87,9 +88,10 @@ def restamped(frame: Frame) -> bytes:
     """A kept push frame to send again: the same request id and update, without the ``sent_at``
     stamp (the daemon would take the time since the first send for the link's)."""
     data = joined(frame)
-    msg = wire.decode(data, max_size=len(data))
-    fields = {k: v for k, v in msg.body.items() if k != "sent_at"}
-    return wire.encode("push", msg.id, **fields)
+    push = decode(data, max_size=len(data))
+    if not isinstance(push, Push):
+        raise TypeError(f"a kept push frame holds a {push.type} message")
+    return dataclasses.replace(push, sent_at=None).encode()
 
 
 async def send(
@@ -112,7 +114,7 @@ async def send(
 
 
 async def heartbeats(ws: aiohttp.ClientWebSocketResponse, every_s: float) -> None:
-    frame = wire.encode("heartbeat", 0)
+    frame = Heartbeat().encode()
     while not ws.closed:
         await asyncio.sleep(every_s)
         with contextlib.suppress(ConnectionError, RuntimeError):

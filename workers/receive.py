@@ -13,6 +13,18 @@ import aiohttp
 import jax
 
 from hetd.protocol import shm, wire
+from hetd.protocol.frames import (
+    Abort,
+    Act,
+    Chunk,
+    Params,
+    ParamsRef,
+    Pull,
+    ShmOffer,
+    StageOrder,
+    StepOrder,
+    decode,
+)
 from hetd.protocol.messages import (
     Ack,
     ErrorReply,
@@ -20,7 +32,6 @@ from hetd.protocol.messages import (
     ProfileRequest,
     ShardUpdate,
     Welcome,
-    read_reply,
 )
 from hetd.protocol.params import apply_params, hash_matches
 from hetd.zoo.task import Bound, TaskError
@@ -30,7 +41,7 @@ from workers.loop import Core, TaskMismatch, Trainer
 from workers.prepare import prepared
 from workers.push import send
 from workers.shm import ShmLink
-from workers.stage import PIPELINE_TYPES, StageHost, handle, new_params
+from workers.stage import StageHost, handle, new_params
 from workers.state import HELLO_ID, MAX_REFUSED, FatalError, WorkerOptions, WorkerState
 
 log = logging.getLogger("hetd.worker")
@@ -58,30 +69,32 @@ async def read(
                 break
             data: bytes = frame.data
             size = len(data)
-            msg = wire.decode(data, opts.max_frame_bytes)
-            if msg.type == "chunk":
-                whole = parts.feed(msg)
+            msg = decode(data, opts.max_frame_bytes)
+            if isinstance(msg, Chunk):
+                whole = parts.feed(msg.message())
                 if whole is None:
                     continue
                 data, size = whole, len(whole)
-                msg = await asyncio.to_thread(wire.decode, data, parts.max_bytes)
-            if msg.type == "params_ref":  # a params frame in the daemon's shared memory
+                msg = await asyncio.to_thread(decode, data, parts.max_bytes)
+            if isinstance(msg, ParamsRef):  # a params frame in the daemon's shared memory
+                ref = msg
                 try:
                     if inbox.shm is None:
                         raise shm.ShmError("unexpected", "params_ref without shared memory")
-                    size, msg = await asyncio.to_thread(inbox.shm.read_params, msg)
+                    size, msg = await asyncio.to_thread(inbox.shm.read_params, ref)
                 except (shm.ShmError, wire.ProtocolError) as exc:
-                    log.info("params_ref %d not read (%s): pulling again", msg["version"], exc)
-                    await ws.send_bytes(wire.encode("pull", 0, have=None))
+                    log.info("params_ref %d not read (%s): pulling again", ref.version, exc)
+                    await ws.send_bytes(Pull(None).encode())
                     continue
-            if msg.type == "shm_offer" and opts.shm and inbox.shm is None:
-                accepted = await asyncio.to_thread(ShmLink.accept, msg["segment"])  # maps it all
-                if accepted is not None:
-                    inbox.shm, ready = accepted
-                    await ws.send_bytes(ready)
-            elif msg.type == "welcome":
+            if isinstance(msg, ShmOffer):
+                if opts.shm and inbox.shm is None:
+                    accepted = await asyncio.to_thread(ShmLink.accept, msg.segment)  # maps it all
+                    if accepted is not None:
+                        inbox.shm, ready = accepted
+                        await ws.send_bytes(ready)
+            elif isinstance(msg, Welcome):
                 state.rtt_s = time.perf_counter() - hello_at
-                state.heartbeat_s = float(msg["heartbeat_s"])
+                state.heartbeat_s = msg.heartbeat_s
                 inbox.joined.set()
                 core = await prepared(state.preparing)
                 state.preparing = None
@@ -92,29 +105,29 @@ async def read(
                 except (TaskMismatch, TaskError, ImportRefused) as exc:  # retrying will not help
                     raise FatalError(str(exc)) from None
                 inbox.welcomed.set()
-            elif isinstance(reply := read_reply(msg), ProfileRequest):
-                inbox.profile = reply.spec()
-            elif isinstance(reply, PlanUpdate):  # the whole plan, every time
-                if state.plan.pipeline and not reply.plan.pipeline:
+            elif isinstance(msg, ProfileRequest):
+                inbox.profile = msg
+            elif isinstance(msg, PlanUpdate):  # the whole plan, every time
+                if state.plan.pipeline and not msg.plan.pipeline:
                     inbox.unpipeline()
-                state.plan = reply.plan
-            elif isinstance(reply, ShardUpdate):  # the data was cut again (a worker came or went)
+                state.plan = msg.plan
+            elif isinstance(msg, ShardUpdate):  # the data was cut again (a worker came or went)
                 if state.trainer is not None:
-                    state.trainer.reshard(reply.index, reply.count)
-                    log.info("now reading shard %d of %d", reply.index, reply.count)
-            elif msg.type == "params":
+                    state.trainer.reshard(msg.index, msg.count)
+                    log.info("now reading shard %d of %d", msg.index, msg.count)
+            elif isinstance(msg, Params):
                 delay = opts.emulation.transfer_seconds(size)
                 if delay:  # the emulated link carries parameters too, as the simulator charges
                     await asyncio.sleep(delay)
                 held = await asyncio.to_thread(apply_params, inbox.params, msg)
-                if held is not None and msg["full"] and msg.get("hash") is not None:
+                if held is not None and msg.full and msg.hash is not None:
                     if not await asyncio.to_thread(hash_matches, held, msg):
                         # Never train on parameters known to be wrong: ask for all of them again.
                         state.hash_mismatches += 1
                         log.warning(
                             "params hash mismatch: version %d is not what the daemon published "
                             "(hash_mismatches=%d); pulling again",
-                            msg["version"],
+                            msg.version,
                             state.hash_mismatches,
                         )
                         held = None
@@ -123,16 +136,16 @@ async def read(
                         state.hash_checked = True
                         log.info(
                             "params hash verified: version %d (hash_mismatches=%d)",
-                            msg["version"],
+                            msg.version,
                             state.hash_mismatches,
                         )
                 if held is None:  # a delta against parameters we do not hold: ask for all
-                    await ws.send_bytes(wire.encode("pull", 0, have=None))
+                    await ws.send_bytes(Pull(None).encode())
                 else:
                     inbox.deliver(held)
                     if state.stage_host is not None:
                         await new_params(state.stage_host, held, partial(send, ws, opts=opts))
-            elif msg.type in PIPELINE_TYPES:
+            elif isinstance(msg, StageOrder | StepOrder | Abort | Act):
                 dataset = state.trainer.data if state.trainer is not None else None
                 if state.stage_host is None and dataset is not None:
                     state.stage_host = StageHost(state.model_setup, dataset, state.next_push_id)
@@ -143,22 +156,22 @@ async def read(
                     if state.stage_host.assignment is None:  # dissolved (or never assigned)
                         if was_staged:  # a stage holds its blocks' slice: pull the whole set
                             inbox.params = None
-                            await ws.send_bytes(wire.encode("pull", 0, have=None))
+                            await ws.send_bytes(Pull(None).encode())
                         inbox.staged = False
                         inbox.in_flight = 0
                         inbox.changed.set()
-            elif isinstance(reply, Ack):
-                state.unacked.pop(reply.id, None)
-                inbox.answered(reply.id, reply.status)
-                if reply.status in ("dropped", "duplicate"):
-                    log.info("push %d %s: %s", reply.id, reply.status, reply.reason)
-            elif isinstance(reply, ErrorReply):
-                log.warning("daemon error %s: %s", reply.code, reply.text)
-                if reply.code == "no_codec":
-                    raise FatalError(reply.text)
+            elif isinstance(msg, Ack):
+                state.unacked.pop(msg.id, None)
+                inbox.answered(msg.id, msg.status)
+                if msg.status in ("dropped", "duplicate"):
+                    log.info("push %d %s: %s", msg.id, msg.status, msg.reason)
+            elif isinstance(msg, ErrorReply):
+                log.warning("daemon error %s: %s", msg.code, msg.text)
+                if msg.code == "no_codec":
+                    raise FatalError(msg.text)
                 if (
-                    reply.code == "malformed"
-                    and reply.id == HELLO_ID
+                    msg.code == "malformed"
+                    and msg.id == HELLO_ID
                     and not state.plain_hello
                     and not inbox.joined.is_set()
                 ):
@@ -166,12 +179,12 @@ async def read(
                     # (the one optional field of a hello it could not know). Once without them.
                     state.plain_hello = True
                     raise ConnectionError("the daemon takes no hello features; saying hello again")
-                state.unacked.pop(reply.id, None)  # a refused push is not sent again
-                if inbox.refused(reply.id) and inbox.rejected_in_a_row >= MAX_REFUSED:
+                state.unacked.pop(msg.id, None)  # a refused push is not sent again
+                if inbox.refused(msg.id) and inbox.rejected_in_a_row >= MAX_REFUSED:
                     # Leaving frees every barrier this worker holds; the operator sees why.
                     raise FatalError(
                         f"the daemon refused {MAX_REFUSED} pushes in a row; last: "
-                        f"{reply.code}: {reply.text}"
+                        f"{msg.code}: {msg.text}"
                     )
         raise ConnectionError(f"daemon closed the connection (code {ws.close_code})")
     except BaseException as exc:
@@ -181,7 +194,7 @@ async def read(
 
 
 def welcome(
-    msg: wire.Message,
+    w: Welcome,
     state: WorkerState,
     device: jax.Device,
     core: Core | None = None,
@@ -192,8 +205,6 @@ def welcome(
     when they were built for the same model, data and settings. ``task``: this worker's own
     Task (``--task``), checked against the daemon's; :class:`TaskMismatch` when they differ.
     ``allowed``: the plug-ins this worker's operator named (:mod:`workers.imports`)."""
-    w = read_reply(msg)
-    assert isinstance(w, Welcome)  # (called for a welcome, which wire.decode checked)
     setup = {**w.setup, "shard": {"index": w.shard, "count": w.shards}}
     state.worker_id = w.worker_id
     state.model_setup = dict(setup["model"])

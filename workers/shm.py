@@ -17,6 +17,7 @@ from functools import partial
 
 from hetd.protocol import shm, wire
 from hetd.protocol.aligned import decode_aligned
+from hetd.protocol.frames import Params, ParamsRef, PushRef, ShmReady, read
 
 log = logging.getLogger("hetd.worker")
 
@@ -55,21 +56,22 @@ class ShmLink:
             down.close()
             log.info("cannot make a shared-memory ring (%s): using the socket", exc)
             return None
-        ready = wire.encode("shm_ready", 0, nonce=down.nonce, segment=up.name)
+        ready = ShmReady(down.nonce, up.name).encode()
         log.info("shared memory on: reading %s, pushing through %s", down.name, up.name)
         return cls(down, up), ready
 
-    def read_params(self, msg: wire.Message) -> tuple[int, wire.Message]:
+    def read_params(self, msg: ParamsRef) -> tuple[int, Params]:
         """The size of the ``params`` frame a ``params_ref`` names, and the frame decoded
         straight from the daemon's ring: the tensors' bytes are copied out once, by the
         decoder, with no copy of the whole frame first, into 64-byte-aligned buffers that JAX
         then takes as they are (:mod:`hetd.protocol.aligned`). :class:`shm.ShmError` when it names
         none or the slot was rewritten while it was read (the caller pulls again)."""
-        ref = shm.ref_of(msg.body)
-        params = self.down.read_with(ref, partial(decode_aligned, max_size=ref.length))
-        if params.type != "params" or params["version"] != msg["version"]:
+        ref = msg.ref
+        named = self.down.read_with(ref, partial(decode_aligned, max_size=ref.length))
+        params = read(named)
+        if not isinstance(params, Params) or params.version != msg.version:
             raise shm.ShmError(
-                "bad_ref", f"params_ref of version {msg['version']} names another frame"
+                "bad_ref", f"params_ref of version {msg.version} names another frame"
             )
         self.params_read += 1
         return ref.length, params
@@ -91,7 +93,7 @@ class ShmLink:
         ref = self.up.write(*parts)
         self._slot_push[slot] = push_id
         self.pushes_written += 1
-        return wire.encode("push_ref", push_id, **ref.fields())
+        return PushRef(push_id, ref).encode()
 
     def close(self) -> None:
         """Unmap the daemon's ring, unlink ours."""

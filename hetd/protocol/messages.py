@@ -4,10 +4,10 @@ and the control replies the engine sends back through its :class:`hetd.core.engi
 Owns the inputs :class:`JoinIn` and :class:`PushIn` (built and validated from worker frames by
 :mod:`hetd.core.ingest`) and the replies :class:`Welcome`, :class:`Ack`, :class:`ErrorReply`,
 :class:`PlanUpdate`, :class:`ProfileRequest` and :class:`Bye`. Each reply's
-:meth:`~ReplyBase.encode` gives exactly its protocol v1 frame (:func:`hetd.protocol.wire.encode`);
-:meth:`~ReplyBase.message` gives the same message as :func:`hetd.protocol.wire.decode` would return
-it, without the bytes (the simulator's emulated workers read it). Parameter frames are not here: the downlink encodes them once for every
-worker holding the same version, and peers take them as bytes.
+:meth:`~MessageBase.encode` gives exactly its protocol v1 frame (:func:`hetd.protocol.wire.encode`);
+:meth:`~MessageBase.message` gives the same message as :func:`hetd.protocol.wire.decode` would return
+it, without the bytes (the simulator's emulated workers read it). The other messages, parameter
+and pipeline frames among them, are typed in :mod:`hetd.protocol.frames`.
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ class PushIn:
 # --- engine -> worker ------------------------------------------------------------------------------
 
 
-class ReplyBase:
-    """What every reply shares: a wire type, a request id and the wire fields."""
+class MessageBase:
+    """What every typed message shares: a wire type, a request id and the wire fields."""
 
     __slots__ = ()
     type: ClassVar[str]
@@ -103,7 +103,7 @@ class ReplyBase:
 
 
 @dataclass(frozen=True, slots=True)
-class Welcome(ReplyBase):
+class Welcome(MessageBase):
     """The answer to a hello: the worker's id, plan, heartbeat period and data shard, plus the
     model, dataset and training settings (``setup``: the engine config's ``welcome``)."""
 
@@ -135,7 +135,7 @@ class Welcome(ReplyBase):
 
 
 @dataclass(frozen=True, slots=True)
-class Ack(ReplyBase):
+class Ack(MessageBase):
     """What became of a push, with the version after it."""
 
     type: ClassVar[str] = "ack"
@@ -155,7 +155,7 @@ class Ack(ReplyBase):
 
 
 @dataclass(frozen=True, slots=True)
-class ErrorReply(ReplyBase):
+class ErrorReply(MessageBase):
     """A frame the engine refuses (e.g. a push out of range): nothing of it was applied."""
 
     type: ClassVar[str] = "error"
@@ -174,7 +174,7 @@ class ErrorReply(ReplyBase):
 
 
 @dataclass(frozen=True, slots=True)
-class PlanUpdate(ReplyBase):
+class PlanUpdate(MessageBase):
     """A worker's plan changed: it follows the new one from its next step."""
 
     type: ClassVar[str] = "plan"
@@ -186,7 +186,7 @@ class PlanUpdate(ReplyBase):
 
 
 @dataclass(frozen=True, slots=True)
-class ShardUpdate(ReplyBase):
+class ShardUpdate(MessageBase):
     """A worker's part of the data changed (a join or a leave cut it again): it reads part
     ``index`` of ``count`` from its next step."""
 
@@ -200,12 +200,17 @@ class ShardUpdate(ReplyBase):
 
 
 @dataclass(frozen=True, slots=True)
-class ProfileRequest(ReplyBase):
+class ProfileRequest(MessageBase):
     """Ask a joining worker to time ``steps`` steps of ``batch_size`` samples."""
 
     type: ClassVar[str] = "profile"
     steps: int
     batch_size: int
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any]) -> ProfileRequest:
+        """The request a ``spec`` map makes (a missing count is 0: the worker's own default)."""
+        return cls(int(spec.get("steps", 0)), int(spec.get("batch_size", 0)))
 
     def spec(self) -> dict[str, int]:
         """The request's ``spec`` map."""
@@ -217,7 +222,7 @@ class ProfileRequest(ReplyBase):
 
 
 @dataclass(frozen=True, slots=True)
-class Bye(ReplyBase):
+class Bye(MessageBase):
     """The daemon ends the session (the worker may reconnect later)."""
 
     type: ClassVar[str] = "bye"
@@ -247,8 +252,7 @@ def read_reply(msg: wire.Message) -> Reply | None:
     if t == "shard":
         return ShardUpdate(int(msg["index"]), int(msg["count"]))
     if t == "profile":
-        spec = msg["spec"]
-        return ProfileRequest(int(spec.get("steps", 0)), int(spec.get("batch_size", 0)))
+        return ProfileRequest.from_spec(msg["spec"])
     if t == "bye":
         return Bye(str(msg.get("reason") or ""))
     if t == "welcome":

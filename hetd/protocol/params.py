@@ -20,6 +20,7 @@ import xxhash
 
 from hetd.codecs import registry as codecs
 from hetd.protocol import wire
+from hetd.protocol.frames import Params, as_params
 
 HASH_BYTES = 8  # XXH3's 64 bits
 
@@ -100,13 +101,12 @@ def with_hash(frame: bytes | memoryview, hash_: str) -> bytes:
     return b"".join((bytes((head + 1,)), memoryview(frame)[1:], tail))
 
 
-def hash_matches(held: Held, msg: wire.Message) -> bool | None:
+def hash_matches(held: Held, msg: Params) -> bool | None:
     """Whether parameters applied from a full ``params`` frame are what the daemon published:
     None when there is nothing to check (a delta, which is lossy by design, or no ``hash``)."""
-    expected = msg.get("hash")
-    if not msg["full"] or expected is None:
+    if not msg.full or msg.hash is None:
         return None
-    return bool(param_hash(held.tensors) == expected)
+    return bool(param_hash(held.tensors) == msg.hash)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,20 +117,22 @@ class Held:
     tensors: Mapping[str, np.ndarray]
 
 
-def apply_params(held: Held | None, msg: wire.Message) -> Held | None:
-    """The parameters after a ``params`` message: full ones replace; a delta adds to the version it
-    names, or returns None when that is not the version held."""
-    decoded = codecs.decode_tree(msg["tensors"])
-    if msg["full"]:
-        return Held(msg["version"], decoded)
-    if held is None or msg.get("base") != held.version:
+def apply_params(held: Held | None, msg: Params | wire.Message) -> Held | None:
+    """The parameters after a ``params`` message (typed, or as decoded: read here): full ones
+    replace; a delta adds to the version it names, or returns None when that is not the version
+    held."""
+    msg = as_params(msg)
+    decoded = codecs.decode_tree(msg.tensors)
+    if msg.full:
+        return Held(msg.version, decoded)
+    if held is None or msg.base != held.version:
         return None
     tensors = dict(held.tensors)
     for path, d in decoded.items():
         if path not in tensors or tensors[path].shape != d.shape:
             return None
         tensors[path] = tensors[path] + d
-    return Held(msg["version"], tensors)
+    return Held(msg.version, tensors)
 
 
 def params_envelope(frame: bytes | memoryview) -> tuple[dict[str, Any], int | None] | None:

@@ -20,6 +20,7 @@ from types import MappingProxyType
 from typing import Protocol
 
 from hetd.protocol import wire
+from hetd.protocol.frames import Act
 
 Route = tuple[int, int, int]
 """``(replica, gen, stage)``."""
@@ -112,9 +113,9 @@ class Relay:
     def stats(self) -> RelayStats:
         return RelayStats(self._frames, self._bytes, self._dropped)
 
-    def target(self, sender: int, msg: wire.Message) -> int:
+    def target(self, sender: int, msg: Act) -> int:
         """The worker an ``act``/``gact`` from ``sender`` goes to; :class:`NoRoute` if none."""
-        replica, gen = msg["replica"], msg["gen"]
+        replica, gen = msg.replica, msg.gen
         member = self._stage_of.get((replica, gen, sender))
         if member is None:
             raise NoRoute(
@@ -132,7 +133,7 @@ class Relay:
             )
         return self._routes[(replica, gen, to)]
 
-    def forward(self, sender: int, msg: wire.Message, frame: bytes) -> None:
+    def forward(self, sender: int, msg: Act, frame: bytes) -> None:
         """Send ``frame`` (an ``act``/``gact`` from worker ``sender``, as it came) on; raises
         :class:`NoRoute` (the frame dropped) when it has nowhere to go."""
         try:
@@ -141,8 +142,8 @@ class Relay:
             if sink is None:
                 raise NoRoute(
                     "route_down",
-                    f"{msg.type}: worker {wid}, the next hop of replica {msg['replica']}"
-                    f" generation {msg['gen']}, is not connected; frame dropped",
+                    f"{msg.type}: worker {wid}, the next hop of replica {msg.replica}"
+                    f" generation {msg.gen}, is not connected; frame dropped",
                 )
         except NoRoute:
             self._dropped += 1

@@ -27,7 +27,18 @@ from hetd.core import commands as cmd
 from hetd.core.engine import Engine
 from hetd.core.ingest import decode_hello, decode_push
 from hetd.protocol import shm, wire
-from hetd.protocol.messages import PushIn, Reply
+from hetd.protocol.frames import (
+    Act,
+    Heartbeat,
+    Hello,
+    ProfileResult,
+    Pull,
+    ShmOffer,
+    ShmReady,
+    Typed,
+    read,
+)
+from hetd.protocol.messages import Bye, PushIn, Reply
 from hetd.protocol.text import clip
 from hetd.server.auth import bearer_ok
 from hetd.server.budget import DecodeBudget
@@ -292,7 +303,10 @@ async def handle(
                 try:
                     if relay is None or wid is None:  # (_decode relays only for a known worker)
                         raise NoRoute("no_route", "this daemon relays no pipeline frames")
-                    relay.forward(wid, item.msg, item.frame)
+                    relayed = read(item.msg)  # (act or gact: _decode relays nothing else)
+                    if not isinstance(relayed, Act):
+                        raise NoRoute("no_route", f"{relayed.type} is not relayed")
+                    relay.forward(wid, relayed, item.frame)
                 except NoRoute as exc:
                     log.info("worker %s: %s: %s", wid, exc.code, exc.message)
                     outbox.send_error(exc.code, exc.message, item.msg.id)
@@ -310,26 +324,27 @@ async def handle(
                     route = None if relay is None else partial(relay.attach, sink=outbox)
                     wid = await engine.call(partial(engine.handle, cmd.Join(hello, outbox, route)))
                     outbox.resend = partial(engine.submit, cmd.Resend(wid, outbox))
-                    if hub is not None and hello.same_host and offers_shm(msg):
+                    if hub is not None and hello.same_host and offers_shm(read(msg)):
                         size = shm_slot_bytes(engine)  # (the ring takes its memory: a thread)
                         ring = await asyncio.to_thread(hub.offer, size)
                         if ring is not None:
-                            outbox.send_frame(wire.encode("shm_offer", 0, segment=ring.name))
+                            outbox.send_frame(ShmOffer(ring.name).encode())
                 except codecs.CodecError as exc:
                     outbox.send_error("no_codec", str(exc), msg.id)
                     reason = "no usable codec"
                     break
                 continue
-            if msg.type == "heartbeat":
+            typed = read(msg)  # (a push or a relayed frame took another way above)
+            if isinstance(typed, Heartbeat):
                 engine.submit(cmd.Heartbeat(wid))
-            elif msg.type == "pull":
-                engine.submit(cmd.Pull(wid, msg.get("have")))
-            elif msg.type == "bye":  # (cut: the log, the engine's departures, the dashboard)
-                reason = clip(msg.get("reason") or "bye")
+            elif isinstance(typed, Pull):
+                engine.submit(cmd.Pull(wid, typed.have))
+            elif isinstance(typed, Bye):  # (cut: the log, the engine's departures, the dashboard)
+                reason = clip(typed.reason or "bye")
                 break
-            elif msg.type == "shm_ready" and hub is not None and uplink is None:
+            elif isinstance(typed, ShmReady) and hub is not None and uplink is None:
                 try:
-                    uplink = Uplink(hub, msg["nonce"], msg["segment"])
+                    uplink = Uplink(hub, typed.nonce, typed.segment)
                 except shm.ShmError as exc:
                     log.info("worker %s: no shared memory: %s", wid, clip(exc.message))
                     outbox.send_error(exc.code, clip(exc.message), msg.id)
@@ -341,11 +356,11 @@ async def handle(
                     "worker %s: shared memory on (rings %s, %s)",
                     wid,
                     hub.ring and hub.ring.name,
-                    msg["segment"],
+                    typed.segment,
                 )
-            elif msg.type == "profile_result":
-                engine.submit(cmd.ProfileResult(wid, msg["result"]))
-            elif msg.type == "hello":
+            elif isinstance(typed, ProfileResult):
+                engine.submit(cmd.ProfileResult(wid, dict(typed.result)))
+            elif isinstance(typed, Hello):
                 outbox.send_error("malformed", "hello was already received", msg.id)
             else:
                 outbox.send_error("unexpected", f"{msg.type} is a daemon-to-worker message", msg.id)
@@ -375,7 +390,6 @@ def shm_slot_bytes(engine: Engine) -> int:
     return 4 * engine.store.n_params + 4096 + sum(len(p) + 256 for p in shapes)
 
 
-def offers_shm(hello: wire.Message) -> bool:
+def offers_shm(hello: Typed) -> bool:
     """Whether a hello names shared memory among its features."""
-    features = hello.get("features") or ()
-    return shm.FEATURE in features
+    return isinstance(hello, Hello) and shm.FEATURE in hello.features

@@ -17,7 +17,7 @@ profile exchange takes the time measured for it); nothing here reads a clock or 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +27,8 @@ import numpy as np
 from hetd.codecs import registry as codecs
 from hetd.codecs.feedback import ErrorFeedback, encode_with_feedback
 from hetd.protocol import wire
-from hetd.protocol.messages import Welcome
+from hetd.protocol.frames import Hello, Params, Push, as_params
+from hetd.protocol.messages import ProfileRequest, Welcome
 from hetd.protocol.params import Held, apply_params
 from hetd.protocol.plan import Plan, codec_for, data_range, local_steps_for
 from hetd.sim.compute import StepWork, Straggler
@@ -82,7 +83,7 @@ class EmuWorker:
     sending_until: float = 0.0  # s: the link carries the previous push
     idle_from: float = 0.0  # s: when the device last became idle
     idle_total: float = 0.0  # s the device sat idle before the steps it started
-    profile: dict[str, Any] | None = None  # a pending profile request
+    asked: ProfileRequest | None = None  # a pending profile request
     steps: int = 0  # pushes made
     staleness: list[int] = field(default_factory=list)
     sampler: BatchSampler | None = None
@@ -106,13 +107,27 @@ class EmuWorker:
 
     # --- the daemon's messages --------------------------------------------------------------
 
+    @property
+    def profile(self) -> ProfileRequest | None:
+        """The profile request it answers before its next step, if one is pending."""
+        return self.asked
+
+    @profile.setter
+    def profile(self, asked: ProfileRequest | Mapping[str, int] | None) -> None:
+        # (a request's spec map reads as the request: the loop hands over either)
+        if asked is None or isinstance(asked, ProfileRequest):
+            self.asked = asked
+        else:
+            self.asked = ProfileRequest.from_spec(asked)
+
     def hello(self) -> wire.Message:
-        """The hello a real worker sends (device info from the scenario)."""
+        """The hello a real worker sends (device info from the scenario), as the daemon reads
+        it."""
         device: dict[str, Any] = {"platform": "sim", "kind": f"x{self.spec.slowdown:g}"}
         if self.spec.memory is not None:
             device.update(memory=self.spec.memory, free_memory=self.spec.memory)
-        frame = wire.encode("hello", 1, name=f"w{self.index}", device=device, codecs=codecs.names())
-        return wire.decode(frame)
+        hello = Hello(1, f"w{self.index}", device, tuple(codecs.names()), ())
+        return wire.decode(hello.encode())
 
     def welcome(self, w: Welcome) -> None:
         """Plan and shard from the welcome (the shard as ``workers.loop.Trainer`` samples it)."""
@@ -146,12 +161,12 @@ class EmuWorker:
         self.sampler = self._sampler(share_indices(len(self.data.y_train), *wanted, self.seed))
         self._share = wanted
 
-    def receive(self, frames: list[wire.Message]) -> bool:
+    def receive(self, frames: Sequence[Params | wire.Message]) -> bool:
         """Apply one release's ``params`` frames in order, each answering one push in flight (as
         the real client counts them: a release for a wait that two pushes joined brings an empty
         frame for the second); False if a delta did not fit what it holds (the worker then pulls
         everything, as the real client does)."""
-        for msg in frames:
+        for msg in map(as_params, frames):
             held = apply_params(self.held, msg)
             if held is None:
                 return False
@@ -159,14 +174,13 @@ class EmuWorker:
             self.in_flight = max(0, self.in_flight - 1)
         return True
 
-    def decode_s(self, frames: list[wire.Message]) -> float:
+    def decode_s(self, frames: Sequence[Params | wire.Message]) -> float:
         """Seconds to decode one release's ``params`` frames and apply them (an empty delta,
         "go on with what you have", costs nothing)."""
         total = 0.0
-        for msg in frames:
-            tensors = msg["tensors"]
-            if tensors:
-                codec = str(next(iter(tensors.values()))["codec"])
+        for msg in map(as_params, frames):
+            codec = codec_name(msg.tensors)
+            if codec is not None:
                 total += self.costs.worker_decode(codec, self.n_params)
         return total
 
@@ -197,7 +211,7 @@ class EmuWorker:
         spec = self.spec
         profile = None
         idle_s = t - self.idle_from  # the profile's steps are compute, not idle time
-        if self.profile is not None:
+        if self.asked is not None:
             profile = self._profile(t)
             t = profile[0] - spec.latency_s  # the step starts once the profile is done
         self._follow_share()
@@ -246,10 +260,10 @@ class EmuWorker:
         result). Communication is estimated from the link. The exchange takes the emulated
         steps' time, or with a calibrated ``profile_s`` that time: a real worker reports its
         steps as emulated but never sleeps them."""
-        spec = self.profile or {}
-        self.profile = None
-        steps = max(1, min(20, int(spec.get("steps", 3))))
-        batch = int(spec.get("batch_size", 32))
+        asked = self.asked or ProfileRequest(0, 0)
+        self.asked = None
+        steps = max(1, min(20, asked.steps or 3))  # (0: the daemon named none)
+        batch = asked.batch_size or 32
         per_sample = []
         start = t
         for _ in range(steps):
@@ -275,8 +289,7 @@ class EmuWorker:
 
     def frame(self, p: InFlight, tensors: Any, loss: float) -> bytes:
         """The push frame (``tensors`` already encoded)."""
-        return wire.encode(
-            "push",
+        return Push(
             p.id,
             base=p.base,
             kind="delta" if p.work.delta else "grad",
@@ -288,7 +301,7 @@ class EmuWorker:
             free_mem=self.spec.memory,
             sent_at=p.sent_at,
             idle_s=p.idle_s,
-        )
+        ).encode()
 
     def _tensor_bytes(self, spec: str, kind: str) -> int:
         """Packed size of the pushed tensors: the last push's with this codec and kind, else a
@@ -318,3 +331,10 @@ class EmuWorker:
         kind = "delta" if p.work.delta else "grad"
         self._sizes[(spec, kind)] = len(p.frame) - (len(self.frame(p, {}, 0.0)) - 1)
         return max(0, len(p.frame) - p.nbytes)
+
+
+def codec_name(tensors: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """The codec of a frame's tensors (the first one's: a frame uses one), None when empty."""
+    for tensor in tensors.values():
+        return str(tensor["codec"])
+    return None

@@ -12,6 +12,7 @@ import pytest
 
 from hetd.local.procs import stop_processes
 from hetd.protocol import wire
+from hetd.protocol.frames import as_params
 from hetd.protocol.params import apply_params, hash_matches
 from hetd.server.daemon import Daemon
 from tests.conftest import (
@@ -47,7 +48,7 @@ async def test_only_workers_that_name_the_hash_get_it(raw_asp: Cluster) -> None:
         # ... and the worker that asked gets the version's hash of the same parameters.
         assert hashed["version"] == plain["version"]
         held = apply_params(None, hashed)
-        assert held is not None and hash_matches(held, hashed) is True
+        assert held is not None and hash_matches(held, as_params(hashed)) is True
         await old.close()
         await new.close()
 

@@ -16,6 +16,7 @@ from hetd.cli.admin_text import workers_text
 from hetd.codecs import registry as codecs
 from hetd.local.procs import stop_processes
 from hetd.protocol import shm, wire
+from hetd.protocol.frames import as_params
 from hetd.protocol.params import apply_params, hash_matches
 from hetd.server.daemon import Daemon
 from tests.conftest import WORKER_AUTH, make_config, recv_type, start_worker
@@ -103,8 +104,8 @@ async def test_shared_memory_both_ways_and_nothing_left() -> None:
             assert (await _reply_to(raw, 77))["status"] == "applied"
             # ... and the parameters it made come as a reference to the daemon's ring.
             params_ref = await recv_type(raw, "params_ref")
-            params = wire.decode(down.read(shm.ref_of(params_ref.body)))
-            assert params["version"] == params_ref["version"] >= 1
+            params = as_params(wire.decode(down.read(shm.ref_of(params_ref.body))))
+            assert params.version == params_ref["version"] >= 1
             held = apply_params(None, params)
             assert held is not None and hash_matches(held, params) is True
             assert daemon.shm.frames_packed >= 1  # the store packed it there, nothing copied

@@ -9,6 +9,7 @@ import optax
 from hetd.core.downlink import Downlink
 from hetd.core.store import Store
 from hetd.protocol import wire
+from hetd.protocol.frames import as_params
 from hetd.protocol.params import apply_params, hash_matches, param_hash
 
 
@@ -61,18 +62,18 @@ def test_full_frames_carry_the_hash_and_deltas_do_not() -> None:
     downlink = Downlink()
     snap = store.snapshot()
     out = downlink.frames("none", None, snap)
-    msg = wire.decode(out.frames[0])
-    assert msg["full"] and msg["hash"] == snap.hash
+    msg = as_params(wire.decode(out.frames[0]))
+    assert msg.full and msg.hash == snap.hash
     held = apply_params(None, msg)
     assert held is not None and hash_matches(held, msg) is True
     # a lossy codec: the first release is full (hashed), the next a delta (not checked)
     full = downlink.frames("int8", None, snap)
-    fmsg = wire.decode(full.frames[0])
-    assert fmsg["full"] and fmsg["hash"] == snap.hash
+    fmsg = as_params(wire.decode(full.frames[0]))
+    assert fmsg.full and fmsg.hash == snap.hash
     store.apply("grad", {k: np.ones_like(v) for k, v in _params().items()}, 1.0)
     delta = downlink.frames("int8", full.version, store.snapshot(), full.ref)
-    dmsg = wire.decode(delta.frames[0])
-    assert not dmsg["full"] and dmsg.get("hash") is None
+    dmsg = as_params(wire.decode(delta.frames[0]))
+    assert not dmsg.full and dmsg.hash is None
     dheld = apply_params(apply_params(None, fmsg), dmsg)
     assert dheld is not None and hash_matches(dheld, dmsg) is None
 
@@ -87,14 +88,14 @@ def test_a_tampered_full_frame_is_detected() -> None:
     data[0] ^= 1
     tensor["data"] = bytes(data)
     body["tensors"] = dict(body["tensors"], **{path: tensor})
-    tampered = wire.decode(wire.encode("params", 0, **body))
+    tampered = as_params(wire.decode(wire.encode("params", 0, **body)))
     held = apply_params(None, tampered)
     assert held is not None and hash_matches(held, tampered) is False
 
 
 def test_old_frames_without_a_hash_still_decode() -> None:
     frame = wire.encode("params", 0, version=1, full=True, tensors={})
-    msg = wire.decode(frame)
+    msg = as_params(wire.decode(frame))
     held = apply_params(None, msg)
     assert held is not None and hash_matches(held, msg) is None
 

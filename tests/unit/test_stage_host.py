@@ -4,14 +4,17 @@ version and is given up when that version is gone; what a host cannot act on is 
 
 from __future__ import annotations
 
+import dataclasses
 from itertools import count
+from typing import TypeVar
 
 import jax
 import numpy as np
 import pytest
 
 from hetd.codecs import registry as codecs
-from hetd.protocol import wire
+from hetd.protocol import frames, wire
+from hetd.protocol.frames import Abort, Act, Push, StageOrder, StepOrder
 from hetd.protocol.params import Held
 from hetd.zoo.blocks import mlp_model
 from hetd.zoo.data import load_dataset
@@ -19,11 +22,13 @@ from workers.stage import StageError, StageHost
 
 SETUP = {"spec": "hetd.zoo.blocks:mlp_model", "kwargs": {"hidden": [32]}}
 M, MICRO = 3, 8
+T = TypeVar("T")
 
 
-def _act(width: int) -> wire.Message:
+def _act(width: int) -> Act:
     """An ``act`` frame of step 1, micro-batch 0, for replica 2 generation 1: ones of ``width``."""
-    return wire.decode(
+    return _read(
+        Act,
         wire.encode(
             "act",
             0,
@@ -32,12 +37,20 @@ def _act(width: int) -> wire.Message:
             step=1,
             mb=0,
             tensor=codecs.get_codec("none").encode(np.ones((MICRO, width), np.float32), None),
-        )
+        ),
     )
 
 
-def _stage(s: int) -> wire.Message:
-    return wire.decode(
+def _read(kind: type[T], frame: bytes) -> T:
+    """A frame as the worker reads it: decoded, checked and typed."""
+    msg = frames.decode(frame)
+    assert isinstance(msg, kind)
+    return msg
+
+
+def _stage(s: int) -> StageOrder:
+    return _read(
+        StageOrder,
         wire.encode(
             "stage",
             0,
@@ -50,12 +63,13 @@ def _stage(s: int) -> wire.Message:
             inflight=2 - s,
             prev=None if s == 0 else 10,
             next=11 if s == 0 else None,
-        )
+        ),
     )
 
 
-def _step(step: int, base: int) -> wire.Message:
-    return wire.decode(
+def _step(step: int, base: int) -> StepOrder:
+    return _read(
+        StepOrder,
         wire.encode(
             "step",
             0,
@@ -67,7 +81,7 @@ def _step(step: int, base: int) -> wire.Message:
             micro=MICRO,
             shard=0,
             offset=5,
-        )
+        ),
     )
 
 
@@ -91,30 +105,27 @@ def test_two_hosts_through_wire_frames_give_the_whole_gradient(world) -> None:  
     held = Held(4, params)
     mail = [(0, f) for f in hosts[0].begin(_step(9, 4), held)]
     mail += [(1, f) for f in hosts[1].begin(_step(9, 4), held)]
-    pushes: dict[int, wire.Message] = {}
+    pushes: dict[int, Push] = {}
     while mail:
         src, frame = mail.pop(0)
-        msg = wire.decode(frame)
-        if msg.type == "push":
+        msg = frames.decode(frame)
+        if isinstance(msg, Push):
             pushes[src] = msg
             continue
+        assert isinstance(msg, Act)
         dst = src + 1 if msg.type == "act" else src - 1
         mail += [(dst, f) for f in hosts[dst].offer(msg)]
     assert set(pushes) == {0, 1}
-    assert [pushes[s]["stage"] for s in (0, 1)] == [0, 1]
-    assert all(
-        p["base"] == 4 and p["samples"] == M * MICRO and p["step"] == 9 for p in pushes.values()
-    )
-    got = {**codecs.decode_tree(pushes[0]["tensors"]), **codecs.decode_tree(pushes[1]["tensors"])}
+    assert [pushes[s].stage for s in (0, 1)] == [0, 1]
+    assert all(p.base == 4 and p.samples == M * MICRO and p.step == 9 for p in pushes.values())
+    got = {**codecs.decode_tree(pushes[0].tensors), **codecs.decode_tree(pushes[1].tensors)}
     rows = (5 + np.arange(M * MICRO)) % len(data.y_train)
     model = mlp_model(data.num_classes, hidden=(32,))
     loss, ref = jax.value_and_grad(model.loss)(params, data.x_train[rows], data.y_train[rows])
     assert set(got) == set(ref)
     for path in ref:
         np.testing.assert_allclose(got[path], np.asarray(ref[path]), atol=2e-5, err_msg=path)
-    assert (
-        pushes[1]["loss"] == pytest.approx(float(loss), abs=1e-4) and pushes[0].get("loss") is None
-    )
+    assert pushes[1].loss == pytest.approx(float(loss), abs=1e-4) and pushes[0].loss is None
 
 
 def test_a_step_waits_for_its_base_and_is_dropped_when_it_is_gone(world) -> None:  # type: ignore[no-untyped-def]
@@ -141,7 +152,7 @@ def test_what_a_host_cannot_act_on_is_refused(world) -> None:  # type: ignore[no
     with pytest.raises(StageError, match="not block-structured"):
         plain.assign(_stage(0))
     host.assign(_stage(1))
-    stale = wire.decode(wire.encode("step", 0, **{**_step(1, 0).body, "gen": 0}))
+    stale = dataclasses.replace(_step(1, 0), gen=0)
     with pytest.raises(StageError, match="holds no stage"):
         host.begin(stale, Held(0, params))
     host.begin(_step(1, 0), Held(0, params))
@@ -150,5 +161,5 @@ def test_what_a_host_cannot_act_on_is_refused(world) -> None:  # type: ignore[no
         host.offer(wrong)
     assert host.step is None  # a runner that failed half-way is not trusted again
     host.begin(_step(2, 0), Held(0, params))
-    host.abort(wire.decode(wire.encode("abort", 0, replica=2, gen=1, step=2)))
+    host.abort(_read(Abort, wire.encode("abort", 0, replica=2, gen=1, step=2)))
     assert host.step is None
