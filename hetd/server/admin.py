@@ -2,141 +2,56 @@
 
 Every route but ``/healthz`` needs ``Authorization: Bearer <admin token>``; with no admin token
 configured every such call is refused (401). An address that sent too many wrong tokens gets 429
-(with ``Retry-After``) until its window ends (:mod:`hetd.server.throttle`). The engine is only read or changed through
-``engine.call``, so each answer is consistent and each change lands between two events. Nothing an
-operator sends can stop the daemon: bad JSON, wrong types or a policy that will not build get a 400
-whose message says what to fix, and the running policy stays. ``hetd/openapi.json`` documents the
-routes and is served at ``/openapi.json``.
+(with ``Retry-After``) until its window ends (:mod:`hetd.server.throttle`). The engine is only read
+or changed through ``engine.call``, so each answer is consistent and each change lands between two
+events. Nothing an operator sends can stop the daemon: bad JSON, wrong types or a policy that will
+not build get a 400 whose message says what to fix, and the running policy stays.
+``hetd/openapi.json`` documents the routes and is served at ``/openapi.json``. What these routes
+share with the replica routes and the dashboard (the context, errors, token counts) is
+:mod:`hetd.server.admin_context`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
-import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import hdrs, web
 
-from hetd.protocol.endpoints import ADMIN_REALM
 from hetd.server import front
+from hetd.server.admin_context import (
+    PUBLIC_KEY,
+    SESSION_CHECK,
+    SLOT,
+    AdminContext,
+    AdminSlot,
+    ApiError,
+    call,
+    context,
+    error_response,
+    json_object,
+    kind,
+    note_failure,
+    too_many_failures,
+)
 from hetd.server.auth import ADMIN_ENDPOINT, name_endpoint
 from hetd.server.safe_files import Refused
-from hetd.server.throttle import AuthThrottle
 
 if TYPE_CHECKING:  # the engine's modules import JAX: the admin app is built before they load
     from hetd.core.engine import Engine
-    from hetd.server.checkpoint import CheckpointInfo
-    from hetd.server.metrics import Metrics
-    from hetd.server.replicas import ReplicaDriver
 
 log = logging.getLogger("hetd.server.admin")
 
 MAX_BODY = 1024 * 1024  # bytes; policy parameters are small
-
-
-@dataclass(frozen=True)
-class AdminContext:
-    """What the admin routes need from the daemon."""
-
-    engine: Engine
-    token: str  # empty: every call but /healthz is refused
-    metrics: Metrics
-    checkpoint: Callable[[], Awaitable[CheckpointInfo]] | None  # None: no [store] dir
-    daemon_status: Callable[[], dict[str, Any]]  # ports, checkpoint state
-    timeout_s: float = 10.0  # how long a call may wait for the engine
-    export: Callable[[str], Awaitable[dict[str, Any]]] | None = None  # POST /v1/export
-    replicas: ReplicaDriver | None = None  # GET/POST /v1/replicas (docs/policies.md §11)
-
-
-class AdminSlot:
-    """What the admin app knows before and after the engine exists.
-
-    The app listens before the daemon has built its engine (start-up: listen first): until
-    :meth:`attach` gives it the context, every route but ``/healthz`` and the dashboard's login
-    answers 503 ``starting``. The token and the TLS flag are known from the start.
-    """
-
-    def __init__(
-        self, token: str, *, tls: bool = False, throttle: AuthThrottle | None = None
-    ) -> None:
-        self.token = token
-        self.tls = tls
-        # wrong tokens per address (the daemon's, shared with its worker endpoint)
-        self.throttle = throttle if throttle is not None else AuthThrottle()
-        self.ctx: AdminContext | None = None
-
-    def attach(self, ctx: AdminContext) -> None:
-        self.ctx = ctx
-
-
-SLOT = web.AppKey("admin_slot", AdminSlot)
-PUBLIC_PATHS = frozenset({"/healthz"})  # no token needed
-# more public paths: the dashboard's login page and static files (hetd.server.dashboard)
-PUBLIC_KEY = web.AppKey("admin_public_paths", frozenset)
-
-
-def context(request: web.Request) -> AdminContext:
-    """The admin context of a request (the guard made sure it is attached)."""
-    ctx = request.app[SLOT].ctx
-    if ctx is None:
-        raise ApiError(503, "starting", "the daemon is starting: it builds its model and data")
-    return ctx
-
-
-class ApiError(Exception):
-    """An error reply: HTTP status, a short code, and a message that says how to fix it."""
-
-    def __init__(self, status: int, code: str, message: str, **extra: Any) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message, self.extra = status, code, message, extra
-
-
-def error_response(status: int, code: str, message: str, **extra: Any) -> web.Response:
-    """The JSON error body every route uses: ``{"error": code, "message": ..., ...}``."""
-    headers = {"WWW-Authenticate": f"Bearer {ADMIN_REALM}"} if status == 401 else None
-    return web.json_response(
-        {"error": code, "message": message, **extra}, status=status, headers=headers
-    )
+PUBLIC_PATHS = frozenset({"/healthz"})  # no token needed (the dashboard adds its own: PUBLIC_KEY)
 
 
 def _authorized(request: web.Request, token: str) -> bool:
     got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
     return hmac.compare_digest(got, f"Bearer {token}".encode())
-
-
-def too_many_failures(slot: AdminSlot, request: web.Request) -> web.Response | None:
-    """A 429 (JSON, ``Retry-After``) for an address that sent too many wrong tokens; None: it may
-    try."""
-    wait = slot.throttle.retry_after(request.remote)
-    if wait is None:
-        return None
-    reply = error_response(
-        429,
-        "too_many_failures",
-        f"too many wrong tokens from this address: retry after {wait} s",
-    )
-    reply.headers[hdrs.RETRY_AFTER] = str(wait)
-    return reply
-
-
-def note_failure(slot: AdminSlot, request: web.Request) -> None:
-    """Count a wrong token from ``request``'s address; log once when it is used up."""
-    if slot.throttle.failed(request.remote):
-        log.warning(
-            "%s sent %d wrong tokens within %g s: it gets 429 until that window ends",
-            request.remote,
-            slot.throttle.failures,
-            slot.throttle.window_s,
-        )
-
-
-SessionCheck = Callable[[web.Request], bool]
-SESSION_CHECK: web.AppKey[SessionCheck] = web.AppKey("admin_session_check")
 
 
 @web.middleware
@@ -179,54 +94,12 @@ async def _guard(
         return error_response(500, "internal", f"internal error: {type(exc).__name__}: {exc}")
 
 
-async def _call(ctx: AdminContext, fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` on the engine task, bounded in time."""
-    try:
-        return await asyncio.wait_for(ctx.engine.call(fn), ctx.timeout_s)
-    except TimeoutError:
-        raise ApiError(
-            503, "engine_busy", f"the engine did not answer within {ctx.timeout_s:g}s"
-        ) from None
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not allowed")
-
-
-async def _json_object(
-    request: web.Request, allowed: set[str], required: set[str]
-) -> dict[str, Any]:
-    """The request body as a JSON object with only ``allowed`` keys and every ``required`` one."""
-    raw = await request.read()
-    try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise ApiError(400, "bad_json", f"the body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "bad_request", f"the body must be a JSON object, not {_kind(body)}")
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise ApiError(
-            400, "bad_request", f"unknown fields {unknown}; allowed: {', '.join(sorted(allowed))}"
-        )
-    missing = sorted(required - set(body))
-    if missing:
-        raise ApiError(400, "bad_request", f"missing fields {missing}")
-    return body
-
-
-def _kind(value: Any) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}.get(
-        type(value), "a number" if isinstance(value, int | float) else "null"
-    )
-
-
 def _params(body: Mapping[str, Any]) -> dict[str, Any]:
     params = body.get("params", {})
     if params is None:
         return {}
     if not isinstance(params, dict):
-        raise ApiError(400, "bad_request", f"params must be a JSON object, not {_kind(params)}")
+        raise ApiError(400, "bad_request", f"params must be a JSON object, not {kind(params)}")
     return params
 
 
@@ -244,7 +117,7 @@ async def status(request: web.Request) -> web.Response:
     """Version, stage, policy, uptime, workers, updates applied, last evaluation, daemon info."""
     ctx = context(request)
     engine = ctx.engine
-    body: dict[str, Any] = await _call(ctx, engine.status)
+    body: dict[str, Any] = await call(ctx, engine.status)
     body["buffered"] = engine.buffered()
     body.update(ctx.daemon_status())
     return web.json_response(body)
@@ -253,7 +126,7 @@ async def status(request: web.Request) -> web.Response:
 async def workers(request: web.Request) -> web.Response:
     """One row per active worker."""
     ctx = context(request)
-    rows = await _call(ctx, ctx.engine.workers)
+    rows = await call(ctx, ctx.engine.workers)
     return web.json_response({"workers": rows})
 
 
@@ -266,7 +139,7 @@ def _policy_body(engine: Engine) -> dict[str, Any]:
 async def get_policy(request: web.Request) -> web.Response:
     """The running policy, its parameters, and every registered name."""
     ctx = context(request)
-    return web.json_response(await _call(ctx, lambda: _policy_body(ctx.engine)))
+    return web.json_response(await call(ctx, lambda: _policy_body(ctx.engine)))
 
 
 async def _swap(ctx: AdminContext, build: Callable[[], tuple[str, dict[str, Any]]]) -> web.Response:
@@ -282,15 +155,15 @@ async def _swap(ctx: AdminContext, build: Callable[[], tuple[str, dict[str, Any]
         return old, engine.swap_policy(name, params)
 
     try:
-        old, new = await _call(ctx, swap)
+        old, new = await call(ctx, swap)
     except (PolicyError, ValueError, TypeError, KeyError) as exc:
-        current = await _call(ctx, lambda: engine.policy.describe())
+        current = await call(ctx, lambda: engine.policy.describe())
         raise ApiError(400, "bad_policy", str(exc), policy=current) from None
     except ApiError:
         raise
     except Exception as exc:  # the policy's own init failed: still a refusal, the old one runs
         log.exception("policy swap failed")
-        current = await _call(ctx, lambda: engine.policy.describe())
+        current = await call(ctx, lambda: engine.policy.describe())
         raise ApiError(
             400,
             "bad_policy",
@@ -311,7 +184,7 @@ async def _swap(ctx: AdminContext, build: Callable[[], tuple[str, dict[str, Any]
 async def put_policy(request: web.Request) -> web.Response:
     """Replace the policy: ``{"name": ..., "params": {...}}`` (params default to the factory's)."""
     ctx = context(request)
-    body = await _json_object(request, {"name", "params"}, {"name"})
+    body = await json_object(request, {"name", "params"}, {"name"})
     name = body["name"]
     if not isinstance(name, str) or not name:
         raise ApiError(400, "bad_request", 'name must be a non-empty string, e.g. "ssp"')
@@ -322,7 +195,7 @@ async def put_policy(request: web.Request) -> web.Response:
 async def patch_policy(request: web.Request) -> web.Response:
     """Change some parameters of the running policy (JSON merge patch: ``null`` removes a key)."""
     ctx = context(request)
-    body = await _json_object(request, {"params"}, {"params"})
+    body = await json_object(request, {"params"}, {"params"})
     patch = _params(body)
     engine = ctx.engine
 
@@ -359,7 +232,7 @@ async def metrics(request: web.Request) -> web.Response:
     ctx = context(request)
     from prometheus_client import CONTENT_TYPE_LATEST
 
-    await _call(ctx, ctx.metrics.sample)
+    await call(ctx, ctx.metrics.sample)
     return web.Response(body=ctx.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -378,7 +251,7 @@ async def post_export(request: web.Request) -> web.Response:
     (:func:`hetd.server.export.export_root`), gets an orbax CheckpointManager directory (step =
     version) and a bare ``params.msgpack``."""
     ctx = context(request)
-    body = await _json_object(request, {"out"}, {"out"})
+    body = await json_object(request, {"out"}, {"out"})
     out = body["out"]
     if not isinstance(out, str) or not out:
         raise ApiError(400, "bad_request", 'out must be a name under the export root, e.g. "model"')
@@ -394,7 +267,9 @@ async def post_export(request: web.Request) -> web.Response:
 
 
 def make_admin_app(slot: AdminSlot | AdminContext) -> web.Application:
-    """The admin application (mounted on ``[server] admin_host:admin_port``) with the dashboard.
+    """The admin application (mounted on ``[server] admin_host:admin_port``): the token guard and
+    the routes above; the daemon adds the replica routes and the dashboard
+    (:func:`hetd.server.admin_replicas.add_routes`, :func:`hetd.server.dashboard.install`).
 
     ``slot`` is an :class:`AdminSlot` (the daemon attaches the context once its engine runs) or a
     ready context."""
@@ -412,12 +287,6 @@ def make_admin_app(slot: AdminSlot | AdminContext) -> web.Application:
     app.router.add_patch("/v1/policy", patch_policy)
     app.router.add_post("/v1/checkpoint", post_checkpoint)
     app.router.add_post("/v1/export", post_export)
-    from hetd.server import admin_replicas
-
-    admin_replicas.add_routes(app)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
-    from hetd.server import dashboard
-
-    dashboard.install(app, slot)
     return app

@@ -4,17 +4,14 @@ show the replica run beside the data-parallel workers, or form it from connected
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
-from hetd.server.admin import AdminContext, ApiError, _json_object, context
-
-if TYPE_CHECKING:
-    from hetd.server.replicas import ReplicaDriver
+from hetd.server.admin_context import AdminContext, ApiError, ReplicaControl, context, json_object
 
 
-def _replicas(ctx: AdminContext) -> ReplicaDriver:
+def _replicas(ctx: AdminContext) -> ReplicaControl:
     if ctx.replicas is None:  # pragma: no cover - the daemon always makes one
         raise ApiError(409, "no_replicas", "this daemon runs no pipeline replicas")
     return ctx.replicas
@@ -28,7 +25,7 @@ async def get_replicas(request: web.Request) -> web.Response:
 async def post_replicas(request: web.Request) -> web.Response:
     """Form the pipeline replica from connected workers (stage order) and block cuts."""
     ctx = context(request)
-    body = await _json_object(
+    body = await json_object(
         request,
         {"members", "cuts", "micro", "micro_batches", "inflight"},
         {"members", "cuts", "micro", "micro_batches"},

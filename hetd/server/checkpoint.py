@@ -39,14 +39,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import io
 import logging
 import re
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -57,6 +55,7 @@ from flax import serialization
 from hetd.core.engine import Engine, EngineState, SavedWorker
 from hetd.server import ckpt_file, safe_files
 from hetd.server.ckpt_file import FORMAT, FORMAT_VERSION, CheckpointError, decode
+from hetd.server.ckpt_file import CheckpointInfo as CheckpointInfo
 from hetd.server.policy_state import plain, policy_state_tree, revive_policy_state
 
 log = logging.getLogger("hetd.server.checkpoint")
@@ -65,21 +64,6 @@ __all__ = ["FORMAT", "FORMAT_VERSION", "CheckpointError", "Checkpointer", "decod
 
 CHECKPOINT_MODE = 0o600  # the file holds every worker's resume secret: its owner's alone
 _NAME = re.compile(r"^ckpt-(\d{8,})-v(\d+)\.msgpack$")
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointInfo:
-    """One written or loaded checkpoint."""
-
-    path: str
-    seq: int
-    version: int  # the parameter version it holds
-    nbytes: int
-    created_unix: float  # s since the epoch (wall clock, for people)
-
-    def to_json(self) -> dict[str, Any]:
-        """A plain map for the admin API."""
-        return dataclasses.asdict(self)
 
 
 # --- capture and restore (engine hooks; run on the engine task) -------------------------------------

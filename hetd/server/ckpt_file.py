@@ -11,18 +11,20 @@ own memory, hashed on the way, then the hash. So writing costs a few small buffe
 the state, which glibc then keeps). :func:`decode` and :func:`verify` find the payload inside the
 file's bytes instead of copying it out, and an array is made on the bytes its record was read into:
 reading holds the file and one copy of the state. :func:`release_memory` gives freed heap back to
-the operating system after either.
+the operating system after either. :class:`CheckpointInfo` names one file written or read.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import gc
 import hashlib
 import mmap
 import struct
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -37,6 +39,21 @@ _ND, _COMPLEX, _SCALAR = 1, 2, 3  # flax's msgpack extension codes: ndarray, com
 _CHUNKED = "__msgpack_chunked_array__"  # flax's form of an array above its chunk size
 _CHUNK_BYTES: int = getattr(serialization, "MAX_CHUNK_SIZE", 2**30)
 _MAX_BIN = 2**32 - 1  # msgpack's limit for one bin (the payload)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    """One written or loaded checkpoint file."""
+
+    path: str
+    seq: int
+    version: int  # the parameter version it holds
+    nbytes: int
+    created_unix: float  # s since the epoch (wall clock, for people)
+
+    def to_json(self) -> dict[str, Any]:
+        """A plain map for the admin API."""
+        return dataclasses.asdict(self)
 
 
 class CheckpointError(Exception):

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from hetd import config as config_mod
-from hetd.server import admin, front
+from hetd.server import admin, admin_context, admin_replicas, dashboard, front
 from hetd.server.budget import DecodeBudget
 from hetd.server.build import build_engine as build_engine  # hetd.server.daemon.build_engine too
 from hetd.server.relay import Relay
@@ -97,7 +97,7 @@ class Daemon:
                 server.header_timeout_s, server.max_pending, server.max_pending_per_address
             )
         )
-        self._admin_slot = admin.AdminSlot(
+        self._admin_slot = admin_context.AdminSlot(
             server.admin_token, tls=self.ssl_context is not None, throttle=self.throttle
         )
         # pipeline replicas' act/gact frames between workers (routes installed by their owner)
@@ -195,7 +195,7 @@ class Daemon:
             return
         if self.admin_port is not None:
             self._admin_slot.attach(
-                admin.AdminContext(
+                admin_context.AdminContext(
                     engine=engine,
                     token=self.cfg.server.admin_token,
                     metrics=self.metrics,
@@ -233,7 +233,10 @@ class Daemon:
         self._worker_sites.append(site)
         where = f"{'wss' if tls else 'ws'}://{server.host}:{self.port} (workers)"
         if server.admin_port >= 0:
+            # the admin API, its pipeline-replica routes and the dashboard, on one app
             self.admin_app = admin.make_admin_app(self._admin_slot)
+            admin_replicas.add_routes(self.admin_app)
+            dashboard.install(self.admin_app, self._admin_slot)
             self.admin_port, _ = await self._listen(
                 self.admin_app,
                 server.admin_host,

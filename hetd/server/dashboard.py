@@ -34,15 +34,21 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from html import escape
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import parse_qs
 
 from aiohttp import web
 
 from hetd.protocol.text import clip
-
-if TYPE_CHECKING:
-    from hetd.server.admin import AdminContext, AdminSlot
+from hetd.server.admin_context import (
+    PUBLIC_KEY,
+    SESSION_CHECK,
+    AdminContext,
+    AdminSlot,
+    context,
+    note_failure,
+    too_many_failures,
+)
 
 log = logging.getLogger("hetd.server.dashboard")
 
@@ -510,8 +516,6 @@ async def index(request: web.Request) -> web.Response:
 
 async def login(request: web.Request) -> web.StreamResponse:
     """The login form's POST: the token as a form field; a session cookie on success."""
-    from hetd.server.admin import note_failure, too_many_failures
-
     slot = request.app[RECORDER].slot
     busy = too_many_failures(slot, request)  # counted per address: parallel guesses too
     if busy is not None:
@@ -570,8 +574,6 @@ def _asset(name: str) -> Callable[[web.Request], Awaitable[web.Response]]:
 
 async def state(request: web.Request) -> web.Response:
     """The dashboard's document now (what each SSE event carries)."""
-    from hetd.server.admin import context
-
     recorder = request.app[RECORDER]
     recorder.watch()
     ctx = context(request)  # 503 while starting
@@ -612,8 +614,6 @@ def _sse(doc: Mapping[str, Any]) -> bytes:
 
 def install(app: web.Application, slot: AdminSlot) -> None:
     """Add the dashboard's routes and its recorder to the admin app."""
-    from hetd.server.admin import PUBLIC_KEY, SESSION_CHECK
-
     recorder = Recorder(slot)
     app[SESSIONS] = Sessions()
     app[RECORDER] = recorder

@@ -1,13 +1,14 @@
 """The workers' HTTP app of a daemon: the websocket endpoint, the early setup and the health check.
 
 It answers while the daemon still builds its engine: ``/v1/prepare`` and ``/healthz`` at once, and
-``/v1/ws`` once the engine runs (:class:`hetd.server.daemon.Daemon`).
+``/v1/ws`` once the engine runs. It sees its daemon (:class:`hetd.server.daemon.Daemon`) through
+:class:`WorkerHost`, what it reads of it.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import hdrs, web
 
@@ -24,12 +25,50 @@ from hetd.server.auth import (
 )
 
 if TYPE_CHECKING:
-    from hetd.server.daemon import Daemon
+    from hetd.core.engine import Engine
+    from hetd.server.budget import DecodeBudget
+    from hetd.server.relay import Relay
+    from hetd.server.shm_hub import ShmHub
+    from hetd.server.throttle import AuthThrottle
 
 log = logging.getLogger("hetd.server.sessions")  # where a worker's join and leave are logged
 
 
-def make_worker_app(daemon: Daemon) -> web.Application:
+class WorkerHost(Protocol):
+    """What the workers' app reads of its daemon."""
+
+    @property
+    def cfg(self) -> config_mod.Config: ...
+
+    @property
+    def throttle(self) -> AuthThrottle:
+        """Wrong tokens per address, shared with the admin port."""
+
+    @property
+    def relay(self) -> Relay:
+        """Pipeline replicas' act/gact frames between workers."""
+
+    @property
+    def shm(self) -> ShmHub:
+        """Shared memory for same-host workers."""
+
+    @property
+    def decodes(self) -> DecodeBudget:
+        """Pushes decoded at once, and their bytes."""
+
+    @property
+    def ready(self) -> bool:
+        """Whether the engine runs."""
+
+    @property
+    def engine_or_none(self) -> Engine | None:
+        """The engine, or None while the daemon still builds it."""
+
+    async def wait_ready(self) -> Engine | None:
+        """The running engine once it runs; None when the daemon stopped first."""
+
+
+def make_worker_app(daemon: WorkerHost) -> web.Application:
     """The workers' HTTP app: ``/v1/ws`` (waits for the engine while the daemon starts),
     ``/v1/prepare`` (what every worker builds, from the config: answers at once) and ``/healthz``
     (answers at once: ``ready`` false and version 0 until the engine runs). The first two want
