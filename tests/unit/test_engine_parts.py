@@ -4,25 +4,46 @@ applier, the policy host, the replicas and the publisher. The engine's own tests
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import numpy as np
 import optax
 import pytest
 
+from hetd.core import commands as cmd
 from hetd.core.applier import Applier
 from hetd.core.entries import EngineConfig
+from hetd.core.execute import Executor
+from hetd.core.forward import Forward
+from hetd.core.guard import UpdateGuard
+from hetd.core.intake import Intake
 from hetd.core.members import Members
 from hetd.core.policy_host import PolicyHost
 from hetd.core.publish import Publisher
+from hetd.core.queue import CommandQueue
 from hetd.core.rates import Meters
 from hetd.core.replicas import Replicas
 from hetd.core.store import Store
 from hetd.protocol import wire
-from hetd.protocol.messages import JoinIn, PushIn, ShardUpdate
+from hetd.protocol.messages import Ack, ErrorReply, JoinIn, PushIn, ShardUpdate
 from policies import make_policy
+from policies.compose import resolve
 from policies.registry import PolicyError
-from policies.types import ClusterView, Flush, Join, Leave, Plan, Policy, Push
+from policies.types import (
+    Buffer,
+    ClusterView,
+    Flush,
+    Join,
+    Leave,
+    Plan,
+    Policy,
+    Pull,
+    Push,
+    Release,
+    SetPlan,
+    Tick,
+)
 from tests.conftest import FakeClock, FakePeer
 
 SHAPES = {"w": (3,), "b": (1,)}
@@ -255,3 +276,139 @@ def test_the_core_package_front_names_its_parts_lazily() -> None:
     code = "import sys, hetd.core; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr[-1000:]
+
+
+def _push(wid: int, pid: int, base: int = 0, samples: int = 4, norm: float = 1.0) -> PushIn:
+    grads = {k: np.ones(s, np.float32) for k, s in SHAPES.items()}
+    return PushIn(wid, pid, base, "grad", grads, samples, 1, 0.01, None, None, 16, norm=norm)
+
+
+def intake(**config: object) -> tuple[Intake, Members, Store, FakeClock]:
+    m, clock = members(**config)
+    s = store()
+    cfg = m.config
+    part = Intake(m, Replicas(m), UpdateGuard(cfg.guard_factor, 2), s, cfg, Meters())
+    return part, m, s, clock
+
+
+def test_intake_answers_a_push_seen_before_and_one_too_stale_without_the_policy() -> None:
+    part, m, s, clock = intake(max_staleness=1, guard_factor=0)
+    a, _ = admit(m, "a")
+    reply, event = part.push(_push(a, 1), clock.now())
+    assert reply is None and isinstance(event, Push) and event.samples == 4
+    assert m.active[a].last_push == 1 and m.active[a].stats.pushes == 1
+    reply, event = part.push(_push(a, 1), clock.now())  # the same id again: never twice
+    assert isinstance(reply, Ack) and reply.status == "duplicate" and event is None
+    for _ in range(3):
+        s.apply("grad", {k: np.zeros(v, np.float32) for k, v in SHAPES.items()}, 1.0)
+    reply, event = part.push(_push(a, 2, base=0), clock.now())  # 3 versions behind, bound 1
+    assert isinstance(reply, Ack) and reply.status == "dropped" and reply.reason == "too stale"
+    assert isinstance(event, Tick)  # the clock moved: gates may open
+    reply, _ = part.push(_push(a, 3, base=s.version + 1), clock.now())
+    assert isinstance(reply, Ack) and reply.reason == "base version from the future"
+    assert part.push(_push(99, 4), clock.now()) == (None, None)  # not a member: nothing
+
+
+def test_intake_guard_refuses_an_outlier_and_counts_nothing_of_it() -> None:
+    part, m, _, clock = intake(guard_factor=10.0)
+    a, _ = admit(m, "a")
+    for pid in (1, 2):
+        assert part.push(_push(a, pid, norm=1.0), clock.now())[1] is not None
+    reply, event = part.push(_push(a, 3, norm=1e3), clock.now())
+    assert isinstance(reply, ErrorReply) and reply.code == "out_of_range" and event is None
+    st = m.active[a].stats
+    assert (st.refused, st.pushes, m.active[a].last_push) == (1, 2, 2)  # not counted, not acked
+
+
+def test_intake_pull_marks_the_worker_waiting_on_what_it_holds() -> None:
+    part, m, _, clock = intake()
+    a, _ = admit(m, "a")
+    m.update(m.active[a], version=3, waiting=False, waiting_since=None)
+    clock.t = 2.0
+    event = part.pull(a, 3, clock.now())
+    assert isinstance(event, Pull) and event.worker == a
+    f = m.active[a].facts
+    assert f.waiting and f.waiting_since == 2.0 and f.version == 3  # a delta may follow
+    part.pull(a, 2, clock.now())
+    assert m.active[a].facts.version == -1  # it holds something else: parameters in full
+    assert part.pull(99, None, clock.now()) is None
+
+
+def executor() -> tuple[Executor, Members, Applier, Publisher, FakeClock]:
+    m, clock = members(batch_size=8)
+    s, meters = store(), Meters()
+    applier, pub = Applier(s), Publisher(m, s, m.config, meters)
+    host = PolicyHost(make_policy("asp"), clock, clock.now())
+    ex = Executor(m, host, applier, pub, Replicas(m), s, m.config, meters, clock)
+    return ex, m, applier, pub, clock
+
+
+def test_executor_sets_plans_before_it_releases_and_answers_each_push_decision() -> None:
+    ex, m, applier, _, _ = executor()
+    a, peer = admit(m, "a")
+    p = _push(a, 1)
+    resolved = resolve([SetPlan(a, {"batch_size": 16}), Release(a), Buffer(0.5, group=3)])
+    assert ex.run(resolved, p) == []
+    kinds = [type(r).__name__ for r in peer.replies]
+    assert kinds == ["PlanUpdate", "Ack"]  # told its plan, then its push answered
+    assert peer.replies[1].status == "buffered" and applier.buffered() == 1
+    assert len(peer.frames) == 1 and not m.active[a].facts.waiting  # released at once
+    assert m.active[a].plan.batch_size == 16
+    ex.run(resolve([Flush(upto=3)]), None)
+    assert applier.updates_applied == 1 and applier.buffered() == 0
+
+
+def test_executor_applies_a_push_the_policy_said_nothing_about() -> None:
+    ex, m, applier, _, _ = executor()
+    a, peer = admit(m, "a")
+    ex.run(resolve([]), _push(a, 1))
+    assert peer.replies[-1].status == "applied" and applier.updates_applied == 1
+
+
+def test_executor_swap_applies_buffered_pushes_first_and_a_refused_one_changes_nothing() -> None:
+    ex, m, applier, _, _ = executor()
+    admit(m, "a")
+    applier.buffer(0, "grad", {k: np.ones(v, np.float32) for k, v in SHAPES.items()}, 1.0)
+    _, described = ex.swap("bsp", None)
+    assert described["name"] == "bsp" and ex.host.policy.name == "bsp"
+    assert applier.buffered() == 0 and applier.updates_applied == 1  # nothing lost
+    with pytest.raises(PolicyError):
+        ex.swap("no-such-policy", None)
+    assert ex.host.policy.name == "bsp"  # a refused swap changes nothing
+
+
+async def test_the_command_queue_runs_what_is_queued_in_one_batch_and_survives_a_failure() -> None:
+    meters = Meters()
+    q = CommandQueue(meters)
+    seen: list[object] = []
+
+    def handle(command: cmd.Command) -> None:
+        if isinstance(command, cmd.Heartbeat) and command.worker == 2:
+            raise RuntimeError("a bug in one command")
+        seen.append(command)
+
+    for w in (1, 2, 3):
+        q.submit(cmd.Heartbeat(w))
+    await q.run_batch(handle)
+    assert seen == [cmd.Heartbeat(1), cmd.Heartbeat(3)]  # one batch; the failure was logged
+    assert meters.latency.count == 3
+    done = asyncio.ensure_future(q.call(lambda: 42))
+    await asyncio.sleep(0)
+    await q.run_batch(lambda c: c.answer() if isinstance(c, cmd.Call) else None)
+    assert await done == 42
+
+
+def test_forward_reads_and_writes_through_the_path() -> None:
+    class Part:
+        value = 1
+
+    class Whole:
+        value: Forward[int] = Forward("part.value")
+
+        def __init__(self) -> None:
+            self.part = Part()
+
+    w = Whole()
+    assert w.value == 1
+    w.value = 5
+    assert w.part.value == 5 and isinstance(Whole.value, Forward)
