@@ -20,7 +20,7 @@ import jax
 from hetd.codecs import registry as codecs
 from hetd.protocol import wire
 from hetd.protocol.endpoints import ADMIN_ENDPOINT, ADMIN_REALM, ENDPOINT_HEADER
-from hetd.protocol.frames import ProfileResult
+from hetd.protocol.frames import Hello, ProfileResult
 from hetd.protocol.messages import EMULATED_LINK, Bye
 from hetd.protocol.plan import local_steps_for
 from workers.dial import plain_port_message, tls_port_message
@@ -181,20 +181,9 @@ async def _converse(
         if state.worker_id is not None
         else None
     )
-    # Named features only to a daemon that takes the field (an older one refuses it).
-    features = [*wire.WORKER_FEATURES, *wanted(opts.shm)]
-    extra = {} if state.plain_hello else {"features": features}
-    await ws.send_bytes(
-        wire.encode(
-            "hello",
-            HELLO_ID,
-            name=opts.name,
-            device=info,
-            codecs=codecs.names(),
-            resume=resume,
-            **extra,
-        )
-    )
+    features = (*wire.WORKER_FEATURES, *wanted(opts.shm))
+    hello = Hello(HELLO_ID, opts.name, info, tuple(codecs.names()), features, resume)
+    await ws.send_bytes(hello.encode())
     hello_at = time.perf_counter()
     reader = asyncio.create_task(read(ws, opts, state, inbox, device, hello_at))
     beat: asyncio.Task[None] | None = None

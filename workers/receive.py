@@ -69,13 +69,16 @@ async def read(
                 break
             data: bytes = frame.data
             size = len(data)
-            msg = decode(data, opts.max_frame_bytes)
-            if isinstance(msg, Chunk):
-                whole = parts.feed(msg.message())
-                if whole is None:
-                    continue
-                data, size = whole, len(whole)
-                msg = await asyncio.to_thread(decode, data, parts.max_bytes)
+            try:
+                msg = decode(data, opts.max_frame_bytes)
+                if isinstance(msg, Chunk):
+                    whole = parts.feed(msg.message())
+                    if whole is None:
+                        continue
+                    data, size = whole, len(whole)
+                    msg = await asyncio.to_thread(decode, data, parts.max_bytes)
+            except wire.ProtocolError as exc:  # the daemon's frames are its own: not a glitch
+                raise FatalError(unreadable(exc)) from None
             if isinstance(msg, ParamsRef):  # a params frame in the daemon's shared memory
                 ref = msg
                 try:
@@ -169,16 +172,8 @@ async def read(
                 log.warning("daemon error %s: %s", msg.code, msg.text)
                 if msg.code == "no_codec":
                     raise FatalError(msg.text)
-                if (
-                    msg.code == "malformed"
-                    and msg.id == HELLO_ID
-                    and not state.plain_hello
-                    and not inbox.joined.is_set()
-                ):
-                    # Our hello itself was refused: a daemon from before hello's ``features``
-                    # (the one optional field of a hello it could not know). Once without them.
-                    state.plain_hello = True
-                    raise ConnectionError("the daemon takes no hello features; saying hello again")
+                if msg.id == HELLO_ID and not inbox.joined.is_set():
+                    raise FatalError(refused_hello(msg))
                 state.unacked.pop(msg.id, None)  # a refused push is not sent again
                 if inbox.refused(msg.id) and inbox.rejected_in_a_row >= MAX_REFUSED:
                     # Leaving frees every barrier this worker holds; the operator sees why.
@@ -191,6 +186,22 @@ async def read(
         inbox.closed = exc
         inbox.changed.set()
         raise
+
+
+def unreadable(exc: wire.ProtocolError) -> str:
+    """Why the worker leaves when a daemon's frame does not decode here."""
+    return (
+        f"the daemon sent a frame this worker cannot read ({exc.code}: {exc.message}); run a "
+        "hetd-worker of the daemon's release (docs/design.md, Compatibility across 0.x)"
+    )
+
+
+def refused_hello(err: ErrorReply) -> str:
+    """Why the worker leaves when the daemon refuses its hello: saying it again would not help."""
+    return (
+        f"the daemon refused this worker's hello ({err.code}: {err.text}); run a hetd-worker "
+        "of the daemon's release (docs/design.md, Compatibility across 0.x)"
+    )
 
 
 def welcome(

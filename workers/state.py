@@ -70,8 +70,6 @@ class WorkerState:
     hash_checked: bool = False  # a verified full pull was logged (since the last mismatch)
     trainer: Trainer | None = None
     trainer_key: str = ""
-    # the daemon refused our hello's ``features`` (a daemon from before that field): say none
-    plain_hello: bool = False  # say hello without ``features`` (an older daemon refused them)
     # the core being built from the daemon's /v1/prepare while it starts (workers.prepare)
     preparing: asyncio.Task[Core | None] | None = None
     plan: Plan = field(default_factory=Plan)  # the daemon's latest plan for this worker

@@ -58,7 +58,7 @@ SCHEMA: Final[dict[str, dict[str, tuple[tuple[type, ...], bool]]]] = {
         "device": ((dict,), True),
         "codecs": ((list,), True),
         "resume": (_OPT_MAP, False),
-        # what else it understands (WORKER_FEATURES); workers from before this field send none
+        # the optional fields and messages it takes (WORKER_FEATURES, "shm"); none: v1's base
         "features": ((list, type(None)), False),
     },
     "pull": {"have": (_OPT_INT, False)},
@@ -124,8 +124,8 @@ SCHEMA: Final[dict[str, dict[str, tuple[tuple[type, ...], bool]]]] = {
 
 ACK_STATUSES: Final = ("applied", "buffered", "dropped", "duplicate")
 # Optional fields a worker can take, named in its hello's ``features``; the daemon sends a field
-# only to workers that name it (an older worker's strict decoder refuses fields it does not know):
-# "hash": full ``params`` frames carry the version's parameter hash; "stages": it runs pipeline
+# only to workers that name it (a strict decoder refuses fields it does not know; docs/design.md,
+# "Compatibility across 0.x"): "hash": full ``params`` frames carry the version's parameter hash; "stages": it runs pipeline
 # stages (``stage``/``step``/``abort``, ``act``/``gact``): only such a worker is put in a replica;
 # "reshard": it takes a ``shard`` message (its part of a Task's data, cut again when workers come
 # and go).
@@ -282,7 +282,9 @@ def _validate(raw: Mapping[str, Any]) -> Message:
     version = raw.get("v")
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(
-            "bad_version", f"protocol version {version!r} is not supported (this daemon speaks 1)"
+            "bad_version",
+            f"protocol version {version!r} is not supported (this side speaks"
+            f" {PROTOCOL_VERSION}): a worker and its daemon must speak the same protocol version",
         )
     type_ = raw.get("type")
     if not isinstance(type_, str) or type_ not in SCHEMA:
@@ -338,8 +340,7 @@ _Frame = TypeVar("_Frame", bound=bytes | memoryview)
 def chunks(frame: _Frame, cap: int) -> Iterator[_Frame | bytes]:
     """The frames that carry ``frame`` over a link whose frame cap is ``cap``: the frame itself
     when it fits, else ``chunk`` messages (``seq`` 0, 1, ..., the last with ``last`` true) each at
-    most ``cap`` bytes, whose ``data`` joined is the frame. A peer that predates chunks answers the
-    first with an ``unknown_type`` error (it could not have taken the frame whole either)."""
+    most ``cap`` bytes, whose ``data`` joined is the frame."""
     if len(frame) <= cap:
         yield frame
         return
