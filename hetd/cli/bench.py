@@ -225,7 +225,7 @@ def _scenario(args: argparse.Namespace) -> Any:
 
 def run_command(args: argparse.Namespace) -> int:
     """Run ``hetd sim`` or ``hetd bench``; returns the exit code. Bad input prints one line."""
-    from policies import PolicyError
+    from policies.registry import PolicyError
 
     try:
         if args.lr is not None and not args.lr > 0:
