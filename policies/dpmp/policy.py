@@ -49,6 +49,7 @@ from policies.types import (
     WorkerFacts,
 )
 
+PROBE = 4  # samples per round for a data-parallel worker the plan left without work
 DEFAULT_SAMPLE_S = 1e-3  # s per sample of a worker nobody has measured yet (only shares matter)
 
 
@@ -124,6 +125,24 @@ def whole_model_bytes(view: ClusterView) -> float:
     return max(sizes, default=0.0)
 
 
+def probed(specs: Sequence[ReplicaSpec]) -> list[ReplicaSpec]:
+    """The plan with every data-parallel worker it left without work given :data:`PROBE`
+    samples, taken from the largest data-parallel share. Its speed is measured by its pushes
+    only: one planned out while it was slow (a transient straggler) would stay idle for good on
+    the speed it had then. (LB-BSP keeps the same floor, ``b_min``.)"""
+    out = list(specs)
+    for i, spec in enumerate(out):
+        if spec.batch > 0 or len(spec.members) != 1:
+            continue
+        dp = [j for j, s in enumerate(out) if len(s.members) == 1 and s.batch >= 2 * PROBE]
+        if not dp:
+            break
+        j = max(dp, key=lambda k: out[k].batch)
+        out[j] = replace(out[j], batch=out[j].batch - PROBE)
+        out[i] = replace(spec, batch=PROBE)
+    return out
+
+
 def _dp_round(view: ClusterView) -> tuple[list[int], dict[int, int]]:
     """Every worker in the view data parallel with an equal share (no plan possible)."""
     working = sorted(view.workers)
@@ -178,7 +197,7 @@ def dpmp(
             tau, reason = 0.0, f"data parallel: {exc}"
         working: list[int] = []
         batches: dict[int, int] = {}
-        for spec in specs:
+        for spec in probed(specs):
             if spec.batch <= 0:
                 continue
             if len(spec.members) == 1:

@@ -16,6 +16,7 @@ from hetd.core.store import Store
 from hetd.protocol import wire
 from hetd.protocol.messages import PushIn
 from policies import make_policy
+from policies.dpmp.policy import PROBE
 from policies.types import ReplicaShape
 from tests.conftest import FakeClock, FakePeer
 
@@ -203,3 +204,42 @@ def test_on_a_model_that_is_not_block_structured_shares_follow_measured_speed() 
     assert batch["fast"] > batch["mid"] > batch["slow"], batch
     finish = [batch[n] * sample_s[n] for n in batch]
     assert max(finish) / min(finish) < 1.3, batch  # they finish (about) together
+
+
+def test_a_worker_planned_out_while_slow_keeps_a_probe_share_and_gets_work_back() -> None:
+    """A transient straggler: planned out while it is very slow, it must still push (a few
+    samples) so that its speed is measured again, and get a full share once it is fast."""
+    shapes = {"dense0/kernel": (64, 64), "dense0/bias": (64,)}
+    params = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
+    clock = FakeClock()
+    config = EngineConfig(batch_size=32, global_batch=256, profile_steps=0)
+    engine = Engine(Store(params, optax.sgd(0.1)), make_policy("dpmp"), config, clock)
+    ids = {}
+    for name in ("a", "b", "straggler"):
+        hello = wire.encode("hello", 1, name=name, device={}, codecs=["none"], features=[])
+        ids[name] = engine.join(decode_hello(wire.decode(hello)), FakePeer())
+    pid = 0
+    shares: list[int] = []
+
+    def round_(sample_s: dict[str, float]) -> None:
+        nonlocal pid
+        for name, wid in ids.items():
+            if wid not in engine.policy_state.working:
+                continue
+            pid += 1
+            clock.t += 0.01
+            b = engine.plans[wid].batch_size
+            grads = {k: np.full(s, 1e-3, np.float32) for k, s in shapes.items()}
+            base = engine.store.version
+            engine.push(
+                PushIn(wid, pid, base, "grad", grads, b, 1, b * sample_s[name], None, None, 1)
+            )
+        shares.append(engine.plans[ids["straggler"]].batch_size)
+
+    for _ in range(4):  # 100x slower than the others: no share worth its time
+        round_({"a": 1e-4, "b": 1e-4, "straggler": 1e-2})
+    assert ids["straggler"] in engine.policy_state.working  # still pushing: a probe share
+    assert 0 < shares[-1] <= PROBE
+    for _ in range(10):  # as fast as the others again (its measured speed is smoothed)
+        round_({"a": 1e-4, "b": 1e-4, "straggler": 1e-4})
+    assert shares[-1] > 64, shares  # about a third of 256 again
