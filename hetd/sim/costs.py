@@ -1,11 +1,11 @@
 """What the simulator charges besides compute and links: a cost profile measured on a machine.
 
 Owns :class:`CostProfile` (the costs a real run pays on the daemon and on the workers, in seconds,
-read by :mod:`hetd.sim.loop` and :mod:`hetd.sim.agent`), :data:`FIELDS` (each cost's unit and
-meaning, docs/benchmark.md "The cost profile"), and the JSON file: :func:`load_costs`,
-:func:`write_costs`, :meth:`CostProfile.from_json` (strict: a missing, unknown or bad field raises
-:class:`CostError` naming it). ``hetd calibrate`` (:mod:`hetd.bench.calibrate`) measures a profile
-with the real code paths.
+read by :mod:`hetd.sim.server_model`, :mod:`hetd.sim.loop` and :mod:`hetd.sim.agent`),
+:data:`FIELDS` (each cost's unit and meaning, docs/benchmark.md "The cost profile"), and the
+JSON file: :func:`load_costs`, :func:`write_costs`, :meth:`CostProfile.from_json` (strict: a
+missing, unknown or bad field raises :class:`CostError` naming it). ``hetd calibrate``
+(:mod:`hetd.bench.calibrate`) measures a profile with the real code paths.
 
 The default profile, :class:`CostProfile()` with every cost zero, charges nothing: the simulator
 then gives exactly the results it gave before profiles existed (``tests/golden`` pins them). A
