@@ -1,0 +1,86 @@
+"""Statistical efficiency: what one applied sample is worth, kept apart from how fast it arrives.
+
+Owns :class:`Efficiency` (the discount of a push by its staleness, its local steps and the size of
+the update it is part of) and :func:`effective_samples`. The timing twin (:mod:`policies.twin`)
+counts samples; a planner multiplies them by this model to compare policies that trade freshness
+for speed. The forms and the default constants are our design [D], to be fitted online before a
+ranking is trusted: nothing here has been calibrated against training curves yet.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class AppliedPush(Protocol):
+    """The facts of one applied push the model needs (:class:`policies.twin.Applied` has them)."""
+
+    @property
+    def samples(self) -> int: ...  # samples of the push (batch × local steps)
+
+    @property
+    def steps(self) -> int: ...  # local steps (1: a gradient)
+
+    @property
+    def staleness(self) -> int: ...  # applied updates between its base and its arrival
+
+    @property
+    def update_samples(self) -> int: ...  # samples of the whole update it was part of
+
+
+@dataclass(frozen=True, slots=True)
+class Efficiency:
+    """What an applied sample is worth, relative to a fresh one in a small synchronous step [D].
+
+    A push of ``samples`` samples counts ``samples × ρ_τ × ρ_H × E``:
+
+    * ``ρ_τ = 1 / (1 + kappa_staleness · τ)``: a gradient computed ``τ`` updates ago;
+    * ``ρ_H = 1 / (1 + kappa_local · (H − 1))``: a delta of ``H`` local steps (one step: 1);
+    * ``E = (φ + M0) / (φ + M)`` (Pollux's statistical efficiency): an update of ``M`` samples
+      against one of ``M0 = base_batch``, with ``φ = noise_scale`` the gradient noise scale in
+      samples; ``noise_scale=None`` leaves it out (``E = 1``).
+
+    The default constants are guesses that order policies the way staleness and local steps are
+    known to hurt, and nothing more. A planner is meant to fit them to what it observes (progress
+    per effective sample, per policy) before it trusts a ranking.
+    """
+
+    kappa_staleness: float = 0.1
+    kappa_local: float = 0.05
+    noise_scale: float | None = None  # φ, samples
+    base_batch: int = 32  # M0, samples
+
+    def __post_init__(self) -> None:
+        for name in ("kappa_staleness", "kappa_local"):
+            v = getattr(self, name)
+            if not (isinstance(v, int | float) and v >= 0 and math.isfinite(v)):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        if self.noise_scale is not None and not self.noise_scale >= 0:
+            raise ValueError(
+                f"noise_scale must be >= 0 samples (or None to leave it out), "
+                f"got {self.noise_scale!r}"
+            )
+        if not self.base_batch >= 1:
+            raise ValueError(f"base_batch must be >= 1 sample, got {self.base_batch!r}")
+
+    def factor(self, staleness: int, steps: int, update_samples: int) -> float:
+        """The worth of one applied sample of a push with these facts: in (0, 1] for updates of
+        at most ``base_batch`` samples, above 1 only for smaller ones when ``noise_scale`` is set."""
+        rho_t = 1.0 / (1.0 + self.kappa_staleness * max(0, staleness))
+        rho_h = 1.0 / (1.0 + self.kappa_local * max(0, steps - 1))
+        e = 1.0
+        if self.noise_scale is not None:
+            e = (self.noise_scale + self.base_batch) / (self.noise_scale + max(1, update_samples))
+        return rho_t * rho_h * e
+
+    def worth(self, push: AppliedPush) -> float:
+        """``push.samples`` × :meth:`factor` of its facts."""
+        return push.samples * self.factor(push.staleness, push.steps, push.update_samples)
+
+
+def effective_samples(applied: Iterable[AppliedPush], efficiency: Efficiency) -> float:
+    """Σ :meth:`Efficiency.worth` over the applied pushes."""
+    return sum(efficiency.worth(a) for a in applied)

@@ -1,0 +1,275 @@
+"""The timing twin (policies/twin.py): the policies' real code on facts alone, checked against what
+each policy must do by construction and against the full simulator on scenario S1."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import policies  # noqa: F401  (registers the built-in policies)
+from policies.efficiency import Efficiency, effective_samples
+from policies.registry import PolicyError
+from policies.twin import TwinConfig, TwinError, TwinResult, reference_loss, run_twin
+from policies.types import ClusterView, WorkerFacts
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE_STEP_S, BASE_BATCH = 0.01, 32  # s per step of 32 samples at slow-down 1 (as S1)
+
+
+def view_of(
+    slowdowns: list[float],
+    *,
+    link_bps: float | None = None,
+    push_bytes: float | None = None,
+    global_batch: int = 128,
+    step_s: float = BASE_STEP_S,
+) -> ClusterView:
+    """A cluster just after a swap: every worker waiting, timed by its facts."""
+    workers = {
+        i: WorkerFacts(
+            worker=i,
+            name=f"w{i}",
+            clock=0,
+            version=0,
+            waiting=True,
+            joined_at=0.0,
+            compute_s=step_s * s,
+            sample_s=step_s / BASE_BATCH * s,
+            push_bytes=push_bytes,
+            link_bps=link_bps,
+            batch_size=global_batch // len(slowdowns),
+        )
+        for i, s in enumerate(slowdowns)
+    }
+    return ClusterView(now=0.0, version=0, workers=workers, global_batch=global_batch)
+
+
+S = [1.0, 1.0, 2.0, 4.0]
+FREE = TwinConfig(horizon_s=5.0)  # no links, no daemon costs: compute alone
+RATES = [BASE_BATCH / (BASE_STEP_S * s) for s in S]  # samples/s of each worker alone
+
+
+# --- what each policy must do by construction -----------------------------------------------------
+
+
+def test_bsp_round_takes_the_slowest_worker() -> None:
+    r = run_twin(view_of(S), "bsp", config=FREE)
+    slowest = BASE_STEP_S * max(S)
+    assert r.updates_per_s == pytest.approx(1 / slowest, rel=0.01)
+    assert r.samples_per_s == pytest.approx(128 / slowest, rel=0.01)
+    assert r.staleness_mean == 0.0 and r.max_release_gap == 0
+    # the fast workers wait 3/4 of every round, the slowest never
+    assert r.idle_fraction[0] == pytest.approx(0.75, abs=0.01)
+    assert r.idle_fraction[3] == pytest.approx(0.0, abs=0.01)
+
+
+def test_asp_throughput_is_the_sum_of_the_workers_rates() -> None:
+    r = run_twin(view_of(S), "asp", config=FREE)
+    assert r.samples_per_s == pytest.approx(sum(RATES), rel=0.01)
+    assert r.applied_samples_per_s == pytest.approx(sum(RATES), rel=0.01)
+    assert max(r.idle_fraction.values()) < 0.01
+    # every push applied alone: one version each
+    assert r.updates_per_s * r.duration_s == pytest.approx(r.pushes, abs=1)
+
+
+def test_lbbsp_balances_the_round() -> None:
+    bsp = run_twin(view_of(S), "bsp", config=FREE)
+    r = run_twin(view_of(S), "lbbsp", config=FREE)
+    # batch shares in proportion to speed: close to every worker's full rate, all busy alike
+    assert r.samples_per_s > 0.9 * sum(RATES)
+    assert r.samples_per_s > 2.5 * bsp.samples_per_s
+    idle = list(r.idle_fraction.values())
+    assert max(idle) - min(idle) < 0.15
+    assert r.staleness_mean == 0.0
+
+
+@pytest.mark.parametrize("bound", [0, 1, 3])
+def test_ssp_never_releases_a_worker_past_its_bound(bound: int) -> None:
+    r = run_twin(view_of(S), "ssp", {"staleness": bound}, config=FREE)
+    assert r.max_release_gap <= bound
+    if bound:  # the bound binds here: 4x spread
+        assert r.max_release_gap == bound
+    asp = run_twin(view_of(S), "asp", config=FREE)
+    assert asp.max_release_gap > 3  # (a gap the gate must stop)
+
+
+def test_links_and_the_daemon_cost_time() -> None:
+    # 1 MB over 100 MB/s each way: 20 ms of transfers per round on top of the slowest's 40 ms
+    r = run_twin(view_of(S, link_bps=1e8, push_bytes=1e6), "bsp", config=FREE)
+    assert r.updates_per_s == pytest.approx(1 / 0.06, rel=0.01)
+    assert r.bytes_up == pytest.approx(r.pushes * 1e6)
+    # a daemon that takes 5 ms per update serves at most 200 updates/s: workers of 0.1-0.4 ms
+    # steps get that many; S's (275/s alone) get fewer, as each waits for its own apply
+    slow_daemon = dataclasses.replace(FREE, apply_s=0.005)
+    tiny = run_twin(view_of(S, step_s=1e-4), "asp", config=slow_daemon)
+    assert tiny.updates_per_s == pytest.approx(200, rel=0.01)
+    capped = run_twin(view_of(S), "asp", config=slow_daemon)
+    assert 150 < capped.updates_per_s < 200
+
+
+def test_a_codec_in_the_plan_shrinks_the_pushes() -> None:
+    # hps gives the worker on a slow link (1 MB pushes, 10 MB/s) fewer bits per value; lbbsp
+    # sends every push in full
+    fast = view_of(S, link_bps=1e9, push_bytes=1e6)
+    slow = dataclasses.replace(fast.workers[0], link_bps=1e7)
+    view = dataclasses.replace(fast, workers={**fast.workers, 0: slow})
+    lbbsp = run_twin(view, "lbbsp", config=FREE)
+    hps = run_twin(view, "hps", config=FREE)
+    assert lbbsp.bytes_up == lbbsp.pushes * 1e6
+    assert hps.bytes_up < 0.9 * hps.pushes * 1e6
+
+
+def test_a_horizon_in_rounds_and_determinism() -> None:
+    cfg = TwinConfig(horizon_s=None, horizon_rounds=10)
+    r = run_twin(view_of(S), "bsp", config=cfg)
+    assert r.pushes == 40
+    assert r.duration_s == pytest.approx(10 * BASE_STEP_S * max(S), rel=0.01)
+    again = run_twin(view_of(S), "bsp", config=cfg)
+    assert again.summary() == r.summary() and again.applied == r.applied
+
+
+def test_it_starts_from_the_live_state() -> None:
+    # worker 3 is mid-step (released at 0.99 s, 40 ms steps): its push lands at about 1.03 s,
+    # not a whole step after the twin starts; clocks are levelled as a swap levels them
+    live = view_of(S)
+    busy = dataclasses.replace(live.workers[3], waiting=False, last_push_at=0.99, clock=7)
+    view = dataclasses.replace(live, now=1.0, workers={**live.workers, 3: busy})
+    r = run_twin(view, "asp", config=TwinConfig(horizon_s=0.2))
+    first = min(a.at for a in r.applied if a.worker == 3)
+    assert first == pytest.approx(1.03, abs=1e-6)
+    assert r.start_s == 1.0
+
+
+def test_what_it_refuses() -> None:
+    blank = dataclasses.replace(view_of(S).workers[0], compute_s=None, sample_s=None, profile=None)
+    with pytest.raises(TwinError, match="no timing facts"):
+        run_twin(dataclasses.replace(view_of(S), workers={0: blank}), "asp")
+    with pytest.raises(PolicyError, match="unknown policy"):
+        run_twin(view_of(S), "no-such-policy")
+    with pytest.raises(ValueError, match="horizon"):
+        TwinConfig(horizon_s=None)
+
+
+# --- statistical efficiency, kept apart -----------------------------------------------------------
+
+
+def test_efficiency_discounts_stale_and_local_work_only() -> None:
+    eff = Efficiency(kappa_staleness=0.1, kappa_local=0.05)
+    assert eff.factor(0, 1, 32) == 1.0
+    assert eff.factor(10, 1, 32) == pytest.approx(0.5)
+    assert eff.factor(0, 21, 32) == pytest.approx(0.5)
+    pollux = Efficiency(noise_scale=96, base_batch=32)
+    assert pollux.factor(0, 1, 32) == 1.0 and pollux.factor(0, 1, 224) == pytest.approx(0.4)
+    bsp = run_twin(view_of(S), "bsp", config=FREE)
+    asp = run_twin(view_of(S), "asp", config=FREE)
+    assert bsp.effective_samples_per_s(eff) == pytest.approx(bsp.applied_samples_per_s)
+    assert asp.effective_samples_per_s(eff) < 0.8 * asp.applied_samples_per_s  # τ ≈ 3
+    assert effective_samples(asp.applied, Efficiency(0.0, 0.0)) == sum(
+        a.samples for a in asp.applied
+    )
+
+
+def test_time_to_a_number_of_samples() -> None:
+    r = run_twin(view_of(S), "bsp", config=TwinConfig(horizon_s=1.0))
+    rate = 128 / (BASE_STEP_S * max(S))
+    assert r.time_to_samples(rate * 0.5) == pytest.approx(0.5, abs=0.05)  # read off the run
+    assert r.time_to_samples(rate * 10) == pytest.approx(10, rel=0.02)  # extrapolated
+    stale = Efficiency(kappa_staleness=1.0)
+    asp = run_twin(view_of(S), "asp", config=TwinConfig(horizon_s=1.0))
+    assert asp.time_to_samples(1e5, stale) > 2 * asp.time_to_samples(1e5)
+    assert reference_loss(0) == 1.0 and reference_loss(1e4) == 0.5
+
+
+# --- against the full simulator on S1 -------------------------------------------------------------
+
+# `hetd bench --mode sim --scenario S1 --policies bsp,asp,ssp,lbbsp,adsp --seeds 1` (seed 0, 20 s
+# of virtual time, no cost profile), from its results.json: samples/s, staleness mean / p95, and
+# the bytes of one push ("KB per push" 814.5).
+SIM_S1 = {
+    "bsp": (3027.2, 0.00, 0.0),
+    "asp": (7516.8, 3.00, 8.15),
+    "ssp": (3041.6, 1.50, 3.0),
+    "lbbsp": (7458.2, 0.00, 0.0),
+    "adsp": (8446.4, 3.00, 6.0),
+}
+SIM_PUSH_BYTES = 814_500.0
+FACTOR = 1.05  # the twin's samples/s is within this factor of the simulator's, either way
+
+
+def s1_view() -> tuple[ClusterView, TwinConfig]:
+    """S1's workers as a twin sees them, read from the packaged scenario file."""
+    raw = tomllib.loads((ROOT / "hetd/sim/scenarios/S1.toml").read_text())
+    specs = [w for w in raw["workers"] for _ in range(w.get("count", 1))]
+    latency = {w["latency_s"] for w in specs}
+    # one latency and one bandwidth for every link: the config holds one latency, view_of one link
+    assert len(latency) == 1 and len({w["bandwidth"] for w in specs}) == 1
+    view = view_of(
+        [w["slowdown"] for w in specs],
+        link_bps=specs[0]["bandwidth"],
+        push_bytes=SIM_PUSH_BYTES,
+        global_batch=raw["global_batch"],
+        step_s=raw["base_step_s"],
+    )
+    return view, TwinConfig(horizon_s=raw["budget_s"], latency_s=latency.pop())
+
+
+@pytest.mark.parametrize("name", sorted(SIM_S1))
+def test_s1_against_the_simulator(name: str) -> None:
+    view, cfg = s1_view()
+    r = run_twin(view, name, config=cfg)
+    sps, st_mean, st_p95 = SIM_S1[name]
+    assert 1 / FACTOR < r.samples_per_s / sps < FACTOR, (r.samples_per_s, sps)
+    assert r.staleness_mean == pytest.approx(st_mean, abs=0.25)
+    assert r.staleness_p95 == pytest.approx(st_p95, abs=1.0)
+
+
+def test_s1_without_a_loss_adsp_searches_differently() -> None:
+    # adsp raises its commit rate while the loss's decrease improves; with no loss at all it
+    # climbs until no commit fits, commits about twice as often and moves twice the bytes
+    view, cfg = s1_view()
+    with_loss = run_twin(view, "adsp", config=cfg)
+    blind = run_twin(view, "adsp", config=dataclasses.replace(cfg, loss=None))
+    assert blind.pushes > 1.5 * with_loss.pushes
+    assert blind.bytes_up > 1.5 * with_loss.bytes_up
+
+
+def test_evaluations_let_ashl_leave_its_first_stage() -> None:
+    # ashl moves from AHL to SHL when the evaluated loss flattens: only with Eval events
+    view, cfg = s1_view()
+    blind = run_twin(view, "ashl", config=cfg)
+    evaluated = run_twin(view, "ashl", config=dataclasses.replace(cfg, eval_interval_s=0.5))
+    assert (blind.stage, evaluated.stage) == ("AHL", "SHL")
+    assert evaluated.bytes_up < 0.5 * blind.bytes_up  # SHL pushes top-k deltas
+
+
+# --- what it costs ---------------------------------------------------------------------------------
+
+
+def _spread(n: int) -> list[float]:
+    return [1 + 3 * i / (n - 1) for i in range(n)]
+
+
+@pytest.mark.slow
+def test_cost_of_a_10s_horizon_at_16_workers(capsys: pytest.CaptureFixture[str]) -> None:
+    """CPU seconds of one twin run (16 workers, slow-downs 1..4, S1's step and links, 10 s of
+    virtual time); printed with ``pytest -s``."""
+    view = view_of(_spread(16), link_bps=1e9, push_bytes=SIM_PUSH_BYTES, global_batch=512)
+    cfg = TwinConfig(horizon_s=10.0, latency_s=0.0002)
+    rows = []
+    for name in ("bsp", "asp", "ssp", "dssp", "lbbsp", "hps", "adsp", "ashl", "diloco"):
+        start = time.process_time()
+        r: TwinResult = run_twin(view, name, config=cfg)
+        cpu = time.process_time() - start
+        rows.append((name, cpu, r.pushes))
+        assert not r.truncated and r.pushes > 0
+        assert cpu < 10.0, f"{name}: {cpu:.1f} s of CPU for one 10 s horizon"
+    with capsys.disabled():
+        print("\ntwin cost, 16 workers, 10 s horizon (CPU s, pushes, µs per push):")
+        for name, cpu, pushes in rows:
+            print(f"  {name:7s} {cpu:6.3f} s  {pushes:6d}  {cpu / pushes * 1e6:6.0f}")
+    assert math.isfinite(sum(c for _, c, _ in rows))
