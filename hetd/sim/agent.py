@@ -27,7 +27,7 @@ import numpy as np
 from hetd.codecs import registry as codecs
 from hetd.codecs.feedback import ErrorFeedback, encode_with_feedback
 from hetd.protocol import wire
-from hetd.protocol.frames import Hello, Params, Push, as_params
+from hetd.protocol.frames import Hello, Params, Push
 from hetd.protocol.messages import ProfileRequest, Welcome
 from hetd.protocol.params import Held, apply_params
 from hetd.protocol.plan import Plan, codec_for, data_range, local_steps_for
@@ -113,12 +113,8 @@ class EmuWorker:
         return self.asked
 
     @profile.setter
-    def profile(self, asked: ProfileRequest | Mapping[str, int] | None) -> None:
-        # (a request's spec map reads as the request: the loop hands over either)
-        if asked is None or isinstance(asked, ProfileRequest):
-            self.asked = asked
-        else:
-            self.asked = ProfileRequest.from_spec(asked)
+    def profile(self, asked: ProfileRequest | None) -> None:
+        self.asked = asked
 
     def hello(self) -> wire.Message:
         """The hello a real worker sends (device info from the scenario), as the daemon reads
@@ -161,12 +157,12 @@ class EmuWorker:
         self.sampler = self._sampler(share_indices(len(self.data.y_train), *wanted, self.seed))
         self._share = wanted
 
-    def receive(self, frames: Sequence[Params | wire.Message]) -> bool:
+    def receive(self, frames: Sequence[Params]) -> bool:
         """Apply one release's ``params`` frames in order, each answering one push in flight (as
         the real client counts them: a release for a wait that two pushes joined brings an empty
         frame for the second); False if a delta did not fit what it holds (the worker then pulls
         everything, as the real client does)."""
-        for msg in map(as_params, frames):
+        for msg in frames:
             held = apply_params(self.held, msg)
             if held is None:
                 return False
@@ -174,11 +170,11 @@ class EmuWorker:
             self.in_flight = max(0, self.in_flight - 1)
         return True
 
-    def decode_s(self, frames: Sequence[Params | wire.Message]) -> float:
+    def decode_s(self, frames: Sequence[Params]) -> float:
         """Seconds to decode one release's ``params`` frames and apply them (an empty delta,
         "go on with what you have", costs nothing)."""
         total = 0.0
-        for msg in map(as_params, frames):
+        for msg in frames:
             codec = codec_name(msg.tensors)
             if codec is not None:
                 total += self.costs.worker_decode(codec, self.n_params)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from hetd.protocol import wire
+    from hetd.protocol.frames import Params
     from hetd.sim.agent import EmuWorker, InFlight
 
 
@@ -32,7 +33,7 @@ class Deliver:
     """A release's ``params`` frames reach their worker (link and decode time included)."""
 
     worker: EmuWorker
-    frames: list[wire.Message]
+    frames: list[Params]
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,7 +35,7 @@ import jax
 
 from hetd.core import commands as cmd
 from hetd.core.engine import Engine
-from hetd.protocol import wire
+from hetd.protocol.frames import Params
 from hetd.protocol.messages import PlanUpdate, ProfileRequest, Reply, Welcome
 from hetd.sim import events as ev
 from hetd.sim.agent import EmuWorker, InFlight
@@ -139,11 +139,11 @@ class _Harness:
         elif isinstance(reply, PlanUpdate):
             w.follow_plan(reply.plan)
         elif isinstance(reply, ProfileRequest):
-            w.profile = reply.spec()
+            w.profile = reply
         # acks need no action: the next params frame is what a worker waits for
 
     def release(
-        self, index: int, frames: list[wire.Message], nbytes: int, depart: float, order: int
+        self, index: int, frames: list[Params], nbytes: int, depart: float, order: int
     ) -> None:
         """A release's frames reach their worker after the time they take on its link and to
         decode; the ``order``-th worker released in one batch is served that many staggers

@@ -35,6 +35,7 @@ from hetd.core.engine import BATCH, EngineConfig
 from hetd.core.ingest import decode_hello, decode_push
 from hetd.core.store import Store, Tensors
 from hetd.protocol import wire
+from hetd.protocol.frames import Params, as_params
 from hetd.protocol.messages import Reply
 from hetd.sim import events as ev
 from hetd.sim.agent import EmuWorker, InFlight
@@ -96,7 +97,7 @@ class Links(Protocol):
         """Worker ``index`` takes a control reply (at once)."""
 
     def release(
-        self, index: int, frames: list[wire.Message], nbytes: int, depart: float, order: int
+        self, index: int, frames: list[Params], nbytes: int, depart: float, order: int
     ) -> None:
         """A release's ``params`` frames (``nbytes`` in all) leave for worker ``index`` at
         ``depart``; it is the ``order``-th worker its batch released."""
@@ -304,16 +305,15 @@ class ServerModel:
 
     # --- what leaves the daemon ------------------------------------------------------------------
 
-    def _frame_cost(self, msg: wire.Message, batch: set[tuple[Any, ...]]) -> float:
+    def _frame_cost(self, msg: Params, batch: set[tuple[Any, ...]]) -> float:
         """What encoding this ``params`` frame cost the daemon: once per frame (the downlink
         shares it), and once per batch for frames alike but for their version (the daemon
         publishes one snapshot per batch)."""
-        tensors = msg["tensors"]
-        if not tensors:
+        if not msg.tensors:
             return 0.0
-        codec = str(next(iter(tensors.values()))["codec"])
-        key = (bool(msg["full"]), codec, None if msg["full"] else msg.get("base"))
-        version = int(msg["version"])
+        codec = str(next(iter(msg.tensors.values()))["codec"])
+        key = (msg.full, codec, None if msg.full else msg.base)
+        version = msg.version
         if version != self._encoded_version:
             self._encoded, self._encoded_version = set(), version
         if key in batch or key in self._encoded:
@@ -328,11 +328,12 @@ class ServerModel:
         which this returns with ``cost``)."""
         while self.inbox:
             batch, self.inbox[:] = list(self.inbox), []
-            releases: dict[int, tuple[list[wire.Message], int]] = {}
+            releases: dict[int, tuple[list[Params], int]] = {}
             for index, item in batch:
                 if isinstance(item, bytes):
                     frames, nbytes = releases.get(index, ([], 0))
-                    releases[index] = ([*frames, wire.decode(item)], nbytes + len(item))
+                    typed = as_params(wire.decode(item))
+                    releases[index] = ([*frames, typed], nbytes + len(item))
                 else:
                     self.links.reply(index, item)
             if self.costs.publish_s_per_param:
