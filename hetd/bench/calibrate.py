@@ -44,6 +44,7 @@ from hetd.core.engine import Engine
 from hetd.core.ingest import decode_hello, decode_push
 from hetd.core.store import Aggregator, Snapshot
 from hetd.protocol import wire
+from hetd.protocol.frames import as_params
 from hetd.protocol.messages import Reply
 from hetd.protocol.params import apply_params
 from hetd.protocol.plan import Plan, codec_for
@@ -368,7 +369,7 @@ def _params_frames(
     codec = codecs.get_codec(name)
     downlink = Downlink()
     first = downlink.frames(name, None, Snapshot(0, variants[0]))
-    held = apply_params(None, wire.decode(first.frames[0]))
+    held = apply_params(None, as_params(wire.decode(first.frames[0])))
     assert held is not None  # a full frame
     version, ref = 0, first.ref
     sample: list[bytes] = []
@@ -389,7 +390,7 @@ def _params_frames(
     start = None if codec.lossless else held
 
     def decode() -> object:
-        return apply_params(start, wire.decode(sample[0]))
+        return apply_params(start, as_params(wire.decode(sample[0])))
 
     return encode_s, _median(decode, repeats)
 

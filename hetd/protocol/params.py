@@ -20,7 +20,7 @@ import xxhash
 
 from hetd.codecs import registry as codecs
 from hetd.protocol import wire
-from hetd.protocol.frames import Params, as_params
+from hetd.protocol.frames import Params
 
 HASH_BYTES = 8  # XXH3's 64 bits
 
@@ -117,11 +117,9 @@ class Held:
     tensors: Mapping[str, np.ndarray]
 
 
-def apply_params(held: Held | None, msg: Params | wire.Message) -> Held | None:
-    """The parameters after a ``params`` message (typed, or as decoded: read here): full ones
-    replace; a delta adds to the version it names, or returns None when that is not the version
-    held."""
-    msg = as_params(msg)
+def apply_params(held: Held | None, msg: Params) -> Held | None:
+    """The parameters after a ``params`` message: full ones replace; a delta adds to the version
+    it names, or returns None when that is not the version held."""
     decoded = codecs.decode_tree(msg.tensors)
     if msg.full:
         return Held(msg.version, decoded)

@@ -50,7 +50,7 @@ async def test_only_workers_that_name_the_hash_get_it(raw_asp: Cluster) -> None:
         assert "hash" not in unhashed.body
         # ... and the worker that asked gets the version's hash of the same parameters.
         assert hashed["version"] == unhashed["version"]
-        held = apply_params(None, hashed)
+        held = apply_params(None, as_params(hashed))
         assert held is not None and hash_matches(held, as_params(hashed)) is True
         await plain.close()
         await new.close()

@@ -11,6 +11,7 @@ import pytest
 from hetd.core.downlink import Downlink, Outgoing
 from hetd.core.store import Snapshot
 from hetd.protocol import wire
+from hetd.protocol.frames import as_params
 from hetd.protocol.params import Held, apply_params
 
 
@@ -26,7 +27,7 @@ def snap(version: int, rng: np.random.Generator) -> Snapshot:
 
 def replay(frames: list[bytes], held: Held | None) -> Held | None:
     for frame in frames:
-        held = apply_params(held, wire.decode(frame))
+        held = apply_params(held, as_params(wire.decode(frame)))
     return held
 
 
@@ -179,7 +180,7 @@ def test_a_delta_against_another_version_is_refused() -> None:
     delta = w.ask(d, "int8", snap(1, rng))
     assert w.held is not None
     stale = Held(7, w.held.tensors)
-    assert apply_params(stale, wire.decode(delta.frames[0])) is None
+    assert apply_params(stale, as_params(wire.decode(delta.frames[0]))) is None
 
 
 def test_a_full_release_shares_the_read_only_snapshot() -> None:
