@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import socket
 import ssl
 import sys
@@ -14,7 +15,7 @@ import time
 import tomllib
 import urllib.parse
 from collections.abc import Callable
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from workers.emulate import (
     Emulation,
@@ -26,6 +27,9 @@ from workers.emulate import (
 )
 from workers.imports import Allowed
 from workers.loop import quiet_xla_threads
+
+if TYPE_CHECKING:  # imported where it runs: the command line stays light until then
+    from workers.state import WorkerOptions
 
 log = logging.getLogger("hetd.worker")
 PROGRESS_LOGGER = "hetd.worker.progress"  # workers.progress's (not imported here: it loads JAX)
@@ -397,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_xla_threads()
     # Imported after the XLA flags are set.
     from hetd.zoo.task import Bound, TaskError, load_task
-    from workers.client import FatalError, WorkerOptions, run_worker
+    from workers.client import FatalError, WorkerOptions
     from workers.loop import pick_device
 
     try:  # the task loads before anything connects: a wrong one is reported at once
@@ -421,15 +425,27 @@ def main(argv: list[str] | None = None) -> int:
             task=task,
             allowed=allowed,
         )
-        steps = asyncio.run(run_worker(opts, progress_s=args.progress_every))
+        steps = asyncio.run(_until_stopped(opts, args.progress_every))
     except (ValueError, OSError, FatalError) as exc:
         print(f"hetd-worker: {exc}", file=sys.stderr)
         return 2
+    except asyncio.CancelledError:  # SIGTERM before it trained, or a stop past its grace
+        print("hetd-worker: stopped", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("hetd-worker: interrupted", file=sys.stderr)
         return 130
     print(f"hetd-worker: done after {steps} pushes", file=sys.stderr)
     return 0
+
+
+async def _until_stopped(opts: WorkerOptions, progress_s: float) -> int:
+    """``run_worker`` with SIGTERM as its stop: the step in progress is sent, then bye."""
+    from workers.client import run_worker
+
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    return await run_worker(opts, progress_s=progress_s, stop=stop)
 
 
 if __name__ == "__main__":  # python -m workers.cli: the environment comes from the parent

@@ -24,7 +24,7 @@ from hetd.protocol.frames import Hello, ProfileResult
 from hetd.protocol.messages import EMULATED_LINK, Bye
 from hetd.protocol.plan import local_steps_for
 from workers.dial import plain_port_message, tls_port_message
-from workers.inbox import Inbox
+from workers.inbox import Inbox, Stopped
 from workers.loop import device_info
 from workers.prepare import start_preparing
 from workers.profiling import link_profile, link_rtt, profile
@@ -39,26 +39,52 @@ __all__ = ["FatalError", "Inbox", "WorkerOptions", "WorkerState", "run_worker"]
 log = logging.getLogger("hetd.worker")
 
 MAX_REASON = 500  # characters of a bye's reason (a traceback's last line, not all of it)
+STOP_GRACE_S = 10.0  # s a stopping worker may take to finish its step, send it and say bye
+STOPPED = "stopped (SIGTERM)"  # the bye's reason when asked to stop
 
 
-async def run_worker(opts: WorkerOptions, progress_s: float = 30.0) -> int:
+async def run_worker(
+    opts: WorkerOptions, progress_s: float = 30.0, stop: asyncio.Event | None = None
+) -> int:
     """Connect, train, reconnect; returns the number of pushes made. A progress line is logged
-    every ``progress_s`` seconds (:mod:`workers.progress`; 0: none)."""
+    every ``progress_s`` seconds (:mod:`workers.progress`; 0: none).
+
+    ``stop`` set (``hetd-worker`` sets it on SIGTERM): a worker in its training loop starts no
+    more steps, sends the push it is computing, says ``bye`` and returns, so the daemon hears at
+    once that it left and loses nothing it computed; one that is not training yet (connecting,
+    building its model) is cancelled at once, as is one that takes over ``STOP_GRACE_S``."""
     state = WorkerState()
     progress = Progress(opts.url)
     ticker = asyncio.create_task(progress.run(progress_s), name="hetd-worker-progress")
+    main = asyncio.current_task()
+    stopper = None
+    if stop is not None and main is not None:
+        stopper = asyncio.create_task(_stop_on(stop, state, main), name="hetd-worker-stop")
     try:
         return await _run(opts, state, progress)
     finally:
-        ticker.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await ticker
+        for task in (ticker, stopper):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+
+async def _stop_on(stop: asyncio.Event, state: WorkerState, main: asyncio.Task[Any]) -> None:
+    """When ``stop`` is set: stop the training loop (``state.inbox``) and give it
+    ``STOP_GRACE_S``; cancel ``main`` when there is none, or past the grace."""
+    await stop.wait()
+    state.stopping = True
+    if state.inbox is not None:
+        state.inbox.stop()
+        await asyncio.sleep(STOP_GRACE_S)
+    main.cancel()
 
 
 async def _run(opts: WorkerOptions, state: WorkerState, progress: Progress) -> int:
     failures = 0
     async with aiohttp.ClientSession() as http:
-        while opts.max_steps == 0 or state.steps < opts.max_steps:
+        while (opts.max_steps == 0 or state.steps < opts.max_steps) and not state.stopping:
             if state.trainer is None and state.preparing is None:  # until one is built
                 state.preparing = await start_preparing(
                     http,
@@ -208,9 +234,15 @@ async def _converse(
             log.info("sent %d unanswered pushes again", len(state.unacked))
         sending: asyncio.Task[None] | None = None
         idle_from = time.perf_counter()
+        state.inbox = inbox  # from here a stop ends the loop, not the task (run_worker)
+        if state.stopping:
+            inbox.stop()
         while not opts.max_steps or state.steps < opts.max_steps:
             pipeline = bool(state.plan.pipeline)
-            msg = await inbox.take(1 if pipeline else 0)
+            try:
+                msg = await inbox.take(1 if pipeline else 0)
+            except Stopped:
+                break
             plan = state.plan
             progress.took(msg.version, plan, "shared memory" if inbox.shm else "websocket")
             if inbox.profile is not None:
@@ -237,8 +269,9 @@ async def _converse(
                 await sending
         if sending is not None:
             await sending
-        await ws.send_bytes(Bye("max steps reached").encode())
+        await ws.send_bytes(Bye(STOPPED if inbox.stopping else "max steps reached").encode())
     finally:
+        state.inbox = None
         for task in (beat, reader):
             if task is not None:
                 task.cancel()

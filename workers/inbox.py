@@ -10,6 +10,10 @@ from workers.shm import ShmLink
 from workers.state import FatalError
 
 
+class Stopped(Exception):
+    """The worker was asked to stop (SIGTERM): it sends what it computed, says bye and exits."""
+
+
 class Inbox:
     """What the reader task hands the compute loop: the newest parameters and how many pushes are
     still unanswered. A worker computes when it has parameters and at most ``depth`` pushes in
@@ -29,6 +33,12 @@ class Inbox:
         self.rejected_in_a_row = 0  # pushes the daemon refused with ``error`` since one went in
         self.staged = False  # a pipeline stage is assigned: only replica steps run
         self.pong = asyncio.Event()  # a websocket pong arrived (a link round trip, see link_rtt)
+        self.stopping = False  # asked to stop: no step starts any more
+
+    def stop(self) -> None:
+        """Start no more steps: :meth:`take` raises :class:`Stopped` from now on."""
+        self.stopping = True
+        self.changed.set()
 
     def deliver(self, held: Held) -> None:
         """New parameters arrived."""
@@ -74,6 +84,8 @@ class Inbox:
     async def take(self, depth: int) -> Held:
         """Wait until a step may start; the parameters to start it from."""
         while True:
+            if self.stopping:
+                raise Stopped
             if isinstance(self.closed, FatalError):
                 raise self.closed
             if self.closed is not None:

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import ssl
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -20,6 +20,9 @@ from workers.emulate import Emulation
 from workers.imports import Allowed
 from workers.loop import Core, Trainer
 from workers.stage import StageHost
+
+if TYPE_CHECKING:  # the inbox imports this module
+    from workers.inbox import Inbox
 
 log = logging.getLogger("hetd.worker")
 
@@ -87,6 +90,8 @@ class WorkerState:
     unacked: dict[int, Frame] = field(default_factory=dict)  # request id -> push frame
     model_setup: dict[str, Any] = field(default_factory=dict)  # the welcome's ``model``
     stage_host: StageHost | None = None  # the pipeline stage the daemon assigned, if any
+    stopping: bool = False  # asked to stop (SIGTERM): no new session, no new step
+    inbox: Inbox | None = None  # the session's, while its training loop runs (a stop ends it)
 
     def next_push_id(self) -> int:
         """A fresh request id for a push."""

@@ -183,7 +183,7 @@ def plot_timeline(path: Path, runs: Sequence[RunResult], sc: Scenario) -> None:
     plt = _pyplot()
     policies = _policies(runs)
     window = _window(runs, sc)
-    rows = min(sc.n, MAX_ROWS)
+    rows = min(len(sc.all_workers), MAX_ROWS)  # joiners below the initial workers
     fig, axes = plt.subplots(
         len(policies), 1, figsize=(8, 0.6 + (0.25 * rows + 0.6) * len(policies)), squeeze=False
     )
@@ -205,7 +205,8 @@ def plot_timeline(path: Path, runs: Sequence[RunResult], sc: Scenario) -> None:
         ax.set_xlim(0, window)
         ax.set_ylim(rows - 0.5, -0.5)
         ax.set_yticks(range(rows))
-        ax.set_yticklabels([f"w{i} x{sc.workers[i].slowdown:g}" for i in range(rows)], fontsize=6)
+        labels = [f"w{i} x{sc.all_workers[i].slowdown:g}" for i in range(rows)]
+        ax.set_yticklabels(labels, fontsize=6)
         kinds = {k for spans in r.trace.timeline.values() for _, _, k in spans}
         what = (
             "green busy (compute and transfers), blank waiting for a release"

@@ -14,6 +14,16 @@ stragglers (``--emulate-stragglers`` with the scenario's factor and mean length)
 latency (charged per message both ways, as the simulator charges ``latency_s`` per pull and per
 push) and memory.
 
+**Churn** (a scenario's ``[[events]]``). A joiner's process starts at its ``at_s`` after t = 0
+(with the run's origin on its standard input, so its shifts count from the same t = 0) and joins
+once it has loaded JAX and built its model: seconds later on a loaded host, as a new machine
+would. A clean leave is SIGTERM (the worker sends what it computed, says bye and exits); a crash
+is SIGKILL. On loopback the kernel closes a killed process's socket, so the daemon hears of the
+crash at once; with ``--links netns`` the worker's link is cut first, so nothing reaches the daemon
+and it finds out by the heartbeat timeout (the scenario's ``heartbeat_timeout_s``), as the
+simulator's silent crash does. Every worker ever in the run has its namespace and link from the
+start.
+
 **The time origin.** The simulator's t = 0 is the start of the run, and so is the real run's: the
 moment every worker has joined and pushed once (and three warm-up rounds more), from which the
 budget and every curve count. That moment is not known when the worker processes start (importing
@@ -66,9 +76,10 @@ import functools
 import math
 import resource
 import secrets
+import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from hetd import config as config_mod
@@ -78,7 +89,7 @@ from hetd.core.engine import Engine
 from hetd.local.procs import spawn_worker, stop_processes, worker_env
 from hetd.server.daemon import Daemon
 from hetd.sim.results import PolicySpec, RunResult, Trace, staleness_stats, time_to_target
-from hetd.sim.scenario import Scenario
+from hetd.sim.scenario import Join, Scenario
 from policies import ClusterView, Policy
 from policies.types import Decision, Event, Leave, Push, Release
 from workers.imports import operator_flags
@@ -154,7 +165,7 @@ def check_real(sc: Scenario) -> None:
     """Raise ValueError if ``hetd-worker``'s emulation flags cannot express ``sc``. Every
     scenario the simulator accepts can be expressed today; this builds each worker's flags, so a
     caller learns of a problem before a long simulated sweep rather than after it."""
-    for i in range(sc.n):
+    for i in range(len(sc.all_workers)):
         _worker_args(sc, i, 0)
 
 
@@ -170,8 +181,8 @@ def _config(
         admin_port=0,
         worker_token=secrets.token_hex(16),
         admin_token=secrets.token_hex(16),
-        heartbeat_s=0.5,
-        heartbeat_timeout_s=30.0,
+        heartbeat_s=min(0.5, sc.heartbeat_timeout_s / 4),
+        heartbeat_timeout_s=sc.heartbeat_timeout_s,
     )
     cfg = config_mod.replace(
         cfg,
@@ -205,8 +216,8 @@ def _worker_args(sc: Scenario, i: int, seed: int, shaped: bool = False) -> list[
     by its batch). Shift times are seconds from the run's t = 0 (written to the worker's standard
     input, see the module docstring). ``shaped``: a real link carries the bandwidth (netns links),
     so the worker does not sleep for it; latency stays emulated (tbf shapes the rate only)."""
-    w = sc.workers[i]
-    fastest = min([x.slowdown for x in sc.workers] + [s.slowdown for s in sc.shifts])
+    w = sc.all_workers[i]
+    fastest = min([x.slowdown for x in sc.all_workers] + [s.slowdown for s in sc.shifts])
     per_32 = sc.base_step_s * 32 / sc.base_batch * fastest
     # the scenario named its model and data set: its own workers may build them (workers.imports)
     args = [
@@ -267,6 +278,7 @@ async def _run(
     on_time: Callable[[float], None],
     links: str = "emulated",
     evals: EvalOptions = EvalOptions(),
+    observe: Callable[[Engine], None] | None = None,
 ) -> RunResult:
     check_real(sc)
     if links not in LINKS:
@@ -274,10 +286,10 @@ async def _run(
     if evals.mode not in EVALS:
         raise ValueError(f"unknown evals {evals.mode!r}; use one of {', '.join(EVALS)}")
     if links == "emulated":
-        result = await _run_on(sc, policy, seed, lr, on_time, None, evals)
+        result = await _run_on(sc, policy, seed, lr, on_time, None, evals, observe)
         return dataclasses.replace(result, links={"kind": "emulated"})
-    with links_mod.open_links([w.bandwidth for w in sc.workers]) as net:
-        result = await _run_on(sc, policy, seed, lr, on_time, net, evals)
+    with links_mod.open_links([w.bandwidth for w in sc.all_workers]) as net:
+        result = await _run_on(sc, policy, seed, lr, on_time, net, evals, observe)
         return dataclasses.replace(result, links=net.describe())
 
 
@@ -289,9 +301,11 @@ async def _run_on(
     on_time: Callable[[float], None],
     net: links_mod.NetnsLinks | None,
     evals: EvalOptions = EvalOptions(),
+    observe: Callable[[Engine], None] | None = None,
 ) -> RunResult:
     """One run; with ``net`` the daemon listens on the head side of the run's links and each
-    worker process starts inside its own namespace."""
+    worker process starts inside its own namespace. ``observe`` is handed the daemon's engine
+    before any worker starts (a test's way to watch what it answers)."""
     # Until t = 0 the workers compile and warm up under bsp: one step per release, so what a
     # worker still computes at t = 0 is one step (under the run's policy it could be a whole
     # plan of local steps: adsp's first period was 2.5-4.6 s on a loaded host, and the first
@@ -302,24 +316,28 @@ async def _run_on(
     daemon = Daemon(cfg)
     port = await daemon.start()  # listens, then builds the engine; no worker has started yet
     engine = daemon.engine
+    if observe is not None:
+        observe(engine)
     recorder = Recorder(engine)
     engine.policy, engine.policy_state = recorder.wrap(engine.policy), engine.policy_state
     initial = engine.store.state()  # before any worker joins: the t = 0 restart goes back to it
     url = f"ws://{cfg.server.host}:{port}"
     env = worker_env(cfg.server.worker_token)
-    procs: list[asyncio.subprocess.Process] = []
+    procs: list[asyncio.subprocess.Process] = []  # worker i's process at index i
+
+    async def start_worker(i: int) -> asyncio.subprocess.Process:
+        return await spawn_worker(
+            url,
+            *_worker_args(sc, i, seed, shaped=net is not None),
+            env=env,
+            stdin=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            wrap=None if net is None else functools.partial(net.command, i),
+        )
+
     try:
         for i in range(sc.n):
-            procs.append(
-                await spawn_worker(
-                    url,
-                    *_worker_args(sc, i, seed, shaped=net is not None),
-                    env=env,
-                    stdin=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.PIPE,
-                    wrap=None if net is None else functools.partial(net.command, i),
-                )
-            )
+            procs.append(await start_worker(i))
         # The clock starts once every worker has joined and pushed once (its jit is compiled),
         # and then SETTLE_ROUNDS more times: the first to join ran its profile and its first
         # steps while the others compiled, and the policy built at t = 0 times each worker by
@@ -332,7 +350,10 @@ async def _run_on(
         await engine.call(lambda: _restart(engine, recorder, policy, initial))
         kept = keeper_for(engine.policy, evals)
         try:
-            return await _measure(sc, policy, seed, lr, daemon, recorder, on_time, procs, kept)
+            churn = Churn(sc, procs, start_worker, net)
+            return await _measure(
+                sc, policy, seed, lr, daemon, recorder, on_time, procs, kept, churn
+            )
         finally:
             if kept is not None:
                 kept.close()
@@ -391,6 +412,47 @@ def _restart(
     engine.store.restore(params, opt_state, engine.store.version + 1)
 
 
+class Churn:
+    """A scenario's ``[[events]]`` in a real run (the module docstring): worker processes started
+    and stopped at their times from t = 0. ``procs`` is the run's list of worker processes, worker
+    i's at index i; joiners are appended in event order, which is their index order."""
+
+    def __init__(
+        self,
+        sc: Scenario,
+        procs: list[asyncio.subprocess.Process],
+        start_worker: Callable[[int], Awaitable[asyncio.subprocess.Process]],
+        net: links_mod.NetnsLinks | None,
+    ) -> None:
+        self.sc, self.procs, self.start_worker, self.net = sc, procs, start_worker, net
+        self.done: list[tuple[float, str]] = []  # (s from t = 0, what happened)
+
+    async def run(self, now: Callable[[], float], wall_t0: float) -> None:
+        """Carry out every event at its time; ``now()``: seconds since t = 0; ``wall_t0``: the
+        wall-clock time of t = 0 a joiner is told."""
+        for e in self.sc.events:
+            await asyncio.sleep(max(0.0, e.at_s - now()))
+            if isinstance(e, Join):
+                assert len(self.procs) == e.worker  # joiners come in index order
+                proc = await self.start_worker(e.worker)
+                self.procs.append(proc)
+                await _start_schedules([proc], wall_t0)
+                what = f"w{e.worker} started (join)"
+            else:
+                proc = self.procs[e.worker]
+                if e.how == "crash":
+                    if self.net is not None:  # a machine that vanishes: nothing more gets out
+                        self.net.down(e.worker)
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.kill()
+                else:
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.send_signal(signal.SIGTERM)
+                what = f"w{e.worker} {'crashed (SIGKILL)' if e.how == 'crash' else 'stopped (SIGTERM)'}"
+            self.done.append((now(), what))
+            print(f"hetd bench: t = {now():.2f} s: {what}", file=sys.stderr)
+
+
 async def _measure(
     sc: Scenario,
     policy: PolicySpec,
@@ -401,6 +463,7 @@ async def _measure(
     on_time: Callable[[float], None],
     procs: Sequence[asyncio.subprocess.Process],
     kept: KeptSnapshots | None,
+    churn: Churn | None = None,
 ) -> RunResult:
     """Train for the budget from the moment every worker has joined, sampling the engine; the
     workers' emulation schedules start at the same moment. With ``kept`` the evaluations are
@@ -413,6 +476,14 @@ async def _measure(
     wids = {str(i): by_name[f"w{i}"] for i in range(sc.n)}
     start = engine.clock.now()
 
+    def joined() -> None:
+        """Joiners get their ids once they join (each a name of the scenario's, w<i>)."""
+        for i in range(sc.n, len(sc.all_workers)):
+            if str(i) not in wids:
+                wid = next((w for w, f in engine.facts.items() if f.name == f"w{i}"), None)
+                if wid is not None:
+                    wids[str(i)] = wid
+
     def anchor() -> None:
         # the daemon evaluates (or keeps) at t = k × eval_interval_s from here, as the simulator
         engine.anchor_evals(start)
@@ -422,18 +493,22 @@ async def _measure(
 
     await engine.call(anchor)
     cpu0 = _cpu_s()
-    await _start_schedules(procs, time.time() - (engine.clock.now() - start))
+    wall_t0 = time.time() - (engine.clock.now() - start)
+    await _start_schedules(procs, wall_t0)
+    events = None
+    if churn is not None and sc.events:
+        events = asyncio.create_task(churn.run(lambda: engine.clock.now() - start, wall_t0))
     offset = start - engine.started_at
     # the device's idle time is the budget less the compute it reported (not the daemon's
     # pull-to-release wait, which counts a pipelined worker idle while it computes), as the
     # simulator counts it; not the idle each push reports either, whose first one after t = 0
     # carries the wait before it (the warm-up's)
     busy0 = {w: recorder.compute_s.get(wid, 0.0) for w, wid in wids.items()}
-    samples0 = sum(engine.facts[wid].samples for wid in wids.values())
+    samples0 = sum(engine.facts[wid].samples for wid in wids.values())  # joiners start at 0
     bytes0 = [(s.bytes_in, s.bytes_out, s.pushes, s.releases) for s in engine.stats.values()]
     if kept is None:
         loss0, acc0 = await asyncio.to_thread(evaluate, engine.store.snapshot())
-    trace = Trace(timeline={w: [] for w in wids})
+    trace = Trace(timeline={str(i): [] for i in range(len(sc.all_workers))})
     last_share = -math.inf
     t = 0.0
     moved0 = sum(b[0] + b[1] for b in bytes0)
@@ -442,6 +517,9 @@ async def _measure(
     while t < sc.budget_s:
         await asyncio.sleep(POLL_S)
         t = min(sc.budget_s, engine.clock.now() - start)
+        joined()
+        if events is not None and events.done():
+            events.result()  # raises what went wrong starting or stopping a worker
         moved = sum(s.bytes_in + s.bytes_out for s in engine.stats.values()) - moved0
         bytes_curve.append([t, float(moved)])
         if t - last_share >= sc.eval_interval_s:
@@ -451,6 +529,10 @@ async def _measure(
             trace.shares.append((t, {w: b / total for w, b in sizes.items()}))
             on_time(t)
     cpu = _cpu_s() - cpu0
+    if events is not None and not events.done():  # an event past the budget never happens
+        events.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await events
     if kept is not None:
 
         def last() -> None:
@@ -487,8 +569,8 @@ async def _measure(
         f = engine.facts.get(wid) or engine.departed.get(wid)
         if f is None:
             continue
-        busy = busy1.get(wid, 0.0) - busy0[w]
-        idle[w] = min(1.0, max(0.0, 1.0 - busy / sc.budget_s))
+        busy = busy1.get(wid, 0.0) - busy0.get(w, 0.0)
+        idle[w] = min(1.0, max(0.0, 1.0 - busy / _present_s(sc, int(w))))
         samples += f.samples
         staleness += engine.stats[wid].staleness  # the engine keeps each worker's last ≤ 4096
     mean, p95 = staleness_stats(staleness)
@@ -525,6 +607,13 @@ async def _measure(
         stages=[[t - offset, st] for t, st in engine.stages],
         evals="live" if kept is None else "deferred",
     )
+
+
+def _present_s(sc: Scenario, i: int) -> float:
+    """Seconds of the budget worker ``i`` was in the run (churn: from its join to its leave)."""
+    start = next((e.at_s for e in sc.events if isinstance(e, Join) and e.worker == i), 0.0)
+    end = next((e.at_s for e in sc.events if not isinstance(e, Join) and e.worker == i), None)
+    return max(1e-9, min(sc.budget_s, sc.budget_s if end is None else end) - start)
 
 
 def keeper_for(running: Policy, opts: EvalOptions) -> KeptSnapshots | None:
@@ -577,8 +666,11 @@ def run_real(
     on_time: Callable[[float], None],
     links: str = "emulated",
     evals: EvalOptions = EvalOptions(),
+    observe: Callable[[Engine], None] | None = None,
 ) -> RunResult:
     """One real run (blocking): daemon + worker processes for ``sc.budget_s`` s, on loopback with
     emulated links, or (``links="netns"``, root) each worker behind its own shaped link
-    (:mod:`hetd.bench.links`); evaluations deferred or live (``evals``, the module docstring)."""
-    return asyncio.run(_run(sc, policy, seed, lr, on_time, links, evals))
+    (:mod:`hetd.bench.links`); evaluations deferred or live (``evals``, the module docstring);
+    churn as the scenario's ``[[events]]`` say (:class:`Churn`). ``observe``: handed the
+    daemon's engine before any worker starts."""
+    return asyncio.run(_run(sc, policy, seed, lr, on_time, links, evals, observe))

@@ -129,18 +129,20 @@ def run_bench(opts: BenchOptions, runner: Runner | None = None) -> dict[str, Any
 
 
 def throughput_at(sc: Scenario, t: float) -> float:
-    """Σ over workers of samples/s at time ``t``: nominal speed, stragglers' long-run mean
-    included, communication free."""
+    """Σ over the workers in the run at time ``t`` (churn: joined, not left) of samples/s:
+    nominal speed, stragglers' long-run mean included, communication free."""
     per_sample = sc.base_step_s / sc.base_batch
+    everyone = sc.all_workers
     return sum(
-        1.0 / (per_sample * sc.slowdown_at(i, t) * w.stragglers.mean_factor())
-        for i, w in enumerate(sc.workers)
+        1.0 / (per_sample * sc.slowdown_at(i, t) * everyone[i].stragglers.mean_factor())
+        for i in sc.present_at(t)
     )
 
 
 def time_for_samples(sc: Scenario, samples: float) -> float:
     """Seconds for the whole cluster, perfectly balanced, to process ``samples`` samples."""
-    cuts = sorted({s.time(sc.budget_s) for s in sc.shifts if s.time(sc.budget_s) > 0})
+    times = [s.time(sc.budget_s) for s in sc.shifts] + [e.at_s for e in sc.events]
+    cuts = sorted({t for t in times if t > 0})
     t, left = 0.0, samples
     for cut in [*cuts, math.inf]:
         rate = throughput_at(sc, t)

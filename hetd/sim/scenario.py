@@ -1,7 +1,8 @@
 """Heterogeneity scenarios as data: load, validate and expand a TOML or JSON scenario file.
 
 Owns :class:`Scenario` (what is trained, by which emulated workers, for how long) and its parts,
-the packaged scenarios S1–S5, S3b and scale100 (``hetd/sim/scenarios/*.toml``,
+churn included (:class:`Join`, :class:`Leave`: workers that arrive, or go away cleanly or by
+crash, while the run goes on), the packaged scenarios (``hetd/sim/scenarios/*.toml``,
 docs/benchmark.md), and :func:`load_scenario`, which takes a packaged name or a path. Validation is
 strict: an unknown key or a value of the wrong type raises :class:`ScenarioError` naming the file,
 the place and the key, and listing the valid keys. Both ``hetd sim``/``hetd bench --mode sim`` and
@@ -60,6 +61,7 @@ class WorkerSpec:
     latency_s: float = 0.0  # s added to every transfer
     memory: int | None = None  # bytes reported as the device's free memory
     stragglers: Stragglers = field(default_factory=Stragglers)
+    name: str = ""  # what a leave may call it by ("": by its index only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +77,34 @@ class Shift:
     def time(self, budget_s: float) -> float:
         """When the shift happens, in seconds from the start."""
         return self.at_s if self.at_s is not None else float(self.at_fraction or 0.0) * budget_s
+
+
+LEAVE_HOW = ("clean", "crash")  # says bye (SIGTERM) | vanishes (SIGKILL; the heartbeat finds out)
+
+
+@dataclass(frozen=True, slots=True)
+class Join:
+    """Churn: at ``at_s`` a new worker, ``spec``, starts and joins the running cluster. It is
+    worker ``worker`` of the scenario: the initial workers are 0..n-1, joiners follow in the
+    order of their events."""
+
+    at_s: float  # s from the run's start
+    worker: int  # its index among all the scenario's workers
+    spec: WorkerSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Leave:
+    """Churn: at ``at_s`` worker ``worker`` goes away, ``"clean"`` (it says bye, as a worker does
+    on SIGTERM) or by ``"crash"`` (it falls silent; the daemon finds out by the heartbeat
+    timeout)."""
+
+    at_s: float  # s from the run's start
+    worker: int  # an index among all the scenario's workers (a name is resolved at load)
+    how: str  # one of LEAVE_HOW
+
+
+ChurnEvent = Join | Leave
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,12 +138,39 @@ class Scenario:
     codec: str = "none"  # preferred codec
     downlink: str = "auto"  # lossy codecs' parameters: auto (by link speed), delta, full
     shifts: tuple[Shift, ...] = ()
+    events: tuple[ChurnEvent, ...] = ()  # joins and leaves, in time order
     costs: str = ""  # a cost profile file for the simulator (hetd calibrate); "": charge none
+    # s of silence after which the daemon drops a worker: real mode's daemon, and the simulator's
+    # engine when the scenario has churn (without, no emulated worker ever falls silent)
+    heartbeat_timeout_s: float = 30.0
 
     @property
     def n(self) -> int:
-        """Number of workers."""
+        """Number of workers at the start (joiners not counted)."""
         return len(self.workers)
+
+    @property
+    def all_workers(self) -> tuple[WorkerSpec, ...]:
+        """Every worker of the run: the initial ones, then the joiners in event order (so a
+        worker's index here is the one events, shifts and results use)."""
+        return self.workers + tuple(e.spec for e in self.events if isinstance(e, Join))
+
+    def present_at(self, t: float) -> list[int]:
+        """The indices of the workers in the run at ``t``: joined at or before it, not left at
+        or before it."""
+        here = set(range(self.n))
+        for e in self.events:
+            if e.at_s <= t:
+                if isinstance(e, Join):
+                    here.add(e.worker)
+                else:
+                    here.discard(e.worker)
+        return sorted(here)
+
+    @property
+    def peak_workers(self) -> int:
+        """The most workers in the run at one time."""
+        return max([self.n, *(len(self.present_at(e.at_s)) for e in self.events)])
 
     @property
     def target_text(self) -> str:
@@ -129,7 +186,7 @@ class Scenario:
 
     def slowdown_at(self, worker: int, t: float) -> float:
         """``worker``'s slow-down at time ``t`` (the last shift at or before ``t`` wins)."""
-        value = self.workers[worker].slowdown
+        value = self.all_workers[worker].slowdown
         for s in sorted(self.shifts, key=lambda s: s.time(self.budget_s)):
             if s.worker == worker and s.time(self.budget_s) <= t:
                 value = s.slowdown
@@ -217,6 +274,14 @@ _TOP: dict[str, tuple[Check, str, Check, str]] = {
         "non-empty",
     ),
     "shifts": (lambda v: isinstance(v, list), "array of tables", lambda v: True, ""),
+    "events": (lambda v: isinstance(v, list), "array of tables", lambda v: True, ""),
+    "heartbeat_timeout_s": (
+        _num,
+        "number",
+        lambda v: 0 < v < INF,
+        "> 0 s: the daemon drops a worker silent this long (a crash is found so; the simulator "
+        "times out only with [[events]])",
+    ),
     "costs": (
         lambda v: isinstance(v, str),
         "string",
@@ -233,6 +298,36 @@ _WORKER: dict[str, tuple[Check, str, Check, str]] = {
     "memory": (_int, "int", lambda v: v >= 0, ">= 0 bytes"),
     "stragglers": (lambda v: isinstance(v, Mapping), "table", lambda v: True, ""),
     "count": (_int, "int", lambda v: v >= 1, ">= 1"),
+    "name": (
+        lambda v: isinstance(v, str),
+        "string",
+        lambda v: bool(v) and not v.isdigit(),
+        "non-empty, not a number, unique; only with count = 1 (a leave may name it)",
+    ),
+}
+# a joiner is one worker: the same keys but count
+_JOIN = {k: v for k, v in _WORKER.items() if k != "count"}
+_EVENT: dict[str, tuple[Check, str, Check, str]] = {
+    "at_s": (_num, "number", lambda v: 0 <= v < INF, ">= 0 s from the start, before 'budget_s'"),
+    "join": (
+        lambda v: isinstance(v, Mapping),
+        "table",
+        lambda v: True,
+        "a new worker, with the keys of a [[workers]] table but 'count'",
+    ),
+    "leave": (
+        lambda v: _int(v) or isinstance(v, str),
+        "int or string",
+        lambda v: not _int(v) or v >= 0,
+        "the worker that goes: its index among all workers (initial ones, then joiners in "
+        "event order) or its name",
+    ),
+    "how": (
+        lambda v: isinstance(v, str),
+        "string",
+        lambda v: v in LEAVE_HOW,
+        '"clean" (it says bye, as on SIGTERM) or "crash" (it falls silent: SIGKILL in real mode)',
+    ),
 }
 _STRAGGLERS: dict[str, tuple[Check, str, Check, str]] = {
     "p": (_num, "number", lambda v: 0 <= v <= 1, "in [0, 1]"),
@@ -264,13 +359,15 @@ def keys_help() -> list[str]:
 
     return [
         "top level:",
-        *lines(_TOP, "  ", ("workers", "shifts")),
+        *lines(_TOP, "  ", ("workers", "shifts", "events")),
         "[[workers]] (required, one table per kind of worker):",
         *lines(_WORKER, "  ", ("stragglers",)),
         "  stragglers = { ... } (a table):",
         *lines(_STRAGGLERS, "    ", ()),
         "[[shifts]] (each: worker, slowdown, and at_s or at_fraction):",
         *lines(_SHIFT, "  ", ()),
+        "[[events]] (churn, in time order; each: at_s, and join, or leave with how):",
+        *lines(_EVENT, "  ", ()),
     ]
 
 
@@ -307,11 +404,12 @@ def from_mapping(raw: Mapping[str, Any], source: str = "<scenario>") -> Scenario
     for i, w in enumerate(top.pop("workers")):
         where = f"{source}: workers[{i}]"
         wd = _checked(where, w, _WORKER)
-        strag = Stragglers(**_checked(f"{where}.stragglers", wd.pop("stragglers", {}), _STRAGGLERS))
         count = wd.pop("count", 1)
-        values: dict[str, Any] = {k: float(v) if k != "memory" else v for k, v in wd.items()}
-        spec = WorkerSpec(**values)
-        workers.extend([dataclasses.replace(spec, stragglers=strag)] * count)
+        if count > 1 and "name" in wd:
+            raise ScenarioError(f"{where}: 'name' names one worker; give it with count = 1 only")
+        workers.extend([_worker_spec(where, wd)] * count)
+    events = _events(source, top.pop("events", []), workers, top.get("budget_s"))
+    everyone = workers + [e.spec for e in events if isinstance(e, Join)]
     shifts: list[Shift] = []
     for i, s in enumerate(top.pop("shifts", [])):
         where = f"{source}: shifts[{i}]"
@@ -321,10 +419,10 @@ def from_mapping(raw: Mapping[str, Any], source: str = "<scenario>") -> Scenario
                 raise ScenarioError(f"{where}: missing required key {key!r}")
         if ("at_s" in sd) == ("at_fraction" in sd):
             raise ScenarioError(f"{where}: give exactly one of 'at_s' or 'at_fraction'")
-        if sd["worker"] >= len(workers):
+        if sd["worker"] >= len(everyone):
             raise ScenarioError(
-                f"{where}: 'worker' is {sd['worker']} but there are only {len(workers)} workers "
-                f"(indices 0..{len(workers) - 1}, after expanding 'count')"
+                f"{where}: 'worker' is {sd['worker']} but there are only {len(everyone)} workers "
+                f"(indices 0..{len(everyone) - 1}, after expanding 'count'; joiners follow)"
             )
         fields: dict[str, Any] = {k: float(v) if k != "worker" else v for k, v in sd.items()}
         shifts.append(Shift(**fields))
@@ -335,8 +433,79 @@ def from_mapping(raw: Mapping[str, Any], source: str = "<scenario>") -> Scenario
     for key in ("dataset_kwargs", "model_kwargs"):
         if key in top:
             top[key] = _frozen(top[key])
-    sc = Scenario(workers=tuple(workers), shifts=tuple(shifts), **top)
+    sc = Scenario(workers=tuple(workers), shifts=tuple(shifts), events=tuple(events), **top)
     return validate(sc, source)
+
+
+def _worker_spec(where: str, wd: dict[str, Any]) -> WorkerSpec:
+    """A checked [[workers]] table (``count`` taken out) as its spec."""
+    strag = Stragglers(**_checked(f"{where}.stragglers", wd.pop("stragglers", {}), _STRAGGLERS))
+    values: dict[str, Any] = {k: v if k in ("memory", "name") else float(v) for k, v in wd.items()}
+    return WorkerSpec(**values, stragglers=strag)
+
+
+def _events(
+    source: str, raw: list[Any], workers: list[WorkerSpec], budget: Any
+) -> list[ChurnEvent]:
+    """The [[events]] tables as joins and leaves, checked against the workers there are at each
+    event's time: a leave names a worker in the run then, and one worker at least stays."""
+    if budget is None:  # the dataclass's default
+        budget = next(f.default for f in dataclasses.fields(Scenario) if f.name == "budget_s")
+    budget = float(budget)
+    names = {w.name: i for i, w in enumerate(workers) if w.name}
+    if len(names) < sum(1 for w in workers if w.name):
+        raise ScenarioError(f"{source}: two workers have the same 'name'")
+    present = set(range(len(workers)))
+    count = len(workers)
+    out: list[ChurnEvent] = []
+    last = 0.0
+    for i, e in enumerate(raw):
+        where = f"{source}: events[{i}]"
+        ed = _checked(where, e, _EVENT)
+        if "at_s" not in ed:
+            raise ScenarioError(f"{where}: missing required key 'at_s'")
+        at = float(ed["at_s"])
+        if at >= budget:
+            raise ScenarioError(f"{where}: 'at_s' ({at:g}) must be before 'budget_s' ({budget:g})")
+        if at < last:
+            raise ScenarioError(
+                f"{where}: events must be in time order ('at_s' {at:g} comes after {last:g})"
+            )
+        last = at
+        if ("join" in ed) == ("leave" in ed):
+            raise ScenarioError(f"{where}: give exactly one of 'join' or 'leave'")
+        if "join" in ed:
+            if "how" in ed:
+                raise ScenarioError(f"{where}: 'how' belongs to a leave, not a join")
+            spec = _worker_spec(f"{where}.join", _checked(f"{where}.join", ed["join"], _JOIN))
+            if spec.name:
+                if spec.name in names:
+                    raise ScenarioError(f"{where}.join: two workers are named {spec.name!r}")
+                names[spec.name] = count
+            out.append(Join(at, count, spec))
+            present.add(count)
+            count += 1
+            continue
+        if "how" not in ed:
+            raise ScenarioError(
+                f"{where}: a leave needs 'how': {' or '.join(map(repr, LEAVE_HOW))}"
+            )
+        who = ed["leave"]
+        if isinstance(who, str):
+            if who not in names:
+                known = ", ".join(map(repr, names)) or "none: give workers a 'name'"
+                raise ScenarioError(f"{where}: no worker is named {who!r} (names: {known})")
+            who = names[who]
+        if who not in present:
+            alive = ", ".join(map(str, sorted(present)))
+            raise ScenarioError(
+                f"{where}: worker {who} is not in the run at {at:g} s (there: {alive})"
+            )
+        if len(present) == 1:
+            raise ScenarioError(f"{where}: the last worker cannot leave; one must stay to train")
+        present.discard(who)
+        out.append(Leave(at, who, ed["how"]))
+    return out
 
 
 def _frozen(value: Any) -> Any:
@@ -355,9 +524,15 @@ def validate(sc: Scenario, source: str = "<scenario>") -> Scenario:
             f"{source}: 'global_batch' ({sc.global_batch}) must be >= the number of workers "
             f"({sc.n}), so that each worker gets at least one sample per round"
         )
+    everyone = len(sc.all_workers)
     for s in sc.shifts:
-        if not 0 <= s.worker < sc.n:
-            raise ScenarioError(f"{source}: shift names worker {s.worker}; there are {sc.n}")
+        if not 0 <= s.worker < everyone:
+            raise ScenarioError(f"{source}: shift names worker {s.worker}; there are {everyone}")
+    if sc.events and sc.global_batch < sc.peak_workers:
+        raise ScenarioError(
+            f"{source}: 'global_batch' ({sc.global_batch}) must be >= the most workers in the "
+            f"run at once ({sc.peak_workers})"
+        )
     if sc.eval_interval_s > sc.budget_s:
         raise ScenarioError(f"{source}: 'eval_interval_s' is longer than 'budget_s'")
     return sc

@@ -3,6 +3,7 @@ results.json schema, and the ideal lower bound's arithmetic."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -19,6 +20,8 @@ from hetd.sim.results import (
     summarize,
 )
 from hetd.sim.scenario import (
+    Join,
+    Leave,
     Scenario,
     ScenarioError,
     Stragglers,
@@ -109,12 +112,120 @@ def test_a_json_file_and_a_toml_file_load_by_path(tmp_path: Path) -> None:
         (with_(shifts=[{"worker": 3, "slowdown": 2, "at_s": 1}]), "only 3 workers"),
         (with_(global_batch=2), "must be >= the number of workers"),
         ({"name": "x", "model": "mlp", "workers": [{}]}, "missing required key(s) 'dataset'"),
+        # churn: [[events]]
+        (with_(events=[{"at_s": 1, "leave": 0}]), "events[0]: a leave needs 'how'"),
+        (with_(events=[{"at_s": 1, "leave": 0, "how": "kill"}]), "'how' must be \"clean\""),
+        (with_(events=[{"leave": 0, "how": "clean"}]), "events[0]: missing required key 'at_s'"),
+        (with_(events=[{"at_s": 1}]), "events[0]: give exactly one of 'join' or 'leave'"),
+        (
+            with_(events=[{"at_s": 1, "leave": 0, "join": {}, "how": "clean"}]),
+            "exactly one of 'join' or 'leave'",
+        ),
+        (with_(events=[{"at_s": 1, "join": {}, "how": "crash"}]), "'how' belongs to a leave"),
+        (with_(events=[{"at_s": 1, "join": {"count": 2}}]), "events[0].join: unknown key 'count'"),
+        (with_(events=[{"at_s": 1, "join": {"slowdown": 0}}]), "join: 'slowdown' must be > 0"),
+        (with_(events=[{"at_s": 1, "leave": 3, "how": "clean"}]), "worker 3 is not in the run"),
+        (with_(events=[{"at_s": 1, "leave": "nobody", "how": "clean"}]), "no worker is named"),
+        (with_(events=[{"at_s": 1, "leave": 1.5, "how": "clean"}]), "'leave' must be a int or"),
+        (with_(events=[{"at_s": 1, "lave": 1, "how": "clean"}]), "events[0]: unknown key 'lave'"),
+        (with_(events=[{"at_s": 99, "leave": 0, "how": "clean"}]), "must be before 'budget_s'"),
+        (
+            with_(
+                events=[
+                    {"at_s": 2, "leave": 0, "how": "clean"},
+                    {"at_s": 1, "leave": 1, "how": "clean"},
+                ]
+            ),
+            "events must be in time order",
+        ),
+        (
+            with_(
+                events=[
+                    {"at_s": 1, "leave": 0, "how": "crash"},
+                    {"at_s": 2, "leave": 0, "how": "clean"},
+                ]
+            ),
+            "events[1]: worker 0 is not in the run at 2 s",
+        ),
+        (
+            with_(
+                workers=[{"slowdown": 1}],
+                events=[{"at_s": 1, "leave": 0, "how": "crash"}],
+            ),
+            "the last worker cannot leave",
+        ),
+        (with_(workers=[{"count": 2, "name": "a"}]), "'name' names one worker"),
+        (with_(workers=[{"name": "a"}, {"name": "a"}]), "two workers have the same 'name'"),
+        (with_(workers=[{"name": "7"}]), "'name' must be non-empty, not a number"),
+        (
+            with_(workers=[{"name": "a"}], events=[{"at_s": 1, "join": {"name": "a"}}]),
+            "two workers are named 'a'",
+        ),
+        (
+            with_(global_batch=3, events=[{"at_s": 1, "join": {}}]),
+            "the most workers in the run at once (4)",
+        ),
+        (with_(heartbeat_timeout_s=0), "'heartbeat_timeout_s' must be > 0"),
     ],
 )
 def test_a_bad_scenario_is_refused_naming_the_key(raw: dict[str, Any], needle: str) -> None:
     with pytest.raises(ScenarioError) as err:
         from_mapping(raw, "bad.toml")
     assert needle in str(err.value) and str(err.value).startswith("bad.toml")
+
+
+def test_events_join_and_leave_workers_by_index_or_name() -> None:
+    sc = from_mapping(
+        with_(
+            budget_s=10,
+            workers=[{"slowdown": 1.0, "count": 2}, {"slowdown": 4.0, "name": "slow"}],
+            events=[
+                {"at_s": 1, "leave": "slow", "how": "crash"},
+                {"at_s": 2, "join": {"slowdown": 2.0, "latency_s": 0.01, "name": "late"}},
+                {"at_s": 2, "join": {"stragglers": {"p": 0.1}}},
+                {"at_s": 5, "leave": "late", "how": "clean"},
+                {"at_s": 6, "leave": 0, "how": "clean"},
+            ],
+            shifts=[{"worker": 4, "slowdown": 3.0, "at_s": 3}],  # a joiner may shift too
+        )
+    )
+    assert sc.n == 3  # the workers at the start
+    assert sc.events == (
+        Leave(1.0, 2, "crash"),
+        Join(2.0, 3, WorkerSpec(slowdown=2.0, latency_s=0.01, name="late")),
+        Join(2.0, 4, WorkerSpec(stragglers=Stragglers(p=0.1))),
+        Leave(5.0, 3, "clean"),
+        Leave(6.0, 0, "clean"),
+    )
+    assert [w.slowdown for w in sc.all_workers] == [1.0, 1.0, 4.0, 2.0, 1.0]
+    assert sc.present_at(0.0) == [0, 1, 2]
+    assert sc.present_at(1.0) == [0, 1]  # gone at its time
+    assert sc.present_at(2.0) == [0, 1, 3, 4]  # both joiners in at theirs
+    assert sc.present_at(9.0) == [1, 4]
+    assert sc.peak_workers == 4
+    assert sc.slowdown_at(4, 2.5) == 1.0 and sc.slowdown_at(4, 3.0) == 3.0
+    assert sc.heartbeat_timeout_s == 30.0  # the default: what real mode has always used
+    # a scenario without events is as before
+    assert from_mapping(MINIMAL).events == () and from_mapping(MINIMAL).all_workers == (
+        from_mapping(MINIMAL).workers
+    )
+
+
+def test_the_churn_scenarios_ship_in_the_package() -> None:
+    churn, profile = load_scenario("churn"), load_scenario("churn_profile")
+    s1 = load_scenario("S1")
+    for sc in (churn, profile):
+        assert sc.description and sc.events
+        assert sc.workers[:4] == tuple(
+            dataclasses.replace(w, name=ww.name)
+            for w, ww in zip(s1.workers, sc.workers, strict=True)
+        )
+        assert sc.heartbeat_timeout_s < sc.budget_s
+    assert any(isinstance(e, Leave) and e.how == "crash" for e in churn.events)
+    assert any(isinstance(e, Join) for e in churn.events)
+    joins = [e for e in profile.events if isinstance(e, Join)]
+    assert len(joins) == 2 and all(e.at_s < 0.1 for e in joins)  # within the profile stage
+    assert any(isinstance(e, Leave) and e.how == "clean" for e in profile.events)
 
 
 def test_an_unknown_key_error_lists_the_valid_keys() -> None:
@@ -216,6 +327,21 @@ def test_ideal_time_integrates_throughput_across_a_shift() -> None:
     assert throughput_at(sc, 0.0) == 10.0 and throughput_at(sc, 5.0) == 5.0
     assert time_for_samples(sc, 30.0) == 3.0
     assert time_for_samples(sc, 75.0) == 10.0  # 50 samples by t=5, then 5/s
+    # churn: a joiner adds its speed from its join, a leaver takes its own away
+    churn: Scenario = from_mapping(
+        with_(
+            base_batch=10,
+            base_step_s=1.0,
+            budget_s=10.0,
+            workers=[{"slowdown": 1.0}, {"slowdown": 1.0}],
+            events=[
+                {"at_s": 2.0, "leave": 1, "how": "crash"},
+                {"at_s": 5.0, "join": {"slowdown": 0.5}},
+            ],
+        )
+    )
+    assert [throughput_at(churn, t) for t in (0.0, 2.0, 5.0)] == [20.0, 10.0, 30.0]
+    assert time_for_samples(churn, 40.0 + 30.0 + 60.0) == 7.0
     strag = Stragglers(p=0.02, factor=5.0, mean_len=10.0)
     assert math.isclose(strag.mean_factor(), 1 + 4 * 0.2 / 1.18)
 
@@ -231,7 +357,12 @@ def test_the_help_lists_every_scenario_key(
         main([command, "--help"])
     text = capsys.readouterr().out
     epilog = text.split("scenario files", 1)[1]
-    for rules in (scenario_mod._TOP, scenario_mod._WORKER, scenario_mod._SHIFT):
+    for rules in (
+        scenario_mod._TOP,
+        scenario_mod._WORKER,
+        scenario_mod._SHIFT,
+        scenario_mod._EVENT,
+    ):
         for key in rules:
             assert any(f in epilog for f in (f"\n    {key} (", f"{key} = {{", f"[[{key}]]")), key
     for key in scenario_mod._STRAGGLERS:
