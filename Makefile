@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(BIN)/hetd demo --out demo-out
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=30
 
 # The unit tests without those marked slow (they train models for seconds; `make test` runs them):
 # the loop to run while editing.
