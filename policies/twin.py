@@ -122,7 +122,12 @@ class TwinResult:
     max_release_gap: int  # the largest clock lead of a worker when it was released
     applied: tuple[Applied, ...] = field(repr=False)
     truncated: bool = False  # stopped at ``max_events``
-    stage: str = "main"  # the stage at the end
+    stages: tuple[tuple[float, str], ...] = ()  # (s engine clock, stage entered), from "main"
+
+    @property
+    def stage(self) -> str:
+        """The stage at the end of the horizon."""
+        return self.stages[-1][1] if self.stages else "main"
 
     def time_to_samples(self, n: float, efficiency: Efficiency | None = None) -> float:
         """Seconds from the start until ``n`` samples are applied (with ``efficiency``:
@@ -171,7 +176,7 @@ class TwinResult:
             "bytes_down": self.bytes_down,
             "max_release_gap": self.max_release_gap,
             "truncated": self.truncated,
-            "stage": self.stage,
+            "stages": [list(x) for x in self.stages],
         }
 
 

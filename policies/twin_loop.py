@@ -85,6 +85,7 @@ class _Run:
         self.version = self.version0 = view.version
         self.global_batch = cfg.global_batch or view.global_batch
         self.stage = "main"
+        self.stages: list[tuple[float, str]] = []  # (s, stage entered) after the start
         self.heap: list[tuple[float, int, int, int, Any]] = []
         self.seq = 0
         self.free_at = view.now  # the daemon is busy until then
@@ -189,11 +190,12 @@ class _Run:
                 self._try_start(self.workers[wid], t)
             elif kind == TICK:
                 self._tick(t)
+                if self.end == math.inf and not any(e[2] < TICK for e in self.heap):
+                    stop = t  # rounds only, and every worker waits even after a tick: stalled
+                    break
             else:
                 self._evaluate(t)
-        if stop == math.inf:  # rounds only, and the heap ran dry (nobody released)
-            stop = max(self.free_at, self.t0)
-        return self._result(stop, truncated)
+        return self._result(stop if stop < math.inf else self.t0, truncated)
 
     # --- the daemon -------------------------------------------------------------------------
 
@@ -252,6 +254,7 @@ class _Run:
             if isinstance(d, SetStage):
                 if d.stage != self.stage:
                     self.stage = d.stage
+                    self.stages.append((t, d.stage))
                     for w in self.workers.values():
                         w.plan = dataclasses.replace(w.plan, stage=d.stage)
             elif isinstance(d, Regroup):
@@ -385,7 +388,7 @@ class _Run:
             max_release_gap=self.max_gap,
             applied=tuple(self.applied),
             truncated=truncated,
-            stage=self.stage,
+            stages=tuple(self.stages),
         )
 
 

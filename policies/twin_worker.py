@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from policies.twin import TwinError
 from policies.types import Plan, WorkerFacts
 
+TOPK_BYTES_PER_VALUE = 6.0  # a kept float32 value and its 16-bit index gap
 MAX_TIMED_STEPS = 100_000  # a time-budgeted plan's guard on local steps (as the worker's)
 # Bits per value of a codec, by name; a name not here counts the plan's ``bits``.
 CODEC_BITS: Mapping[str, int] = {
@@ -67,10 +68,11 @@ class TwinWorker:
 
     def push_bytes(self) -> float:
         """Bytes of one push under the current plan: the full update scaled by the codec's bits
-        per value, or for top-k by twice the kept fraction (a value and an index each)."""
+        per value, or for top-k by 1.5 times the kept fraction (a float32 value and a 16-bit index
+        gap each, as ``hetd/codecs/topk.py`` packs them when the gaps fit)."""
         name = self.plan.codec.split(":", 1)[0].strip()
         if name == "topk":
-            return self.full_bytes * min(1.0, 2.0 * self.plan.topk)
+            return self.full_bytes * min(1.0, TOPK_BYTES_PER_VALUE / 4.0 * self.plan.topk)
         return self.full_bytes * CODEC_BITS.get(name, self.plan.bits) / 32.0
 
 
