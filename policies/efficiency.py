@@ -39,9 +39,11 @@ class Efficiency:
 
     * ``ρ_τ = 1 / (1 + kappa_staleness · τ)``: a gradient computed ``τ`` updates ago;
     * ``ρ_H = 1 / (1 + kappa_local · (H − 1))``: a delta of ``H`` local steps (one step: 1);
-    * ``E = (φ + M0) / (φ + M)`` (Pollux's statistical efficiency): an update of ``M`` samples
-      against one of ``M0 = base_batch``, with ``φ = noise_scale`` the gradient noise scale in
-      samples; ``noise_scale=None`` leaves it out (``E = 1``).
+    * ``E = (φ + M0) / (φ + M)`` (Pollux's statistical efficiency): an update whose steps take
+      ``M`` samples each (its samples over its local steps: an aggregate of deltas is ``H``
+      steps of the summed batch, not one step of everything) against one of ``M0 = base_batch``,
+      with ``φ = noise_scale`` the gradient noise scale in samples; ``noise_scale=None`` leaves
+      it out (``E = 1``).
 
     The default constants are guesses that order policies the way staleness and local steps are
     known to hurt, and nothing more. A planner is meant to fit them to what it observes (progress
@@ -73,7 +75,8 @@ class Efficiency:
         rho_h = 1.0 / (1.0 + self.kappa_local * max(0, steps - 1))
         e = 1.0
         if self.noise_scale is not None:
-            e = (self.noise_scale + self.base_batch) / (self.noise_scale + max(1, update_samples))
+            per_step = max(1.0, update_samples / max(1, steps))
+            e = (self.noise_scale + self.base_batch) / (self.noise_scale + per_step)
         return rho_t * rho_h * e
 
     def worth(self, push: AppliedPush) -> float:
