@@ -12,7 +12,7 @@ realised round time and cost (busy workers × ``price`` × seconds) go back to t
 Lyapunov queues; the structure changes only with the hysteresis of :mod:`policies.dpmp.groups`
 (``period``, ``keep``), at once when a member is lost.
 
-What a worker is, for the planner: seconds per sample from its profile (else from its pushes;
+What a worker is, for the planner: seconds per sample from its pushes (else from its profile;
 the median of the others when neither is known yet), its reported free memory (``free_mem``: the
 daemon reads it from the hello and the pushes; ``hetd-worker --emulate-memory`` sets it), and its
 measured link both ways.
@@ -92,12 +92,14 @@ def worker_specs(view: ClusterView, price: float) -> dict[int, WorkerSpec]:
     facts: dict[int, WorkerFacts] = {**view.workers, **view.stage_workers}
 
     def own(f: WorkerFacts) -> float | None:
+        # Its pushes first: they follow its speed as it changes (a transient straggler); the
+        # profile run measured it once, at its join. A replica's head pushes the whole
+        # replica's steps, and a later stage none: their profile stands for them.
+        if f.sample_s is not None and f.sample_s > 0 and f.worker not in view.replicas:
+            return f.sample_s
         measured = (f.profile or {}).get("sample_s")
         if measured is not None and measured > 0:
             return float(measured)
-        # a replica's head pushes the whole replica's steps: its sample_s is not its own
-        if f.sample_s is not None and f.sample_s > 0 and f.worker not in view.replicas:
-            return f.sample_s
         return None
 
     known = [s for f in facts.values() if (s := own(f)) is not None]

@@ -243,3 +243,30 @@ def test_a_worker_planned_out_while_slow_keeps_a_probe_share_and_gets_work_back(
     for _ in range(10):  # as fast as the others again (its measured speed is smoothed)
         round_({"a": 1e-4, "b": 1e-4, "straggler": 1e-4})
     assert shares[-1] > 64, shares  # about a third of 256 again
+
+
+def test_shares_follow_measured_pushes_over_the_profile_taken_at_the_join() -> None:
+    """A worker profiled fast that turns slow (a transient straggler, a shared box) gets less
+    work: the plan reads its pushes, not the one-off profile."""
+    shapes = {"dense0/kernel": (64, 64), "dense0/bias": (64,)}
+    params = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
+    clock = FakeClock()
+    config = EngineConfig(batch_size=32, global_batch=256, profile_steps=0)
+    engine = Engine(Store(params, optax.sgd(0.1)), make_policy("dpmp"), config, clock)
+    ids = {}
+    for name in ("a", "b"):
+        hello = wire.encode("hello", 1, name=name, device={}, codecs=["none"], features=[])
+        ids[name] = engine.join(decode_hello(wire.decode(hello)), FakePeer())
+        engine.profile_result(ids[name], {"sample_s": 1e-4})  # both profiled alike
+    pid = 0
+    for _ in range(8):  # but b computes 4x slower than its profile said
+        for name, wid in ids.items():
+            pid += 1
+            clock.t += 0.01
+            b = engine.plans[wid].batch_size
+            s = 1e-4 if name == "a" else 4e-4
+            grads = {k: np.full(v, 1e-3, np.float32) for k, v in shapes.items()}
+            base = engine.store.version
+            engine.push(PushIn(wid, pid, base, "grad", grads, b, 1, b * s, None, None, 1))
+    share = {name: engine.plans[wid].batch_size for name, wid in ids.items()}
+    assert share["a"] >= 3 * share["b"], share  # 4:1 by speed, within the split's rounding
