@@ -1,5 +1,5 @@
 """What a benchmark run produces: policy specs, one run's record, the summary over seeds, and the
-``results.json`` schema (issue 3) with a checker.
+``results.json`` schema with a checker.
 
 Owns :class:`PolicySpec` and :func:`parse_policies` (``bsp,ssp:staleness=3,asp``),
 :class:`RunResult` (one policy × scenario × seed, the same for ``--mode sim`` and ``--mode real``),
@@ -102,7 +102,7 @@ class Trace:
 
 @dataclass
 class RunResult:
-    """One policy × scenario × seed, in the units of issue 3's ``results.json``."""
+    """One policy × scenario × seed, in the units of ``results.json``."""
 
     policy: str
     scenario: str
@@ -209,7 +209,7 @@ def time_to_target(
     evaluations in both cases, in sim and real mode alike: with a loss target (> 0) the
     interpolated time the loss comes down to it (:func:`first_below`), otherwise the
     interpolated time the accuracy comes up to ``target_accuracy`` (:func:`first_above`). TTA
-    so never moves in steps of the evaluation interval (issue 16); :func:`grid_time_to_target`
+    so never moves in steps of the evaluation interval; :func:`grid_time_to_target`
     is the evaluation-grid reading older tables used."""
     if target_loss > 0:
         return first_below([(e[0], e[1]) for e in evals], target_loss)
