@@ -17,6 +17,7 @@ profile exchange takes the time measured for it); nothing here reads a clock or 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,9 +95,15 @@ class EmuWorker:
     last_delta: StepWork | None = None  # the previous local-step work (its inner state)
     _sizes: dict[tuple[str, str], int] = field(default_factory=dict)  # tensor bytes per codec/kind
     costs: CostProfile = field(default_factory=CostProfile)  # codecs' and overheads' time
+    joined_at: float = 0.0  # s: when it arrived (churn: its join's time)
+    gone: str | None = None  # churn: "clean" (stopped, says bye) or "crash" (silent from then)
+    gone_at: float = math.inf  # s: when it was stopped or crashed
+    last_arrive: float = 0.0  # s: when its last push reaches the daemon (a bye comes after it)
+    delivered: list[int] = field(default_factory=list)  # ids of its pushes the daemon received
+    answered: list[int] = field(default_factory=list)  # ids the daemon acknowledged, in order
 
     def __post_init__(self) -> None:
-        spec = self.sc.workers[self.index]
+        spec = self.sc.all_workers[self.index]  # a joiner's comes after the initial workers
         self.spec = spec
         self.n_params = sum(int(np.prod(s)) for s in self.shapes.values())
         self.straggler = Straggler(
@@ -189,7 +196,12 @@ class EmuWorker:
 
     def ready(self, t: float) -> bool:
         """Whether a step may start at ``t``."""
-        return self.held is not None and t >= self.busy_until and self.in_flight <= self.depth
+        return (
+            self.gone is None
+            and self.held is not None
+            and t >= self.busy_until
+            and self.in_flight <= self.depth
+        )
 
     def _step_s(self, samples: int, t: float) -> float:
         """Emulated seconds of one step over ``samples`` samples starting at ``t``: one straggle
@@ -248,6 +260,7 @@ class EmuWorker:
         self.sending_until = send + spec.latency_s + p.nbytes / spec.bandwidth
         p.exchange_s = self.costs.exchange_s
         p.arrive = self.sending_until + p.exchange_s
+        self.last_arrive = p.arrive
         self.busy_until = end if self.depth else p.arrive  # without pipeline it waits for the send
         return Started(p, profile)
 

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from hetd.protocol import wire
     from hetd.protocol.frames import Params
     from hetd.sim.agent import EmuWorker, InFlight
+    from hetd.sim.scenario import ChurnEvent
 
 
 class VirtualClock:
@@ -98,7 +99,34 @@ class Free:
     """The daemon finished its batch: it takes the next one."""
 
 
-Event = Deliver | Arrive | Decoded | Profiled | Repull | Wake | Tick | Evaluate | Record | Free
+@dataclass(frozen=True, slots=True)
+class Churn:
+    """A scenario's ``[[events]]`` entry at its time: a worker joins, or one goes away."""
+
+    event: ChurnEvent
+
+
+@dataclass(frozen=True, slots=True)
+class Bye:
+    """A worker that was stopped cleanly says bye: it reaches the daemon after its last push."""
+
+    worker: EmuWorker
+
+
+Event = (
+    Deliver
+    | Arrive
+    | Decoded
+    | Profiled
+    | Repull
+    | Wake
+    | Tick
+    | Evaluate
+    | Record
+    | Free
+    | Churn
+    | Bye
+)
 
 
 class EventHeap:

@@ -20,6 +20,12 @@ charges; the k-th worker released in one batch is served ``k × release_stagger_
 first. With the default profile every cost is zero, nothing waits, and the results are exactly
 those of the simulator before profiles (tests/golden).
 
+Churn (a scenario's ``[[events]]``): a joiner says hello at its time; a cleanly stopped worker
+starts no more steps, and its bye reaches the daemon after its last push; a crashed one sends
+nothing more (a push already on its link still arrives), and the engine drops it at the first tick
+past ``heartbeat_timeout_s``, the live workers' heartbeats reaching it before each tick. Without
+events no worker sends heartbeats and none times out, as before.
+
 Gradients are real and computed lazily in batches (:mod:`hetd.sim.compute`). Nothing sleeps and
 nothing reads the wall clock: the same scenario, policy, lr, seed and cost profile give the same
 :class:`~hetd.sim.results.RunResult`, curve included.
@@ -36,14 +42,16 @@ import jax
 from hetd.core import commands as cmd
 from hetd.core.engine import Engine
 from hetd.protocol.frames import Params
-from hetd.protocol.messages import PlanUpdate, ProfileRequest, Reply, Welcome
+from hetd.protocol.messages import Ack, PlanUpdate, ProfileRequest, Reply, Welcome
 from hetd.sim import events as ev
 from hetd.sim.agent import EmuWorker, InFlight
 from hetd.sim.compute import StepWork, scenario_compute
 from hetd.sim.costs import CostProfile, load_costs
 from hetd.sim.results import PolicySpec, RunResult, Trace, staleness_stats, time_to_target
-from hetd.sim.scenario import Scenario
+from hetd.sim.scenario import Join, Leave, Scenario
 from hetd.sim.server_model import ServerModel, engine_spec
+
+STOPPED = "stopped (SIGTERM)"  # a cleanly stopped worker's bye, as hetd-worker says it
 
 
 @dataclass
@@ -54,6 +62,8 @@ class SimRun:
     engine: Engine
     pushes: int
     virtual_s: float
+    versions: list[tuple[float, int]]  # (virtual s, store version) whenever a batch moved it
+    workers: list[EmuWorker]  # every emulated worker of the run, joiners included
 
 
 class _Harness:
@@ -78,10 +88,11 @@ class _Harness:
         spec = engine_spec(sc, policy, seed, lr, init)
         self.server = ServerModel(spec, costs, self.clock, self.heap, self)
         self.engine = self.server.engine
-        shapes = dict(self.server.store.shapes)
-        self.workers = [EmuWorker(i, sc, data, seed, shapes, costs=costs) for i in range(sc.n)]
+        self.data, self.shapes = data, dict(self.server.store.shapes)
+        # worker i at index i; joiners are appended at their events, which is their index order
+        self.workers = [EmuWorker(i, sc, data, seed, self.shapes, costs=costs) for i in range(sc.n)]
         self.pending: list[StepWork] = []  # started steps whose update is not computed yet
-        self.trace = Trace(timeline={str(i): [] for i in range(sc.n)})
+        self.trace = Trace(timeline={str(i): [] for i in range(len(sc.all_workers))})
 
     def run(self) -> SimRun:
         sc = self.sc
@@ -92,6 +103,8 @@ class _Harness:
         for t in [t for t in times if t < sc.budget_s * (1 - 1e-12)] + [sc.budget_s]:
             self.heap.schedule(t, ev.Evaluate())
         self.heap.schedule(sc.tick_s, ev.Tick(1))
+        for e in sc.events:
+            self.heap.schedule(e.at_s, ev.Churn(e))
         while self.heap:
             t, event = self.heap.pop()
             if t > sc.budget_s:
@@ -99,11 +112,24 @@ class _Harness:
             self.clock.t = t
             self._handle(t, event)
         self.clock.t = sc.budget_s
-        return SimRun(self._result(), self.engine, self.server.pushes, self.clock.t)
+        return SimRun(
+            self._result(),
+            self.engine,
+            self.server.pushes,
+            self.clock.t,
+            self.server.versions,
+            self.workers,
+        )
 
     def _handle(self, t: float, event: ev.Event) -> None:
         server = self.server
         match event:
+            case ev.Deliver(w, frames) if w.gone is not None:
+                pass  # it is no longer there to take them
+            case ev.Arrive(p) if p.worker.gone == "crash" and p.sent_at > p.worker.gone_at:
+                pass  # it crashed before this push left: it never existed
+            case ev.Profiled(w, _) | ev.Repull(w) if w.gone == "crash":
+                pass
             case ev.Deliver(w, frames):
                 if w.receive(frames):
                     self._try_start(w)
@@ -120,6 +146,10 @@ class _Harness:
             case ev.Wake(w):
                 self._try_start(w)
             case ev.Tick(k):
+                if self.sc.events:  # a timeout can fire: the live workers' heartbeats first
+                    for w in self.workers:
+                        if w.gone is None and w.wid:
+                            server.message(cmd.Heartbeat(w.wid))
                 server.tick()
                 self.heap.schedule((k + 1) * self.sc.tick_s, ev.Tick(k + 1))
             case ev.Free():
@@ -128,6 +158,25 @@ class _Harness:
                 server.recorded(loss, acc)
             case ev.Evaluate():
                 self._evaluate()
+            case ev.Churn(e):
+                self._churn(t, e)
+            case ev.Bye(w):
+                server.message(cmd.Leave(w.wid, STOPPED))
+
+    def _churn(self, t: float, e: Join | Leave) -> None:
+        """A worker arrives and says hello; or one is stopped (it sends what it computed, then
+        its bye follows its last push on its link, as ``hetd-worker`` does on SIGTERM); or one
+        crashes (nothing more leaves it, and the daemon finds out by the heartbeat timeout)."""
+        if isinstance(e, Join):
+            w = EmuWorker(e.worker, self.sc, self.data, self.seed, self.shapes, costs=self.costs)
+            w.joined_at = w.idle_from = t
+            self.workers.append(w)
+            self.server.join(w)
+            return
+        w = self.workers[e.worker]
+        w.gone, w.gone_at = e.how, t
+        if e.how == "clean" and w.wid:
+            self.heap.schedule(max(t + w.spec.latency_s, w.last_arrive), ev.Bye(w))
 
     # --- the links: what the daemon sends ----------------------------------------------------
 
@@ -140,7 +189,8 @@ class _Harness:
             w.follow_plan(reply.plan)
         elif isinstance(reply, ProfileRequest):
             w.profile = reply
-        # acks need no action: the next params frame is what a worker waits for
+        elif isinstance(reply, Ack):  # no action: the next params frame is what it waits for
+            w.answered.append(reply.id)
 
     def release(
         self, index: int, frames: list[Params], nbytes: int, depart: float, order: int
@@ -189,8 +239,10 @@ class _Harness:
                 delay = extra / w.spec.bandwidth
                 w.sending_until = max(w.sending_until, p.arrive - p.exchange_s + delay)
                 p.arrive += delay
+                w.last_arrive = max(w.last_arrive, p.arrive)
                 self.heap.schedule(p.arrive, ev.Arrive(p))
                 return
+        w.delivered.append(p.id)
         self.server.receive(p)
 
     def _evaluate(self) -> None:
@@ -220,14 +272,18 @@ class _Harness:
         idle: dict[str, float] = {}
         samples = 0
         for w in self.workers:
-            f = engine.facts.get(w.wid) or engine.departed[w.wid]
             # The device's own idle time (as a real worker reports it with each push): before
             # every step it started, plus since its last step ended if that was within the
             # budget. Not the daemon's pull-to-release wait: a pipelined worker pulls while it
-            # still computes, and was counted idle all that time.
-            open_idle = max(0.0, sc.budget_s - w.idle_from)
-            idle[str(w.index)] = min(1.0, (w.idle_total + open_idle) / sc.budget_s)
-            samples += f.samples
+            # still computes, and was counted idle all that time. Churn: over the time it was
+            # in the run.
+            end = min(sc.budget_s, w.gone_at)
+            open_idle = max(0.0, end - w.idle_from)
+            present = max(end - w.joined_at, 1e-12)
+            idle[str(w.index)] = min(1.0, (w.idle_total + open_idle) / present)
+            # (a worker that left before any push of it was answered left no record)
+            f = engine.facts.get(w.wid) or engine.departed.get(w.wid)
+            samples += f.samples if f is not None else 0
         return RunResult(
             policy=self.policy.label,
             scenario=sc.name,

@@ -137,7 +137,9 @@ def engine_spec(
             # (a full frame is 22 bytes shorter than the daemon's).
             param_hashes=False,
             heartbeat_s=1e9,
-            heartbeat_timeout_s=math.inf,  # virtual time: a slow worker is never silent
+            # virtual time: a slow worker is never silent, but a crashed one is (churn; the
+            # harness then sends every live worker's heartbeats)
+            heartbeat_timeout_s=sc.heartbeat_timeout_s if sc.events else math.inf,
             tick_s=sc.tick_s,
             eval_interval_s=sc.eval_interval_s,
             max_staleness=defaults.max_staleness_drop,
@@ -174,6 +176,7 @@ class ServerModel:
         self.inbox: list[tuple[int, Reply | bytes]] = []
         self.pushes = 0
         self.bytes_marks: list[list[float]] = []  # [[t s, bytes up + down]] at each evaluation
+        self.versions: list[tuple[float, int]] = []  # (t s, version) after each batch moving it
         self.waiting: deque[Queued] = deque()
         self.free_at = 0.0  # s: when the daemon is done with its batch
         self._fused: list[Tensors] = []  # this batch's pushes that the daemon applies as int8
@@ -187,6 +190,10 @@ class ServerModel:
         for w in workers:
             self.waiting.append(self._join(w))
         self.serve()
+
+    def join(self, w: EmuWorker) -> None:
+        """A worker that arrives while the run goes on says hello (churn)."""
+        self._submit(self._join(w))
 
     def message(self, command: cmd.Command) -> None:
         """A worker message for the engine (it costs ``message_s``)."""
@@ -245,13 +252,15 @@ class ServerModel:
         caused, each new parameter frame. The batch's frames leave when it is done, and the
         daemon takes the next batch then."""
         while self.waiting and self.free_at <= self.clock.t:
-            now = self.clock.t
+            now, version = self.clock.t, self.store.version
             self.store.queued.clear()
             buffered = self._buffered() if self.costs.buffer_s_per_param else 0
             cost = 0.0
             for _ in range(min(len(self.waiting), BATCH)):
                 cost += self._run(self.waiting.popleft())
             self.engine.publish_batch()
+            if self.store.version != version:
+                self.versions.append((now, self.store.version))
             for kind, tensors in self.store.queued:
                 cost += self.costs.apply(kind, int8=any(tensors is f for f in self._fused))
             self.store.queued.clear()
