@@ -2,9 +2,11 @@
 
 Owns :class:`Target` (what is measured: a scenario's model, data, optimizers, batch and codec),
 :func:`target_for`, :func:`calibrate` (the measurements, medians over repeats after a warm-up) and
-:func:`run_command` (the ``hetd calibrate`` command; its flags are in :mod:`hetd.cli.main`). Every
-figure comes from the code a real run executes: the daemon's engine as ``hetd serve`` builds it
-(:func:`hetd.server.daemon.build_engine`) driven by its own command loop, its Store, Downlink,
+:func:`describe` (a profile in lines for people). The ``hetd calibrate`` command is
+:mod:`hetd.cli.calibrate`; the end-to-end terms that need real runs are
+:mod:`hetd.bench.cluster_costs`, the two run in order by :mod:`hetd.bench.suites`. Every figure
+comes from the code a real run executes: the daemon's engine as ``hetd serve`` builds it
+(:func:`hetd.server.build.build_engine`) driven by its own command loop, its Store, Downlink,
 round buffer and evaluator, the sessions' push decoding (:func:`hetd.core.ingest.decode_push`), the
 worker's codecs with error feedback, :func:`hetd.protocol.params.apply_params` and its fixed-shape
 compute (:class:`hetd.zoo.task_steps.TaskSteps`). The fields, their units and meaning are
@@ -17,7 +19,6 @@ size only roughly).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -25,11 +26,9 @@ import datetime
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -48,9 +47,9 @@ from hetd.protocol.frames import as_params
 from hetd.protocol.messages import Reply
 from hetd.protocol.params import apply_params
 from hetd.protocol.plan import Plan, codec_for
-from hetd.server.daemon import build_engine
+from hetd.server.build import build_engine
 from hetd.server.sessions import OFF_LOOP_BYTES
-from hetd.sim.costs import CostProfile, write_costs
+from hetd.sim.costs import CostProfile
 from hetd.sim.scenario import Scenario
 from hetd.zoo.bundled import ZooTask
 from hetd.zoo.data import load_dataset
@@ -429,7 +428,7 @@ def _profile_s(target: Target, params: Mapping[str, np.ndarray], repeats: int) -
     return _median(exchange, repeats)
 
 
-# --- the command --------------------------------------------------------------------------------
+# --- for people ---------------------------------------------------------------------------------
 
 
 def describe(profile: CostProfile) -> list[str]:
@@ -458,56 +457,3 @@ def describe(profile: CostProfile) -> list[str]:
         f"release_stagger_s          {ms(p.release_stagger_s)}",
         f"off_loop_bytes             {p.off_loop_bytes}",
     ]
-
-
-def with_cluster(
-    profile: CostProfile, sc: Scenario, progress: Callable[[str], None] | None = None
-) -> CostProfile:
-    """``profile`` with its end-to-end terms fitted from real runs of ``sc``'s setting
-    (:mod:`hetd.bench.cluster_costs`)."""
-    from hetd.bench.cluster_costs import fit_cluster
-
-    exchange, stagger, measured = fit_cluster(sc, profile, progress=progress)
-    about = dict(profile.about) | {"cluster": measured}
-    return dataclasses.replace(profile, exchange_s=exchange, release_stagger_s=stagger, about=about)
-
-
-def calibrate_scenario(
-    sc: Scenario, out: Path, repeats: int = REPEATS, quiet: bool = False, cluster: bool = True
-) -> CostProfile:
-    """Measure the profile of ``sc`` (``cluster``: with its end-to-end terms) and write it to
-    ``out``."""
-    progress = None if quiet else (lambda m: print(f"calibrate: {m}", file=sys.stderr))
-    profile = calibrate(target_for(sc), repeats, progress)
-    if cluster:
-        profile = with_cluster(profile, sc, progress)
-    write_costs(out, profile)
-    return profile
-
-
-def run_command(args: argparse.Namespace) -> int:
-    """``hetd calibrate``: ``--scenario`` or ``--model``/``--dataset``, ``--repeats``, ``--out``."""
-    if args.scenario and (args.model or args.dataset):
-        raise ValueError("give --scenario or --model/--dataset, not both")
-    sc = None
-    if args.scenario:
-        from hetd.sim.scenario import load_scenario
-
-        sc = load_scenario(args.scenario)
-        target = target_for(sc)
-    else:
-        train = config_mod.TrainConfig()
-        target = Target(model=args.model or train.model, dataset=args.dataset or train.dataset)
-    progress = None if args.quiet else (lambda m: print(f"calibrate: {m}", file=sys.stderr))
-    profile = calibrate(target, args.repeats, progress)
-    if sc is not None and not args.no_cluster:
-        profile = with_cluster(profile, sc, progress)
-    write_costs(args.out, profile)
-    where = f"scenario {target.scenario}" if target.scenario else f"{target.model}"
-    print(
-        f"wrote {args.out}: the cost profile of {where} on {target.dataset} "
-        f"({profile.about['n_params']} parameters), medians of {args.repeats}"
-    )
-    for line in describe(profile):
-        print(f"  {line}")
-    return 0

@@ -1,12 +1,14 @@
 """The cost profile's two end-to-end terms, fitted from real runs on loopback.
 
-Owns :func:`fit_cluster`. :mod:`hetd.bench.calibrate` times each piece of the real path alone, in one
-quiet process; what it cannot time that way is what the pieces cost together: websocket framing and
-copies on both sides, the hops between the event loops and their threads, the host's scheduler when
-several worker processes and the daemon share its cores. Measured here, those were most of the gap
-between a real BSP round and a simulated one (docs/benchmark.md, "The cost profile"). So they are
-measured as the difference between a real run and the simulator's run of the very same thing with
-the pieces already charged:
+Owns :func:`fit_cluster`, which makes its real runs with the runner it is given
+(:func:`hetd.bench.suites.with_cluster` gives it :func:`hetd.bench.real.run_real`).
+:mod:`hetd.bench.calibrate` times each piece of the real path alone, in one quiet process; what it
+cannot time that way is what the pieces cost together: websocket framing and copies on both sides,
+the hops between the event loops and their threads, the host's scheduler when several worker
+processes and the daemon share its cores. Measured here, those were most of the gap between a real
+BSP round and a simulated one (docs/benchmark.md, "The cost profile"). So they are measured as the
+difference between a real run and the simulator's run of the very same thing with the pieces
+already charged:
 
 Each run's step time is the median of its round periods (:func:`round_periods`): every round is a
 repeat, so a load spike on the shared host moves the fit only if it covers half the run.
@@ -32,7 +34,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from hetd.bench.real import run_real
+from hetd.bench.sweep import Runner
 from hetd.sim.costs import CostProfile
 from hetd.sim.loop import run_sim
 from hetd.sim.results import PolicySpec, RunResult
@@ -106,13 +108,14 @@ def _step_s(run: RunResult, n: int, budget_s: float) -> float:
 def fit_cluster(
     sc: Scenario,
     base: CostProfile,
+    run_real: Runner,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
     fit_s: float = FIT_S,
 ) -> tuple[float, float, dict[str, Any]]:
     """(``exchange_s``, ``release_stagger_s``, what was measured) for ``sc`` on this machine, with
-    ``base`` (the pieces already timed) charged in the simulated runs; each real run trains for
-    ``fit_s`` s."""
+    ``base`` (the pieces already timed) charged in the simulated runs; each real run, made with
+    ``run_real`` (:func:`hetd.bench.real.run_real`), trains for ``fit_s`` s."""
     say = progress or (lambda _: None)
     bsp = PolicySpec("bsp")
     n = sc.n

@@ -1,10 +1,10 @@
 """``hetd bench --suite parity``: the same scenario in ``--mode sim`` and ``--mode real``, compared.
 
-Owns :func:`run_parity` (both sweeps through :func:`hetd.bench.sweep.run_bench`, into ``OUT/sim``
-and ``OUT/real``, then :func:`write_parity`: ``OUT/parity.json``, ``OUT/parity.md`` and
-``OUT/parity.png``) and the pure comparison: :func:`rank_key`, :func:`ranks`,
-:func:`kendall_distance`, :func:`compare`. Medians over seeds and ranks are compared, never single
-runs.
+Owns the pure comparison of the two sweeps' documents: :func:`rank_key`, :func:`ranks`,
+:func:`kendall_distance`, :func:`compare`; and :func:`write_parity` (``OUT/parity.json``,
+``OUT/parity.md`` and ``OUT/parity.png``). :func:`hetd.bench.suites.run_parity` runs the two sweeps
+(into ``OUT/sim`` and ``OUT/real``) and hands their documents here. Medians over seeds and ranks
+are compared, never single runs.
 
 Ranking rule: a policy's key is its median TTA over seeds; a policy whose median never reaches the
 target comes after every one that does, those ordered by higher median final accuracy. Two
@@ -18,19 +18,16 @@ policies were given, so they are always a permutation.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from hetd.bench.sweep import BenchOptions, Runner, run_bench, runner_for
-from hetd.sim.results import PolicySpec, RunResult, grid_time_to_target
+from hetd.sim.results import grid_time_to_target
 from hetd.sim.scenario import Scenario
-from hetd.sim.scenario import replace as replace_scenario
 
 BAND = 1.3  # real/sim TTA ratios within [1/BAND, BAND] count as agreeing
 MAX_SWAPS = 1  # Kendall tau distance allowed between the two modes' rankings
@@ -313,58 +310,6 @@ def plot_parity(path: Path, doc: Mapping[str, Any]) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def _real_runner(
-    lrs: Mapping[str, float], links: str = "emulated", evals: str = "deferred"
-) -> Runner:
-    """The real runner (with ``links`` and ``evals``), each policy at the learning rate its sim
-    runs used (``--tune-lr``)."""
-    real = runner_for("real", links, evals)
-
-    def run(
-        sc: Scenario, p: PolicySpec, seed: int, lr: float, on_time: Callable[[float], None]
-    ) -> RunResult:
-        return real(sc, p, seed, lrs.get(p.label, lr), on_time)
-
-    return run
-
-
-def run_parity(opts: BenchOptions, calibrate: bool = False) -> dict[str, Any]:
-    """Sweep ``opts`` in sim mode into ``opts.out/sim`` and in real mode into ``opts.out/real``
-    (``opts.mode`` is ignored; with ``tune_lr`` the lrs are chosen in sim and reused in real),
-    write ``parity.json``, ``parity.md`` and ``parity.png`` to ``opts.out``; return the document.
-
-    ``calibrate``: first measure this machine's cost profile for the scenario
-    (:mod:`hetd.bench.calibrate`, written to ``OUT/costs.json``) and charge it in the sim runs.
-    The profile the sim runs charged (that one, or the scenario's ``costs``) is in
-    ``parity.json`` under ``costs``."""
-    from hetd.bench.real import check_real
-
-    try:
-        check_real(opts.scenario)  # refuse before the sim sweep, not after it
-    except ValueError as exc:
-        raise ValueError(f"--suite parity also runs --mode real, which cannot: {exc}") from None
-    sc = opts.scenario
-    if calibrate:
-        from hetd.bench.calibrate import calibrate_scenario
-
-        path = opts.out / "costs.json"
-        calibrate_scenario(sc, path, quiet=opts.quiet)
-        sc = replace_scenario(sc, costs=str(path))
-    sim = run_bench(dataclasses.replace(opts, scenario=sc, mode="sim", out=opts.out / "sim"))
-    lrs = {r["policy"]: r["lr"] for r in sim["runs"]}
-    real_opts = dataclasses.replace(opts, mode="real", out=opts.out / "real", tune_lr=False)
-    real = run_bench(real_opts, _real_runner(lrs, opts.links, opts.evals))
-    doc = compare(sim, real, opts.scenario, opts.seeds)
-    doc["links"] = opts.links  # the real runs' links: emulated, or netns (hetd.bench.links)
-    doc["evals"] = opts.evals  # the real runs' evaluations: deferred, or live (hetd.bench.real)
-    if sc.costs:
-        from hetd.sim.costs import load_costs
-
-        doc["costs"] = {"file": sc.costs, **load_costs(sc.costs).to_json()}
-    write_parity(opts.out, doc)
-    return doc
 
 
 def write_parity(out: Path, doc: Mapping[str, Any]) -> None:

@@ -3,14 +3,14 @@
 Owns :class:`BenchOptions`, :func:`run_bench` (the loop over policies and seeds with a progress bar,
 ``--tune-lr``), :func:`ideal_tta` (docs/benchmark.md's perfectly balanced, zero-wait lower bound) and
 :func:`write_outputs` (``results.json``, ``summary.md``, PNGs — the last two in
-:mod:`hetd.bench.plots`). A run is ``--mode sim`` (:func:`hetd.sim.loop.run_sim`, virtual time) or
-``--mode real`` (:func:`hetd.bench.real.run_real`, a real daemon and real worker processes); both
-give the same :class:`~hetd.sim.results.RunResult`.
+:mod:`hetd.bench.plots`). A run is the :data:`Runner` it is given
+(:func:`hetd.bench.suites.runner_for`): ``--mode sim`` (:func:`hetd.sim.loop.run_sim`, virtual
+time) or ``--mode real`` (:func:`hetd.bench.real.run_real`, a real daemon and real worker
+processes); both give the same :class:`~hetd.sim.results.RunResult`.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -48,24 +48,6 @@ class BenchOptions:
     )
 
 
-def runner_for(mode: str, links: str = "emulated", evals: str = "deferred") -> Runner:
-    """The run function of a mode (real mode: with ``links`` and ``evals``)."""
-    if mode == "sim":
-        from hetd.sim.loop import run_sim
-
-        def sim(
-            sc: Scenario, p: PolicySpec, seed: int, lr: float, on_time: Callable[[float], None]
-        ) -> RunResult:
-            return run_sim(sc, p, seed, lr, on_time).result
-
-        return sim
-    if mode == "real":
-        from hetd.bench.real import EvalOptions, run_real
-
-        return functools.partial(run_real, links=links, evals=EvalOptions(evals))
-    raise ValueError(f"unknown mode {mode!r}; use sim or real")
-
-
 def _better(a: RunResult, b: RunResult) -> bool:
     """Whether ``a`` beats ``b``: reached the target sooner, or higher final accuracy."""
 
@@ -75,10 +57,10 @@ def _better(a: RunResult, b: RunResult) -> bool:
     return key(a) < key(b)
 
 
-def run_bench(opts: BenchOptions, runner: Runner | None = None) -> dict[str, Any]:
-    """Run every policy × seed, write the outputs to ``opts.out``, return the results document."""
+def run_bench(opts: BenchOptions, run: Runner) -> dict[str, Any]:
+    """Run every policy × seed with ``run`` (the run function of ``opts.mode``), write the outputs
+    to ``opts.out``, return the results document."""
     sc = opts.scenario
-    run = runner or runner_for(opts.mode, opts.links, opts.evals)
     grid = tuple(opts.lr_grid or sc.lr_grid) if opts.tune_lr else ()
     n_runs = len(opts.policies) * (opts.seeds + len(grid) - (1 if grid else 0))
     bar = tqdm(

@@ -1,5 +1,5 @@
 """The ``hetd sim`` and ``hetd bench`` commands: argument parsing only; the work is in
-:mod:`hetd.sim.loop` and :mod:`hetd.bench.sweep`.
+:mod:`hetd.sim.loop` and the bench's suites (:mod:`hetd.bench.suites` runs those of several steps).
 
 ``hetd.cli.main`` calls :func:`add_commands` with its sub-parsers and hands the parsed arguments of
 these two commands to :func:`run_command`.
@@ -276,7 +276,8 @@ def _sim(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from hetd.bench.sweep import BenchOptions, run_bench
+    from hetd.bench.suites import run_policies
+    from hetd.bench.sweep import BenchOptions
     from hetd.sim.results import parse_policies
 
     if args.links == "netns" and args.suite not in ("policies", "parity", "chaos"):
@@ -326,7 +327,7 @@ def _bench(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     if args.suite == "parity":
         return _parity(opts, t0, args.calibrate)
-    doc = run_bench(opts)
+    doc = run_policies(opts)
     wall = time.monotonic() - t0
     print(f"{len(doc['runs'])} runs in {wall:.0f} s ({args.mode} mode); wrote {args.out}/")
     for row in doc["summary"]:
@@ -421,7 +422,7 @@ def _chaos(args: argparse.Namespace) -> int:
 
 def _parity(opts: BenchOptions, t0: float, calibrate: bool = False) -> int:
     """``--suite parity``: both modes, then the comparison table and verdict on stdout."""
-    from hetd.bench.parity import run_parity
+    from hetd.bench.suites import run_parity
 
     doc = run_parity(opts, calibrate=calibrate)
     out = opts.out

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
+from hetd import config as config_mod
 from hetd.cli.common import Sub
 
 
@@ -32,6 +34,32 @@ def add_calibrate(sub: Sub) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from hetd.bench.calibrate import run_command
+    """``--scenario`` or ``--model``/``--dataset``, ``--repeats``, ``--out``: the pieces timed, then
+    (with ``--scenario``, unless ``--no-cluster``) the end-to-end terms fitted from real runs."""
+    from hetd.bench.calibrate import Target, calibrate, describe, target_for
+    from hetd.bench.suites import with_cluster
+    from hetd.sim.costs import write_costs
+    from hetd.sim.scenario import load_scenario
 
-    return run_command(args)
+    if args.scenario and (args.model or args.dataset):
+        raise ValueError("give --scenario or --model/--dataset, not both")
+    sc = None
+    if args.scenario:
+        sc = load_scenario(args.scenario)
+        target = target_for(sc)
+    else:
+        train = config_mod.TrainConfig()
+        target = Target(model=args.model or train.model, dataset=args.dataset or train.dataset)
+    progress = None if args.quiet else (lambda m: print(f"calibrate: {m}", file=sys.stderr))
+    profile = calibrate(target, args.repeats, progress)
+    if sc is not None and not args.no_cluster:
+        profile = with_cluster(profile, sc, progress)
+    write_costs(args.out, profile)
+    where = f"scenario {target.scenario}" if target.scenario else f"{target.model}"
+    print(
+        f"wrote {args.out}: the cost profile of {where} on {target.dataset} "
+        f"({profile.about['n_params']} parameters), medians of {args.repeats}"
+    )
+    for line in describe(profile):
+        print(f"  {line}")
+    return 0

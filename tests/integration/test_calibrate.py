@@ -163,9 +163,10 @@ def test_the_end_to_end_terms_make_the_simulated_step_the_real_one() -> None:
     simulator's step exactly the real one measured; a synchronous round of two workers costs the
     simulator at least what one worker's step does."""
     from hetd.bench.cluster_costs import fit_cluster, fit_scenario
+    from hetd.bench.real import run_real
 
     sc = digits(workers=[{"slowdown": 1.0, "count": 2}], global_batch=64)
-    exchange, stagger, measured = fit_cluster(sc, CostProfile(), fit_s=2.0)
+    exchange, stagger, measured = fit_cluster(sc, CostProfile(), run_real, fit_s=2.0)
     assert exchange > 0 and stagger >= 0
     assert measured["step_real_1_s"] > measured["step_sim_1_s"]
     one = fit_scenario(sc, 1, 2.0)

@@ -1,0 +1,134 @@
+"""The bench's runs that take more than one step: each step is a module of its own, and this one runs
+them in order and hands each result to the next.
+
+Owns :func:`runner_for` (a mode's run function: :func:`hetd.sim.loop.run_sim` in virtual time, or
+:func:`hetd.bench.real.run_real`, a real daemon and real worker processes), :func:`run_policies`
+(``hetd bench --suite policies``), :func:`run_parity` (``hetd bench --suite parity``) and the cost
+profile in two steps, :func:`calibrate_scenario` and :func:`with_cluster` (``hetd calibrate``).
+
+The steps import none of each other: the sweep (:mod:`hetd.bench.sweep`) is given its runner, the
+end-to-end fit (:mod:`hetd.bench.cluster_costs`) the real runner it times, the comparison
+(:mod:`hetd.bench.parity`) the two sweeps' documents, and the pieces' timings
+(:mod:`hetd.bench.calibrate`) need no real run at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from hetd.bench import calibrate as pieces
+from hetd.bench import parity
+from hetd.bench.cluster_costs import fit_cluster
+from hetd.bench.real import EvalOptions, check_real, run_real
+from hetd.bench.sweep import BenchOptions, Runner, run_bench
+from hetd.sim.costs import CostProfile, load_costs, write_costs
+from hetd.sim.loop import run_sim
+from hetd.sim.results import PolicySpec, RunResult
+from hetd.sim.scenario import Scenario
+from hetd.sim.scenario import replace as replace_scenario
+
+
+def runner_for(mode: str, links: str = "emulated", evals: str = "deferred") -> Runner:
+    """The run function of a mode (real mode: with ``links`` and ``evals``)."""
+    if mode == "sim":
+
+        def sim(
+            sc: Scenario, p: PolicySpec, seed: int, lr: float, on_time: Callable[[float], None]
+        ) -> RunResult:
+            return run_sim(sc, p, seed, lr, on_time).result
+
+        return sim
+    if mode == "real":
+        return functools.partial(run_real, links=links, evals=EvalOptions(evals))
+    raise ValueError(f"unknown mode {mode!r}; use sim or real")
+
+
+def run_policies(opts: BenchOptions) -> dict[str, Any]:
+    """Every policy × seed of ``opts`` in ``opts.mode``, written to ``opts.out``; the results
+    document."""
+    return run_bench(opts, runner_for(opts.mode, opts.links, opts.evals))
+
+
+# --- the cost profile ---------------------------------------------------------------------------
+
+
+def with_cluster(
+    profile: CostProfile, sc: Scenario, progress: Callable[[str], None] | None = None
+) -> CostProfile:
+    """``profile`` with its end-to-end terms fitted from real runs of ``sc``'s setting
+    (:mod:`hetd.bench.cluster_costs`)."""
+    exchange, stagger, measured = fit_cluster(sc, profile, run_real, progress=progress)
+    about = dict(profile.about) | {"cluster": measured}
+    return dataclasses.replace(profile, exchange_s=exchange, release_stagger_s=stagger, about=about)
+
+
+def calibrate_scenario(
+    sc: Scenario,
+    out: Path,
+    repeats: int = pieces.REPEATS,
+    quiet: bool = False,
+    cluster: bool = True,
+) -> CostProfile:
+    """Measure the profile of ``sc`` (``cluster``: with its end-to-end terms) and write it to
+    ``out``."""
+    progress = None if quiet else (lambda m: print(f"calibrate: {m}", file=sys.stderr))
+    profile = pieces.calibrate(pieces.target_for(sc), repeats, progress)
+    if cluster:
+        profile = with_cluster(profile, sc, progress)
+    write_costs(out, profile)
+    return profile
+
+
+# --- sim against real ---------------------------------------------------------------------------
+
+
+def _real_runner(
+    lrs: Mapping[str, float], links: str = "emulated", evals: str = "deferred"
+) -> Runner:
+    """The real runner (with ``links`` and ``evals``), each policy at the learning rate its sim
+    runs used (``--tune-lr``)."""
+    real = runner_for("real", links, evals)
+
+    def run(
+        sc: Scenario, p: PolicySpec, seed: int, lr: float, on_time: Callable[[float], None]
+    ) -> RunResult:
+        return real(sc, p, seed, lrs.get(p.label, lr), on_time)
+
+    return run
+
+
+def run_parity(opts: BenchOptions, calibrate: bool = False) -> dict[str, Any]:
+    """Sweep ``opts`` in sim mode into ``opts.out/sim`` and in real mode into ``opts.out/real``
+    (``opts.mode`` is ignored; with ``tune_lr`` the lrs are chosen in sim and reused in real),
+    write ``parity.json``, ``parity.md`` and ``parity.png`` to ``opts.out``; return the document.
+
+    ``calibrate``: first measure this machine's cost profile for the scenario
+    (:func:`calibrate_scenario`, written to ``OUT/costs.json``) and charge it in the sim runs.
+    The profile the sim runs charged (that one, or the scenario's ``costs``) is in
+    ``parity.json`` under ``costs``."""
+    try:
+        check_real(opts.scenario)  # refuse before the sim sweep, not after it
+    except ValueError as exc:
+        raise ValueError(f"--suite parity also runs --mode real, which cannot: {exc}") from None
+    sc = opts.scenario
+    if calibrate:
+        path = opts.out / "costs.json"
+        calibrate_scenario(sc, path, quiet=opts.quiet)
+        sc = replace_scenario(sc, costs=str(path))
+    sim_opts = dataclasses.replace(opts, scenario=sc, mode="sim", out=opts.out / "sim")
+    sim = run_bench(sim_opts, runner_for("sim"))
+    lrs = {r["policy"]: r["lr"] for r in sim["runs"]}
+    real_opts = dataclasses.replace(opts, mode="real", out=opts.out / "real", tune_lr=False)
+    real = run_bench(real_opts, _real_runner(lrs, opts.links, opts.evals))
+    doc = parity.compare(sim, real, opts.scenario, opts.seeds)
+    doc["links"] = opts.links  # the real runs' links: emulated, or netns (hetd.bench.links)
+    doc["evals"] = opts.evals  # the real runs' evaluations: deferred, or live (hetd.bench.real)
+    if sc.costs:
+        doc["costs"] = {"file": sc.costs, **load_costs(sc.costs).to_json()}
+    parity.write_parity(opts.out, doc)
+    return doc
