@@ -143,7 +143,35 @@ class Eval:
     accuracy: float
 
 
-Event = Join | Leave | Push | Pull | Tick | Eval
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """One candidate policy run forward from the live cluster by a planner (the daemon's timing
+    twin, :mod:`policies.twin`): what it would apply, and what that is worth."""
+
+    name: str
+    params: tuple[tuple[str, Any], ...]  # (key, value), sorted by key
+    samples_per_s: float  # samples applied per second
+    efficiency: float  # what an applied sample is worth, 0..1 (staleness, local steps) [D]
+    staleness: float = 0.0  # mean versions behind of what it applies
+
+    @property
+    def goodput(self) -> float:
+        """Useful samples per second: throughput × statistical efficiency."""
+        return self.samples_per_s * self.efficiency
+
+
+@dataclass(frozen=True, slots=True)
+class Forecast:
+    """A planner's predictions for its candidates, from the view at ``now`` over ``horizon_s``
+    (sent only to a policy whose :attr:`Policy.reads_forecasts` is set)."""
+
+    now: float
+    horizon_s: float
+    predictions: tuple[Prediction, ...]
+    cost_s: float = 0.0  # CPU seconds the planning took
+
+
+Event = Join | Leave | Push | Pull | Tick | Eval | Forecast
 
 
 # --- decisions ---------------------------------------------------------------------------------------
@@ -392,6 +420,9 @@ class Policy(NamedTuple):
     # would otherwise evaluate after the run (``hetd bench --mode real --evals deferred``)
     # evaluates live for such a policy; one that ignores them may get none
     reads_evals: bool = False
+    # whether ``update`` reads ``Forecast`` events (``auto`` chooses among policies with them): the
+    # daemon runs its planner only for such a policy, and no other policy ever gets one
+    reads_forecasts: bool = False
 
     def describe(self) -> dict[str, Any]:
         """Name and parameters, for status pages."""
