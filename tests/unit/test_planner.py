@@ -1,0 +1,178 @@
+"""The planner (hetd/core/planner.py): candidates run forward by the timing twin on a snapshot of the
+cluster, as one Forecast; candidates the twin cannot run are left out, never raised."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable
+
+import pytest
+
+import policies  # noqa: F401  (registers the built-in policies)
+from hetd.core.planner import (
+    DEFAULT_CANDIDATES,
+    Candidate,
+    PlannerConfig,
+    candidates_of,
+    describe_forecast,
+    parse_candidates,
+    plan,
+    snapshot,
+)
+from policies.efficiency import Efficiency
+from policies.registry import make_policy
+from policies.twin import run_twin
+from policies.types import ClusterView, WorkerFacts
+
+STEP_S, BATCH = 0.01, 32  # s per step of 32 samples at slow-down 1
+
+
+def view_of(slowdowns: list[float], timed: bool = True) -> ClusterView:
+    """Every worker waiting for its release, timed by its facts (or, ``timed=False``, the last
+    one not yet timed: it just joined)."""
+    workers = {
+        i: WorkerFacts(
+            worker=i,
+            name=f"w{i}",
+            clock=0,
+            version=0,
+            waiting=True,
+            joined_at=0.0,
+            compute_s=STEP_S * s if timed or i < len(slowdowns) - 1 else None,
+            sample_s=STEP_S / BATCH * s if timed or i < len(slowdowns) - 1 else None,
+            batch_size=BATCH,
+        )
+        for i, s in enumerate(slowdowns)
+    }
+    return ClusterView(now=5.0, version=0, workers=workers, global_batch=BATCH * len(slowdowns))
+
+
+def counting_clock(step: float = 0.25) -> tuple[list[float], Callable[[], float]]:
+    """A CPU clock that moves ``step`` s per reading."""
+    ticks = itertools.count()
+    readings: list[float] = []
+
+    def now() -> float:
+        readings.append(next(ticks) * step)
+        return readings[-1]
+
+    return readings, now
+
+
+SPREAD = [1.0, 1.0, 2.0, 4.0]
+CONFIG = PlannerConfig(horizon_s=2.0, horizon_rounds=None)
+
+
+def test_each_candidate_is_the_twin_run_with_its_parameters() -> None:
+    view = view_of(SPREAD)
+    cands = parse_candidates("bsp,asp,ssp:staleness=2")
+    out = plan(view, cands, CONFIG, lambda: 0.0)
+    f = out.forecast
+    assert out.refused == ()
+    assert [(p.name, p.params) for p in f.predictions] == [
+        ("bsp", ()),
+        ("asp", ()),
+        ("ssp", (("staleness", 2),)),
+    ]
+    assert (f.now, f.horizon_s) == (5.0, 2.0)
+    twin = run_twin(view, "ssp", {"staleness": 2}, CONFIG.twin_config())
+    ssp = f.predictions[2]
+    assert ssp.samples_per_s == twin.applied_samples_per_s
+    assert ssp.staleness == twin.staleness_mean
+    # bsp applies fresh, one-step gradients: every sample is worth one; asp's are stale
+    bsp, asp = f.predictions[0], f.predictions[1]
+    assert bsp.efficiency == 1.0 and bsp.goodput == bsp.samples_per_s
+    assert asp.samples_per_s > 2 * bsp.samples_per_s  # the fast workers do not wait
+    assert 0.0 < asp.efficiency < 1.0 and asp.staleness > 0
+
+
+def test_the_efficiency_model_is_the_one_given() -> None:
+    view = view_of(SPREAD)
+    cands = parse_candidates("asp")
+    mild = plan(view, cands, CONFIG, lambda: 0.0).forecast.predictions[0]
+    harsh_config = dataclasses.replace(CONFIG, efficiency=Efficiency(kappa_staleness=1.0))
+    harsh = plan(view, cands, harsh_config, lambda: 0.0).forecast.predictions[0]
+    assert harsh.samples_per_s == mild.samples_per_s  # the timing is the same
+    assert harsh.efficiency < mild.efficiency
+
+
+def test_candidates_the_twin_refuses_are_left_out_with_the_reason() -> None:
+    view = view_of(SPREAD)
+    cands = parse_candidates("bsp,dpmp,auto,nosuch,ssp:bogus=1,asp")
+    out = plan(view, cands, CONFIG, lambda: 0.0)
+    assert [p.name for p in out.forecast.predictions] == ["bsp", "asp"]
+    reasons = dict(out.refused)
+    assert set(reasons) == {"dpmp", "auto", "nosuch", "ssp:bogus=1"}
+    assert "unknown policy 'nosuch'" in reasons["nosuch"]
+    assert "bogus" in reasons["ssp:bogus=1"]
+
+
+def test_a_worker_without_timing_facts_leaves_nothing_to_predict() -> None:
+    out = plan(view_of(SPREAD, timed=False), parse_candidates("bsp,asp"), CONFIG, lambda: 0.0)
+    assert out.forecast.predictions == ()
+    assert [label for label, _ in out.refused] == ["bsp", "asp"]
+    assert all("TwinError" in why for _, why in out.refused)
+
+
+def test_no_workers_is_no_error() -> None:
+    empty = ClusterView(now=0.0, version=0, workers={}, global_batch=128)
+    out = plan(empty, parse_candidates("bsp"), CONFIG, lambda: 0.0)
+    assert out.forecast.predictions == () and len(out.refused) == 1
+
+
+def test_its_cpu_time_is_read_from_the_clock_given() -> None:
+    readings, clock = counting_clock(0.25)
+    out = plan(view_of(SPREAD), parse_candidates("bsp,asp"), CONFIG, clock)
+    assert len(readings) == 2  # before and after, nothing in between
+    assert out.forecast.cost_s == pytest.approx(0.25)
+
+
+def test_the_same_view_gives_the_same_forecast() -> None:
+    view = view_of(SPREAD)
+    cands = parse_candidates(None)
+    a = plan(view, cands, PlannerConfig(), lambda: 0.0)
+    b = plan(view, cands, PlannerConfig(), lambda: 0.0)
+    assert a == b
+    assert len(a.forecast.predictions) == len(DEFAULT_CANDIDATES)  # every default one runs
+
+
+def test_a_rounds_horizon_stops_before_the_seconds() -> None:
+    view = view_of(SPREAD)
+    rounds = PlannerConfig(horizon_s=10.0, horizon_rounds=5).twin_config()
+    r = run_twin(view, "bsp", None, rounds)
+    assert r.duration_s < 10.0 * 0.1  # 5 rounds of the slowest: 0.2 s
+    assert r.pushes >= 5 * len(SPREAD)
+
+
+def test_parse_candidates() -> None:
+    assert parse_candidates("bsp, ssp:staleness=4;weight=0.5 ,bsp") == (
+        Candidate("bsp"),
+        Candidate("ssp", (("staleness", 4), ("weight", 0.5))),
+    )
+    assert parse_candidates(["diloco:codec=int8", "asp"]) == (
+        Candidate("diloco", (("codec", "int8"),)),
+        Candidate("asp"),
+    )
+    assert parse_candidates(None) == parse_candidates("") == parse_candidates([])
+    assert [c.label for c in parse_candidates(None)] == list(DEFAULT_CANDIDATES)
+    for bad in ("ssp:staleness", ":staleness=2", "ssp:=2"):
+        with pytest.raises(ValueError, match="candidate"):
+            parse_candidates(bad)
+    assert candidates_of(make_policy("ssp")) == parse_candidates(None)
+
+
+def test_a_snapshot_does_not_follow_the_engine_tables() -> None:
+    live = dict(view_of(SPREAD).workers)
+    view = dataclasses.replace(view_of(SPREAD), workers=live)
+    snap = snapshot(view)
+    live.pop(0)
+    assert len(snap.workers) == len(SPREAD) and snap.now == view.now
+
+
+def test_describe_ranks_by_goodput() -> None:
+    out = plan(view_of(SPREAD), parse_candidates("bsp,asp,lbbsp"), CONFIG, lambda: 0.0)
+    rows = describe_forecast(out.forecast)["predictions"]
+    goodputs = [r["goodput"] for r in rows]
+    assert goodputs == sorted(goodputs, reverse=True)
+    assert {r["candidate"] for r in rows} == {"bsp", "asp", "lbbsp"}
