@@ -15,6 +15,7 @@ from typing import Any
 
 from hetd.core.peers import FrameSink, Peer
 from hetd.protocol.messages import JoinIn, PushIn
+from policies import types as policy_types
 
 __all__ = [
     "Call",
@@ -22,6 +23,7 @@ __all__ = [
     "DissolveReplica",
     "EvalDone",
     "EvalDue",
+    "Forecast",
     "Heartbeat",
     "Join",
     "Leave",
@@ -117,6 +119,14 @@ class EvalDone:
 
 
 @dataclass(frozen=True, slots=True)
+class Forecast:
+    """A planner's forecast (:mod:`hetd.core.planner`), for a policy that reads forecasts; any
+    other policy never hears of it (one swapped in while it was made included)."""
+
+    forecast: policy_types.Forecast
+
+
+@dataclass(frozen=True, slots=True)
 class DissolveReplica:
     head: int
     reason: str = ""
@@ -156,6 +166,7 @@ Command = (
     | Tick
     | EvalDue
     | EvalDone
+    | Forecast
     | DissolveReplica
     | Call
 )

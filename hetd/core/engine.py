@@ -164,6 +164,9 @@ class Engine:
                 self._evaluate_if_due(self.clock.now())
             case cmd.EvalDone(result, taken):
                 self.record_eval(*result, taken, metrics=metrics_of(result))
+            case cmd.Forecast(forecast):
+                if self.host.policy.reads_forecasts:
+                    self._dispatch(forecast)
             case cmd.DissolveReplica(head, reason):
                 self.dissolve_replica(head, reason)
             case cmd.Call():
