@@ -116,6 +116,10 @@ class PolicyConfig:
     # Empty: the policy's own defaults (ssp: staleness 3), so a file that names another policy
     # and no params starts it rather than handing it ssp's parameters.
     params: Mapping[str, Any] = field(default_factory=dict)
+    # A policy that reads forecasts (auto) gets one this often: the planner runs its candidates
+    # forward on the cluster's facts in a thread, within 5 % of one core (a round that cost more
+    # delays the next ones). 0: no planning.
+    plan_every_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -253,6 +257,7 @@ _RANGES: dict[tuple[str, str], tuple[float, float | None, str]] = {
     ("train", "guard_factor"): (0, None, "0 (off) or a positive factor, e.g. 100"),
     ("train", "guard_warmup"): (0, None, "not negative"),
     ("train", "profile_steps"): (0, 20, "0 (no profiling) to 20 steps"),
+    ("policy", "plan_every_s"): (0, None, "0 (no planning) or positive seconds"),
     ("store", "interval_s"): (0, None, "0 (no timer) or positive seconds"),
     ("store", "keep"): (1, None, "at least 1"),
 }

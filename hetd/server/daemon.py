@@ -14,10 +14,10 @@ With a state directory the daemon locks it before it listens and keeps it locked
 checkpoint is written (:mod:`hetd.server.statedir`): a second daemon on the same directory, or
 one whose port is taken, stops with :class:`StartupError` (``hetd serve`` exits 2).
 
-``Daemon`` owns every task it starts (the engine, the HTTP runners, the checkpoint timer) and cancels
-and awaits them on ``stop``. ``serve`` is what ``hetd serve`` runs: listen, build, resume, tell
-systemd READY=1, wait for SIGTERM or SIGINT, then stop taking pushes, say bye to workers, write the
-last checkpoint and exit.
+``Daemon`` owns every task it starts (the engine, the HTTP runners, the checkpoint timer, the
+planning rounds of :mod:`hetd.server.planning`) and cancels and awaits them on ``stop``.
+``serve`` is what ``hetd serve`` runs: listen, build, resume, tell systemd READY=1, wait for
+SIGTERM or SIGINT, then stop taking pushes, say bye to workers, write the last checkpoint and exit.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ if TYPE_CHECKING:  # the heavy modules (JAX, flax, optax) load behind the listen
     from hetd.core.engine import Engine
     from hetd.server import checkpoint
     from hetd.server.metrics import Metrics
+    from hetd.server.planning import Planning
     from hetd.server.replicas import ReplicaDriver
 
 log = logging.getLogger("hetd.server.daemon")
@@ -84,6 +85,8 @@ class Daemon:
         self._engine_task: asyncio.Task[None] | None = None
         self._timer_task: asyncio.Task[None] | None = None
         self._warm_task: asyncio.Task[None] | None = None
+        self.planning: Planning | None = None  # forecasts for a policy that reads them
+        self._plan_task: asyncio.Task[None] | None = None
         self._stopped = False
         self.port = 0  # the bound worker port
         self.admin_port: int | None = None  # the bound admin port (None: admin API off)
@@ -188,6 +191,11 @@ class Daemon:
 
             self.replicas = ReplicaDriver(engine, self.relay)  # formed by POST /v1/replicas
             self._engine_task = asyncio.create_task(engine.run(), name="hetd-engine")
+            if self.cfg.policy.plan_every_s > 0:  # each round plans only under such a policy
+                from hetd.server.planning import Planning
+
+                self.planning = Planning(engine, self.cfg.policy.plan_every_s)
+                self._plan_task = asyncio.create_task(self.planning.run(), name="hetd-planning")
         except BaseException:
             await self.stop(final_checkpoint=False)
             raise
@@ -307,6 +315,7 @@ class Daemon:
                 "last": ck.last.to_json() if ck is not None and ck.last is not None else None,
                 "resumed_from": self.resumed_from.to_json() if self.resumed_from else None,
             },
+            "planning": self.planning.describe() if self.planning is not None else None,
         }
 
     def _metric_extras(self) -> dict[str, float]:
@@ -339,10 +348,11 @@ class Daemon:
         self._ready.set()  # workers waiting for the engine get a 503 unless it runs
         timeout = self.cfg.server.stop_timeout_s if timeout is None else timeout
         engine = self._engine
-        if self._timer_task is not None:
-            self._timer_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._timer_task
+        for task in (self._timer_task, self._plan_task):  # (a planner's thread ends by itself)
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for site in self._worker_sites:  # no new connections; open ones get their bye below
             with contextlib.suppress(Exception):
                 await site.stop()

@@ -1,0 +1,129 @@
+"""The daemon's planning rounds: a forecast for a policy that reads forecasts (``auto``), every
+``[policy] plan_every_s``.
+
+Owns :class:`Planning`, a task the daemon starts with its engine and cancels on stop. Each round
+takes a snapshot of the view and the running policy's candidates on the engine task (so they are
+the state between two events), runs :func:`hetd.core.planner.plan` in a worker thread (the event
+loop and the engine go on meanwhile) and submits the forecast as a
+:class:`~hetd.core.commands.Forecast` command, which the engine hands to the policy if it still
+reads forecasts. A round while the running policy reads none costs one engine call and nothing
+else, so the task follows hot swaps to and from ``auto`` by itself.
+
+Its CPU budget: planning may take :data:`CPU_SHARE` of one core over time. A round that took ``c``
+CPU seconds (the planner's thread, ``time.thread_time``) lets the next one start no sooner than
+``c / CPU_SHARE`` seconds after it began; the rounds due before then are skipped (counted). So
+with the default 30 s a round of up to 1.5 s costs nothing, and a 3 s one skips the next round.
+
+A round that fails is logged and the next one runs as usual: planning never stops the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the engine brings JAX: the daemon imports this module before it listens
+    from hetd.core.engine import Engine
+    from hetd.core.planner import Candidate, Planned, PlannerConfig
+    from policies.types import ClusterView
+
+log = logging.getLogger("hetd.server.planning")
+
+CPU_SHARE = 0.05  # of one core, over time, at most
+
+
+class Planning:
+    """The planning rounds of one daemon: run by :meth:`run` (cancelled on stop), read by
+    :meth:`describe` (``hetd status``)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        every_s: float,
+        config: PlannerConfig | None = None,
+        cpu_clock: Callable[[], float] = time.thread_time,
+        wall: Callable[[], float] = time.monotonic,
+    ) -> None:
+        from hetd.core.planner import PlannerConfig
+
+        self.engine = engine
+        self.every_s = every_s
+        self.config = config or PlannerConfig()
+        self.cpu_clock = cpu_clock  # read in the planner's thread: its CPU time alone
+        self.wall = wall
+        self.rounds = 0  # forecasts made
+        self.skipped = 0  # rounds skipped for the CPU budget
+        self.failed = 0  # rounds that raised
+        self.not_before = -float("inf")  # wall s: the next round may start then
+        self.last: Planned | None = None
+        self._told: set[tuple[str, str]] = set()  # refusals logged once each
+
+    async def run(self) -> None:
+        """A round every ``every_s`` until cancelled; a failed round is logged, never raised."""
+        while True:
+            await asyncio.sleep(self.every_s)
+            try:
+                await self.round()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.failed += 1
+                log.exception("a planning round failed; the next one runs as usual")
+
+    async def round(self) -> bool:
+        """One round: whether a forecast was submitted."""
+        from hetd.core import commands as cmd
+        from hetd.core.planner import plan
+
+        began = self.wall()
+        if began < self.not_before:
+            self.skipped += 1
+            return False
+        taken = await asyncio.wait_for(self.engine.call(self._take), self.every_s)
+        if taken is None:  # the running policy reads no forecasts
+            return False
+        view, candidates = taken
+        planned = await asyncio.to_thread(plan, view, candidates, self.config, self.cpu_clock)
+        self.not_before = began + planned.forecast.cost_s / CPU_SHARE
+        self.last = planned
+        self.rounds += 1
+        for refusal in planned.refused:
+            if refusal not in self._told:
+                self._told.add(refusal)
+                log.info("planner: candidate %s left out: %s", *refusal)
+        if not planned.forecast.predictions:
+            return False
+        self.engine.submit(cmd.Forecast(planned.forecast))
+        return True
+
+    def _take(self) -> tuple[ClusterView, tuple[Candidate, ...]] | None:
+        """On the engine task: the view and the candidates, or None when the running policy
+        reads no forecasts or has no workers to plan for."""
+        from hetd.core.planner import candidates_of, snapshot
+
+        engine = self.engine
+        policy = engine.policy
+        if not policy.reads_forecasts or not engine.facts:
+            return None
+        return snapshot(engine.view()), candidates_of(policy)
+
+    def describe(self) -> dict[str, Any]:
+        """The rounds and the last forecast, as plain values (``hetd status``)."""
+        from hetd.core.planner import describe_forecast
+
+        out: dict[str, Any] = {
+            "every_s": self.every_s,
+            "rounds": self.rounds,
+            "skipped": self.skipped,
+            "failed": self.failed,
+            "last": None,
+        }
+        if self.last is not None:
+            out["last"] = {
+                **describe_forecast(self.last.forecast),
+                "refused": [{"candidate": c, "why": why} for c, why in self.last.refused],
+            }
+        return out
