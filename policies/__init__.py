@@ -5,7 +5,7 @@ The interface's records are :mod:`policies.types`; combining policies and decisi
 built-in policies; :func:`make_policy` builds one by name.
 """
 
-from policies import adsp, ashl, diloco, quorum  # noqa: F401  (registers them)
+from policies import adsp, ashl, auto, diloco, quorum  # noqa: F401  (registers them)
 from policies import shares as shares
 from policies import staleness as staleness
 from policies import sync as sync

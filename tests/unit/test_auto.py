@@ -1,0 +1,464 @@
+"""``auto`` (policies/auto.py): it decides as its inner policy until a forecast makes it switch;
+a switch needs the margin and the dwell, flushes what is buffered, puts every plan back to its
+default and starts the new policy with levelled clocks; a policy that fails to start leaves the
+old one; predictions of a policy the model got wrong lately count for less; the state survives a
+checkpoint and describes itself."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+import policies  # noqa: F401  (registers the built-in policies)
+from hetd.server.policy_state import policy_state_tree, revive_policy_state
+from policies import registry
+from policies.auto import AutoState
+from policies.compose import describe_state, resolve
+from policies.registry import PolicyError, make_policy
+from policies.types import (
+    Apply,
+    Buffer,
+    ClusterView,
+    Decision,
+    Event,
+    Flush,
+    Forecast,
+    Join,
+    Leave,
+    Plan,
+    Policy,
+    Prediction,
+    Push,
+    Release,
+    SetPlan,
+    SetStage,
+    Tick,
+    WorkerFacts,
+)
+
+STEP_S, BATCH = 0.01, 32  # s per step of 32 samples at slow-down 1
+
+
+class Cluster:
+    """Worker facts moved by events and decisions as the engine moves them (clocks, waiting,
+    timings, batches, the buffer and the version), enough to drive policies side by side."""
+
+    def __init__(self, slowdowns: Sequence[float], codec: str = "none") -> None:
+        self.now = 0.0
+        self.version = 0
+        self.groups: list[int] = []  # the buffered pushes' groups
+        self.stage = "main"
+        self.workers = {
+            w: WorkerFacts(w, f"w{w}", 0, 0, True, 0.0, codec=codec, batch_size=BATCH)
+            for w in range(len(slowdowns))
+        }
+        self.slow = dict(enumerate(slowdowns))
+
+    def view(self) -> ClusterView:
+        return ClusterView(
+            self.now, self.version, dict(self.workers), 128, len(self.groups), self.stage
+        )
+
+    def push(self, w: int) -> Push:
+        """Worker ``w`` pushes one step at ``now``: its clock and timings count it."""
+        f = self.workers[w]
+        compute = STEP_S * self.slow[w] * f.batch_size / BATCH
+        self.workers[w] = dataclasses.replace(
+            f,
+            clock=f.clock + 1,
+            waiting=True,
+            prev_push_at=f.last_push_at,
+            last_push_at=self.now,
+            compute_s=compute,
+            sample_s=compute / f.batch_size,
+            push_bytes=4000.0,
+            link_bps=1e9,
+            samples=f.samples + f.batch_size,
+        )
+        return Push(self.now, w, f.version, "grad", f.batch_size, 1, compute, loss=1.0)
+
+    def join(self, w: int, slowdown: float) -> Join:
+        clock = min(f.clock for f in self.workers.values())
+        self.workers[w] = WorkerFacts(w, f"w{w}", clock, -1, True, self.now, batch_size=BATCH)
+        self.slow[w] = slowdown
+        return Join(self.now, w)
+
+    def leave(self, w: int) -> Leave:
+        del self.workers[w]
+        return Leave(self.now, w, "gone")
+
+    def carry_out(self, decisions: Sequence[Decision], push: bool) -> None:
+        r = resolve(decisions)
+        for d in r.plans:
+            if isinstance(d, SetStage):
+                self.stage = d.stage
+            elif isinstance(d, SetPlan) and d.worker in self.workers:
+                plan = Plan(batch_size=self.workers[d.worker].batch_size).merge(d.fields)
+                self.workers[d.worker] = dataclasses.replace(
+                    self.workers[d.worker], batch_size=plan.batch_size
+                )
+        if push and (r.push is None or isinstance(r.push, Apply)):
+            self.version += 1
+        elif push and isinstance(r.push, Buffer):
+            self.groups.append(r.push.group)
+        for a in r.actions:
+            if isinstance(a, Flush):
+                done = {g for g in self.groups if a.upto is None or g <= a.upto}
+                self.version += len(done)
+                self.groups = [g for g in self.groups if g not in done]
+            elif isinstance(a, Release) and a.worker in self.workers:
+                self.workers[a.worker] = dataclasses.replace(
+                    self.workers[a.worker], waiting=False, version=self.version
+                )
+
+
+def drive(
+    c: Cluster, policy: Policy, state: Any, until: float, events: dict[float, str] | None = None
+) -> tuple[list[list[Decision]], Any]:
+    """Run ``policy`` on the cluster to ``until`` s: each worker not waiting pushes when its step
+    ends (checked every 5 ms), a tick every 50 ms, and ``events`` (time -> "join:w:slow" or
+    "leave:w") at their times. Returns every event's decisions and the final state."""
+    pending = dict(events or {})
+    started = {w: c.now for w in c.workers}
+    out: list[list[Decision]] = []
+
+    def step(ev: Event, push: bool) -> None:
+        nonlocal state
+        decisions, state = policy.update(ev, state, c.view())
+        out.append(list(decisions))
+        c.carry_out(decisions, push)
+
+    while c.now < until - 1e-9:
+        c.now = round(c.now + 0.005, 6)
+        for t in sorted(k for k in pending if k <= c.now):
+            kind, *rest = pending.pop(t).split(":")
+            if kind == "join":
+                step(c.join(int(rest[0]), float(rest[1])), False)
+                started[int(rest[0])] = c.now
+            else:
+                step(c.leave(int(rest[0])), False)
+        for w in sorted(c.workers):
+            f = c.workers[w]
+            if f.waiting:
+                started[w] = c.now
+                continue
+            if c.now - started[w] >= STEP_S * c.slow[w] * f.batch_size / BATCH - 1e-9:
+                started[w] = c.now
+                step(c.push(w), True)
+        if round(c.now / 0.05, 6).is_integer():
+            step(Tick(c.now), False)
+    return out, state
+
+
+def start(policy: Policy, c: Cluster) -> Any:
+    """The policy started as the engine starts one: init, then a Tick's decisions carried out."""
+    state = policy.init(c.view())
+    decisions, state = policy.update(Tick(c.now), state, c.view())
+    c.carry_out(decisions, False)
+    return state
+
+
+CHURN = {0.2: "join:3:1.5", 0.5: "leave:1"}
+
+
+@pytest.mark.parametrize("inner", ["lbbsp", "ssp", "bsp", "asp", "adsp", "hps"])
+def test_without_forecasts_auto_decides_as_its_inner_policy(inner: str) -> None:
+    a, b = Cluster([1.0, 2.0, 4.0]), Cluster([1.0, 2.0, 4.0])
+    wrapped, plain = make_policy("auto", {"start": inner}), make_policy(inner)
+    got, _ = drive(a, wrapped, start(wrapped, a), 1.0, CHURN)
+    want, _ = drive(b, plain, start(plain, b), 1.0, CHURN)
+    assert got == want
+    assert a.version > 20 and a.version == b.version
+
+
+# --- forecasts ----------------------------------------------------------------------------------
+
+
+def pred(name: str, samples_per_s: float, efficiency: float = 1.0, **params: Any) -> Prediction:
+    return Prediction(name, tuple(sorted(params.items())), samples_per_s, efficiency)
+
+
+def forecast(now: float, *predictions: Prediction) -> Forecast:
+    return Forecast(now, 10.0, predictions)
+
+
+def running(state: AutoState) -> str:
+    return state.name + "".join(f":{k}={v}" for k, v in state.params)
+
+
+def warm(
+    c: Cluster, policy: Policy, until: float, first: Forecast | None = None
+) -> tuple[AutoState, list[list[Decision]]]:
+    """Auto started at 0, an optional forecast at 0, then run to ``until``."""
+    state = start(policy, c)
+    if first is not None:
+        decisions, state = policy.update(first, state, c.view())
+        c.carry_out(decisions, False)
+    out, state = drive(c, policy, state, until)
+    assert isinstance(state, AutoState)
+    return state, out
+
+
+def test_a_forecast_that_clears_the_margin_after_the_dwell_switches() -> None:
+    c = Cluster([1.0, 2.0, 4.0])
+    p = make_policy("auto", {"dwell_s": 0.5})
+    state, _ = warm(c, p, 0.6, forecast(0.0, pred("lbbsp", 5000), pred("asp", 5000)))
+    decisions, state = p.update(
+        forecast(c.now, pred("lbbsp", 5000), pred("asp", 6000)), state, c.view()
+    )
+    assert running(state) == "asp" and state.since == c.now and state.checks == 0
+    assert state.last is not None and state.last.chosen == "asp"
+    assert "beats lbbsp" in state.last.why
+    assert [s.label for s in state.last.scored] == ["asp", "lbbsp"]
+    assert len(state.switches) == 1 and state.switches[0][1:3] == ("lbbsp", "asp")
+    # asp's first decisions release everyone waiting
+    assert {d.worker for d in decisions if isinstance(d, Release)} == {
+        w for w, f in c.view().workers.items() if f.waiting
+    }
+
+
+@pytest.mark.parametrize(
+    ("why", "at", "first", "second", "reason"),
+    [
+        ("inside the margin", 0.6, True, 5700.0, "is not 15% better"),
+        (
+            "before the dwell's seconds",
+            0.3,
+            True,
+            9000.0,
+            "dwell: ran 0.3 s, its prediction checked 1 time(s)",
+        ),
+        (
+            "at the first forecast",
+            0.6,
+            False,
+            9000.0,
+            "dwell: ran 0.6 s, its prediction checked 0 time(s)",
+        ),
+    ],
+)
+def test_a_forecast_short_of_the_margin_or_the_dwell_does_not_switch(
+    why: str, at: float, first: bool, second: float, reason: str
+) -> None:
+    c = Cluster([1.0, 2.0, 4.0])
+    p = make_policy("auto", {"dwell_s": 0.5})
+    f0 = forecast(0.0, pred("lbbsp", 5000), pred("asp", 5000)) if first else None
+    state, _ = warm(c, p, at, f0)
+    before = state
+    decisions, state = p.update(
+        forecast(c.now, pred("lbbsp", 5000), pred("asp", second)), state, c.view()
+    )
+    assert list(decisions) == [], why
+    assert running(state) == "lbbsp" and state.inner == before.inner and not state.switches
+    assert state.last is not None and state.last.chosen is None and reason in state.last.why
+
+
+def test_the_goodput_counts_efficiency_and_unknown_or_excluded_predictions_are_ignored() -> None:
+    c = Cluster([1.0, 2.0, 4.0])
+    p = make_policy("auto", {"dwell_s": 0.0, "candidates": "lbbsp,asp,ssp:staleness=2"})
+    state, _ = warm(c, p, 0.1, forecast(0.0, pred("lbbsp", 5000)))
+    fc = forecast(
+        c.now,
+        pred("lbbsp", 5000),
+        pred("asp", 9000, efficiency=0.5),  # worth 4500
+        pred("ssp", 9000),  # ssp with its default staleness is not a candidate here
+        pred("diloco", 9000),
+        pred("nonesuch", 9000),
+        pred("ssp", 5500, staleness=2),  # only 10 % better
+    )
+    decisions, state = p.update(fc, state, c.view())
+    assert list(decisions) == [] and running(state) == "lbbsp"
+    assert state.last is not None
+    assert [(s.label, s.goodput) for s in state.last.scored] == [
+        ("ssp:staleness=2", 5500.0),
+        ("lbbsp", 5000.0),
+        ("asp", 4500.0),
+    ]
+
+
+def test_a_switch_flushes_what_is_buffered_and_puts_every_plan_back_to_its_default() -> None:
+    c = Cluster([1.0, 2.0, 4.0], codec="int8")
+    p = make_policy("auto", {"dwell_s": 0.0, "start": "hps"})
+    state, _ = warm(c, p, 0.5, forecast(0.0, pred("hps", 5000)))
+    assert {f.batch_size for f in c.workers.values()} != {BATCH}  # hps moved the batches
+    # the fastest worker pushes into a round the others have not finished
+    ev = c.push(0)
+    decisions, state = p.update(ev, state, c.view())
+    c.carry_out(decisions, True)
+    assert c.groups
+    decisions, state = p.update(
+        forecast(c.now, pred("hps", 5000), pred("ssp", 9000)), state, c.view()
+    )
+    assert running(state) == "ssp"
+    decisions = list(decisions)
+    assert decisions[0] == Flush(normalize=True)
+    assert SetStage("main") in decisions
+    plans = {d.worker: d.fields for d in decisions if isinstance(d, SetPlan)}
+    assert sorted(plans) == sorted(c.workers)
+    for fields in plans.values():
+        assert Plan().merge(fields) == Plan(batch_size=BATCH, codec="int8")
+    c.carry_out(decisions, False)
+    assert not c.groups and {f.batch_size for f in c.workers.values()} == {BATCH}
+
+
+def test_after_asp_ran_ahead_a_switch_to_bsp_starts_every_worker_together() -> None:
+    c = Cluster([1.0, 1.0, 4.0])
+    p = make_policy("auto", {"dwell_s": 0.0, "start": "asp"})
+    state, _ = warm(c, p, 0.5, forecast(0.0, pred("asp", 5000)))
+    clocks = {w: f.clock for w, f in c.workers.items()}
+    assert clocks[0] >= clocks[2] + 10  # asp let the fast ones run ahead
+    for w in c.workers:  # a moment where everyone waits
+        c.workers[w] = dataclasses.replace(c.workers[w], waiting=True)
+    plain, _ = make_policy("bsp").update(Tick(c.now), None, c.view())
+    assert {d.worker for d in plain if isinstance(d, Release)} == {2}  # bsp alone holds 0, 1
+    decisions, state = p.update(
+        forecast(c.now, pred("asp", 5000), pred("bsp", 9000)), state, c.view()
+    )
+    c.carry_out(decisions, False)
+    assert running(state) == "bsp"
+    assert {d.worker for d in decisions if isinstance(d, Release)} == {0, 1, 2}
+    assert {w: f.clock + state.offsets.get(w, 0) for w, f in c.workers.items()} == {
+        w: clocks[0] for w in c.workers
+    }
+    # a later joiner starts at the slowest levelled clock, and rounds go on: each flush is one
+    # round of everyone's pushes
+    out, state = drive(c, p, state, 1.0, {0.7: "join:3:1.0"})
+    assert isinstance(state, AutoState)
+    assert c.workers[3].clock + state.offsets.get(3, 0) >= clocks[0]
+    flushes = sum(1 for ds in out for d in ds if isinstance(d, Flush))
+    assert flushes >= 5
+    inner = {w: f.clock + state.offsets.get(w, 0) for w, f in c.workers.items()}
+    assert max(inner.values()) - min(inner.values()) <= 1
+
+
+def test_a_policy_that_fails_to_start_leaves_the_old_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken() -> Policy:
+        def init(view: ClusterView) -> None:
+            raise RuntimeError("cannot start on this cluster")
+
+        return Policy("broken", init, lambda e, s, v: ((), s), {})
+
+    monkeypatch.setitem(registry._REGISTRY, "broken", broken)
+    c = Cluster([1.0, 2.0, 4.0])
+    p = make_policy("auto", {"dwell_s": 0.0, "candidates": "lbbsp,broken,asp"})
+    state, _ = warm(c, p, 0.3, forecast(0.0, pred("lbbsp", 5000)))
+    before = state
+    fc = forecast(c.now, pred("lbbsp", 5000), pred("broken", 9000), pred("asp", 5100))
+    decisions, state = p.update(fc, state, c.view())
+    assert list(decisions) == []
+    assert running(state) == "lbbsp" and state.inner == before.inner
+    assert state.last is not None and "broken failed to start" in state.last.why
+    assert "cannot start on this cluster" in state.last.why
+    # it keeps deciding as lbbsp, and the broken candidate is not tried again within the dwell
+    out, state = drive(c, p, state, 0.6)
+    assert any(isinstance(d, Flush) for ds in out for d in ds)
+    decisions, state = p.update(fc, state, c.view())
+    assert list(decisions) == [] and state.last is not None
+    assert [s.label for s in state.last.scored] == ["asp", "lbbsp"]
+
+
+def test_a_candidate_whose_predictions_were_wrong_lately_is_discounted() -> None:
+    """lbbsp is predicted right; hps, once chosen, delivers far less than its prediction. At the
+    next forecast hps still looks 10 % better than lbbsp by the raw predictions, but counts for
+    ``1/(1 + its error)`` of its prediction, and auto goes back to lbbsp."""
+    p = make_policy("auto", {"dwell_s": 0.0, "candidates": "lbbsp,hps"})
+    dry = Cluster([1.0, 2.0, 4.0])  # the same run once, to predict lbbsp's throughput right
+    st = drive(dry, p, start(p, dry), 1.0)[1]
+    rate = st.window_samples / 1.0
+    c = Cluster([1.0, 2.0, 4.0])
+    state = start(p, c)
+    decisions, state = p.update(forecast(0.0, pred("lbbsp", rate)), state, c.view())
+    state = drive(c, p, state, 1.0)[1]
+    decisions, state = p.update(
+        forecast(c.now, pred("lbbsp", rate), pred("hps", 3 * rate)), state, c.view()
+    )
+    c.carry_out(decisions, False)
+    assert running(state) == "hps"
+    assert state.errors.error_for("lbbsp") == pytest.approx(0.0, abs=1e-9)
+    state = drive(c, p, state, 2.0)[1]
+    hps_error = abs(state.window_samples / 1.0 - 3 * rate) / (3 * rate)
+    assert hps_error > 0.5  # hps delivered about lbbsp's rate, not three times it
+    decisions, state = p.update(
+        forecast(c.now, pred("lbbsp", rate), pred("hps", 1.1 * rate)), state, c.view()
+    )
+    assert state.last is not None
+    scored = {s.label: s for s in state.last.scored}
+    assert scored["hps"].error == pytest.approx(hps_error)
+    assert scored["hps"].discounted == pytest.approx(1.1 * rate / (1 + hps_error))
+    assert scored["lbbsp"].error == pytest.approx(0.0, abs=1e-9)
+    assert scored["lbbsp"].discounted == pytest.approx(rate)
+    assert running(state) == "lbbsp" and state.last.chosen == "lbbsp"
+    assert any(isinstance(d, SetPlan) for d in decisions)
+    # a candidate never run takes the model's largest recent error
+    assert state.errors.error_for("asp") == pytest.approx(hps_error)
+
+
+def test_the_state_round_trips_through_a_checkpoint_and_describes_itself() -> None:
+    c = Cluster([1.0, 1.0, 4.0])
+    p = make_policy("auto", {"dwell_s": 0.0, "start": "asp"})
+    state, _ = warm(c, p, 0.5, forecast(0.0, pred("asp", 5000)))
+    decisions, state = p.update(
+        forecast(c.now, pred("asp", 5000), pred("ssp", 9000)), state, c.view()
+    )
+    c.carry_out(decisions, False)
+    state = drive(c, p, state, 0.8, {0.6: "join:3:2.0"})[1]
+    assert isinstance(state, AutoState) and state.offsets and state.switches
+    tree = policy_state_tree("auto", state)
+    assert tree is not None
+    back = revive_policy_state("auto", 0.0, p.init(c.view()), tree)
+    assert back == state
+    moved = revive_policy_state("auto", 100.0, p.init(c.view()), tree)
+    assert moved.since == state.since + 100.0 and moved.switches[0][0] == state.switches[0][0] + 100
+    # the restored state decides as the original
+    twin = Cluster([1.0])
+    twin.__dict__.update(
+        {k: (dict(v) if isinstance(v, dict) else v) for k, v in c.__dict__.items()}
+    )
+    got, _ = drive(c, p, state, 1.0)
+    want, _ = drive(twin, p, back, 1.0)
+    assert got == want
+    described = describe_state(state)
+    json.dumps(described)
+    assert described["policy"] == "ssp" and described["switches"][0]["to"] == "ssp"
+    assert described["last_choice"]["chosen"] == "ssp"
+    assert [r["policy"] for r in described["last_choice"]["candidates"]] == ["ssp", "asp"]
+    assert "offset" in described["inner"]  # ssp's own state, described
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"candidates": "bsp,diloco"}, "outer optimizer"),
+        ({"candidates": "bsp,auto"}, "cannot run inside itself"),
+        ({"candidates": "bsp,nonesuch"}, "unknown candidate 'nonesuch'"),
+        ({"candidates": "bsp,ssp:staleness=-1"}, "staleness"),
+        ({"start": "asp", "candidates": "bsp,ssp"}, "must be one of the candidates"),
+        ({"margin": -0.1}, "margin must be >= 0"),
+        ({"dwell_checks": -1}, "dwell_checks must be an int >= 0"),
+    ],
+)
+def test_bad_parameters_are_refused_with_what_is_valid(
+    params: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(PolicyError, match=message):
+        make_policy("auto", params)
+
+
+def test_auto_reads_forecasts_and_the_evaluations_its_candidates_read() -> None:
+    assert make_policy("auto").reads_forecasts
+    assert make_policy("auto").reads_evals  # ashl is a default candidate
+    assert not make_policy("auto", {"candidates": "lbbsp,asp"}).reads_evals
+    assert make_policy("auto").describe()["params"]["candidates"].split(",") == [
+        "bsp",
+        "ssp",
+        "asp",
+        "lbbsp",
+        "hps",
+        "adsp",
+        "ashl",
+        "dssp",
+    ]
