@@ -82,6 +82,13 @@ class Tick:
 
 
 @dataclass(frozen=True, slots=True)
+class Forecast:
+    """The ``k``-th planning round (at ``k × plan_every_s``), for a policy that reads forecasts."""
+
+    k: int
+
+
+@dataclass(frozen=True, slots=True)
 class Evaluate:
     """An evaluation of the parameters as they are now."""
 
@@ -121,6 +128,7 @@ Event = (
     | Repull
     | Wake
     | Tick
+    | Forecast
     | Evaluate
     | Record
     | Free

@@ -26,6 +26,12 @@ nothing more (a push already on its link still arrives), and the engine drops it
 past ``heartbeat_timeout_s``, the live workers' heartbeats reaching it before each tick. Without
 events no worker sends heartbeats and none times out, as before.
 
+Forecasts (a policy that reads them, ``auto``): every ``plan_every_s`` of virtual time the
+planner (:mod:`hetd.core.planner`) runs on the engine's view as it is then, at once, and its
+forecast joins the daemon's queue, free: the daemon plans in a thread within 5 % of one core, and
+reading this machine's CPU time would make runs differ (forecasts carry ``cost_s`` 0). Any other
+policy's run has no such event.
+
 Gradients are real and computed lazily in batches (:mod:`hetd.sim.compute`). Nothing sleeps and
 nothing reads the wall clock: the same scenario, policy, lr, seed and cost profile give the same
 :class:`~hetd.sim.results.RunResult`, curve included.
@@ -41,6 +47,7 @@ import jax
 
 from hetd.core import commands as cmd
 from hetd.core.engine import Engine
+from hetd.core.planner import PlannerConfig, candidates_of, plan, snapshot
 from hetd.protocol.frames import Params
 from hetd.protocol.messages import Ack, PlanUpdate, ProfileRequest, Reply, Welcome
 from hetd.sim import events as ev
@@ -103,6 +110,8 @@ class _Harness:
         for t in [t for t in times if t < sc.budget_s * (1 - 1e-12)] + [sc.budget_s]:
             self.heap.schedule(t, ev.Evaluate())
         self.heap.schedule(sc.tick_s, ev.Tick(1))
+        if sc.plan_every_s > 0 and self.engine.policy.reads_forecasts:
+            self.heap.schedule(sc.plan_every_s, ev.Forecast(1))
         for e in sc.events:
             self.heap.schedule(e.at_s, ev.Churn(e))
         while self.heap:
@@ -152,6 +161,9 @@ class _Harness:
                             server.message(cmd.Heartbeat(w.wid))
                 server.tick()
                 self.heap.schedule((k + 1) * self.sc.tick_s, ev.Tick(k + 1))
+            case ev.Forecast(k):
+                self._forecast()
+                self.heap.schedule((k + 1) * self.sc.plan_every_s, ev.Forecast(k + 1))
             case ev.Free():
                 server.serve()
             case ev.Record(loss, acc):
@@ -245,6 +257,19 @@ class _Harness:
         w.delivered.append(p.id)
         self.server.receive(p)
 
+    def _forecast(self) -> None:
+        """A planning round at its virtual time: the planner on the engine's view as it is now,
+        at once (its CPU time not read: the run stays the same every time), and the forecast
+        through the daemon's queue."""
+        engine = self.engine
+        if not engine.policy.reads_forecasts or not engine.facts:
+            return
+        planned = plan(
+            snapshot(engine.view()), candidates_of(engine.policy), PlannerConfig(), _no_cpu
+        )
+        if planned.forecast.predictions:
+            self.server.forecast(planned.forecast)
+
     def _evaluate(self) -> None:
         """An evaluation at its virtual time. Its accuracy reaches the engine through the
         daemon's queue, as the daemon's evaluation thread hands it back; the first and the last
@@ -304,6 +329,12 @@ class _Harness:
             stages=[[t, st] for t, st in engine.stages],
             bytes_curve=self.server.bytes_marks,
         )
+
+
+def _no_cpu() -> float:
+    """The planner's CPU clock in the simulator: never read, so that a run does not depend on
+    this machine (forecasts carry ``cost_s`` 0)."""
+    return 0.0
 
 
 def run_sim(

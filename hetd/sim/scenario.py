@@ -143,6 +143,9 @@ class Scenario:
     # s of silence after which the daemon drops a worker: real mode's daemon, and the simulator's
     # engine when the scenario has churn (without, no emulated worker ever falls silent)
     heartbeat_timeout_s: float = 30.0
+    # s of virtual time between a planner's forecasts for a policy that reads them (auto), as
+    # [policy] plan_every_s; 0: none
+    plan_every_s: float = 30.0
 
     @property
     def n(self) -> int:
@@ -281,6 +284,12 @@ _TOP: dict[str, tuple[Check, str, Check, str]] = {
         lambda v: 0 < v < INF,
         "> 0 s: the daemon drops a worker silent this long (a crash is found so; the simulator "
         "times out only with [[events]])",
+    ),
+    "plan_every_s": (
+        _num,
+        "number",
+        lambda v: 0 <= v < INF,
+        ">= 0 s between a planner's forecasts for a policy that reads them (auto); 0: none",
     ),
     "costs": (
         lambda v: isinstance(v, str),

@@ -42,6 +42,7 @@ from hetd.sim.agent import EmuWorker, InFlight
 from hetd.sim.costs import CostProfile
 from hetd.sim.results import PolicySpec
 from hetd.sim.scenario import Scenario
+from policies.types import Forecast
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +203,11 @@ class ServerModel:
     def tick(self) -> None:
         """The engine's periodic tick (no worker message: free)."""
         self._submit(Queued(cmd.Tick()))
+
+    def forecast(self, forecast: Forecast) -> None:
+        """A planner's forecast joins the queue. Free: the daemon plans in a thread, off the
+        engine's task, within 5 % of one core, so nothing of it is charged here."""
+        self._submit(Queued(cmd.Forecast(forecast)))
 
     def receive(self, p: InFlight) -> None:
         """An encoded push reaches the daemon: decoded on the engine's loop (its decode added to
