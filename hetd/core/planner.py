@@ -22,27 +22,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from policies import auto_choice
 from policies.efficiency import Efficiency
 from policies.twin import TwinConfig, run_twin
 from policies.types import ClusterView, Forecast, Policy, Prediction
 
-# The candidates when the policy names none: the families a planner chooses among (docs/policies.md,
-# auto). Neither dpmp (pipeline replicas: the twin models data parallelism only) nor auto itself.
-DEFAULT_CANDIDATES = (
-    "bsp",
-    "asp",
-    "ssp:staleness=2",
-    "ssp:staleness=4",
-    "ssp:staleness=8",
-    "dssp",
-    "dynsgd",
-    "lbbsp",
-    "hps",
-    "adsp",
-    "ashl",
-    "diloco",
-    "diloco_async",
-)
+# The candidates when the policy names none: auto's own default list, so that both plan over the
+# same ones.
+DEFAULT_CANDIDATES = auto_choice.DEFAULT_CANDIDATES
 NEVER = frozenset({"auto", "dpmp"})  # names a planner does not run (itself; pipeline replicas)
 
 
@@ -61,26 +48,10 @@ class Candidate:
         return self.name + ":" + ";".join(f"{k}={json.dumps(v)}" for k, v in self.params)
 
 
-def _value(text: str) -> Any:
-    """``3`` -> 3, ``0.5`` -> 0.5, ``true``/``false``/``null`` -> JSON values, else the string."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
 def parse_candidate(text: str) -> Candidate:
-    """One ``name[:key=value[;key=value...]]``. Raises ValueError on a malformed parameter."""
-    name, _, rest = text.strip().partition(":")
-    if not name.strip():
-        raise ValueError(f"candidate {text!r} has no policy name; e.g. ssp:staleness=4")
-    params: dict[str, Any] = {}
-    for pair in (p for p in rest.split(";") if p.strip()):
-        key, eq, value = pair.partition("=")
-        if not eq or not key.strip():
-            raise ValueError(f"candidate {text!r}: parameter {pair!r} must look like key=value")
-        params[key.strip()] = _value(value.strip())
-    return Candidate(name.strip(), tuple(sorted(params.items())))
+    """One ``name[:key=value[;key=value...]]``, in auto's syntax (:mod:`policies.auto_choice`:
+    values in JSON, else strings). Raises ValueError on a malformed parameter."""
+    return Candidate(*auto_choice.parse_candidate(text))
 
 
 def parse_candidates(spec: str | Sequence[str] | None) -> tuple[Candidate, ...]:
