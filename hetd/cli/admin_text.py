@@ -89,6 +89,42 @@ def policy_state_text(state: Any, policy: str = "") -> str:
     return text
 
 
+FORECAST_SHOWN = 4  # candidates on the forecast line, best first (--json: all of them)
+
+
+def forecast_rows(st: dict[str, Any]) -> list[tuple[str, str]]:
+    """The planner's last forecast (the daemon's ``planning``) and what the policy made of it (its
+    state's ``last_choice``, as ``auto`` keeps it); no rows while neither has anything to say."""
+    planning = st.get("planning")
+    state = st.get("policy_state")
+    choice = state.get("last_choice") if isinstance(state, dict) else None
+    last = planning.get("last") if isinstance(planning, dict) else None
+    if last is None:
+        if not isinstance(state, dict) or "last_choice" not in state:
+            return []  # a policy that reads no forecasts
+        if planning is None:
+            return [("forecast", "off ([policy] plan_every_s = 0)")]
+        return [("forecast", f"none yet (every {planning['every_s']:g} s)")]
+    preds = last.get("predictions") or []
+    best = ", ".join(f"{p['candidate']} {p['goodput']:.0f}/s" for p in preds[:FORECAST_SHOWN])
+    if len(preds) > FORECAST_SHOWN:
+        best += ", …"
+    text = (
+        f"{last['age_s']:.0f} s ago, {len(preds)} candidate(s) in {last['cost_s']:.2f} s CPU, "
+        f"goodput {best or '-'}"
+    )
+    if last.get("refused"):
+        text += f"; {len(last['refused'])} left out"
+    if isinstance(planning, dict) and planning.get("skipped"):
+        text += f"; {planning['skipped']} round(s) skipped for CPU"
+    rows = [("forecast", text)]
+    if isinstance(choice, dict):
+        running, chosen = choice.get("running"), choice.get("chosen")
+        moved = f"{running} -> {chosen}" if chosen else f"stays on {running}"
+        rows.append(("choice", f"{moved}: {choice.get('why', '')}"))
+    return rows
+
+
 def status_text(st: dict[str, Any]) -> str:
     """A readable /v1/status."""
     acc = st.get("accuracy")
@@ -99,6 +135,7 @@ def status_text(st: dict[str, Any]) -> str:
         ("stage", str(st["stage"])),
         ("policy", policy_text(st["policy"])),
         ("policy state", policy_state_text(st.get("policy_state"), st["policy"].get("name", ""))),
+        *forecast_rows(st),
         ("outer optimizer", str(st.get("outer_optimizer", "-"))),
         ("uptime", _duration(float(st["uptime_s"]))),
         ("workers", str(st["workers"])),

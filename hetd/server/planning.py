@@ -59,6 +59,7 @@ class Planning:
         self.failed = 0  # rounds that raised
         self.not_before = -float("inf")  # wall s: the next round may start then
         self.last: Planned | None = None
+        self.last_at = 0.0  # wall s: when the last forecast was made
         self._told: set[tuple[str, str]] = set()  # refusals logged once each
 
     async def run(self) -> None:
@@ -89,6 +90,7 @@ class Planning:
         planned = await asyncio.to_thread(plan, view, candidates, self.config, self.cpu_clock)
         self.not_before = began + planned.forecast.cost_s / CPU_SHARE
         self.last = planned
+        self.last_at = self.wall()
         self.rounds += 1
         for refusal in planned.refused:
             if refusal not in self._told:
@@ -124,6 +126,7 @@ class Planning:
         if self.last is not None:
             out["last"] = {
                 **describe_forecast(self.last.forecast),
+                "age_s": max(0.0, self.wall() - self.last_at),
                 "refused": [{"candidate": c, "why": why} for c, why in self.last.refused],
             }
         return out

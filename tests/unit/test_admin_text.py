@@ -39,3 +39,43 @@ def test_a_long_state_is_cut_and_long_fields_are_sized() -> None:
     long = {f"k{i}": i for i in range(100)}
     cut = policy_state_text(long)
     assert cut.endswith("… (--json: all of it)") and len(cut) < STATE_WIDTH + 30
+
+
+def test_status_shows_the_last_forecast_and_what_auto_made_of_it() -> None:
+    from hetd.core.planner import describe_forecast, parse_candidates, plan
+    from tests.unit.test_planner import CONFIG, SPREAD, view_of
+
+    out = plan(view_of(SPREAD), parse_candidates("bsp,asp,lbbsp,dpmp"), CONFIG, lambda: 0.0)
+    last = {**describe_forecast(out.forecast), "age_s": 3.2, "refused": [{"candidate": "dpmp"}]}
+    body = status("auto")
+    body["planning"] = {"every_s": 30.0, "rounds": 1, "skipped": 2, "failed": 0, "last": None}
+    rows = dict(line.split("  ", 1) for line in status_text(body).splitlines() if "  " in line)
+    assert rows["forecast"].strip() == "none yet (every 30 s)"  # auto, before its first
+    body["planning"]["last"] = last
+    body["policy_state"]["last_choice"] = {
+        "running": "lbbsp",
+        "chosen": None,
+        "why": "the running policy is the best",
+    }
+    rows = dict(line.split("  ", 1) for line in status_text(body).splitlines() if "  " in line)
+    best = last["predictions"][0]
+    assert (
+        rows["forecast"]
+        .strip()
+        .startswith(
+            f"3 s ago, 3 candidate(s) in 0.00 s CPU, goodput {best['candidate']} "
+            f"{best['goodput']:.0f}/s, "
+        )
+    )
+    assert rows["forecast"].endswith("; 1 left out; 2 round(s) skipped for CPU")
+    assert rows["choice"].strip() == "stays on lbbsp: the running policy is the best"
+    body["policy_state"]["last_choice"]["chosen"] = "asp"
+    text = status_text(body)
+    assert "lbbsp -> asp: the running policy is the best" in text
+    body["planning"] = None
+    body["policy_state"]["last_choice"] = None
+    assert "forecast         off ([policy] plan_every_s = 0)" in status_text(body).splitlines()
+    # a policy that reads no forecasts: no rows, whatever the daemon plans
+    plain = status("asp")
+    plain["planning"] = {"every_s": 30.0, "rounds": 0, "skipped": 0, "failed": 0, "last": None}
+    assert "forecast" not in status_text(plain)
