@@ -29,7 +29,7 @@ import math
 from typing import Any, NamedTuple
 
 from policies.compose import Resolved, resolve
-from policies.twin import Applied, TwinConfig, TwinError, TwinResult, percentile
+from policies.twin_records import Applied, TwinConfig, TwinError, TwinResult, percentile
 from policies.twin_worker import TwinWorker, codec_bits, local_steps, speed
 from policies.types import (
     Apply,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from policies.twin import TwinError
+from policies.twin_records import TwinError
 from policies.types import Plan, WorkerFacts
 
 TOPK_BYTES_PER_VALUE = 6.0  # a kept float32 value and its 16-bit index gap

@@ -24,6 +24,7 @@ from hetd.protocol.frames import Hello, ProfileResult
 from hetd.protocol.messages import EMULATED_LINK, Bye
 from hetd.protocol.plan import local_steps_for
 from workers.dial import plain_port_message, tls_port_message
+from workers.errors import FatalError
 from workers.inbox import Inbox, Stopped
 from workers.loop import device_info
 from workers.prepare import start_preparing
@@ -32,7 +33,7 @@ from workers.progress import Progress
 from workers.push import compute, heartbeats, restamped, send
 from workers.receive import read
 from workers.shm import wanted
-from workers.state import HELLO_ID, FatalError, WorkerOptions, WorkerState
+from workers.state import HELLO_ID, WorkerOptions, WorkerState
 
 __all__ = ["FatalError", "Inbox", "WorkerOptions", "WorkerState", "run_worker"]
 

@@ -6,8 +6,8 @@ import asyncio
 
 from hetd.protocol.messages import ProfileRequest
 from hetd.protocol.params import Held
+from workers.errors import FatalError
 from workers.shm import ShmLink
-from workers.state import FatalError
 
 
 class Stopped(Exception):

@@ -14,8 +14,9 @@ from hetd.protocol.params import Held
 from hetd.protocol.plan import Plan, codec_for
 from hetd.zoo.task import TaskError
 from workers.emulate import Emulation
+from workers.errors import FatalError
 from workers.inbox import Inbox
-from workers.state import FatalError, WorkerOptions, WorkerState
+from workers.state import WorkerOptions, WorkerState
 
 
 async def profile(

@@ -19,8 +19,9 @@ from hetd.protocol.frames import Heartbeat, Push, decode
 from hetd.protocol.params import Held
 from hetd.protocol.plan import codec_for, local_steps_for
 from hetd.zoo.task import TaskError
+from workers.errors import FatalError
 from workers.loop import host_free_memory
-from workers.state import FatalError, Frame, WorkerOptions, WorkerState
+from workers.state import Frame, WorkerOptions, WorkerState
 
 
 async def compute(msg: Held, opts: WorkerOptions, state: WorkerState, idle_s: float) -> Frame:

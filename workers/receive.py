@@ -35,6 +35,7 @@ from hetd.protocol.messages import (
 )
 from hetd.protocol.params import apply_params, hash_matches
 from hetd.zoo.task import Bound, TaskError
+from workers.errors import FatalError
 from workers.imports import Allowed, ImportRefused
 from workers.inbox import Inbox
 from workers.loop import Core, TaskMismatch, Trainer
@@ -42,7 +43,7 @@ from workers.prepare import prepared
 from workers.push import send
 from workers.shm import ShmLink
 from workers.stage import StageHost, handle, new_params
-from workers.state import HELLO_ID, MAX_REFUSED, FatalError, WorkerOptions, WorkerState
+from workers.state import HELLO_ID, MAX_REFUSED, WorkerOptions, WorkerState
 
 log = logging.getLogger("hetd.worker")
 

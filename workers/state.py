@@ -35,10 +35,6 @@ Frame = bytes | wire.Parts
 update's own arrays (never written again), joined only when the push goes over the socket."""
 
 
-class FatalError(RuntimeError):
-    """Retrying will not help (wrong token, refused codec): the worker exits."""
-
-
 @dataclass
 class WorkerOptions:
     """Everything ``hetd-worker`` takes."""
