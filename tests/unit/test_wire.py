@@ -523,6 +523,7 @@ def test_pack_parts_is_encode_byte_for_byte_without_copying_big_buffers() -> Non
 
 
 def test_full_frame_shares_its_memory_with_the_snapshot_and_takes_a_hash_later() -> None:
+    from hetd.protocol.frames import as_params
     from hetd.protocol.params import apply_params, full_frame, param_hash, with_hash
 
     rng = np.random.default_rng(1)
@@ -536,7 +537,7 @@ def test_full_frame_shares_its_memory_with_the_snapshot_and_takes_a_hash_later()
     codec = {"codec": "none", "dtype": "float32"}
     enc = {k: {**codec, "shape": list(v.shape), "data": v.tobytes()} for k, v in tensors.items()}
     assert hashed == wire.encode("params", 0, version=3, full=True, tensors=enc, hash=h)
-    held = apply_params(None, wire.decode(hashed))
+    held = apply_params(None, as_params(wire.decode(hashed)))
     assert held is not None and held.version == 3
     np.testing.assert_array_equal(held.tensors["w"], tensors["w"])
     with pytest.raises(ValueError):
