@@ -206,7 +206,13 @@ def _config(
         eval_interval_s=sc.eval_interval_s,
         target_accuracy=sc.target_accuracy,
     )
-    return config_mod.replace(cfg, "policy", name=policy.name, params=policy.build_params())
+    return config_mod.replace(
+        cfg,
+        "policy",
+        name=policy.name,
+        params=policy.build_params(),
+        plan_every_s=sc.plan_every_s,  # the scenario's planning rounds, as the simulator's
+    )
 
 
 def _worker_args(sc: Scenario, i: int, seed: int, shaped: bool = False) -> list[str]:

@@ -108,7 +108,7 @@ def add_commands(sub: Any) -> None:
     _common(b)
     b.add_argument(
         "--suite",
-        choices=("policies", "codecs", "system", "parity", "chaos", "soak", "dpmp"),
+        choices=("policies", "codecs", "system", "parity", "chaos", "soak", "dpmp", "auto"),
         default="policies",
         help="policies: time-to-accuracy of --policies on --scenario (docs/benchmark.md, the "
         "default); codecs: codec GB/s vs memcpy, written to OUT/codecs.json (hetd.bench.codec_speed; "
@@ -127,7 +127,11 @@ def add_commands(sub: Any) -> None:
         "(hetd.bench.soak); dpmp: DP+MP against DP-only (lbbsp) on the pipeline simulator's "
         "scenarios B, C, D, E and the budget run over --seeds, median batch time from round 20 "
         "against the cost model and the targets, written to OUT/dpmp.json, OUT/dpmp.md and "
-        "OUT/dpmp_budget.png (hetd.bench.dpmp; virtual time)",
+        "OUT/dpmp_budget.png (hetd.bench.dpmp; virtual time); auto: every fixed policy "
+        "(--policies, default auto's candidates) and auto on each of --scenarios over --seeds, "
+        "auto planning every --plan-every s: each scenario's best fixed policy against auto, the "
+        "geometric means and a verdict, written to OUT/auto.json, OUT/auto.md and each "
+        "scenario's sweep to OUT/<scenario>/ (hetd.bench.auto_suite; options below)",
     )
     b.add_argument(
         "--mode",
@@ -158,7 +162,12 @@ def add_commands(sub: Any) -> None:
         "events (ashl) is always evaluated live. results.json says which each run used; for "
         "--mode real and --suite parity",
     )
-    b.add_argument("--policies", default="bsp,asp,ssp", help=POLICY_HELP + " (default bsp,asp,ssp)")
+    b.add_argument(
+        "--policies",
+        default=None,
+        help=POLICY_HELP + " (default bsp,asp,ssp; --suite auto: auto's candidates "
+        "bsp,ssp,asp,lbbsp,hps,adsp,ashl,dssp)",
+    )
     b.add_argument("--seeds", type=int, default=3, help="run seeds 0..N-1 (default 3)")
     b.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
     b.add_argument(
@@ -183,6 +192,36 @@ def add_commands(sub: Any) -> None:
 
     add_options(b)
     _chaos_options(b)
+    _auto_options(b)
+
+
+def _auto_options(p: argparse.ArgumentParser) -> None:
+    from hetd.bench.auto_suite import DEFAULT_SCENARIOS, PLAN_FRACTION
+
+    g = p.add_argument_group("--suite auto")
+    g.add_argument(
+        "--scenarios",
+        default=",".join(DEFAULT_SCENARIOS),
+        metavar="S,S,...",
+        help="packaged scenarios or scenario files, comma-separated (default: "
+        + ",".join(DEFAULT_SCENARIOS)
+        + ")",
+    )
+    g.add_argument(
+        "--plan-every",
+        type=float,
+        default=None,
+        metavar="S",
+        help="auto's planning rounds, seconds apart, a scenario override; auto's dwell_s is the "
+        f"same unless --auto sets it (default: {PLAN_FRACTION:g} x each scenario's budget)",
+    )
+    g.add_argument(
+        "--auto",
+        default="",
+        metavar="KEY=VALUE[;...]",
+        help="auto's own parameters (e.g. 'margin=0.1;dwell_s=4'); by default its candidates are "
+        "--policies and it starts on lbbsp when that is one of them",
+    )
 
 
 def _chaos_options(p: argparse.ArgumentParser) -> None:
@@ -298,6 +337,8 @@ def _bench(args: argparse.Namespace) -> int:
         return _soak(args)
     if args.suite == "dpmp":
         return _dpmp(args)
+    if args.suite == "auto":
+        return _auto(args)
 
     if args.seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
@@ -313,7 +354,7 @@ def _bench(args: argparse.Namespace) -> int:
     links = _links(args, sc.n)
     opts = BenchOptions(
         scenario=sc,
-        policies=tuple(parse_policies(args.policies)),
+        policies=tuple(parse_policies(args.policies or "bsp,asp,ssp")),
         out=Path(args.out),
         seeds=args.seeds,
         mode=args.mode,
@@ -375,6 +416,42 @@ def _dpmp(args: argparse.Namespace) -> int:
     return 0 if doc["verdict"] == "pass" else 1
 
 
+def _auto(args: argparse.Namespace) -> int:
+    """``--suite auto``: the table and verdict on stdout; OUT/auto.json, OUT/auto.md and each
+    scenario's sweep in OUT/<scenario>/. Exits 1 when a target misses."""
+    from hetd.bench.auto_suite import markdown
+    from hetd.bench.suites import AutoOptions, run_auto
+    from hetd.sim.results import parse_policies
+    from policies.auto_choice import DEFAULT_CANDIDATES
+
+    if args.costs is not None or args.calibrate or args.tune_lr:
+        raise ValueError("--suite auto takes no --costs, --calibrate or --tune-lr")
+    if args.plan_every is not None and not args.plan_every > 0:
+        raise ValueError(f"--plan-every must be > 0 s, got {args.plan_every}")
+    auto = parse_policies("auto:" + args.auto)[0] if args.auto.strip() else None
+    opts = AutoOptions(
+        out=Path(args.out),
+        policies=tuple(parse_policies(args.policies or ",".join(DEFAULT_CANDIDATES))),
+        scenarios=tuple(s.strip() for s in args.scenarios.split(",") if s.strip()),
+        seeds=args.seeds,
+        mode=args.mode,
+        plan_every_s=args.plan_every,
+        auto_params=() if auto is None else auto.params,
+        budget_s=args.budget,
+        lr=args.lr,
+        quiet=args.quiet,
+        evals=args.evals,  # real mode's links are emulated: --links netns is refused above
+    )
+    t0 = time.monotonic()
+    doc = run_auto(opts)
+    print(markdown(doc))
+    print(
+        f"auto: {len(doc['scenarios'])} scenario(s) in {time.monotonic() - t0:.0f} s "
+        f"({args.mode} mode); wrote {args.out}/auto.json, auto.md and each scenario's sweep"
+    )
+    return 0 if doc["verdict"]["pass"] else 1
+
+
 def _soak(args: argparse.Namespace) -> int:
     """``--suite soak``: OUT/soak.json and OUT/soak.md; the table on stdout."""
     import asyncio
@@ -398,7 +475,7 @@ def _chaos(args: argparse.Namespace) -> int:
 
     workers = 4 if args.workers is None else args.workers
     opts = ChaosOptions(
-        policies=tuple(parse_policies(args.policies)),
+        policies=tuple(parse_policies(args.policies or "bsp,asp,ssp")),
         out=Path(args.out),
         workers=workers,
         minutes=3.0 if args.minutes is None else args.minutes,
