@@ -491,14 +491,21 @@ _READERS: dict[str, Any] = {
 
 
 def read(msg: wire.Message) -> Typed:
-    """The typed message ``msg`` is (as :func:`hetd.protocol.wire.decode` checked it)."""
-    reply = read_reply(msg)
-    if reply is not None:
-        return reply
-    reader = _READERS.get(msg.type)
-    if reader is None:  # a type wire.SCHEMA has and this table lacks: a bug here, not input
-        raise wire.ProtocolError("unknown_type", f"no typed form of {msg.type!r}", msg.id)
-    typed: Typed = reader(msg, msg.body)
+    """The typed message ``msg`` is (as :func:`hetd.protocol.wire.decode` checked it). A field the
+    wire's schema does not check deeply (a nested map, say) that is missing or of the wrong kind
+    raises :class:`hetd.protocol.wire.ProtocolError` (``malformed``), never another error."""
+    try:
+        reply = read_reply(msg)
+        if reply is not None:
+            return reply
+        reader = _READERS.get(msg.type)
+        if reader is None:  # a type wire.SCHEMA has and this table lacks: a bug here, not input
+            raise wire.ProtocolError("unknown_type", f"no typed form of {msg.type!r}", msg.id)
+        typed: Typed = reader(msg, msg.body)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise wire.ProtocolError(
+            "malformed", f"{msg.type}: {type(exc).__name__}: {exc}", msg.id
+        ) from None
     return typed
 
 

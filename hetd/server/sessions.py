@@ -49,6 +49,9 @@ log = logging.getLogger("hetd.server.sessions")
 
 OFF_LOOP_BYTES = 256 * 1024  # frames larger than this are decoded in a worker thread
 RELAY_SLACK = 256  # relayed frames a session may hold queued beyond its control frames
+# The control messages a worker sends (a push and relayed frames take their own way); any other
+# type is the daemon's own and is refused unread.
+WORKER_SENDS = frozenset({"heartbeat", "pull", "bye", "shm_ready", "profile_result", "hello"})
 
 
 authorized = bearer_ok  # the worker token: ``Authorization: Bearer <token>``
@@ -334,7 +337,14 @@ async def handle(
                     reason = "no usable codec"
                     break
                 continue
-            typed = read(msg)  # (a push or a relayed frame took another way above)
+            if msg.type not in WORKER_SENDS:  # (never read: nothing of it is the daemon's)
+                outbox.send_error("unexpected", f"{msg.type} is a daemon-to-worker message", msg.id)
+                continue
+            try:
+                typed = read(msg)  # (a push or a relayed frame took another way above)
+            except wire.ProtocolError as exc:
+                outbox.send_error(exc.code, clip(exc.message), msg.id)
+                continue
             if isinstance(typed, Heartbeat):
                 engine.submit(cmd.Heartbeat(wid))
             elif isinstance(typed, Pull):

@@ -97,3 +97,18 @@ def test_a_message_of_another_type_is_refused_where_params_are_expected() -> Non
         frames.as_params(wire.decode(Pull(None).encode()))
     with pytest.raises(wire.ProtocolError, match="unknown fields"):
         frames.decode(wire.encode("pull", 0, have=None, extra=1))
+
+
+def test_a_nested_field_missing_or_of_the_wrong_kind_is_a_protocol_error() -> None:
+    """What the wire's schema checks only at the top (a map's keys inside) is checked when the
+    message is read: a malformed one raises ProtocolError, never a KeyError or TypeError."""
+    bad = [
+        wire.encode("welcome", 3, worker_id=1, shard={}, plan={}, heartbeat_s=1.0),
+        wire.encode(
+            "welcome", 3, worker_id=1, shard={"index": "x", "count": 1}, plan={}, heartbeat_s=1.0
+        ),  # fmt: skip
+    ]
+    for frame in bad:
+        with pytest.raises(wire.ProtocolError) as err:
+            frames.read(wire.decode(frame))
+        assert err.value.code == "malformed"
