@@ -102,13 +102,9 @@ def test_a_message_of_another_type_is_refused_where_params_are_expected() -> Non
 def test_a_nested_field_missing_or_of_the_wrong_kind_is_a_protocol_error() -> None:
     """What the wire's schema checks only at the top (a map's keys inside) is checked when the
     message is read: a malformed one raises ProtocolError, never a KeyError or TypeError."""
-    bad = [
-        wire.encode("welcome", 3, worker_id=1, shard={}, plan={}, heartbeat_s=1.0),
-        wire.encode(
-            "welcome", 3, worker_id=1, shard={"index": "x", "count": 1}, plan={}, heartbeat_s=1.0
-        ),  # fmt: skip
-    ]
-    for frame in bad:
+    top = {"model": {}, "dataset": {}, "train": {}, "plan": {}, "heartbeat_s": 1.0}
+    for shard in ({}, {"index": "x", "count": 1}):
+        msg = wire.decode(wire.encode("welcome", 3, worker_id=1, shard=shard, **top))
         with pytest.raises(wire.ProtocolError) as err:
-            frames.read(wire.decode(frame))
+            frames.read(msg)
         assert err.value.code == "malformed"
