@@ -444,7 +444,9 @@ async def _until_stopped(opts: WorkerOptions, progress_s: float) -> int:
     from workers.client import run_worker
 
     stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    if threading.current_thread() is threading.main_thread():
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    # (else an embedding program's thread runs us: signals are the program's to handle)
     return await run_worker(opts, progress_s=progress_s, stop=stop)
 
 
