@@ -88,17 +88,24 @@ class PlannerConfig:
     horizon_rounds: int | None = 20
     efficiency: Efficiency = field(default_factory=Efficiency)
     twin: TwinConfig | None = None  # costs the facts do not carry (its horizon is replaced)
+    # The batch every candidate starts with, as a switch starts it: the default plan's (the
+    # daemon's [train] batch_size; auto's switch and the engine's swap both put every plan back
+    # to it). None: each worker's current batch (the running policy's shares, e.g. lbbsp's).
+    default_batch: int | None = None
 
     def __post_init__(self) -> None:
         if not (0 < self.horizon_s < math.inf):
             raise ValueError(f"horizon_s must be > 0 and finite (seconds), got {self.horizon_s!r}")
         if self.horizon_rounds is not None and not self.horizon_rounds >= 1:
             raise ValueError(f"horizon_rounds must be >= 1 (or None), got {self.horizon_rounds!r}")
+        if self.default_batch is not None and not self.default_batch >= 1:
+            raise ValueError(f"default_batch must be >= 1 (or None), got {self.default_batch!r}")
 
     def twin_config(self) -> TwinConfig:
         base = self.twin or TwinConfig()
+        batch = self.default_batch if self.default_batch is not None else base.batch_size
         return dataclasses.replace(
-            base, horizon_s=self.horizon_s, horizon_rounds=self.horizon_rounds
+            base, horizon_s=self.horizon_s, horizon_rounds=self.horizon_rounds, batch_size=batch
         )
 
 

@@ -51,7 +51,8 @@ class Planning:
 
         self.engine = engine
         self.every_s = every_s
-        self.config = config or PlannerConfig()
+        # candidates start on the default plans' batch, as a switch starts them
+        self.config = config or PlannerConfig(default_batch=engine.config.batch_size)
         self.cpu_clock = cpu_clock  # read in the planner's thread: its CPU time alone
         self.wall = wall
         self.rounds = 0  # forecasts made

@@ -264,9 +264,8 @@ class _Harness:
         engine = self.engine
         if not engine.policy.reads_forecasts or not engine.facts:
             return
-        planned = plan(
-            snapshot(engine.view()), candidates_of(engine.policy), PlannerConfig(), _no_cpu
-        )
+        config = PlannerConfig(default_batch=engine.config.batch_size)  # as a switch starts one
+        planned = plan(snapshot(engine.view()), candidates_of(engine.policy), config, _no_cpu)
         if planned.forecast.predictions:
             self.server.forecast(planned.forecast)
 

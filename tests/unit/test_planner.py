@@ -176,3 +176,24 @@ def test_describe_ranks_by_goodput() -> None:
     goodputs = [r["goodput"] for r in rows]
     assert goodputs == sorted(goodputs, reverse=True)
     assert {r["candidate"] for r in rows} == {"bsp", "asp", "lbbsp"}
+
+
+def test_candidates_start_on_the_default_batch_as_a_switch_starts_them() -> None:
+    # lbbsp's shares are in the view (the fast workers' batches large, the slow ones' small);
+    # a switch puts every plan back to the default batch, and so does the planner's start
+    shares = {0: 56, 1: 56, 2: 12, 3: 4}
+    base = view_of(SPREAD)
+    running = dataclasses.replace(
+        base,
+        workers={w: dataclasses.replace(f, batch_size=shares[w]) for w, f in base.workers.items()},
+    )
+    default = dataclasses.replace(CONFIG, default_batch=BATCH)
+    assert default.twin_config().batch_size == BATCH
+    bsp = plan(running, parse_candidates("bsp"), default, lambda: 0.0).forecast.predictions[0]
+    fresh = plan(base, parse_candidates("bsp"), CONFIG, lambda: 0.0).forecast.predictions[0]
+    assert bsp.samples_per_s == pytest.approx(fresh.samples_per_s, rel=0.02)
+    # without the default the twin runs bsp on lbbsp's shares: it predicts lbbsp's balance
+    shared = plan(running, parse_candidates("bsp"), CONFIG, lambda: 0.0).forecast.predictions[0]
+    assert shared.samples_per_s > 1.5 * bsp.samples_per_s
+    with pytest.raises(ValueError, match="default_batch"):
+        PlannerConfig(default_batch=0)
