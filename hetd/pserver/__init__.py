@@ -1,0 +1,6 @@
+"""Parameter servers ("pservers"): the model cut into slices that S processes apply in one order.
+
+The head decides (the engine and its policy); each pserver owns a slice of the parameters and of
+the optimizer state and replays the head's decision log on it. What exists: the partition map
+(:mod:`hetd.pserver.partition`). Processes, links and the daemon's wiring do not exist yet.
+"""
