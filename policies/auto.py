@@ -183,8 +183,10 @@ def auto(
     comma-separated string or a sequence of such items) on a planner's forecasts: to the best
     error-discounted goodput when it beats the running policy's by ``margin`` (0.15: 15 %) and
     the running policy has run at least ``dwell_s`` seconds and its throughput was checked
-    against a prediction at least ``dwell_checks`` times (from one forecast to the next). Candidates that need an outer optimizer of their own (the DiLoCo family) cannot
-    be switched to here: the engine sets that optimizer on its own swap."""
+    against a prediction at least ``dwell_checks`` times (from one forecast to the next). The
+    start policy is a default, not a choice: no dwell holds it, and the first forecast may move
+    auto off it. Candidates that need an outer optimizer of their own (the DiLoCo family)
+    cannot be switched to here: the engine sets that optimizer on its own swap."""
     cands = parse_candidates(candidates)
     check_candidates(cands)
     first = parse_candidates(start)
@@ -301,7 +303,7 @@ def auto(
             why = "the forecast has no prediction for the running policy"
         elif best.key == current:
             why = "the running policy is the best"
-        elif ran < dwell_s or checks < dwell_checks:
+        elif st.switches and (ran < dwell_s or checks < dwell_checks):
             why = (
                 f"dwell: ran {ran:.1f} s, its prediction checked {checks} time(s); a switch "
                 f"needs {dwell_s:g} s and {dwell_checks}"

@@ -24,7 +24,8 @@ from typing import Any, NamedTuple
 
 from policies import auto_choice
 from policies.efficiency import Efficiency
-from policies.twin import TwinConfig, run_twin
+from policies.twin import TwinConfig, TwinError, run_twin
+from policies.twin_worker import speed
 from policies.types import ClusterView, Forecast, Policy, Prediction
 
 # The candidates when the policy names none: auto's own default list, so that both plan over the
@@ -125,6 +126,18 @@ def snapshot(view: ClusterView) -> ClusterView:
         replicas=dict(view.replicas),
         stage_workers=dict(view.stage_workers),
     )
+
+
+def untimed(view: ClusterView) -> tuple[int, ...]:
+    """The workers of ``view`` the twin cannot time yet (no ``sample_s``, ``compute_s`` or
+    profile: a newcomer before its profile exchange or first push). A planner waits for none."""
+    out = []
+    for w, f in sorted(view.workers.items()):
+        try:
+            speed(f)
+        except TwinError:
+            out.append(w)
+    return tuple(out)
 
 
 def predict(view: ClusterView, candidate: Candidate, config: PlannerConfig) -> Prediction:

@@ -9,6 +9,12 @@ loop and the engine go on meanwhile) and submits the forecast as a
 reads forecasts. A round while the running policy reads none costs one engine call and nothing
 else, so the task follows hot swaps to and from ``auto`` by itself.
 
+When: the first round as soon as the running policy reads forecasts and every worker has a
+timing estimate (probed every :data:`EARLY_POLL_S`: a probe is one engine call), then every
+``every_s``; a policy swapped in later is planned for early the same way. A forecast made late
+leaves a wrong policy running for the whole interval; one made before the workers are timed has
+nothing to run the twin on.
+
 Its CPU budget: planning may take :data:`CPU_SHARE` of one core over time. A round that took ``c``
 CPU seconds (the planner's thread, ``time.thread_time``) lets the next one start no sooner than
 ``c / CPU_SHARE`` seconds after it began; the rounds due before then are skipped (counted). So
@@ -22,17 +28,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the engine brings JAX: the daemon imports this module before it listens
     from hetd.core.engine import Engine
     from hetd.core.planner import Candidate, Planned, PlannerConfig
-    from policies.types import ClusterView
+    from policies.types import ClusterView, Policy
 
 log = logging.getLogger("hetd.server.planning")
 
 CPU_SHARE = 0.05  # of one core, over time, at most
+EARLY_POLL_S = 1.0  # s between probes until the running policy had its first forecast
 
 
 class Planning:
@@ -46,6 +53,7 @@ class Planning:
         config: PlannerConfig | None = None,
         cpu_clock: Callable[[], float] = time.thread_time,
         wall: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         from hetd.core.planner import PlannerConfig
 
@@ -55,6 +63,8 @@ class Planning:
         self.config = config or PlannerConfig(default_batch=engine.config.batch_size)
         self.cpu_clock = cpu_clock  # read in the planner's thread: its CPU time alone
         self.wall = wall
+        self.sleep = sleep
+        self.planned_for: Policy | None = None  # the policy the last forecast was made for
         self.rounds = 0  # forecasts made
         self.skipped = 0  # rounds skipped for the CPU budget
         self.failed = 0  # rounds that raised
@@ -63,10 +73,18 @@ class Planning:
         self.last_at = 0.0  # wall s: when the last forecast was made
         self._told: set[tuple[str, str]] = set()  # refusals logged once each
 
+    def next_in(self) -> float:
+        """Seconds to the next round: ``every_s`` once the running policy had a forecast, a probe
+        sooner (:data:`EARLY_POLL_S`) before."""
+        if self.planned_for is not None and self.planned_for is self.engine.policy:
+            return self.every_s
+        return min(self.every_s, EARLY_POLL_S)
+
     async def run(self) -> None:
-        """A round every ``every_s`` until cancelled; a failed round is logged, never raised."""
+        """Rounds until cancelled (:meth:`next_in` apart); a failed round is logged, never
+        raised."""
         while True:
-            await asyncio.sleep(self.every_s)
+            await self.sleep(self.next_in())
             try:
                 await self.round()
             except asyncio.CancelledError:
@@ -87,7 +105,7 @@ class Planning:
         taken = await asyncio.wait_for(self.engine.call(self._take), self.every_s)
         if taken is None:  # the running policy reads no forecasts
             return False
-        view, candidates = taken
+        view, candidates, policy = taken
         planned = await asyncio.to_thread(plan, view, candidates, self.config, self.cpu_clock)
         self.not_before = began + planned.forecast.cost_s / CPU_SHARE
         self.last = planned
@@ -100,18 +118,23 @@ class Planning:
         if not planned.forecast.predictions:
             return False
         self.engine.submit(cmd.Forecast(planned.forecast))
+        self.planned_for = policy
         return True
 
-    def _take(self) -> tuple[ClusterView, tuple[Candidate, ...]] | None:
-        """On the engine task: the view and the candidates, or None when the running policy
-        reads no forecasts or has no workers to plan for."""
-        from hetd.core.planner import candidates_of, snapshot
+    def _take(self) -> tuple[ClusterView, tuple[Candidate, ...], Policy] | None:
+        """On the engine task: the view, the candidates and the policy, or None when the running
+        policy reads no forecasts, has no workers to plan for, or a worker has no timing
+        estimate yet."""
+        from hetd.core.planner import candidates_of, snapshot, untimed
 
         engine = self.engine
         policy = engine.policy
         if not policy.reads_forecasts or not engine.facts:
             return None
-        return snapshot(engine.view()), candidates_of(policy)
+        view = snapshot(engine.view())
+        if untimed(view):
+            return None
+        return view, candidates_of(policy), policy
 
     def describe(self) -> dict[str, Any]:
         """The rounds and the last forecast, as plain values (``hetd status``)."""

@@ -83,7 +83,8 @@ class Tick:
 
 @dataclass(frozen=True, slots=True)
 class Forecast:
-    """The ``k``-th planning round (at ``k × plan_every_s``), for a policy that reads forecasts."""
+    """A planning round for a policy that reads forecasts: ``k = 0`` probes for the first (made
+    once every worker has a timing estimate), the ``k``-th comes ``k × plan_every_s`` after it."""
 
     k: int
 

@@ -26,11 +26,12 @@ nothing more (a push already on its link still arrives), and the engine drops it
 past ``heartbeat_timeout_s``, the live workers' heartbeats reaching it before each tick. Without
 events no worker sends heartbeats and none times out, as before.
 
-Forecasts (a policy that reads them, ``auto``): every ``plan_every_s`` of virtual time the
-planner (:mod:`hetd.core.planner`) runs on the engine's view as it is then, at once, and its
-forecast joins the daemon's queue, free: the daemon plans in a thread within 5 % of one core, and
-reading this machine's CPU time would make runs differ (forecasts carry ``cost_s`` 0). Any other
-policy's run has no such event.
+Forecasts (a policy that reads them, ``auto``): the first as soon as every worker has a timing
+estimate (probed every :data:`EARLY_PROBE_S` of virtual time, as the daemon probes, from then
+every ``plan_every_s``; the planner (:mod:`hetd.core.planner`) runs on the engine's view as it is
+then, at once, and its forecast joins the daemon's queue, free: the daemon plans in a thread
+within 5 % of one core, and reading this machine's CPU time would make runs differ (forecasts
+carry ``cost_s`` 0). Any other policy's run has no such event.
 
 Gradients are real and computed lazily in batches (:mod:`hetd.sim.compute`). Nothing sleeps and
 nothing reads the wall clock: the same scenario, policy, lr, seed and cost profile give the same
@@ -47,7 +48,7 @@ import jax
 
 from hetd.core import commands as cmd
 from hetd.core.engine import Engine
-from hetd.core.planner import PlannerConfig, candidates_of, plan, snapshot
+from hetd.core.planner import PlannerConfig, candidates_of, plan, snapshot, untimed
 from hetd.protocol.frames import Params
 from hetd.protocol.messages import Ack, PlanUpdate, ProfileRequest, Reply, Welcome
 from hetd.sim import events as ev
@@ -58,7 +59,10 @@ from hetd.sim.results import PolicySpec, RunResult, Trace, staleness_stats, time
 from hetd.sim.scenario import Join, Leave, Scenario
 from hetd.sim.server_model import ServerModel, engine_spec
 
-STOPPED = "stopped (SIGTERM)"  # a cleanly stopped worker's bye, as hetd-worker says it
+STOPPED = "stopped (SIGTERM)"
+# Virtual s between probes for the first forecast, until every worker has a timing estimate (a
+# probe reads the engine's facts; the planner runs once they are all timed).
+EARLY_PROBE_S = 0.05  # a cleanly stopped worker's bye, as hetd-worker says it
 
 
 @dataclass
@@ -100,6 +104,7 @@ class _Harness:
         self.workers = [EmuWorker(i, sc, data, seed, self.shapes, costs=costs) for i in range(sc.n)]
         self.pending: list[StepWork] = []  # started steps whose update is not computed yet
         self.trace = Trace(timeline={str(i): [] for i in range(len(sc.all_workers))})
+        self.first_forecast = 0.0  # virtual s of the first forecast; the others follow it
 
     def run(self) -> SimRun:
         sc = self.sc
@@ -111,7 +116,7 @@ class _Harness:
             self.heap.schedule(t, ev.Evaluate())
         self.heap.schedule(sc.tick_s, ev.Tick(1))
         if sc.plan_every_s > 0 and self.engine.policy.reads_forecasts:
-            self.heap.schedule(sc.plan_every_s, ev.Forecast(1))
+            self.heap.schedule(min(EARLY_PROBE_S, sc.plan_every_s), ev.Forecast(0))
         for e in sc.events:
             self.heap.schedule(e.at_s, ev.Churn(e))
         while self.heap:
@@ -161,9 +166,17 @@ class _Harness:
                             server.message(cmd.Heartbeat(w.wid))
                 server.tick()
                 self.heap.schedule((k + 1) * self.sc.tick_s, ev.Tick(k + 1))
+            case ev.Forecast(0):  # a probe for the first forecast
+                if self._forecast():
+                    self.first_forecast = t
+                    self.heap.schedule(t + self.sc.plan_every_s, ev.Forecast(1))
+                else:
+                    self.heap.schedule(t + min(EARLY_PROBE_S, self.sc.plan_every_s), ev.Forecast(0))
             case ev.Forecast(k):
                 self._forecast()
-                self.heap.schedule((k + 1) * self.sc.plan_every_s, ev.Forecast(k + 1))
+                self.heap.schedule(
+                    self.first_forecast + (k + 1) * self.sc.plan_every_s, ev.Forecast(k + 1)
+                )
             case ev.Free():
                 server.serve()
             case ev.Record(loss, acc):
@@ -257,17 +270,22 @@ class _Harness:
         w.delivered.append(p.id)
         self.server.receive(p)
 
-    def _forecast(self) -> None:
+    def _forecast(self) -> bool:
         """A planning round at its virtual time: the planner on the engine's view as it is now,
         at once (its CPU time not read: the run stays the same every time), and the forecast
-        through the daemon's queue."""
+        through the daemon's queue. False (nothing planned) while a worker has no timing
+        estimate yet, or no worker is there."""
         engine = self.engine
         if not engine.policy.reads_forecasts or not engine.facts:
-            return
+            return False
+        view = snapshot(engine.view())
+        if untimed(view):
+            return False
         config = PlannerConfig(default_batch=engine.config.batch_size)  # as a switch starts one
-        planned = plan(snapshot(engine.view()), candidates_of(engine.policy), config, _no_cpu)
+        planned = plan(view, candidates_of(engine.policy), config, _no_cpu)
         if planned.forecast.predictions:
             self.server.forecast(planned.forecast)
+        return True
 
     def _evaluate(self) -> None:
         """An evaluation at its virtual time. Its accuracy reaches the engine through the

@@ -1,6 +1,7 @@
-"""Forecasts in the simulator: a policy that reads them gets one every ``plan_every_s`` of virtual
-time, made from the engine's view at that time, the same in every run; any other policy's run is
-as before (tests/golden); under churn nothing is lost."""
+"""Forecasts in the simulator: a policy that reads them gets the first as soon as every worker is
+timed and then one every ``plan_every_s`` of virtual time, made from the engine's view at that
+time, the same in every run; any other policy's run is as before (tests/golden); under churn
+nothing is lost."""
 
 from __future__ import annotations
 
@@ -55,7 +56,11 @@ def test_a_policy_that_reads_forecasts_gets_one_every_interval_and_loses_nothing
     run = run_sim(sc, PolicySpec(recorder), seed=0)
     check_churn(sc, run, recorder)  # every push answered once, no stall, training went on
     got = forecasts(run)
-    assert [f.now for f in got] == [1.0, 2.0, 3.0, 4.0]
+    # the first as soon as every worker is timed (its profile at the join), then every second
+    first = got[0].now
+    assert 0 < first < 0.5
+    assert [f.now for f in got] == pytest.approx([first + k for k in range(len(got))])
+    assert first + len(got) > sc.budget_s
     for f in got:
         assert [p.name for p in f.predictions] == ["bsp", "asp", "lbbsp"]
         assert f.cost_s == 0.0  # not read: the run must not depend on the machine

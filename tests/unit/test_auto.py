@@ -221,39 +221,60 @@ def test_a_forecast_that_clears_the_margin_after_the_dwell_switches() -> None:
     }
 
 
+def test_the_start_policy_may_be_left_at_the_first_forecast() -> None:
+    """The start policy is a default, not a choice: no dwell holds it (a forecast that comes as
+    soon as the workers are timed can move auto off it at once)."""
+    c = Cluster([1.0, 2.0, 4.0])
+    p = make_policy("auto", {"dwell_s": 30.0})
+    state, _ = warm(c, p, 0.1)
+    decisions, state = p.update(
+        forecast(c.now, pred("lbbsp", 5000), pred("asp", 9000)), state, c.view()
+    )
+    assert running(state) == "asp" and state.checks == 0 and len(state.switches) == 1
+    assert {d.worker for d in decisions if isinstance(d, SetPlan)} == set(c.workers)
+
+
+def switched(c: Cluster, p: Policy, at: float) -> AutoState:
+    """Auto switched from lbbsp to asp at 0, then run to ``at``."""
+    state, _ = warm(c, p, 0.0, forecast(0.0, pred("lbbsp", 5000), pred("asp", 9000)))
+    assert running(state) == "asp"
+    _, state = drive(c, p, state, at)
+    assert isinstance(state, AutoState)
+    return state
+
+
 @pytest.mark.parametrize(
-    ("why", "at", "first", "second", "reason"),
+    ("why", "at", "needs", "second", "reason"),
     [
-        ("inside the margin", 0.6, True, 5700.0, "is not 15% better"),
+        ("inside the margin", 0.6, 1, 5700.0, "is not 15% better"),
         (
             "before the dwell's seconds",
             0.3,
-            True,
+            1,
             9000.0,
             "dwell: ran 0.3 s, its prediction checked 1 time(s)",
         ),
         (
-            "at the first forecast",
+            "before enough checks of the chosen policy",
             0.6,
-            False,
+            2,
             9000.0,
-            "dwell: ran 0.6 s, its prediction checked 0 time(s)",
+            "dwell: ran 0.6 s, its prediction checked 1 time(s); a switch needs 0.5 s and 2",
         ),
     ],
 )
-def test_a_forecast_short_of_the_margin_or_the_dwell_does_not_switch(
-    why: str, at: float, first: bool, second: float, reason: str
+def test_after_a_switch_a_forecast_short_of_the_margin_or_the_dwell_does_not_switch(
+    why: str, at: float, needs: int, second: float, reason: str
 ) -> None:
     c = Cluster([1.0, 2.0, 4.0])
-    p = make_policy("auto", {"dwell_s": 0.5})
-    f0 = forecast(0.0, pred("lbbsp", 5000), pred("asp", 5000)) if first else None
-    state, _ = warm(c, p, at, f0)
+    p = make_policy("auto", {"dwell_s": 0.5, "dwell_checks": needs})
+    state = switched(c, p, at)  # the window from the switch is checked at this forecast
     before = state
     decisions, state = p.update(
-        forecast(c.now, pred("lbbsp", 5000), pred("asp", second)), state, c.view()
+        forecast(c.now, pred("asp", 5000), pred("bsp", second)), state, c.view()
     )
     assert list(decisions) == [], why
-    assert running(state) == "lbbsp" and state.inner == before.inner and not state.switches
+    assert running(state) == "asp" and state.inner == before.inner and len(state.switches) == 1
     assert state.last is not None and state.last.chosen is None and reason in state.last.why
 
 

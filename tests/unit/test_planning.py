@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from hetd.server.planning import CPU_SHARE, Planning
+from hetd.server.planning import CPU_SHARE, EARLY_POLL_S, Planning
 from policies.types import Forecast, Policy
 from tests.unit.test_engine import Harness
 from tests.unit.test_engine_forecast import recording
@@ -107,3 +107,35 @@ async def test_a_failing_round_is_logged_and_the_next_one_runs(
         assert "must look like key=value" in caplog.text
         # the engine went on: it still answers and the policy still runs
         assert await h.engine.call(lambda: h.engine.policy.name) == "recording"
+
+
+async def test_the_first_round_comes_early_then_every_interval() -> None:
+    """Until the running policy had a forecast, a probe every EARLY_POLL_S; then every_s; a
+    policy swapped in is planned for early again."""
+    slept: list[float] = []
+
+    async def sleep(s: float) -> None:
+        slept.append(s)
+        if len(slept) > 3:
+            raise asyncio.CancelledError
+
+    async with running(with_candidates(recording(reads=True), "bsp,asp")) as h:
+        planning = Planning(h.engine, 30.0, cpu_clock=lambda: 0.0, sleep=sleep)
+        assert planning.next_in() == EARLY_POLL_S < 30.0
+        with contextlib.suppress(asyncio.CancelledError):
+            await planning.run()
+        assert slept == [EARLY_POLL_S, 30.0, 30.0, 30.0]
+        assert len(await settled(h)) == 3
+        h.run("swap auto")  # another policy that reads forecasts: planned for early again
+        assert planning.next_in() == EARLY_POLL_S
+
+
+async def test_no_round_while_a_worker_has_no_timing_estimate() -> None:
+    async with running(with_candidates(recording(reads=True), "bsp")) as h:
+        h.run("join c")  # joined, not yet timed
+        planning = Planning(h.engine, 30.0)
+        assert not await planning.round()
+        assert planning.rounds == 0 and planning.next_in() == EARLY_POLL_S
+        h.run("push c")
+        assert await planning.round()
+        assert planning.next_in() == 30.0
