@@ -173,6 +173,15 @@ def parser() -> argparse.ArgumentParser:
         help=ORIGIN_HELP,
     )
     p.add_argument(
+        "--emulate-join-at",
+        default=None,
+        metavar="T",
+        help="connect first T seconds after the origin (which must then be stdin or a Unix "
+        "time): the worker starts, fetches the daemon's setup and builds its trainer before, so "
+        "a join at T costs what joining costs, not the start of Python and JAX (hetd bench "
+        "--mode real starts a scenario's joiners so)",
+    )
+    p.add_argument(
         "--emulate-stragglers",
         type=float,
         default=0.0,
@@ -333,6 +342,14 @@ def build_emulation(
     """The emulation the ``--emulate-*`` flags ask for; a bad value raises ValueError naming it.
     With ``--emulate-origin stdin`` the origin is left unknown (see :func:`follow_stdin`)."""
     origin = parse_origin(args.emulate_origin)
+    join_at = (
+        None if args.emulate_join_at is None else _number(args.emulate_join_at, "--emulate-join-at")
+    )
+    if join_at is not None and origin == "first-step":
+        raise ValueError(
+            "--emulate-join-at counts from an origin the worker knows before it connects: pass "
+            "--emulate-origin stdin or a Unix time"
+        )
     clock = ScheduleClock(monotonic, first_step=origin == "first-step")
     if isinstance(origin, float):
         clock.set_origin(origin_from_wall(origin, wall(), monotonic()))
@@ -348,6 +365,7 @@ def build_emulation(
         shifts=[parse_shift(s) for s in args.emulate_shift],
         bad_pushes=args.emulate_bad_pushes,
         seed=args.emulate_seed,
+        join_at_s=join_at,
         clock=clock,
     )
 

@@ -24,6 +24,7 @@ from hetd.protocol.frames import Hello, ProfileResult
 from hetd.protocol.messages import EMULATED_LINK, Bye
 from hetd.protocol.plan import local_steps_for
 from workers.dial import plain_port_message, tls_port_message
+from workers.emulate import Emulation
 from workers.errors import FatalError
 from workers.inbox import Inbox, Stopped
 from workers.loop import device_info
@@ -96,6 +97,8 @@ async def _run(opts: WorkerOptions, state: WorkerState, progress: Progress) -> i
                     opts.task,
                     opts.allowed,
                 )
+            if state.worker_id is None:  # a scenario's joiner connects at its time
+                await _until_join(opts.emulation)
             try:
                 await _session(http, opts, state, progress)
                 failures = 0
@@ -112,6 +115,12 @@ async def _run(opts: WorkerOptions, state: WorkerState, progress: Progress) -> i
                 log.warning("connection lost (%s); retrying in %.1fs", exc, delay)
                 await asyncio.sleep(delay)
     return state.steps
+
+
+async def _until_join(emulation: Emulation) -> None:
+    """Wait for ``emulation``'s join time (``--emulate-join-at``), while the trainer is built."""
+    while (left := emulation.join_wait_s()) is None or left > 0:
+        await asyncio.sleep(0.05 if left is None else min(left, 0.5))
 
 
 def handshake_refusal(

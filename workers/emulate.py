@@ -139,6 +139,13 @@ class ScheduleClock:
             self.origin = began
         return began - self.origin
 
+    def until(self, t: float) -> float | None:
+        """Seconds from now until schedule time ``t`` (<= 0 once it has passed); None while the
+        origin is not known."""
+        if self.origin is None:
+            return None
+        return self.origin + t - self._monotonic()
+
 
 @dataclass
 class Emulation:
@@ -152,7 +159,9 @@ class Emulation:
     ``stragglers`` is the chance per step that a slow episode (``straggle_factor`` ×, geometric
     length with mean ``straggle_mean`` steps) begins (docs/benchmark.md, scenario S2); ``seed``
     fixes the episodes; ``clock`` gives a step's schedule time when the caller does not;
-    ``bad_pushes`` injects faults: the chance that a push carries NaN, which the daemon refuses.
+    ``bad_pushes`` injects faults: the chance that a push carries NaN, which the daemon refuses;
+    ``join_at_s``: the schedule time of the worker's first connection (a scenario's joiner: it
+    starts, fetches the setup and builds its trainer before, and connects then; None: at once).
     """
 
     slowdown: float = 1.0
@@ -167,6 +176,7 @@ class Emulation:
     shifts: Sequence[tuple[float, float]] = ()  # (schedule time s, slow-down from then on)
     bad_pushes: float = 0.0  # chance that a push carries NaN (fault injection: refused, not fatal)
     seed: int = 0
+    join_at_s: float | None = None  # schedule time of the first connection (None: at once)
     clock: ScheduleClock | None = None  # None: every step is before the origin unless told
     _left: int = 0  # steps left in the current slow episode
     _rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
@@ -192,6 +202,8 @@ class Emulation:
                 raise ValueError(
                     f"a shift needs a time >= 0 and a slow-down >= 1, got {at}:{slowdown}"
                 )
+        if self.join_at_s is not None and not 0.0 <= self.join_at_s < math.inf:
+            raise ValueError(f"join time must be >= 0 s, got {self.join_at_s}")
         # Stable: shifts at the same time apply in the order given (the simulator's rule).
         self.shifts = tuple(sorted(self.shifts, key=lambda s: s[0]))
         self._rng = np.random.default_rng(self.seed)
@@ -237,6 +249,16 @@ class Emulation:
             return compute_s * factor
         base = self.base_step_s * (samples if samples is not None else self.base_batch)
         return max(compute_s, base / self.base_batch * factor)
+
+    def join_wait_s(self) -> float | None:
+        """Seconds left before the first connection (0 once it may connect, and always without
+        ``join_at_s``); None while the origin it counts from is not known."""
+        if self.join_at_s is None:
+            return 0.0
+        if self.clock is None:
+            return None
+        left = self.clock.until(self.join_at_s)
+        return None if left is None else max(0.0, left)
 
     def transfer_seconds(self, nbytes: int) -> float:
         """Extra seconds to move one message of ``nbytes`` over the emulated link: its latency

@@ -14,10 +14,12 @@ stragglers (``--emulate-stragglers`` with the scenario's factor and mean length)
 latency (charged per message both ways, as the simulator charges ``latency_s`` per pull and per
 push) and memory.
 
-**Churn** (a scenario's ``[[events]]``). A joiner's process starts at its ``at_s`` after t = 0
-(with the run's origin on its standard input, so its shifts count from the same t = 0) and joins
-once it has loaded JAX and built its model: seconds later on a loaded host, as a new machine
-would. A clean leave is SIGTERM (the worker sends what it computed, says bye and exits); a crash
+**Churn** (a scenario's ``[[events]]``). A joiner's process starts with the others and waits
+(``hetd-worker --emulate-join-at``): it loads JAX, fetches the setup and builds its trainer
+before t = 0, and connects ``at_s`` after it, as the simulator's joiner arrives then; its first
+step compiles (from the shared compilation cache when one is warm). Starting it at ``at_s``
+instead made a join cost Python's and JAX's start-up, tens of seconds on a loaded host, longer
+than a short run. A clean leave is SIGTERM (the worker sends what it computed, says bye and exits); a crash
 is SIGKILL. On loopback the kernel closes a killed process's socket, so the daemon hears of the
 crash at once; with ``--links netns`` the worker's link is cut first, so nothing reaches the daemon
 and it finds out by the heartbeat timeout (the scenario's ``heartbeat_timeout_s``), as the
@@ -79,7 +81,7 @@ import secrets
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from hetd import config as config_mod
@@ -260,6 +262,9 @@ def _worker_args(sc: Scenario, i: int, seed: int, shaped: bool = False) -> list[
         args += ["--emulate-latency", repr(w.latency_s)]
     if w.memory is not None:
         args += ["--emulate-memory", str(w.memory)]
+    join = next((e for e in sc.events if isinstance(e, Join) and e.worker == i), None)
+    if join is not None:  # started with the others, it connects at its time (Churn)
+        args += ["--emulate-join-at", repr(join.at_s)]
     return args
 
 
@@ -342,7 +347,8 @@ async def _run_on(
         )
 
     try:
-        for i in range(sc.n):
+        # a scenario's joiners start now too and wait for their time to connect (Churn)
+        for i in range(len(sc.all_workers)):
             procs.append(await start_worker(i))
         # The clock starts once every worker has joined and pushed once (its jit is compiled),
         # and then SETTLE_ROUNDS more times: the first to join ran its profile and its first
@@ -356,7 +362,7 @@ async def _run_on(
         await engine.call(lambda: _restart(engine, recorder, policy, initial))
         kept = keeper_for(engine.policy, evals)
         try:
-            churn = Churn(sc, procs, start_worker, net)
+            churn = Churn(sc, procs, net)
             return await _measure(
                 sc, policy, seed, lr, daemon, recorder, on_time, procs, kept, churn
             )
@@ -419,18 +425,18 @@ def _restart(
 
 
 class Churn:
-    """A scenario's ``[[events]]`` in a real run (the module docstring): worker processes started
-    and stopped at their times from t = 0. ``procs`` is the run's list of worker processes, worker
-    i's at index i; joiners are appended in event order, which is their index order."""
+    """A scenario's ``[[events]]`` in a real run (the module docstring): worker processes
+    stopped at their times from t = 0. ``procs`` is the run's list of worker processes, worker
+    i's at index i, joiners included: each connects at its time by itself (the module
+    docstring), so a join here is only reported."""
 
     def __init__(
         self,
         sc: Scenario,
-        procs: list[asyncio.subprocess.Process],
-        start_worker: Callable[[int], Awaitable[asyncio.subprocess.Process]],
+        procs: Sequence[asyncio.subprocess.Process],
         net: links_mod.NetnsLinks | None,
     ) -> None:
-        self.sc, self.procs, self.start_worker, self.net = sc, procs, start_worker, net
+        self.sc, self.procs, self.net = sc, procs, net
         self.done: list[tuple[float, str]] = []  # (s from t = 0, what happened)
 
     async def run(self, now: Callable[[], float], wall_t0: float) -> None:
@@ -438,12 +444,8 @@ class Churn:
         wall-clock time of t = 0 a joiner is told."""
         for e in self.sc.events:
             await asyncio.sleep(max(0.0, e.at_s - now()))
-            if isinstance(e, Join):
-                assert len(self.procs) == e.worker  # joiners come in index order
-                proc = await self.start_worker(e.worker)
-                self.procs.append(proc)
-                await _start_schedules([proc], wall_t0)
-                what = f"w{e.worker} started (join)"
+            if isinstance(e, Join):  # its process connects by itself now (--emulate-join-at)
+                what = f"w{e.worker} joins"
             else:
                 proc = self.procs[e.worker]
                 if e.how == "crash":

@@ -1,5 +1,6 @@
 """Churn in real mode: ``hetd bench --mode real`` carries out a scenario's ``[[events]]`` with real
-``hetd-worker`` processes (a crash is SIGKILL, a clean leave SIGTERM, a join a new process), and
+``hetd-worker`` processes (a crash is SIGKILL, a clean leave SIGTERM, a join a process started
+beforehand that connects at its time), and
 the daemon loses no update: every push is answered exactly once, and every answer that applied
 something moved the version by one."""
 
@@ -14,6 +15,7 @@ from hetd.core.engine import Engine
 from hetd.protocol.messages import Ack, Reply
 from hetd.sim.results import PolicySpec
 from hetd.sim.scenario import load_scenario
+from workers.client import STOPPED
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +31,9 @@ target_accuracy = 0.8
 budget_s = 25.0
 eval_interval_s = 0.5
 lr = 0.2
-heartbeat_timeout_s = 2.0
+# a crash closes its socket on loopback: heard at once. The timeout is for a loaded host, where
+# a heartbeat may come seconds late (2 s cut off live workers here)
+heartbeat_timeout_s = 8.0
 
 [[workers]]
 slowdown = 1.0
@@ -83,11 +87,12 @@ def test_a_crash_a_join_and_a_clean_leave_lose_no_update(tmp_path: Path) -> None
     gone: dict[str, list[str]] = {}  # name -> why it left, in order (the daemon's stop last)
     for _, wid, reason in engine.departures:
         gone.setdefault(names.get(wid, "?"), []).append(reason)
-    stop = engine.departures[-1][2]  # the daemon's bye to whoever was still there
-    # the crashed and the stopped worker left at their events, the others stayed to the end
-    assert len(gone["w1"]) == 1 and gone["w1"] != [stop], gone
-    assert len(gone["w2"]) == 1 and "stopped (SIGTERM)" in gone["w2"][0], gone  # it said bye
-    assert gone["w0"] == [stop] and gone["w3"] == [stop], gone
+    # the crashed worker said nothing; the stopped one said bye at its event; the others stayed
+    # to the end, where the bench stops every worker the same way (SIGTERM: each says bye)
+    assert gone["w1"] == ["connection closed"], gone
+    assert gone["w2"] == [STOPPED] and gone["w0"] == [STOPPED] and gone["w3"] == [STOPPED], gone
+    order = [names.get(wid) for _, wid, _ in engine.departures]
+    assert set(order[2:]) == {"w0", "w3"}, order
     # the joiner joined and trained under BSP with the steady worker, after the crash
     late = next(wid for wid, name in names.items() if name == "w3")
     assert engine.departed[late].samples > 0

@@ -259,6 +259,22 @@ def test_the_origin_is_read_from_standard_input() -> None:
     assert clock2.origin is None
 
 
+def test_a_joiner_waits_for_the_origin_and_then_for_its_time() -> None:
+    now = [100.0]
+    emu = cli.build_emulation(
+        args("--emulate-origin", "stdin", "--emulate-join-at", "2.5"), monotonic=lambda: now[0]
+    )
+    assert emu.join_at_s == 2.5 and emu.join_wait_s() is None  # no origin yet: wait for it
+    assert emu.clock is not None
+    emu.clock.set_origin(101.0)  # t = 0 is a second from now
+    assert emu.join_wait_s() == pytest.approx(3.5)
+    now[0] = 103.4
+    assert emu.join_wait_s() == pytest.approx(0.1)
+    now[0] = 200.0
+    assert emu.join_wait_s() == 0.0  # past its time: at once (a reconnect never waits again)
+    assert Emulation().join_wait_s() == 0.0  # no join time: at once
+
+
 @pytest.mark.parametrize(
     "flags",
     [
@@ -271,6 +287,9 @@ def test_the_origin_is_read_from_standard_input() -> None:
         ["--emulate-origin", "yesterday"],
         ["--emulate-stragglers", "1.5"],
         ["--emulate-slowdown", "fast"],
+        ["--emulate-join-at", "-2"],
+        ["--emulate-join-at", "later"],
+        ["--emulate-join-at", "3"],  # from the default origin, the first step: never known
     ],
 )
 def test_bad_values_get_one_line_and_exit_2(
