@@ -1,0 +1,251 @@
+"""One pserver's slice: its parts of the parameters, its own optimizer state, the log replayed.
+
+A slice is the single store's machinery run on fewer tensors: a :class:`hetd.core.store.Store`
+over the slice's parts (keyed as the partition map names them) behind a
+:class:`hetd.core.applier.Applier`, so every step is the same jitted arithmetic the one-process
+daemon runs, on a subset of the values; for an optimizer that can be cut
+(:mod:`hetd.pserver.separable`) the parameters come out the same, bit for bit.
+
+Two streams arrive in any interleaving: push *parts* (:meth:`SliceState.receive`, from workers)
+and log *records* (:meth:`SliceState.offer`, from the head, in position order). :meth:`advance`
+carries out the records in order for as long as it can: an apply or buffer whose part has not
+arrived waits, and everything behind it waits too. Exactly once holds per push id: a part is
+consumed by the one entry that names it; a part that arrives again, or after its entry ran, is
+ignored; ids only grow per worker (the head logs each push once, in id order), so one number
+per worker says which are done, and a held part that the log passed by (a push the head refused
+without logging it) is freed.
+
+After each record the slice checks that its store counts the version the head wrote; a
+difference means the two disagree about what was applied, and stops the slice
+(:class:`LogMismatch`) rather than let it serve another model.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from hetd.core.applier import Applier
+from hetd.core.store import Int8, Store, Tensors
+from hetd.pserver.log import (
+    ApplyEntry,
+    BufferEntry,
+    CheckpointEntry,
+    DropEntry,
+    FlushEntry,
+    OuterEntry,
+    Record,
+    RestoreEntry,
+    StepEntry,
+)
+from hetd.pserver.partition import PartitionMap
+from policies.types import Flush
+
+
+class LogMismatch(RuntimeError):
+    """The slice and the log disagree (a version, or a record out of order)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SliceSaved:
+    """A slice as a checkpoint keeps it (host values, no references to the live state)."""
+
+    params: dict[str, np.ndarray]  # part key -> array
+    opt_state: Any  # the optimizer state as Store.state gives it (host pytree)
+    version: int  # the store's version
+    position: int  # the last log position carried out
+    buffers: dict[int, Mapping[str, Any]]  # the applier's buffered groups
+    done: dict[int, int] = field(default_factory=dict)  # worker -> last push id consumed
+
+
+Loader = Callable[[str], SliceSaved]  # a checkpoint's name -> this slice of it
+
+
+class SliceState:
+    """One pserver's slice of the model, replaying the head's log. One writer."""
+
+    def __init__(
+        self,
+        pmap: PartitionMap,
+        server: int,
+        params: Mapping[str, Any],
+        tx: optax.GradientTransformation,
+        *,
+        outer: optax.GradientTransformation | None = None,
+        outer_spec: str | None = None,
+        combine: bool = False,
+        step_each: bool = False,
+        version: int = 0,
+        position: int = 0,
+        load: Loader | None = None,
+    ) -> None:
+        """``params``: this pserver's slice (:func:`hetd.pserver.partition.split`'s
+        ``[server]``); ``tx``, ``outer``, ``combine``, ``step_each``: as the single store has
+        them; ``version``, ``position``: where the log stands for these parameters; ``load``:
+        reads a saved slice for a restore entry (None: only those saved here)."""
+        self.shapes = pmap.slice_shapes(server)
+        got = {k: tuple(np.shape(v)) for k, v in params.items()}
+        if got != self.shapes:
+            raise ValueError(f"the slice's tensors do not match pserver {server}'s parts")
+        self.server = server
+        self.store = Store(params, tx, version, outer, outer_spec)
+        self.store.combine = combine
+        self.store.step_each = step_each
+        self.store.hashes = False  # a slice is hashed as part of a whole version, not alone
+        self.applier = Applier(self.store)
+        self.position = position  # the last record carried out
+        self.saved: dict[str, SliceSaved] = {}  # checkpoints taken here, by name (the shell's)
+        self._load = load
+        self._parts: dict[tuple[int, int], Tensors] = {}  # (worker, pid) -> this slice's part
+        self._done: dict[int, int] = {}  # worker -> the last push id an entry consumed
+        self._queue: deque[Record] = deque()  # records offered, not yet carried out
+        self._offered = position  # the last position offered
+
+    # --- inputs ------------------------------------------------------------------------------
+
+    def receive(self, worker: int, pid: int, tensors: Tensors) -> bool:
+        """A push's part arrived; False (nothing kept) when it is a repeat or already done.
+        ValueError when its tensors are not this slice's parts."""
+        key = (worker, pid)
+        if pid <= self._done.get(worker, -1) or key in self._parts:
+            return False
+        got = {
+            k: tuple(v.q.shape if isinstance(v, Int8) else np.shape(v)) for k, v in tensors.items()
+        }
+        if got != self.shapes:
+            raise ValueError(
+                f"push {pid} of worker {worker}: its part is not pserver {self.server}'s"
+            )
+        self._parts[key] = tensors
+        return True
+
+    def offer(self, records: Iterable[Record]) -> None:
+        """Log records, in position order; those already offered are skipped, a gap raises."""
+        for r in records:
+            if r.position <= self._offered:
+                continue
+            if r.position != self._offered + 1:
+                raise LogMismatch(f"log position {r.position} after {self._offered}: a gap")
+            self._queue.append(r)
+            self._offered = r.position
+
+    # --- replay ------------------------------------------------------------------------------
+
+    def advance(self) -> int:
+        """Carry out the offered records in order until one waits for its part; the position
+        reached."""
+        while self._queue:
+            r = self._queue[0]
+            if not self._ready(r.entry):
+                break
+            self._queue.popleft()
+            self._run(r)
+            if self.store.version != r.version:
+                raise LogMismatch(
+                    f"pserver {self.server} at version {self.store.version} after position "
+                    f"{r.position}; the log says {r.version}"
+                )
+            self.position = r.position
+        return self.position
+
+    def waiting_for(self) -> tuple[int, int] | None:
+        """The push (worker, pid) whose part the next record waits for; None if none."""
+        if self._queue and not self._ready(self._queue[0].entry):
+            e = self._queue[0].entry
+            assert isinstance(e, ApplyEntry | BufferEntry)  # _ready is False only for these
+            return e.worker, e.pid
+        return None
+
+    def held(self) -> int:
+        """Parts held for entries still to come."""
+        return len(self._parts)
+
+    def _ready(self, e: object) -> bool:
+        return not isinstance(e, ApplyEntry | BufferEntry) or (e.worker, e.pid) in self._parts
+
+    def _run(self, r: Record) -> None:
+        e = r.entry
+        if isinstance(e, ApplyEntry):
+            self.applier.apply(e.kind, self._consume(e.worker, e.pid), e.scale)
+        elif isinstance(e, BufferEntry):
+            self.applier.buffer(e.group, e.kind, self._consume(e.worker, e.pid), e.weight)
+        elif isinstance(e, DropEntry):
+            self._consume(e.worker, e.pid)
+        elif isinstance(e, FlushEntry):
+            self.applier.flush(Flush(normalize=e.normalize, scale=e.scale, upto=e.upto))
+        elif isinstance(e, StepEntry):
+            self.store.flush()
+        elif isinstance(e, OuterEntry):
+            self.store.set_outer(e.spec)
+        elif isinstance(e, CheckpointEntry):
+            self.saved[e.ref] = self.state(r.position)
+        elif isinstance(e, RestoreEntry):
+            self._restore(self._saved(e.ref))
+
+    def _consume(self, worker: int, pid: int) -> Tensors:
+        """The push's part, taken; held parts of the same worker the log passed by are freed."""
+        part = self._parts.pop((worker, pid), {})
+        self._done[worker] = pid
+        for w, p in [k for k in self._parts if k[0] == worker and k[1] < pid]:
+            del self._parts[(w, p)]
+        return part
+
+    # --- checkpoints -------------------------------------------------------------------------
+
+    def params(self) -> dict[str, np.ndarray]:
+        """The slice's parameters now (host arrays, the queued steps run first)."""
+        return dict(self.store.snapshot().tensors)
+
+    def state(self, position: int | None = None) -> SliceSaved:
+        """The slice as a checkpoint keeps it, at ``position`` (default: the last carried out)."""
+        params, opt, version = self.store.state()
+        # copies: on a CPU the host values may share memory with buffers the next step donates
+        return SliceSaved(
+            {k: np.array(v) for k, v in params.items()},
+            _copy(opt),
+            version,
+            self.position if position is None else position,
+            dict(self.applier.saved_buffers()),
+            dict(self._done),
+        )
+
+    @classmethod
+    def resume(
+        cls,
+        pmap: PartitionMap,
+        server: int,
+        saved: SliceSaved,
+        tx: optax.GradientTransformation,
+        **kwargs: Any,
+    ) -> SliceState:
+        """A slice restarted from a saved one (a pserver that died): it goes on from the saved
+        position; offer it the log from there (``DecisionLog.since(saved.position)``)."""
+        s = cls(pmap, server, saved.params, tx, position=saved.position, **kwargs)
+        s._restore(saved)
+        return s
+
+    def _saved(self, ref: str) -> SliceSaved:
+        if ref in self.saved:
+            return self.saved[ref]
+        if self._load is None:
+            raise LogMismatch(f"pserver {self.server} cannot load checkpoint {ref!r}")
+        return self._load(ref)
+
+    def _restore(self, saved: SliceSaved) -> None:
+        # copies, so that the steps that donate the store's buffers never write into ``saved``
+        self.store.restore(_copy(saved.params), _copy(saved.opt_state), saved.version)
+        self.applier.restore_buffers(saved.buffers)
+        self._done = dict(saved.done)
+        for key in [k for k in self._parts if k[1] <= self._done.get(k[0], -1)]:
+            del self._parts[key]
+
+
+def _copy(tree: Any) -> Any:
+    """A pytree of host arrays, each a fresh copy."""
+    return jax.tree.map(np.array, tree)

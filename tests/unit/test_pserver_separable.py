@@ -1,0 +1,86 @@
+"""Which optimizers S pservers can apply slice by slice: the probe sorts real optax transforms
+into elementwise, per-tensor and whole-tree ones, and the map is refused where it would change
+what the optimizer computes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax.numpy as jnp
+import optax
+import pytest
+
+from hetd.pserver.partition import BLOCK_BYTES, partition
+from hetd.pserver.separable import NotSliceable, Sliceable, block_bytes_for, probe, require
+from hetd.zoo.task import Bound, Task
+
+SHAPES = {"emb": (8, 3), "w": (6, 4), "b": (4,), "s": ()}
+
+
+def _own_task_optimizer() -> optax.GradientTransformation:
+    """A Task's own optimizer as the daemon runs it: on the user's whole tree, rebuilt per call."""
+
+    def init(key):
+        return {"layer": {"w": jnp.zeros((6, 4)), "b": jnp.zeros(4)}, "emb": jnp.zeros((8, 3))}
+
+    task = Task(init, lambda p, b, k: jnp.sum(p["emb"]), lambda shard: iter(()))
+    return Bound(task).flat_optimizer(optax.adamw(1e-3))
+
+
+CASES: list[tuple[str, Callable[[], optax.GradientTransformation], Sliceable]] = [
+    ("sgd", lambda: optax.sgd(0.1, momentum=0.9), Sliceable.ELEMENTWISE),
+    ("adam", lambda: optax.adam(1e-3), Sliceable.ELEMENTWISE),
+    ("adamw", lambda: optax.adamw(1e-3, weight_decay=0.1), Sliceable.ELEMENTWISE),
+    ("clip_adam", lambda: optax.chain(optax.clip(0.5), optax.adam(1e-3)), Sliceable.ELEMENTWISE),
+    (
+        "masked_decay",
+        lambda: optax.masked(
+            optax.add_decayed_weights(0.1), lambda p: {k: v.ndim > 1 for k, v in p.items()}
+        ),
+        Sliceable.ELEMENTWISE,
+    ),
+    ("lamb", lambda: optax.lamb(1e-3), Sliceable.PER_TENSOR),
+    ("adafactor", lambda: optax.adafactor(1e-3), Sliceable.PER_TENSOR),
+    (
+        "global_clip",
+        lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)),
+        Sliceable.WHOLE_TREE,
+    ),
+    ("task_own", _own_task_optimizer, Sliceable.WHOLE_TREE),
+]
+
+
+FAST = {"sgd", "lamb", "global_clip", "task_own"}  # one of each kind; the others are slow
+
+
+@pytest.mark.parametrize(
+    ("name", "make", "kind"),
+    [pytest.param(*c, marks=() if c[0] in FAST else pytest.mark.slow) for c in CASES],
+    ids=[c[0] for c in CASES],
+)
+def test_the_probe_sorts_real_optimizers(name, make, kind):
+    shapes = SHAPES if name != "task_own" else {"emb": (8, 3), "layer/w": (6, 4), "layer/b": (4,)}
+    assert probe(make(), shapes).kind is kind
+
+
+def test_an_elementwise_optimizer_takes_any_map():
+    found = probe(optax.adam(1e-3), SHAPES)
+    assert block_bytes_for(found, BLOCK_BYTES) == BLOCK_BYTES
+    require(found, partition({"emb": (4_000_000, 1), "b": (3,)}, 4))
+
+
+def test_a_per_tensor_optimizer_takes_whole_tensors_only():
+    found = probe(optax.lamb(1e-3), SHAPES)
+    assert block_bytes_for(found, BLOCK_BYTES) == 0
+    shapes = {"emb": (4_000_000, 1), "b": (3,)}  # 16 MB: cut into blocks by default
+    with pytest.raises(NotSliceable, match="whole tensors only"):
+        require(found, partition(shapes, 2))
+    require(found, partition(shapes, 2, block_bytes=block_bytes_for(found, BLOCK_BYTES)))
+
+
+def test_a_whole_tree_optimizer_is_refused_past_one_pserver_saying_what_to_do():
+    found = probe(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)), SHAPES)
+    with pytest.raises(NotSliceable, match="cannot be split over 2 pservers") as err:
+        require(found, partition(SHAPES, 2, block_bytes=0))
+    assert "clip_by_global_norm" in str(err.value) and "one pserver" in str(err.value)
+    require(found, partition(SHAPES, 1, block_bytes=0))  # one pserver holds the whole tree
