@@ -18,7 +18,8 @@ kinds, and what the single store does for each:
 * :class:`StepEntry` — ``Store.flush``: the queued steps run now (with the store's ``combine``,
   the steps queued between two of these are summed per kind, so all pservers must cut the same);
 * :class:`OuterEntry` — ``Store.set_outer``: deltas go through another outer optimizer;
-* :class:`CheckpointEntry` — each pserver saves its slice as it stands at this position;
+* :class:`CheckpointEntry` — each pserver saves its slice as it stands at this position (the
+  queued steps run first, as they do when the single store's state is checkpointed);
 * :class:`RestoreEntry` — each pserver loads its slice of a checkpoint, at its version.
 
 :class:`DecisionLog` is the head's side: it appends entries, counts versions the way the

@@ -199,7 +199,16 @@ class SliceState:
     # --- checkpoints -------------------------------------------------------------------------
 
     def params(self) -> dict[str, np.ndarray]:
-        """The slice's parameters now (host arrays, the queued steps run first)."""
+        """The slice's parameters at the last position carried out (host arrays).
+
+        The queued steps run first. With the store's ``combine`` that is allowed only where the
+        log ran them (right after a step entry): running them anywhere else would sum other
+        updates into one step than the head's store did, and the slice would leave the model."""
+        if self.store.combine and self.store.pending:
+            raise LogMismatch(
+                f"pserver {self.server}: {self.store.pending} steps queued at position "
+                f"{self.position}; read the parameters at a step entry (a release), not between"
+            )
         return dict(self.store.snapshot().tensors)
 
     def state(self, position: int | None = None) -> SliceSaved:

@@ -114,3 +114,17 @@ def test_a_restarted_slice_catches_up_from_its_checkpoint_to_the_same_bits():
     got = join(PMAP, [crashing[0].params(), restarted.params()])
     assert all(got[k].tobytes() == want[k].tobytes() for k in want)
     assert restarted.store.version == log.version == 8  # the flush: a grad and a delta
+
+
+def test_with_combined_steps_the_parameters_are_read_only_where_the_log_ran_the_steps():
+    sl = SliceState(PMAP, 0, split(PMAP, PARAMS)[0], optax.adam(0.1), combine=True)
+    log = DecisionLog()
+    sl.offer([log.apply(0, 1, "grad", 1.0), log.apply(0, 2, "grad", 1.0)])
+    sl.receive(0, 1, split(PMAP, _update(1))[0])
+    sl.receive(0, 2, split(PMAP, _update(2))[0])
+    sl.advance()
+    with pytest.raises(LogMismatch, match="2 steps queued"):
+        sl.params()  # running them here would choose the sum's cut itself
+    sl.offer([log.step()])
+    sl.advance()
+    assert sl.store.pending == 0 and set(sl.params()) == set(PMAP.slice_shapes(0))
