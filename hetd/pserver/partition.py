@@ -1,11 +1,11 @@
 """The partition map: which pserver owns which tensor, or which rows of a big one.
 
-A model's flat ``path -> array`` map is cut into *parts*: a tensor of at most ``2 · block_bytes``
+A model's flat ``path -> array`` map is cut into *parts*: a tensor under ``2 · block_bytes``
 is one part; a bigger one is cut along its first axis into blocks of about ``block_bytes`` each
 (4 MiB by default, a million float32 values: the size BytePS and MXNet settled on, below which
 the cost per message outweighs the balance gained). Cutting by rows keeps each block's number of
-dimensions, so an optimizer mask that looks at ``ndim`` or at the path still reads the block as it
-reads the tensor. The parts depend only on the shapes, never on the number of pservers, so a
+dimensions, so an optimizer mask that looks at ``ndim`` still reads the block as it reads the
+tensor. The parts depend only on the shapes, never on the number of pservers, so a
 checkpoint written per part can be loaded under another S. The parts go to the S pservers by
 longest-processing-time: largest first, each to the least-loaded pserver (ties to the lowest
 index), which keeps the heaviest pserver's bytes within one part of the mean.
