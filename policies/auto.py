@@ -56,6 +56,10 @@ from policies.types import (
 )
 
 HISTORY = 8  # switches kept in the state, for status pages
+# What a switch is taken to cost [D]: this many rounds of the slowest worker (the round the old
+# policy leaves half done and the new policy's first, whose plans and batches change), to be
+# paid back within the dwell.
+SWITCH_ROUNDS = 2
 
 
 def _empty() -> Mapping[Any, Any]:
@@ -159,6 +163,18 @@ def default_plan_fields(batch_size: int, codec: str) -> dict[str, Any]:
     step, no pipelining, stage ``main``, no optional field set."""
     plan = Plan(batch_size=batch_size, codec=codec)
     return {f.name: getattr(plan, f.name) for f in dataclasses.fields(Plan)}
+
+
+def switch_cost_s(view: ClusterView) -> float:
+    """Seconds a switch costs the cluster: :data:`SWITCH_ROUNDS` rounds of its slowest worker,
+    each worker's round measured between its last two pushes (else its compute time)."""
+    rounds = [0.0]
+    for f in view.workers.values():
+        if f.last_push_at is not None and f.prev_push_at is not None:
+            rounds.append(f.last_push_at - f.prev_push_at)
+        elif f.compute_s is not None:
+            rounds.append(f.compute_s)
+    return SWITCH_ROUNDS * max(rounds)
 
 
 def _applied_samples(event: Push, decisions: Sequence[Decision]) -> int:
@@ -297,6 +313,10 @@ def auto(
         )
         best = scored[0] if scored else None
         ran = now - st.since
+        # the switch's cost, a share of the time it has to pay itself back in: the dwell (the
+        # forecast's horizon without one)
+        payback = dwell_s if dwell_s > 0 else event.horizon_s
+        cost = min(1.0, switch_cost_s(view) / payback) if payback > 0 else 0.0
         if best is None:
             why = "no candidate was predicted"
         elif mine is None:
@@ -308,15 +328,15 @@ def auto(
                 f"dwell: ran {ran:.1f} s, its prediction checked {checks} time(s); a switch "
                 f"needs {dwell_s:g} s and {dwell_checks}"
             )
-        elif best.discounted <= (1.0 + margin) * mine.discounted:
+        elif (net := best.discounted * (1.0 - cost)) <= (1.0 + margin) * mine.discounted:
             why = (
-                f"{best.label} ({best.discounted:.4g}) is not {margin:.0%} better than "
-                f"{mine.label} ({mine.discounted:.4g})"
+                f"{best.label} ({best.discounted:.4g}, {net:.4g} after {cost:.0%} for the "
+                f"switch) is not {margin:.0%} better than {mine.label} ({mine.discounted:.4g})"
             )
         else:
             why = (
-                f"{best.label} ({best.discounted:.4g}) beats {mine.label} "
-                f"({mine.discounted:.4g}) by more than {margin:.0%}"
+                f"{best.label} ({best.discounted:.4g}, {net:.4g} after {cost:.0%} for the "
+                f"switch) beats {mine.label} ({mine.discounted:.4g}) by more than {margin:.0%}"
             )
             try:
                 out, inner, offsets = start_policy(best, st, view, now)

@@ -10,6 +10,7 @@ error-discounted ranking of a forecast's predictions (:func:`weigh`, :class:`Sco
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -114,29 +115,41 @@ def check_candidates(cands: Iterable[tuple[str, Params]]) -> None:
 
 @dataclass(frozen=True, slots=True)
 class ErrorLog:
-    """Recent relative errors of the model's throughput predictions: ``|realized − predicted| /
-    predicted`` over a dwell between two forecasts, per policy (by label) and for all together."""
+    """Recent checks of the model's throughput predictions: the ratio ``realized / predicted``
+    over a window between two forecasts, per policy (by label) and for all together.
+
+    What a prediction is discounted by is the *shortfall* its policy showed, ``1 − ratio`` when it
+    delivered less than predicted, the median of its recent checks (one transient window, such
+    as the flush and profile after a switch, does not rule alone). A policy that delivered at
+    least what was predicted is not discounted, and never credited beyond its prediction: so
+    running a policy cannot make it look worse than one not running that was predicted as
+    wrongly (the old ``|realized − predicted|`` rule charged a policy for beating its
+    prediction, and the running policy's fresh error against another's stale one made auto flip
+    between two). A policy never run takes the model's median shortfall."""
 
     by_policy: Mapping[str, tuple[float, ...]] = field(default_factory=lambda: MappingProxyType({}))
-    recent: tuple[float, ...] = ()  # the last RECENT_ERRORS of any policy
+    recent: tuple[float, ...] = ()  # the last RECENT_ERRORS ratios of any policy
 
     def add(self, policy: str, realized: float, predicted: float) -> ErrorLog:
-        """With one more measurement of ``policy`` (samples/s realized and predicted)."""
-        e = abs(realized - predicted) / predicted
-        mine = (*self.by_policy.get(policy, ())[-(RECENT_ERRORS - 1) :], e)
+        """With one more check of ``policy`` (samples/s realized and predicted)."""
+        r = max(0.0, realized) / predicted
+        mine = (*self.by_policy.get(policy, ())[-(RECENT_ERRORS - 1) :], r)
         return ErrorLog(
             MappingProxyType({**self.by_policy, policy: mine}),
-            (*self.recent[-(RECENT_ERRORS - 1) :], e),
+            (*self.recent[-(RECENT_ERRORS - 1) :], r),
         )
 
     def error_for(self, policy: str) -> float:
-        """The error a prediction of ``policy`` is discounted by: the largest of its own recent
-        errors, else (never measured) the largest recent error of the model (0 with none)."""
-        mine = self.by_policy.get(policy)
-        return max(mine) if mine else max(self.recent, default=0.0)
+        """The shortfall a prediction of ``policy`` is discounted by, in [0, 1]: ``1 −`` the
+        median of its own recent ratios, else (never checked) of the model's, 0 when that
+        median is at least 1 or there is none."""
+        ratios = self.by_policy.get(policy) or self.recent
+        if not ratios:
+            return 0.0
+        return min(1.0, max(0.0, 1.0 - statistics.median(ratios)))
 
     def describe(self) -> dict[str, Any]:
-        """Each policy's recent errors and the model's, as plain values."""
+        """Each policy's recent ratios (realized / predicted) and the model's, as plain values."""
         return {
             "by_policy": {k: list(v) for k, v in sorted(self.by_policy.items())},
             "recent": list(self.recent),
@@ -153,8 +166,8 @@ class Scored:
     label: str
     samples_per_s: float  # predicted samples applied per second
     goodput: float  # predicted useful samples per second (× efficiency)
-    error: float  # the relative error it was discounted by
-    discounted: float  # goodput / (1 + error)
+    error: float  # the shortfall it was discounted by (ErrorLog.error_for)
+    discounted: float  # goodput × (1 − error)
 
     def describe(self) -> dict[str, Any]:
         """As plain values."""
@@ -213,7 +226,7 @@ def weigh(
         goodput = max(0.0, p.goodput)
         e = errors.error_for(name)
         out.append(
-            Scored(p.name, params, key, name, p.samples_per_s, goodput, e, goodput / (1 + e))
+            Scored(p.name, params, key, name, p.samples_per_s, goodput, e, goodput * (1 - e))
         )
     return tuple(sorted(out, key=lambda s: (-s.discounted, s.label)))
 

@@ -16,7 +16,8 @@ import pytest
 import policies  # noqa: F401  (registers the built-in policies)
 from hetd.server.policy_state import policy_state_tree, revive_policy_state
 from policies import registry
-from policies.auto import AutoState
+from policies.auto import AutoState, switch_cost_s
+from policies.auto_choice import ErrorLog
 from policies.compose import describe_state, resolve
 from policies.registry import PolicyError, make_policy
 from policies.types import (
@@ -205,7 +206,7 @@ def warm(
 
 def test_a_forecast_that_clears_the_margin_after_the_dwell_switches() -> None:
     c = Cluster([1.0, 2.0, 4.0])
-    p = make_policy("auto", {"dwell_s": 0.5})
+    p = make_policy("auto", {"dwell_s": 5.0})
     state, _ = warm(c, p, 0.6, forecast(0.0, pred("lbbsp", 5000), pred("asp", 5000)))
     decisions, state = p.update(
         forecast(c.now, pred("lbbsp", 5000), pred("asp", 6000)), state, c.view()
@@ -232,6 +233,28 @@ def test_the_start_policy_may_be_left_at_the_first_forecast() -> None:
     )
     assert running(state) == "asp" and state.checks == 0 and len(state.switches) == 1
     assert {d.worker for d in decisions if isinstance(d, SetPlan)} == set(c.workers)
+
+
+def test_a_switch_must_pay_for_its_rounds_within_the_dwell() -> None:
+    """The same forecast, 20 % better, moves auto off its start policy when the dwell is long
+    enough to pay back two rounds of the slowest worker, and not when it is not."""
+    decided = {}
+    for dwell in (0.4, 5.0):
+        c = Cluster([1.0, 2.0, 4.0])
+        p = make_policy("auto", {"dwell_s": dwell})
+        state, _ = warm(c, p, 0.6)
+        cost = switch_cost_s(c.view())
+        rounds = [(f.last_push_at or 0.0) - (f.prev_push_at or 0.0) for f in c.workers.values()]
+        assert cost == pytest.approx(2 * max(rounds)) and cost > 0
+        _, state = p.update(
+            forecast(c.now, pred("lbbsp", 5000), pred("asp", 6000)), state, c.view()
+        )
+        decided[dwell] = running(state)
+        assert (
+            state.last is not None
+            and f"after {min(1.0, cost / dwell):.0%} for the switch" in state.last.why
+        )
+    assert decided == {0.4: "lbbsp", 5.0: "asp"}
 
 
 def switched(c: Cluster, p: Policy, at: float) -> AutoState:
@@ -382,10 +405,10 @@ def test_a_policy_that_fails_to_start_leaves_the_old_one(monkeypatch: pytest.Mon
     assert [s.label for s in state.last.scored] == ["asp", "lbbsp"]
 
 
-def test_a_candidate_whose_predictions_were_wrong_lately_is_discounted() -> None:
+def test_a_candidate_that_delivered_less_than_predicted_is_discounted() -> None:
     """lbbsp is predicted right; hps, once chosen, delivers far less than its prediction. At the
     next forecast hps still looks 10 % better than lbbsp by the raw predictions, but counts for
-    ``1/(1 + its error)`` of its prediction, and auto goes back to lbbsp."""
+    what it delivered of its prediction (its ratio), and auto goes back to lbbsp."""
     p = make_policy("auto", {"dwell_s": 0.0, "candidates": "lbbsp,hps"})
     dry = Cluster([1.0, 2.0, 4.0])  # the same run once, to predict lbbsp's throughput right
     st = drive(dry, p, start(p, dry), 1.0)[1]
@@ -401,21 +424,59 @@ def test_a_candidate_whose_predictions_were_wrong_lately_is_discounted() -> None
     assert running(state) == "hps"
     assert state.errors.error_for("lbbsp") == pytest.approx(0.0, abs=1e-9)
     state = drive(c, p, state, 2.0)[1]
-    hps_error = abs(state.window_samples / 1.0 - 3 * rate) / (3 * rate)
-    assert hps_error > 0.5  # hps delivered about lbbsp's rate, not three times it
+    ratio = state.window_samples / 1.0 / (3 * rate)
+    assert ratio < 0.5  # hps delivered about lbbsp's rate, not three times it
     decisions, state = p.update(
         forecast(c.now, pred("lbbsp", rate), pred("hps", 1.1 * rate)), state, c.view()
     )
     assert state.last is not None
     scored = {s.label: s for s in state.last.scored}
-    assert scored["hps"].error == pytest.approx(hps_error)
-    assert scored["hps"].discounted == pytest.approx(1.1 * rate / (1 + hps_error))
+    assert scored["hps"].error == pytest.approx(1 - ratio)
+    assert scored["hps"].discounted == pytest.approx(1.1 * rate * ratio)
     assert scored["lbbsp"].error == pytest.approx(0.0, abs=1e-9)
     assert scored["lbbsp"].discounted == pytest.approx(rate)
     assert running(state) == "lbbsp" and state.last.chosen == "lbbsp"
     assert any(isinstance(d, SetPlan) for d in decisions)
-    # a candidate never run takes the model's largest recent error
-    assert state.errors.error_for("asp") == pytest.approx(hps_error)
+    # a candidate never run takes the model's median shortfall (lbbsp's 0 and hps's)
+    assert state.errors.error_for("asp") == pytest.approx((1 - ratio) / 2)
+
+
+def test_the_error_log_discounts_shortfalls_by_their_median_and_never_credits() -> None:
+    log = ErrorLog()
+    assert log.error_for("asp") == 0.0  # nothing checked: the prediction as it is
+    log = log.add("asp", 1500.0, 1000.0)  # beat its prediction: not discounted, not credited
+    assert log.error_for("asp") == 0.0
+    log = log.add("asp", 300.0, 1000.0)  # one bad window (a switch's transient) ...
+    log = log.add("asp", 900.0, 1000.0)
+    assert log.error_for("asp") == pytest.approx(0.1)  # ... does not rule alone: the median
+    assert log.error_for("bsp") == pytest.approx(0.1)  # never run: the model's
+    log = log.add("bsp", 0.0, 1000.0)
+    assert log.error_for("bsp") == 1.0 and log.error_for("asp") == pytest.approx(0.1)
+
+
+def test_a_policy_that_delivers_what_was_predicted_is_not_left_for_the_one_before() -> None:
+    """lbbsp -> asp on a forecast; asp then delivers what was predicted of it. The same forecast
+    again is no new evidence: auto stays on asp (the old rule charged asp for its own check
+    and could send it back)."""
+    c = Cluster([1.0, 2.0, 4.0])
+    p = make_policy("auto", {"dwell_s": 0.0})
+    state = start(p, c)
+    state = drive(c, p, state, 0.2)[1]
+    decisions, state = p.update(
+        forecast(c.now, pred("lbbsp", 1000.0), pred("asp", 2000.0)), state, c.view()
+    )
+    c.carry_out(decisions, False)
+    assert running(state) == "asp"
+    t0 = c.now
+    state = drive(c, p, state, 1.2)[1]
+    delivered = state.window_samples / (c.now - t0)
+    for _ in range(3):
+        decisions, state = p.update(
+            forecast(c.now, pred("lbbsp", 1000.0), pred("asp", delivered)), state, c.view()
+        )
+        assert list(decisions) == [] and running(state) == "asp"
+        state = drive(c, p, state, c.now + 0.5)[1]
+    assert len(state.switches) == 1
 
 
 def test_the_state_round_trips_through_a_checkpoint_and_describes_itself() -> None:
