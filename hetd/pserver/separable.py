@@ -7,19 +7,22 @@ Adam, AdamW, elementwise clipping, schedules. Some transforms read more:
 * **a whole tensor** (a trust ratio per tensor as in LAMB, factored second moments as in
   Adafactor, an orthogonalized matrix): whole tensors are still fine, row blocks are not, so such
   an optimizer gets a map of whole tensors (``block_bytes = 0``);
-* **the whole tree** (``optax.clip_by_global_norm``, anything scaled by a global norm, or a
-  Task's own optimizer, which rebuilds the user's whole tree on each call): the update of one
-  part depends on parts other pservers hold. These are **refused** for S > 1 with
+* **the whole tree** (``optax.clip_by_global_norm``, anything scaled by a global norm): the
+  update of one part depends on parts other pservers hold. These are **refused** for S > 1 with
   :class:`NotSliceable`, saying why and what to use instead.
+
+A Task's own optimizer, which the daemon runs on the user's whole tree, is probed as
+:func:`hetd.pserver.task_tx.on_tree` runs it on a slice, and sorted by what it computes.
 
 Why refuse rather than reduce in two phases (each pserver reports a partial sum, the head combines
 and sends the result back): an optax transformation is a pair of opaque functions, so nothing
 says which quantity a transform reduces, or where in a chain it does; a two-phase step needs that
 structure, so it can only be built for named transforms (``clip_by_global_norm`` at the head of a
-chain: the factor ``min(1, c / ‖g‖)`` from the pservers' squared norms of the push, which they
-measure anyway). That step would cost a round trip per push and would not be bit-for-bit the
-single store's (a sum taken in another order), so it is left for when a user needs it; a refusal
-now is clear, where a silently different optimizer would not be.
+chain: the factor ``min(1, c / ‖g‖)``, computed by the head from the squared norms of a push's
+parts that the pservers would report with the part, and carried in the apply entry). That step
+would not be bit-for-bit the single store's (a sum taken in another order), so it needs its own
+tolerance and tests and is left for when a user needs it; a refusal now is clear, where a
+silently different optimizer would not be.
 
 There is no way to read a transform's kind off its functions, so :func:`probe` *measures* it: it
 runs the optimizer for two steps on a miniature of the model (the same paths and numbers of
@@ -40,7 +43,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import optax
 
-from hetd.pserver.partition import Part, PartitionMap, join, split
+from hetd.pserver.partition import Part, PartitionMap, join, partition, split
+from hetd.pserver.task_tx import SliceOptimizer, plain
 
 CAP = 160  # the miniature's largest dimension (above optax's factoring threshold of 128)
 MAX_ELEMENTS = 2_000_000  # the miniature's size; the cap shrinks to fit
@@ -66,8 +70,12 @@ class NotSliceable(ValueError):
     """The optimizer cannot be applied slice by slice under this partition map."""
 
 
-def probe(tx: optax.GradientTransformation, shapes: Mapping[str, Sequence[int]]) -> Probe:
-    """How far ``tx`` can be cut, measured on a miniature of a model of ``shapes``."""
+def probe(
+    tx: optax.GradientTransformation | SliceOptimizer, shapes: Mapping[str, Sequence[int]]
+) -> Probe:
+    """How far ``tx`` can be cut, measured on a miniature of a model of ``shapes``. ``tx`` is an
+    optimizer on flat maps, or one made per slice (a Task's own, :func:`hetd.pserver.task_tx.on_tree`)."""
+    make = plain(tx) if isinstance(tx, optax.GradientTransformation) else tx
     mini = _miniature({k: tuple(int(d) for d in s) for k, s in shapes.items()})
     rng = np.random.default_rng(0)
     params = {k: np.asarray(rng.standard_normal(s), np.float32) for k, s in mini.items()}
@@ -77,11 +85,11 @@ def probe(tx: optax.GradientTransformation, shapes: Mapping[str, Sequence[int]])
         grads.append(
             {k: np.asarray(mags[k] * rng.standard_normal(s), np.float32) for k, s in mini.items()}
         )
-    want = _run(tx, params, grads)
-    blocks = _same(tx, params, grads, want, _probe_map(mini, blocks=True))
+    want = _run(make(_whole_map(mini), 0), params, grads)
+    blocks = _same(make, params, grads, want, _probe_map(mini, blocks=True))
     if blocks is None:
         return Probe(Sliceable.ELEMENTWISE, "each value's update depends on that value alone")
-    whole = _same(tx, params, grads, want, _probe_map(mini, blocks=False))
+    whole = _same(make, params, grads, want, _probe_map(mini, blocks=False))
     if whole is None:
         return Probe(Sliceable.PER_TENSOR, f"it reads whole tensors: row blocks {blocks}")
     return Probe(Sliceable.WHOLE_TREE, f"it reads across tensors: whole tensors {whole}")
@@ -121,6 +129,11 @@ def _miniature(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ..
         cap //= 2
 
 
+def _whole_map(shapes: Mapping[str, tuple[int, ...]]) -> PartitionMap:
+    """Every tensor whole on one pserver: the single store's view."""
+    return partition(shapes, 1, block_bytes=0)
+
+
 def _probe_map(shapes: Mapping[str, tuple[int, ...]], blocks: bool) -> PartitionMap:
     """Tensors dealt round the probe's pservers; with ``blocks``, each of two rows or more cut
     in two, its halves on different pservers."""
@@ -155,7 +168,7 @@ def _run(
 
 
 def _same(
-    tx: optax.GradientTransformation,
+    make: SliceOptimizer,
     params: Mapping[str, np.ndarray],
     grads: Sequence[Mapping[str, np.ndarray]],
     want: Sequence[Mapping[str, np.ndarray]],
@@ -167,7 +180,7 @@ def _same(
     empty: list[dict[str, np.ndarray]] = [{} for _ in grads]  # a pserver with no parts
     try:
         runs = [
-            _run(tx, p_slices[s], [g[s] for g in g_slices]) if p_slices[s] else empty
+            _run(make(pmap, s), p_slices[s], [g[s] for g in g_slices]) if p_slices[s] else empty
             for s in range(pmap.servers)
         ]
     except Exception as exc:  # a transform that needs the whole tree may fail on a part of it

@@ -3,8 +3,10 @@
 A slice is the single store's machinery run on fewer tensors: a :class:`hetd.core.store.Store`
 over the slice's parts (keyed as the partition map names them) behind a
 :class:`hetd.core.applier.Applier`, so every step is the same jitted arithmetic the one-process
-daemon runs, on a subset of the values; for an optimizer that can be cut
-(:mod:`hetd.pserver.separable`) the parameters come out the same, bit for bit.
+daemon runs, on a subset of the values. For an optimizer that can be cut
+(:mod:`hetd.pserver.separable`) the parameters come out the same: bit for bit for products and
+sums; a division by a scalar the step computes (Adam's bias correction) XLA may compile as a
+product with the reciprocal in one compiled step and not in another, which is a rounding apart.
 
 Two streams arrive in any interleaving: push *parts* (:meth:`SliceState.receive`, from workers)
 and log *records* (:meth:`SliceState.offer`, from the head, in position order). :meth:`advance`
