@@ -84,6 +84,29 @@ class Efficiency:
         return push.samples * self.factor(push.staleness, push.steps, push.update_samples)
 
 
+# Optimizer families (hetd.zoo.optim's names and the common adaptive ones) by how a stale or
+# many-step update fares under them [D]; a family in neither keeps the class defaults.
+ADAPTIVE = frozenset({"adam", "adamw", "adafactor", "adagrad", "lamb", "lion", "rmsprop"})
+PLAIN = frozenset({"sgd", "momentum", "nesterov", "delayed_nesterov"})
+# Plain SGD's model [D]: staleness and local steps nearly free. Evidence, simulator (one seed
+# each, docs/policies.md §14): under SGD, samples to the target per policy against lbbsp's (fresh,
+# one step) — asp (staleness about 3) 0.99, ashl on S1 1.07 and on S4 (tens of local steps over
+# slow links) 1.0; under Adam (peer_adam, S1's cluster) asp 1.67, ashl 1.52, adsp 1.40, which the
+# class defaults fit.
+PLAIN_SGD = (0.02, 0.002)  # kappa_staleness, kappa_local
+
+
+def for_optimizer(spec: str | None) -> Efficiency:
+    """The efficiency model for training with the optimizer ``spec`` (``name[:options]``; the
+    workers' for local steps, which is the daemon's family unless set apart): plain SGD and its
+    momentum forms barely discount staleness and local steps, an adaptive optimizer (Adam) keeps
+    the class defaults, and so does a name not known (or none). [D]"""
+    name = (spec or "").partition(":")[0].strip().lower()
+    if name in PLAIN:
+        return Efficiency(kappa_staleness=PLAIN_SGD[0], kappa_local=PLAIN_SGD[1])
+    return Efficiency()
+
+
 def effective_samples(applied: Iterable[AppliedPush], efficiency: Efficiency) -> float:
     """Σ :meth:`Efficiency.worth` over the applied pushes."""
     return sum(efficiency.worth(a) for a in applied)

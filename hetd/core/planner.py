@@ -18,12 +18,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from hetd.core.entries import EngineConfig
 from policies import auto_choice
-from policies.efficiency import Efficiency
+from policies.efficiency import Efficiency, for_optimizer
 from policies.twin import TwinConfig, TwinError, run_twin
 from policies.twin_worker import speed
 from policies.types import ClusterView, Forecast, Policy, Prediction
@@ -101,6 +102,18 @@ class PlannerConfig:
             raise ValueError(f"horizon_rounds must be >= 1 (or None), got {self.horizon_rounds!r}")
         if self.default_batch is not None and not self.default_batch >= 1:
             raise ValueError(f"default_batch must be >= 1 (or None), got {self.default_batch!r}")
+
+    @classmethod
+    def for_engine(cls, config: EngineConfig) -> PlannerConfig:
+        """The planner of an engine run with ``config``: candidates start on its default batch,
+        and an applied sample is worth what the efficiency model of its workers' optimizer
+        (the welcome's ``inner_optimizer``) says (:func:`policies.efficiency.for_optimizer`)."""
+        train = config.welcome.get("train") if isinstance(config.welcome, Mapping) else None
+        spec = train.get("inner_optimizer") if isinstance(train, Mapping) else None
+        return cls(
+            default_batch=config.batch_size,
+            efficiency=for_optimizer(spec if isinstance(spec, str) else None),
+        )
 
     def twin_config(self) -> TwinConfig:
         base = self.twin or TwinConfig()

@@ -59,8 +59,7 @@ class Planning:
 
         self.engine = engine
         self.every_s = every_s
-        # candidates start on the default plans' batch, as a switch starts them
-        self.config = config or PlannerConfig(default_batch=engine.config.batch_size)
+        self.config = config or PlannerConfig.for_engine(engine.config)
         self.cpu_clock = cpu_clock  # read in the planner's thread: its CPU time alone
         self.wall = wall
         self.sleep = sleep

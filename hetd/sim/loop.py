@@ -281,7 +281,7 @@ class _Harness:
         view = snapshot(engine.view())
         if untimed(view):
             return False
-        config = PlannerConfig(default_batch=engine.config.batch_size)  # as a switch starts one
+        config = PlannerConfig.for_engine(engine.config)
         planned = plan(view, candidates_of(engine.policy), config, _no_cpu)
         if planned.forecast.predictions:
             self.server.forecast(planned.forecast)

@@ -197,3 +197,29 @@ def test_candidates_start_on_the_default_batch_as_a_switch_starts_them() -> None
     assert shared.samples_per_s > 1.5 * bsp.samples_per_s
     with pytest.raises(ValueError, match="default_batch"):
         PlannerConfig(default_batch=0)
+
+
+def test_an_engine_plans_with_its_workers_optimizer_and_default_batch() -> None:
+    from hetd.core.entries import EngineConfig
+    from policies.efficiency import for_optimizer
+
+    def config(inner: str) -> EngineConfig:
+        return EngineConfig(batch_size=24, welcome={"train": {"inner_optimizer": inner}})
+
+    sgd = PlannerConfig.for_engine(config("sgd:lr=0.2"))
+    adam = PlannerConfig.for_engine(config("adam:lr=0.001"))
+    assert sgd.default_batch == adam.default_batch == 24
+    assert adam.efficiency == Efficiency() == PlannerConfig.for_engine(EngineConfig()).efficiency
+    assert sgd.efficiency == for_optimizer("momentum") != Efficiency()
+    # under plain SGD a stale push or a delta of many local steps is discounted far less
+    view = view_of(SPREAD)
+    for name in ("asp", "ashl"):
+        got = {}
+        for label, eff in (("sgd", sgd.efficiency), ("adam", adam.efficiency)):
+            cfg = dataclasses.replace(CONFIG, efficiency=eff)
+            (p,) = plan(view, parse_candidates(name), cfg, lambda: 0.0).forecast.predictions
+            got[label] = p.efficiency
+        assert got["adam"] < got["sgd"] <= 1.0
+        assert got["sgd"] > 0.9
+    (fresh,) = plan(view, parse_candidates("lbbsp"), CONFIG, lambda: 0.0).forecast.predictions
+    assert fresh.efficiency == 1.0
