@@ -27,6 +27,7 @@ import pytest
 
 from hetd.core.applier import Applier
 from hetd.core.store import Int8, Store, make_optimizer
+from hetd.protocol.params import param_hash
 from hetd.pserver.log import DecisionLog, Record
 from hetd.pserver.partition import join, partition, split
 from hetd.pserver.separable import probe, require
@@ -223,6 +224,7 @@ def test_three_pservers_end_with_the_bits_of_one_store(name, combine):
         assert got[k].tobytes() == v.tobytes(), f"{name}: {k} differs"
         moved += int(np.sum(v != PARAMS[k]))
     assert moved > 0.9 * sum(v.size for v in PARAMS.values())  # training did move them
+    assert param_hash(got) == param_hash(want)  # a worker joining the slices checks today's hash
     # the same bits at each step on the way, from each slice's checkpoint there
     refs = sorted(slices[0].saved, key=lambda r: int(r.removeprefix("step")))
     assert len(refs) == len(steps) == 4

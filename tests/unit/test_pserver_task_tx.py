@@ -111,6 +111,7 @@ def test_a_task_optimizer_with_masks_and_labels_is_bitwise_the_stores_on_three_p
         assert not np.array_equal(v, start[k])
 
 
+@pytest.mark.slow
 def test_a_task_adamw_on_three_pservers_is_the_stores_within_float32_rounding():
     want, got, start = _both("adamw")
     for k, v in want.items():
@@ -119,6 +120,7 @@ def test_a_task_adamw_on_three_pservers_is_the_stores_within_float32_rounding():
         assert not np.array_equal(v, start[k])
 
 
+@pytest.mark.slow
 def test_the_probe_reads_a_task_optimizer_as_it_runs_on_a_slice():
     shapes = BOUND.layout.shapes
     assert probe(on_tree(BOUND.layout, _task_tx()), shapes).kind is Sliceable.ELEMENTWISE
