@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import optax
 
-from hetd.pserver.partition import Part, PartitionMap, join, partition, split
+from hetd.pserver.partition import BLOCK_BYTES, Part, PartitionMap, join, partition, split
 from hetd.pserver.task_tx import SliceOptimizer, plain
 
 CAP = 160  # the miniature's largest dimension (above optax's factoring threshold of 128)
@@ -93,6 +93,28 @@ def probe(
     if whole is None:
         return Probe(Sliceable.PER_TENSOR, f"it reads whole tensors: row blocks {blocks}")
     return Probe(Sliceable.WHOLE_TREE, f"it reads across tensors: whole tensors {whole}")
+
+
+def plan(
+    tx: optax.GradientTransformation | SliceOptimizer,
+    shapes: Mapping[str, Sequence[int]],
+    servers: int,
+    *,
+    dtypes: Mapping[str, str] | None = None,
+    block_bytes: int = BLOCK_BYTES,
+) -> PartitionMap:
+    """The partition map ``servers`` pservers can apply ``tx`` under: probed, cut as far as the
+    optimizer allows (whole tensors for one that reads whole tensors) and checked;
+    :class:`NotSliceable` when no map will do. One pserver keeps every tensor whole and is not
+    probed: its slice is the whole model, as the single store holds it."""
+    if servers == 1:
+        return partition(shapes, 1, dtypes=dtypes, block_bytes=0)
+    found = probe(tx, shapes)
+    pmap = partition(
+        shapes, servers, dtypes=dtypes, block_bytes=block_bytes_for(found, block_bytes)
+    )
+    require(found, pmap)
+    return pmap
 
 
 def block_bytes_for(found: Probe, block_bytes: int) -> int:

@@ -16,6 +16,7 @@ from hetd.pserver.separable import (
     Probe,
     Sliceable,
     block_bytes_for,
+    plan,
     probe,
     require,
 )
@@ -93,3 +94,12 @@ def test_a_whole_tree_optimizer_is_refused_past_one_pserver_saying_what_to_do():
         require(WHOLE_TREE, partition(SHAPES, 2, block_bytes=0))
     assert "clip_by_global_norm" in str(err.value) and "one pserver" in str(err.value)
     require(WHOLE_TREE, partition(SHAPES, 1, block_bytes=0))  # one pserver holds the whole tree
+
+
+def test_plan_cuts_as_far_as_the_optimizer_allows_and_keeps_one_pserver_whole():
+    sgd = optax.sgd(0.1)
+    assert any(not p.whole for p in plan(sgd, BIG, 2).parts)
+    one = plan(optax.chain(optax.clip_by_global_norm(1.0), sgd), BIG, 1)  # not even probed
+    assert all(p.whole and p.server == 0 for p in one.parts)
+    with pytest.raises(NotSliceable):
+        plan(optax.chain(optax.clip_by_global_norm(1.0), sgd), SHAPES, 2)
