@@ -191,14 +191,15 @@ def _applied_samples(event: Push, decisions: Sequence[Decision]) -> int:
 def auto(
     start: str = "lbbsp",
     candidates: str | Sequence[str] = ",".join(DEFAULT_CANDIDATES),
-    margin: float = 0.15,
+    margin: float = 0.10,
     dwell_s: float = 30.0,
     dwell_checks: int = 1,
 ) -> Policy:
     """Run ``start`` (a candidate, ``name[:key=value;...]``) and switch among ``candidates`` (a
     comma-separated string or a sequence of such items) on a planner's forecasts: to the best
-    error-discounted goodput when it beats the running policy's by ``margin`` (0.15: 15 %) and
-    the running policy has run at least ``dwell_s`` seconds and its throughput was checked
+    shortfall-discounted goodput when, less the switch's cost (:func:`switch_cost_s` over the
+    dwell), it beats the running policy's by ``margin`` (0.10: 10 %, the model's error where no
+    check measured it; the switch's own cost is charged apart) and the running policy has run at least ``dwell_s`` seconds and its throughput was checked
     against a prediction at least ``dwell_checks`` times (from one forecast to the next). The
     start policy is a default, not a choice: no dwell holds it, and the first forecast may move
     auto off it. Candidates that need an outer optimizer of their own (the DiLoCo family)
@@ -212,7 +213,7 @@ def auto(
     if first_key not in {key_of(n, p) for n, p in cands}:
         raise ValueError(f"start {start!r} must be one of the candidates ({candidates!r})")
     if isinstance(margin, bool) or not isinstance(margin, int | float) or not margin >= 0:
-        raise ValueError(f"margin must be >= 0 (0.15: a 15 % better prediction), got {margin!r}")
+        raise ValueError(f"margin must be >= 0 (0.1: a 10 % better prediction), got {margin!r}")
     if isinstance(dwell_s, bool) or not isinstance(dwell_s, int | float) or not dwell_s >= 0:
         raise ValueError(f"dwell_s must be >= 0 (seconds), got {dwell_s!r}")
     if not isinstance(dwell_checks, int) or isinstance(dwell_checks, bool) or dwell_checks < 0:

@@ -269,7 +269,7 @@ def switched(c: Cluster, p: Policy, at: float) -> AutoState:
 @pytest.mark.parametrize(
     ("why", "at", "needs", "second", "reason"),
     [
-        ("inside the margin", 0.6, 1, 5700.0, "is not 15% better"),
+        ("inside the margin", 0.6, 1, 5200.0, "is not 10% better"),
         (
             "before the dwell's seconds",
             0.3,
