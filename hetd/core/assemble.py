@@ -22,6 +22,7 @@ from hetd.core.entries import EngineConfig
 if TYPE_CHECKING:  # the heavy modules (JAX, optax) load when the store is built
     import optax
 
+    from hetd.core.decisions import DecisionSink
     from hetd.core.engine import Clock, Engine
     from hetd.core.evals import Evaluation
     from hetd.core.store import Snapshot, Store
@@ -123,13 +124,23 @@ class Assembly:
     config: EngineConfig
 
     def engine(
-        self, clock: Clock | None = None, evaluator: Callable[[Snapshot], Evaluation] | None = None
+        self,
+        clock: Clock | None = None,
+        evaluator: Callable[[Snapshot], Evaluation] | None = None,
+        decisions: DecisionSink | None = None,
     ) -> Engine:
         """The engine over these parts (``clock``: None for wall time; ``evaluator``: None when
-        evaluations are handed to it)."""
+        evaluations are handed to it; ``decisions``: a decision log it writes, None for none)."""
         from hetd.core.engine import Engine
 
-        return Engine(self.store, self.policy, self.config, clock=clock, evaluator=evaluator)
+        return Engine(
+            self.store,
+            self.policy,
+            self.config,
+            clock=clock,
+            evaluator=evaluator,
+            decisions=decisions,
+        )
 
 
 def assemble(spec: EngineSpec) -> Assembly:

@@ -34,6 +34,7 @@ from hetd.codecs import registry as codecs
 from hetd.core import commands as cmd
 from hetd.core import saved
 from hetd.core.applier import Applier
+from hetd.core.decisions import DecisionSink, LogMismatch
 from hetd.core.entries import LINK_WINDOW, EngineConfig, WorkerEntry, WorkerStats, block_facts
 from hetd.core.evals import Evaluations, Keeper, metrics_of
 from hetd.core.execute import Executor
@@ -50,7 +51,7 @@ from hetd.core.replicas import Replicas
 from hetd.core.saved import EngineState, SavedWorker
 from hetd.core.store import Snapshot, Store
 from hetd.core.views import status, worker_rows
-from hetd.protocol.messages import Bye, JoinIn, PushIn
+from hetd.protocol.messages import Ack, Bye, ErrorReply, JoinIn, PushIn, Reply
 from policies.types import ClusterView, Event, Join, Leave, Plan, Policy, Push, Tick, WorkerFacts
 
 __all__ = [
@@ -82,8 +83,19 @@ class Engine:
         config: EngineConfig,
         clock: Clock | None = None,
         evaluator: Callable[[Snapshot], tuple[float, float]] | None = None,
+        decisions: DecisionSink | None = None,
     ) -> None:
+        """``decisions``: a decision log to write every decision the engine carries out into,
+        in order (None, the default: none is kept, at no cost); it must stand at the store's
+        version."""
+        if decisions is not None and decisions.version != store.version:
+            raise LogMismatch(
+                f"the decision log stands at version {decisions.version}, the store at "
+                f"{store.version}: give the engine a log that starts where its store is"
+            )
         self.store = store
+        store.decisions = self.decisions = decisions
+        self.checkpoint_ref: str | None = None  # the log's last checkpoint entry's name
         store.hashes = config.param_hashes  # a snapshot's frame carries its hash (or not)
         self.config = config
         self.clock: Clock = clock or MonotonicClock()
@@ -269,9 +281,22 @@ class Engine:
         """One validated update: checks (:class:`~hetd.core.intake.Intake`), policy, store, ack."""
         reply, event = self.intake.push(p, self.clock.now())
         if reply is not None:
+            if self.decisions is not None:
+                self._log_refusal(p, reply)
             self.members.send(p.worker, reply)
         if event is not None:
             self._dispatch(event, p if isinstance(event, Push) else None)
+
+    def _log_refusal(self, p: PushIn, reply: Reply) -> None:
+        """A push answered here, not by the policy: a drop or a guard's refusal is logged as a
+        drop (a pserver frees its part); a duplicate was logged, or passed by, before."""
+        if isinstance(reply, ErrorReply):  # the guard: its id is spent, so that a push sent
+            entry = self.members.active.get(p.worker)  # again under it, which a worker never
+            if entry is not None:  # does, is a duplicate rather than a second log entry
+                entry.last_push = max(entry.last_push, p.id)
+            self.applier.discard(p.worker, p.id)
+        elif isinstance(reply, Ack) and reply.status == "dropped":
+            self.applier.discard(p.worker, p.id)
 
     def resend(self, wid: int, peer: Peer | None = None) -> None:
         """Send a worker the newest parameters in full, in place of a full frame its outbox
@@ -376,13 +401,28 @@ class Engine:
     # --- state and summaries -------------------------------------------------------------------------
 
     def state(self) -> EngineState:
-        """Everything a restart needs (:func:`hetd.core.saved.capture`)."""
-        return saved.capture(self.members, self.applier, self.host)
+        """Everything a restart needs (:func:`hetd.core.saved.capture`). With a decision log,
+        a ``checkpoint`` entry named :attr:`checkpoint_ref` follows (each pserver saves its
+        slice there)."""
+        st = saved.capture(self.members, self.applier, self.host)
+        if self.decisions is not None:
+            self.checkpoint_ref = f"p{self.decisions.position + 1}"
+            self.decisions.checkpoint(self.checkpoint_ref)
+        return st
 
-    def restore(self, state: EngineState, revive: Callable[[Any, Any], Any] | None = None) -> None:
+    def restore(
+        self,
+        state: EngineState,
+        revive: Callable[[Any, Any], Any] | None = None,
+        ref: str | None = None,
+    ) -> None:
         """Put a saved state into this engine before it serves anyone
-        (:func:`hetd.core.saved.restore`)."""
+        (:func:`hetd.core.saved.restore`). With a decision log, a ``restore`` entry follows,
+        naming the checkpoint ``ref`` (default ``v<version>``) whose slices pservers load."""
         saved.restore(state, self.members, self.applier, self.host, self.view, revive)
+        if self.decisions is not None:
+            name = ref if ref is not None else f"v{state.version}"
+            self.decisions.restore(name, state.version, self.applier.buffered_kinds())
 
     def status(self) -> dict[str, Any]:
         return status(self)

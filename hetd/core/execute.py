@@ -100,15 +100,17 @@ class Executor:
     def decide(self, d: PushDecision, p: PushIn, factor: float) -> None:
         """Apply, buffer or drop one push, and answer it."""
         st = self.members.stats[p.worker]
+        named = (p.worker, p.id)  # what a decision log records of the push
         if isinstance(d, Apply):
-            self.applier.apply(p.kind, p.tensors, d.weight * factor)
+            self.applier.apply(p.kind, p.tensors, d.weight * factor, named)
             st.applied += 1
             self.ack(p, "applied")
         elif isinstance(d, Buffer):
-            self.applier.buffer(d.group, p.kind, p.tensors, d.weight * factor)
+            self.applier.buffer(d.group, p.kind, p.tensors, d.weight * factor, named)
             st.buffered += 1
             self.ack(p, "buffered")
         elif isinstance(d, Drop):
+            self.applier.discard(*named)
             st.dropped += 1
             self.ack(p, "dropped", d.reason)
 

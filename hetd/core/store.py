@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from hetd.core.decisions import DecisionSink
 from hetd.core.peers import FrameSink
 from hetd.protocol.params import full_frame, full_frame_into, param_hash, with_hash
 from hetd.zoo.optim import make_optimizer, parse_optimizer
@@ -224,6 +225,9 @@ class Store:
         # where snapshots' frames are packed (None: fresh memory); the daemon sets its
         # shared-memory ring once a same-host worker takes it
         self.frame_sink: FrameSink | None = None
+        # the engine's decision log, if it keeps one: told where the queued steps run and when
+        # the outer optimizer changes (the applier tells it the rest)
+        self.decisions: DecisionSink | None = None
         self._lock = threading.RLock()
 
         def grad_step(
@@ -273,6 +277,8 @@ class Store:
             self._outer_state = outer.init(self._params) if outer is not None else None
             self._delta_step, self._delta_step_q = _delta_steps(outer)
             self.outer_spec = canonical
+            if self.decisions is not None:
+                self.decisions.set_outer(canonical)
             return True
 
     @property
@@ -329,6 +335,8 @@ class Store:
         update in order, or with :attr:`combine` one per kind, of the weighted sum."""
         with self._lock:
             pending, self._pending = self._pending, []
+            if pending and self.decisions is not None:
+                self.decisions.step()  # pservers run theirs here too: the same sums per step
             if (
                 self.combine
                 and not self.step_each
@@ -485,6 +493,11 @@ class Aggregator:
                 acc[k] += np.float32(weight) * dense(v)
         self._weights[kind] = self._weights.get(kind, 0.0) + weight
         self.count += 1
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The kinds buffered, in the order first added (one version each when flushed)."""
+        return tuple(self._sums)
 
     def state(self) -> dict[str, Any]:
         """The buffer as plain values (for checkpoints)."""

@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hetd.core.decisions import DecisionSink
 from hetd.core.store import KINDS
 from policies.types import Flush
 
@@ -323,3 +324,9 @@ class DecisionLog:
         record = Record(self.position, version, entry)
         self._records.append(record)
         return record
+
+
+def as_sink(log: DecisionLog) -> DecisionSink:
+    """The log as the engine takes it (``Engine(..., decisions=...)``); mypy checks here that a
+    :class:`DecisionLog` is the shape the core writes to."""
+    return log

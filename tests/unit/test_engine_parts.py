@@ -13,6 +13,7 @@ import pytest
 
 from hetd.core import commands as cmd
 from hetd.core.applier import Applier
+from hetd.core.decisions import LogMismatch
 from hetd.core.entries import EngineConfig
 from hetd.core.execute import Executor
 from hetd.core.forward import Forward
@@ -27,6 +28,7 @@ from hetd.core.replicas import Replicas
 from hetd.core.store import Store
 from hetd.protocol import wire
 from hetd.protocol.messages import Ack, ErrorReply, JoinIn, PushIn, ShardUpdate
+from hetd.pserver.log import DecisionLog
 from policies import make_policy
 from policies.compose import resolve
 from policies.registry import PolicyError
@@ -67,6 +69,37 @@ def admit(m: Members, name: str, *features: str, **kw: object) -> tuple[int, Fak
 
 def store() -> Store:
     return Store({k: np.zeros(s, np.float32) for k, s in SHAPES.items()}, optax.sgd(1.0))
+
+
+def test_applier_tells_a_decision_log_each_decision_and_keeps_its_version() -> None:
+    st = store()
+    log = DecisionLog()
+    st.decisions = log
+    ap = Applier(st)
+    one = {"w": np.ones(3, np.float32), "b": np.ones(1, np.float32)}
+    ap.apply("grad", one, 0.5, (1, 1))
+    ap.buffer(2, "grad", one, 0.5, (1, 2))
+    ap.buffer(2, "delta", one, 0.5, (2, 1))
+    ap.flush(Flush(upto=1))  # nothing due: nothing logged
+    ap.discard(2, 2)
+    ap.flush(Flush())
+    st.flush()
+    st.flush()  # nothing queued: no second step
+    ops = [(type(r.entry).__name__, r.version) for r in log.since(0)]
+    assert ops == [
+        ("ApplyEntry", 1),
+        ("BufferEntry", 1),
+        ("BufferEntry", 1),
+        ("DropEntry", 1),
+        ("FlushEntry", 3),  # a grad and a delta: one version each
+        ("StepEntry", 3),
+    ]
+    assert st.version == log.version == 3
+    with pytest.raises(ValueError, match="must name its push"):
+        ap.apply("grad", one, 1.0)
+    log.version += 1  # a log that miscounts is caught at the next decision
+    with pytest.raises(LogMismatch, match="the store at 4"):
+        ap.apply("grad", one, 1.0, (1, 3))
 
 
 def test_members_admit_resume_by_secret_and_leave() -> None:
