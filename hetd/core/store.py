@@ -20,6 +20,10 @@ u_i`` goes through one optimizer step with scale 1 (each update counted once, wi
 weight), as a synchronous round's flush is. For a kind without state (SGD, plain deltas) one step
 per update gives the same parameters (the transform is linear) for less work, so those still run
 one by one. Unset (the simulator, unit tests), every update is its own step, in order.
+
+With :attr:`Store.decisions` (the engine's decision log, :mod:`hetd.core.decisions`), each run of
+a non-empty queue is logged as a step, wherever it runs, and a change of outer optimizer as such:
+pservers replaying the log sum the same updates into each step.
 """
 
 from __future__ import annotations
