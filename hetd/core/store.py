@@ -340,7 +340,8 @@ class Store:
         with self._lock:
             pending, self._pending = self._pending, []
             if pending and self.decisions is not None:
-                self.decisions.step()  # pservers run theirs here too: the same sums per step
+                # pservers run theirs here too, summed as these are: the same sums per step
+                self.decisions.step(self.combine)
             if (
                 self.combine
                 and not self.step_each

@@ -80,7 +80,11 @@ class DropEntry:
 
 @dataclass(frozen=True, slots=True)
 class StepEntry:
-    """Run the queued steps now (where the single store's ``flush`` ran)."""
+    """Run the queued steps now (where the single store's ``flush`` ran); ``combine``: whether
+    the head's store summed them per kind (its ``combine``, which the engine turns off when it
+    stops), and so whether the slice sums these and the next; None keeps the slice's own."""
+
+    combine: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +154,7 @@ _FIELDS: dict[str, tuple[type, ...]] = {
     "upto": (int, type(None)),
     "spec": (str,),
     "ref": (str,),
+    "combine": (bool, type(None)),
 }
 
 
@@ -193,7 +198,7 @@ def _field(name: str, value: Any) -> Any:
     if name == "groups":
         return {int(g): tuple(str(k) for k in kinds) for g, kinds in value}
     types = _FIELDS[name]
-    ok = isinstance(value, types) and isinstance(value, bool) == (bool in types)
+    ok = isinstance(value, types) and (bool in types or not isinstance(value, bool))
     if not ok:
         raise ValueError(f"log entry field {name!r} has a bad value {value!r}")
     return float(value) if float in types else value
@@ -238,9 +243,9 @@ class DecisionLog:
         self._check_push(worker, pid, None)
         return self._append(DropEntry(worker, pid), self.version)
 
-    def step(self) -> Record:
-        """Log that the queued steps run here."""
-        return self._append(StepEntry(), self.version)
+    def step(self, combine: bool | None = None) -> Record:
+        """Log that the queued steps run here (``combine``: as :class:`StepEntry` says)."""
+        return self._append(StepEntry(combine), self.version)
 
     def set_outer(self, spec: str) -> Record:
         """Log a change of outer optimizer."""

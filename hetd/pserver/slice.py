@@ -182,6 +182,8 @@ class SliceState:
         elif isinstance(e, FlushEntry):
             self.applier.flush(Flush(normalize=e.normalize, scale=e.scale, upto=e.upto))
         elif isinstance(e, StepEntry):
+            if e.combine is not None:  # the head's store summed these (or stopped summing)
+                self.store.combine = e.combine
             self.store.flush()
         elif isinstance(e, OuterEntry):
             self.store.set_outer(e.spec)

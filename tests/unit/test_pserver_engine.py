@@ -315,3 +315,33 @@ def test_a_log_that_does_not_start_at_the_stores_version_is_refused():
     spec = EngineSpec(PARAMS, "asp", optimizers=OPTIMIZERS["sgd"])
     with pytest.raises(LogMismatch, match="starts where its store is"):
         assemble(spec).engine(FakeClock(), decisions=DecisionLog(version=3))
+
+
+def test_the_last_checkpoint_after_the_engine_stops_combining_is_replayed_as_it_ran():
+    """``Engine.run`` turns the store's combining off when it ends, and the daemon's last
+    checkpoint runs what is still queued one step per update: the log's step says so, and the
+    slices (built to combine, as the daemon's store runs) follow it."""
+    spec = EngineSpec(PARAMS, "asp", optimizers=OPTIMIZERS["adam"])
+    log = DecisionLog()
+    engine = assemble(spec).engine(FakeClock(), decisions=log)
+    engine.defer_publishing()
+    peers = [FakePeer() for _ in range(2)]
+    wids = [engine.join(_hello(f"w{i}"), peer) for i, peer in enumerate(peers)]
+    pushes = {}
+    for n in range(6):
+        wid = wids[n % 2]
+        grad = _gradient(PARAMS, 500 + n)
+        pushes[(wid, n // 2 + 1)] = ("grad", grad)
+        engine.push(
+            PushIn(wid, n // 2 + 1, engine.store.version, "grad", grad, 32, 1, 1.0, None, None, 1)
+        )
+        if n == 2:
+            engine.publish_batch()  # three summed into one step
+    assert engine.store.pending == 3
+    engine.publisher.deferred = engine.store.combine = False  # as Engine.run's end does
+    engine.state()  # the last checkpoint: three steps, one per update
+    steps = [r.entry for r in log.since(0) if isinstance(r.entry, StepEntry)]
+    assert [s.combine for s in steps] == [True, False]
+    run = Run(engine, log.since(0), pushes, {}, engine.store.outer_spec)
+    slices, pmap, _ = _replay(run, OPTIMIZERS["adam"], seed=4)
+    assert _same(join(pmap, [sl.params() for sl in slices]), dict(engine.store.snapshot().tensors))

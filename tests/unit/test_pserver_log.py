@@ -115,6 +115,7 @@ ENTRIES = [
     FlushEntry(True, 1.0, 7),
     DropEntry(2, 9),
     StepEntry(),
+    StepEntry(combine=False),
     OuterEntry("nesterov:lr=0.7,momentum=0.9"),
     CheckpointEntry("ck-1"),
     RestoreEntry("ck-1", {3: ("grad", "delta")}),
