@@ -82,7 +82,8 @@ class Planning:
     async def run(self) -> None:
         """Rounds until cancelled (:meth:`next_in` apart); a failed round is logged, never
         raised."""
-        while True:
+        task = asyncio.current_task()
+        while task is None or not task.cancelling():  # (a cancel swallowed below still ends it)
             await self.sleep(self.next_in())
             try:
                 await self.round()
@@ -101,7 +102,10 @@ class Planning:
         if began < self.not_before:
             self.skipped += 1
             return False
-        taken = await asyncio.wait_for(self.engine.call(self._take), self.every_s)
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for loses a cancel that comes as the
+        # call completes, and the daemon's stop then waited for this task for ever
+        async with asyncio.timeout(self.every_s):
+            taken = await self.engine.call(self._take)
         if taken is None:  # the running policy reads no forecasts
             return False
         view, candidates, policy = taken
