@@ -19,8 +19,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hetd.core.engine import Engine, EngineConfig, EngineState, WorkerEntry, WorkerStats
+    from hetd.core.engine import Engine
+    from hetd.core.entries import EngineConfig, WorkerEntry, WorkerStats
     from hetd.core.peers import Clock, MonotonicClock, Peer
+    from hetd.core.saved import EngineState
     from hetd.core.store import Snapshot, Store
 
 __all__ = [

@@ -18,8 +18,18 @@ class Applier:
     decision log (the store's :attr:`~hetd.core.store.Store.decisions`), each of these is
     logged before the store moves, and the log's version checked against the store's after."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, decisions: DecisionSink | None = None) -> None:
+        """``decisions``: a decision log to write every decision carried out into, in order
+        (None, the default: none is kept, at no cost); it must stand at the store's version."""
+        if decisions is not None:
+            if decisions.version != store.version:
+                raise LogMismatch(
+                    f"the decision log stands at version {decisions.version}, the store at "
+                    f"{store.version}: give the engine a log that starts where its store is"
+                )
+            store.decisions = decisions
         self.store = store
+        self.checkpoint_ref: str | None = None  # the log's last checkpoint entry's name
         self.buffers: dict[int, Aggregator] = {}  # group (e.g. round) -> buffered updates
         self.updates_applied = 0
 
@@ -86,6 +96,21 @@ class Applier:
     def buffered_kinds(self) -> dict[int, tuple[str, ...]]:
         """Each non-empty group's kinds, in the order first buffered (a log's restore entry)."""
         return {g: agg.kinds for g, agg in self.buffers.items() if agg.count}
+
+    def log_checkpoint(self) -> None:
+        """With a decision log, a ``checkpoint`` entry named :attr:`checkpoint_ref` (each
+        pserver saves its slice there)."""
+        sink = self.store.decisions
+        if sink is not None:
+            self.checkpoint_ref = f"p{sink.position + 1}"
+            sink.checkpoint(self.checkpoint_ref)
+
+    def log_restore(self, name: str, version: int) -> None:
+        """With a decision log, a ``restore`` entry naming the checkpoint ``name`` (at
+        ``version``) whose slices pservers load (after the buffers were restored)."""
+        sink = self.store.decisions
+        if sink is not None:
+            sink.restore(name, version, self.buffered_kinds())
 
     def _check(self, sink: DecisionSink) -> None:
         if sink.version != self.store.version:

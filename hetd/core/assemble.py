@@ -23,8 +23,9 @@ if TYPE_CHECKING:  # the heavy modules (JAX, optax) load when the store is built
     import optax
 
     from hetd.core.decisions import DecisionSink
-    from hetd.core.engine import Clock, Engine
+    from hetd.core.engine import Engine
     from hetd.core.evals import Evaluation
+    from hetd.core.peers import Clock
     from hetd.core.store import Snapshot, Store
     from policies.types import Policy
 

@@ -1,31 +1,22 @@
 """The single writer: one asyncio task owns all training state and reads one queue of commands.
 
-Sessions and the admin API put :mod:`~hetd.core.commands` on the queue; :meth:`Engine.handle`
-routes each to the parts, each a plain class with its own state: :class:`~hetd.core.members.Members`
-(the worker table), :class:`~hetd.core.intake.Intake` (a push's checks),
-:class:`~hetd.core.policy_host.PolicyHost` (the policy, its state, the stage),
-:class:`~hetd.core.execute.Executor` (its decisions carried out), :class:`~hetd.core.applier.Applier`
-(the store and the aggregation buffers), :class:`~hetd.core.publish.Publisher` (releases and the
-downlink), :class:`~hetd.core.replicas.Replicas`, :class:`~hetd.core.evals.Evaluations`,
-:class:`~hetd.core.guard.UpdateGuard` and :class:`~hetd.core.rates.Meters`. The parts return the
-policy events they cause; the engine asks the policy and hands its decisions to the executor.
-Replies go to per-session :class:`Peer` outboxes, which never block it. Time comes from an injected
-:class:`Clock`; the engine imports neither aiohttp nor the wire format, so the simulator drives the
-same code under a virtual clock. Its whole training state is an :class:`EngineState`.
+Sessions and the admin API put :mod:`~hetd.core.commands` on the queue; :meth:`Engine.handle` routes
+each to the parts (each a plain class with its own state, listed in :mod:`hetd.core`), asks the
+policy about the events they return and hands its decisions to the :class:`~hetd.core.execute.Executor`.
+Replies go to per-session :class:`~hetd.core.peers.Peer` outboxes, which never block it; time comes
+from an injected :class:`~hetd.core.peers.Clock`, so the simulator drives the same code.
 
-Under :meth:`Engine.run` (the daemon) a released worker's parameters are not encoded at once: the
-engine takes whatever else is queued (up to :data:`BATCH` commands), then publishes once (one
-optimizer step of the batch's weighted updates, one snapshot, one encoding per (codec, held
-version); :meth:`~hetd.core.publish.Publisher.publish_off_loop`). Called directly (unit tests),
-every command publishes before it returns; after :meth:`Engine.defer_publishing` (the simulator)
-the caller publishes each batch with :meth:`Engine.publish_batch`, as :meth:`Engine.run` does.
+:meth:`Engine.run` (the daemon) takes what is queued (up to :data:`~hetd.core.queue.BATCH`
+commands), then publishes once: one optimizer step of the batch's updates, one snapshot, one
+encoding per (codec, held version). Called directly (unit tests) every command publishes before
+it returns; after :meth:`Engine.defer_publishing` (the simulator) the caller publishes each batch
+with :meth:`Engine.publish_batch`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -34,43 +25,27 @@ from hetd.codecs import registry as codecs
 from hetd.core import commands as cmd
 from hetd.core import saved
 from hetd.core.applier import Applier
-from hetd.core.decisions import DecisionSink, LogMismatch
-from hetd.core.entries import LINK_WINDOW, EngineConfig, WorkerEntry, WorkerStats, block_facts
+from hetd.core.decisions import DecisionSink
+from hetd.core.entries import EngineConfig, WorkerEntry, WorkerStats, block_facts
 from hetd.core.evals import Evaluations, Keeper, metrics_of
 from hetd.core.execute import Executor
 from hetd.core.forward import Forward
 from hetd.core.guard import UpdateGuard
 from hetd.core.intake import Intake
-from hetd.core.members import PROFILE_KEYS, Members
+from hetd.core.members import Members
 from hetd.core.peers import Clock, MonotonicClock, Peer
 from hetd.core.policy_host import PolicyHost
-from hetd.core.publish import OFF_LOOP_PARAMS, Publisher
-from hetd.core.queue import BATCH, CommandQueue
+from hetd.core.publish import Publisher
+from hetd.core.queue import CommandQueue
 from hetd.core.rates import Meters
 from hetd.core.replicas import Replicas
-from hetd.core.saved import EngineState, SavedWorker
+from hetd.core.saved import EngineState
 from hetd.core.store import Snapshot, Store
-from hetd.core.views import status, worker_rows
-from hetd.protocol.messages import Ack, Bye, ErrorReply, JoinIn, PushIn, Reply
+from hetd.core.views import cluster_view, status, worker_rows
+from hetd.protocol.messages import Bye, JoinIn, PushIn
 from policies.types import ClusterView, Event, Join, Leave, Plan, Policy, Push, Tick, WorkerFacts
 
-__all__ = [
-    "BATCH",
-    "LINK_WINDOW",
-    "OFF_LOOP_PARAMS",
-    "PROFILE_KEYS",
-    "Clock",
-    "Engine",
-    "EngineConfig",
-    "EngineState",
-    "MonotonicClock",
-    "Peer",
-    "SavedWorker",
-    "WorkerEntry",
-    "WorkerStats",
-]
-
-log = logging.getLogger("hetd.core.engine")
+__all__ = ["Engine"]
 
 
 class Engine:
@@ -85,17 +60,9 @@ class Engine:
         evaluator: Callable[[Snapshot], tuple[float, float]] | None = None,
         decisions: DecisionSink | None = None,
     ) -> None:
-        """``decisions``: a decision log to write every decision the engine carries out into,
-        in order (None, the default: none is kept, at no cost); it must stand at the store's
-        version."""
-        if decisions is not None and decisions.version != store.version:
-            raise LogMismatch(
-                f"the decision log stands at version {decisions.version}, the store at "
-                f"{store.version}: give the engine a log that starts where its store is"
-            )
+        """``decisions``: a decision log the engine writes every decision into
+        (:class:`~hetd.core.applier.Applier`)."""
         self.store = store
-        store.decisions = self.decisions = decisions
-        self.checkpoint_ref: str | None = None  # the log's last checkpoint entry's name
         store.hashes = config.param_hashes  # a snapshot's frame carries its hash (or not)
         self.config = config
         self.clock: Clock = clock or MonotonicClock()
@@ -103,11 +70,13 @@ class Engine:
         self.meters = Meters()
         self.queue = CommandQueue(self.meters)
         self.members = Members(config, self.clock, now)
-        self.applier = Applier(store)
+        self.applier = Applier(store, decisions)
         self.publisher = Publisher(self.members, store, config, self.meters)
         self.pipelines = Replicas(self.members, block_facts(store.shapes))
         self.guard = UpdateGuard(config.guard_factor, config.guard_warmup)
-        self.intake = Intake(self.members, self.pipelines, self.guard, store, config, self.meters)
+        self.intake = Intake(
+            self.members, self.pipelines, self.guard, self.applier, config, self.meters
+        )
         self.evaluations = Evaluations(
             self.clock, now, config.eval_interval_s, config.eval_inline, self.submit, evaluator
         )
@@ -133,6 +102,8 @@ class Engine:
     stages: Forward[list[tuple[float, str]]] = Forward("host.stages")
     updates_applied: Forward[int] = Forward("applier.updates_applied")
     evals: Forward[list[tuple[float, float, float]]] = Forward("evaluations.evals")
+    decisions: Forward[DecisionSink | None] = Forward("store.decisions")
+    checkpoint_ref: Forward[str | None] = Forward("applier.checkpoint_ref")  # the last in the log
 
     def buffered(self) -> int:
         return self.applier.buffered()
@@ -165,7 +136,7 @@ class Engine:
             case cmd.ProfileResult(wid, result):
                 self.profile_result(wid, result)
             case cmd.Resend(wid, peer):
-                self.resend(wid, peer)
+                self.publisher.resend(wid, peer)
             case cmd.Transport(wid, peer, transport, sink):
                 if sink is not None:
                     self.store.frame_sink = sink
@@ -275,47 +246,22 @@ class Engine:
         if event is not None:
             self._dispatch(event)
         elif self.pipelines.of(wid) is not None:
-            self.resend(wid)
+            self.publisher.resend(wid)
 
     def push(self, p: PushIn) -> None:
         """One validated update: checks (:class:`~hetd.core.intake.Intake`), policy, store, ack."""
         reply, event = self.intake.push(p, self.clock.now())
         if reply is not None:
-            if self.decisions is not None:
-                self._log_refusal(p, reply)
             self.members.send(p.worker, reply)
         if event is not None:
             self._dispatch(event, p if isinstance(event, Push) else None)
-
-    def _log_refusal(self, p: PushIn, reply: Reply) -> None:
-        """A push answered here, not by the policy: a drop or a guard's refusal is logged as a
-        drop (a pserver frees its part); a duplicate was logged, or passed by, before."""
-        if isinstance(reply, ErrorReply):  # the guard: its id is spent, so that a push sent
-            entry = self.members.active.get(p.worker)  # again under it, which a worker never
-            if entry is not None:  # does, is a duplicate rather than a second log entry
-                entry.last_push = max(entry.last_push, p.id)
-            self.applier.discard(p.worker, p.id)
-        elif isinstance(reply, Ack) and reply.status == "dropped":
-            self.applier.discard(p.worker, p.id)
-
-    def resend(self, wid: int, peer: Peer | None = None) -> None:
-        """Send a worker the newest parameters in full, in place of a full frame its outbox
-        dropped because it was still writing an earlier one (a slow reader: the dropped frame
-        would have pinned one more snapshot). Not a release: the policy is not asked and the
-        worker's gates do not change. ``peer``: the session that asked (nothing happens when the
-        worker is on another one)."""
-        entry = self.members.active.get(wid)
-        if entry is None or entry.peer is None or (peer is not None and entry.peer is not peer):
-            return
-        self.publisher.resend(entry)
 
     def tick(self) -> None:
         """Time passes: heartbeats, evaluation, and a chance for gates to open."""
         now, m = self.clock.now(), self.meters
         m.rates.sample(now, self.applier.updates_applied, m.bytes_in, m.bytes_out)
-        for wid, entry in list(self.members.active.items()):
-            if now - entry.stats.last_seen > self.config.heartbeat_timeout_s:
-                self.leave(wid, "heartbeat timeout")
+        for wid in self.members.silent(now):
+            self.leave(wid, "heartbeat timeout")
         self.members.evict_due(now)
         self._evaluate_if_due(now)
         self._dispatch(Tick(now))
@@ -336,26 +282,13 @@ class Engine:
 
     def _run_replicas(self) -> None:
         """After a publish: the released replicas' next steps."""
-        for head in self.pipelines.take_pending():
-            if not self.pipelines.run(head):
-                self.dissolve_replica(head, "no replica driver")
+        self._events(self.pipelines.run_pending(self.clock.now()))
 
     # --- the policy --------------------------------------------------------------------------------
 
     def view(self) -> ClusterView:
         """The facts as the policy sees them (active replicas only)."""
-        m = self.members
-        return ClusterView(
-            now=self.clock.now(),
-            version=self.store.version,
-            workers=m.view_facts,
-            global_batch=self.config.global_batch,
-            buffered=self.applier.buffered(),
-            stage=self.host.stage,
-            replicas=self.pipelines.groups,
-            stage_workers={w: m.active[w].facts for w in self.pipelines.head_of if w in m.active},
-            blocks=self.pipelines.blocks,
-        )
+        return cluster_view(self, self.config.global_batch)
 
     def swap_policy(self, name: str, params: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Replace the policy between two events, all or nothing (:meth:`Executor.swap`), then
@@ -401,13 +334,10 @@ class Engine:
     # --- state and summaries -------------------------------------------------------------------------
 
     def state(self) -> EngineState:
-        """Everything a restart needs (:func:`hetd.core.saved.capture`). With a decision log,
-        a ``checkpoint`` entry named :attr:`checkpoint_ref` follows (each pserver saves its
-        slice there)."""
+        """Everything a restart needs (:func:`hetd.core.saved.capture`); with a decision log, a
+        checkpoint entry follows (:meth:`~hetd.core.applier.Applier.log_checkpoint`)."""
         st = saved.capture(self.members, self.applier, self.host)
-        if self.decisions is not None:
-            self.checkpoint_ref = f"p{self.decisions.position + 1}"
-            self.decisions.checkpoint(self.checkpoint_ref)
+        self.applier.log_checkpoint()
         return st
 
     def restore(
@@ -417,12 +347,10 @@ class Engine:
         ref: str | None = None,
     ) -> None:
         """Put a saved state into this engine before it serves anyone
-        (:func:`hetd.core.saved.restore`). With a decision log, a ``restore`` entry follows,
-        naming the checkpoint ``ref`` (default ``v<version>``) whose slices pservers load."""
+        (:func:`hetd.core.saved.restore`); with a decision log, a restore entry follows naming
+        the checkpoint ``ref`` (default ``v<version>``)."""
         saved.restore(state, self.members, self.applier, self.host, self.view, revive)
-        if self.decisions is not None:
-            name = ref if ref is not None else f"v{state.version}"
-            self.decisions.restore(name, state.version, self.applier.buffered_kinds())
+        self.applier.log_restore(ref if ref is not None else f"v{state.version}", state.version)
 
     def status(self) -> dict[str, Any]:
         return status(self)

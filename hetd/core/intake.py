@@ -3,9 +3,11 @@
 Before the policy hears of a push, it is checked here, in this order: a push id seen before is
 answered ``duplicate`` and never applied twice; a data-parallel step that ended after its worker
 became a replica's stage is ``dropped``; the :class:`~hetd.core.guard.UpdateGuard` may refuse it
-(nothing of it counts); from then on it is answered exactly once, its counters and timing facts go
+(nothing of it counts, but with a decision log its id is spent); from then on it is answered exactly once, its counters and timing facts go
 into the worker table, and one based on a version from the future or staler than
 ``max_staleness`` is ``dropped``. What passes becomes the policy's :class:`~policies.types.Push`.
+A push refused or dropped here is a drop in the decision log, when one is kept (a pserver frees
+its part).
 """
 
 from __future__ import annotations
@@ -13,13 +15,13 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
+from hetd.core.applier import Applier
 from hetd.core.entries import EngineConfig, WorkerEntry
 from hetd.core.guard import UpdateGuard
 from hetd.core.ingest import update_norm
 from hetd.core.members import Members
 from hetd.core.rates import Meters
 from hetd.core.replicas import Replicas
-from hetd.core.store import Store
 from hetd.protocol.messages import Ack, ErrorReply, PushIn, Reply
 from policies.types import Event, Pull, Push, Tick
 
@@ -36,14 +38,15 @@ class Intake:
         members: Members,
         pipelines: Replicas,
         guard: UpdateGuard,
-        store: Store,
+        applier: Applier,
         config: EngineConfig,
         meters: Meters,
     ) -> None:
         self.members = members
+        self.applier = applier
         self.pipelines = pipelines
         self.guard = guard
-        self.store = store
+        self.store = applier.store
         self.config = config
         self.meters = meters
 
@@ -66,6 +69,7 @@ class Intake:
         if p.worker in self.pipelines.head_of:  # a data-parallel step that ended after its
             st.dropped += 1  # worker became a replica's stage: the policy no longer counts it
             entry.last_push = max(entry.last_push, p.id)
+            self.applier.discard(p.worker, p.id)
             return Ack(
                 p.id, version, "dropped", "the worker is a stage of a pipeline replica now"
             ), None
@@ -73,11 +77,16 @@ class Intake:
         if refusal is not None:  # nothing of it counts: the worker goes on from what it holds
             st.refused += 1
             log.warning("worker %d: push %d refused: %s", p.worker, p.id, refusal)
+            if self.store.decisions is not None:  # its id is spent, so that a push sent again
+                # under it (a worker never does) is a duplicate, not a second log entry
+                entry.last_push = max(entry.last_push, p.id)
+                self.applier.discard(p.worker, p.id)
             return ErrorReply(p.id, "out_of_range", refusal), None
         self._count(entry, p, now)
         if p.base > version or version - p.base > self.config.max_staleness:
             why = "base version from the future" if p.base > version else "too stale"
             st.dropped += 1
+            self.applier.discard(p.worker, p.id)
             return Ack(p.id, version, "dropped", why), Tick(now)
         kind: Literal["grad", "delta"] = "grad" if p.kind == "grad" else "delta"
         return None, Push(now, p.worker, p.base, kind, p.samples, p.steps, p.compute_s, p.loss)

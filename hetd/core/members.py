@@ -220,6 +220,11 @@ class Members:
         log.info("worker %d left: %s", wid, reason)
         return entry, in_view
 
+    def silent(self, now: float) -> list[int]:
+        """The active workers not heard from for longer than the heartbeat timeout."""
+        timeout = self.config.heartbeat_timeout_s
+        return [w for w, e in self.active.items() if now - e.stats.last_seen > timeout]
+
     def evict_due(self, now: float, every_s: float = 10.0) -> None:
         """:meth:`evict` at most every ``every_s`` (called on ticks)."""
         if self.gone and now >= self._evict_at:

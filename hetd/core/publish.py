@@ -15,6 +15,7 @@ from hetd.codecs.registry import spec_name as codec_name
 from hetd.core.downlink import Downlink, Outgoing
 from hetd.core.entries import EngineConfig, WorkerEntry
 from hetd.core.members import Members
+from hetd.core.peers import Peer
 from hetd.core.rates import Meters
 from hetd.core.store import Store
 
@@ -58,8 +59,15 @@ class Publisher:
         )
         self.send(wid, release)
 
-    def resend(self, entry: WorkerEntry) -> None:
-        """The newest parameters in full (not a release: no gate changes)."""
+    def resend(self, wid: int, peer: Peer | None = None) -> None:
+        """Send a worker the newest parameters in full, in place of a full frame its outbox
+        dropped because it was still writing an earlier one (a slow reader: the dropped frame
+        would have pinned one more snapshot), or as a replica's member's pull. Not a release:
+        the policy is not asked and the worker's gates do not change. ``peer``: the session
+        that asked (nothing happens when the worker is on another one)."""
+        entry = self.members.active.get(wid)
+        if entry is None or entry.peer is None or (peer is not None and entry.peer is not peer):
+            return
         self.members.update(entry, version=-1)  # full, not a delta
         entry.held_ref = None
         if self.deferred:

@@ -128,10 +128,15 @@ class Replicas:
         log.info("replica %d dissolved%s", head, f": {reason}" if reason else "")
         return events
 
-    def take_pending(self) -> list[int]:
-        """The released heads whose next step is to be sent now (after a publish)."""
+    def run_pending(self, now: float) -> list[Event]:
+        """After a publish: the released heads' next steps; a replica with no driver is
+        dissolved (its events returned)."""
         heads, self.pending = list(self.pending), {}
-        return heads
+        events: list[Event] = []
+        for head in heads:
+            if not self.run(head):
+                events += self.dissolve(head, "no replica driver", now)
+        return events
 
     def run(self, head: int) -> bool:
         """Send replica ``head``'s next step through its driver; False when nothing runs

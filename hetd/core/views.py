@@ -1,4 +1,5 @@
-"""Read-only summaries of the engine (the daemon at a glance, one row per worker), read from its
+"""Read-only summaries of the engine (the policy's view, the daemon at a glance, one row per
+worker), read from its
 parts (:class:`Parts`, which :class:`hetd.core.engine.Engine` is); other tasks call them through
 :meth:`~hetd.core.engine.Engine.call`.
 """
@@ -19,6 +20,7 @@ from hetd.core.rates import Meters
 from hetd.core.replicas import Replicas
 from hetd.core.store import Store
 from policies.compose import describe_state
+from policies.types import ClusterView
 
 
 class Parts(Protocol):
@@ -42,6 +44,22 @@ class Parts(Protocol):
     def clock(self) -> Clock: ...
     @property
     def started_at(self) -> float: ...
+
+
+def cluster_view(e: Parts, global_batch: int) -> ClusterView:
+    """The facts as the policy sees them (active replicas only)."""
+    m, pipelines = e.members, e.pipelines
+    return ClusterView(
+        now=e.clock.now(),
+        version=e.store.version,
+        workers=m.view_facts,
+        global_batch=global_batch,
+        buffered=e.applier.buffered(),
+        stage=e.host.stage,
+        replicas=pipelines.groups,
+        stage_workers={w: m.active[w].facts for w in pipelines.head_of if w in m.active},
+        blocks=pipelines.blocks,
+    )
 
 
 def status(e: Parts) -> dict[str, Any]:

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 from hetd import config as config_mod
 
 if TYPE_CHECKING:  # the heavy modules (JAX, flax, optax) load when the engine is built
-    from hetd.core.engine import Clock, Engine
+    from hetd.core.engine import Engine
     from hetd.core.evals import Evaluation
+    from hetd.core.peers import Clock
     from hetd.core.store import Snapshot
     from hetd.zoo.task import Bound
 

@@ -52,7 +52,8 @@ from typing import Any
 import numpy as np
 from flax import serialization
 
-from hetd.core.engine import Engine, EngineState, SavedWorker
+from hetd.core.engine import Engine
+from hetd.core.saved import EngineState, SavedWorker
 from hetd.server import ckpt_file, safe_files
 from hetd.server.ckpt_file import FORMAT, FORMAT_VERSION, CheckpointError, decode
 from hetd.server.ckpt_file import CheckpointInfo as CheckpointInfo

@@ -31,8 +31,9 @@ from hetd.config import TrainConfig
 from hetd.core import commands as cmd
 from hetd.core.assemble import EngineSpec, Optimizers, assemble, worker_setup
 from hetd.core.downlink import DELTA_S_PER_PARAM
-from hetd.core.engine import BATCH, EngineConfig
+from hetd.core.entries import EngineConfig
 from hetd.core.ingest import decode_hello, decode_push
+from hetd.core.queue import BATCH
 from hetd.core.store import Store, Tensors
 from hetd.protocol import wire
 from hetd.protocol.frames import Params, as_params

@@ -13,7 +13,7 @@ import optax
 import pytest
 
 from hetd.codecs import registry as codecs
-from hetd.core.engine import Engine, EngineConfig
+from hetd.core import Engine, EngineConfig
 from hetd.core.ingest import decode_hello
 from hetd.core.store import Store
 from hetd.protocol import wire

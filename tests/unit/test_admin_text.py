@@ -6,7 +6,7 @@ import numpy as np
 import optax
 
 from hetd.cli.admin_text import STATE_WIDTH, policy_state_text, status_text
-from hetd.core.engine import Engine, EngineConfig
+from hetd.core import Engine, EngineConfig
 from hetd.core.store import Store
 from policies import make_policy
 from tests.conftest import FakeClock

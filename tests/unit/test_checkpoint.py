@@ -13,8 +13,9 @@ import optax
 import pytest
 
 from hetd import config
-from hetd.core.engine import Engine, EngineConfig, SavedWorker
+from hetd.core import Engine, EngineConfig
 from hetd.core.ingest import decode_hello
+from hetd.core.saved import SavedWorker
 from hetd.core.store import Aggregator, Store
 from hetd.protocol import wire
 from hetd.protocol.messages import JoinIn

@@ -151,7 +151,7 @@ def test_a_corrupt_or_foreign_file_is_refused_and_the_mapping_closes(tmp_path: P
 _SAVE_IN_A_DAEMONS_HEAP = """
 import asyncio, sys, tempfile
 import numpy as np, optax
-from hetd.core.engine import Engine, EngineConfig
+from hetd.core import Engine, EngineConfig
 from hetd.core.store import Store
 from hetd.server.checkpoint import Checkpointer
 from policies import make_policy

@@ -14,7 +14,7 @@ import pytest
 
 from hetd.bench.kept import KeptSnapshots
 from hetd.bench.real import EvalOptions, keeper_for
-from hetd.core.engine import Engine, EngineConfig
+from hetd.core import Engine, EngineConfig
 from hetd.core.store import Snapshot, Store
 from policies import ClusterView, Policy, compose, make_policy
 from policies.types import Decision, Eval, Event

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from hetd.core.engine import Engine, EngineConfig
+from hetd.core import Engine, EngineConfig
 from hetd.core.ingest import decode_hello
 from hetd.core.store import Store
 from hetd.protocol import wire

@@ -19,8 +19,9 @@ import numpy as np
 import optax
 import pytest
 
-from hetd.core.engine import Engine, EngineConfig, EngineState, SavedWorker
+from hetd.core import Engine, EngineConfig, EngineState
 from hetd.core.ingest import decode_hello
+from hetd.core.saved import SavedWorker
 from hetd.core.store import Store
 from hetd.protocol import wire
 from hetd.protocol.messages import (
@@ -368,7 +369,7 @@ def test_a_worker_link_is_the_fastest_of_its_recent_pushes() -> None:
     """A busy host only makes a transfer look slower: the link estimate is the max of the last
     pushes' rates, so one slow reading does not halve it, and a link that really slowed down is
     read once its fast readings have left the window."""
-    from hetd.core.engine import LINK_WINDOW, WorkerStats
+    from hetd.core.entries import LINK_WINDOW, WorkerStats
     from hetd.core.members import link_rate as rate
 
     st = WorkerStats()

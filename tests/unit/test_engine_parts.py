@@ -28,7 +28,7 @@ from hetd.core.replicas import Replicas
 from hetd.core.store import Store
 from hetd.protocol import wire
 from hetd.protocol.messages import Ack, ErrorReply, JoinIn, PushIn, ShardUpdate
-from hetd.pserver.log import DecisionLog
+from hetd.pserver.log import DecisionLog, DropEntry
 from policies import make_policy
 from policies.compose import resolve
 from policies.registry import PolicyError
@@ -74,8 +74,7 @@ def store() -> Store:
 def test_applier_tells_a_decision_log_each_decision_and_keeps_its_version() -> None:
     st = store()
     log = DecisionLog()
-    st.decisions = log
-    ap = Applier(st)
+    ap = Applier(st, log)
     one = {"w": np.ones(3, np.float32), "b": np.ones(1, np.float32)}
     ap.apply("grad", one, 0.5, (1, 1))
     ap.buffer(2, "grad", one, 0.5, (1, 2))
@@ -244,7 +243,7 @@ def test_publisher_defers_releases_and_answers_every_joined_push() -> None:
     assert meters.bytes_out == sum(len(f) for f in pa.frames) == m.stats[a].bytes_out
     assert m.facts[a].version == 0 and m.active[a].joined_pushes == 0
     pub.deferred = False
-    pub.resend(m.active[a])
+    pub.resend(a)
     assert wire.decode(pa.frames[-1])["full"] and m.stats[a].releases == 2
 
 
@@ -320,7 +319,7 @@ def intake(**config: object) -> tuple[Intake, Members, Store, FakeClock]:
     m, clock = members(**config)
     s = store()
     cfg = m.config
-    part = Intake(m, Replicas(m), UpdateGuard(cfg.guard_factor, 2), s, cfg, Meters())
+    part = Intake(m, Replicas(m), UpdateGuard(cfg.guard_factor, 2), Applier(s), cfg, Meters())
     return part, m, s, clock
 
 
@@ -351,6 +350,55 @@ def test_intake_guard_refuses_an_outlier_and_counts_nothing_of_it() -> None:
     assert isinstance(reply, ErrorReply) and reply.code == "out_of_range" and event is None
     st = m.active[a].stats
     assert (st.refused, st.pushes, m.active[a].last_push) == (1, 2, 2)  # not counted, not acked
+
+
+def test_intake_logs_what_it_refuses_or_drops_as_drops_and_spends_a_refused_id() -> None:
+    m, clock = members(guard_factor=10.0, max_staleness=0)
+    s = store()
+    log = DecisionLog()
+    part = Intake(m, Replicas(m), UpdateGuard(10.0, 2), Applier(s, log), m.config, Meters())
+    a, _ = admit(m, "a")
+    for pid in (1, 2):
+        assert part.push(_push(a, pid, norm=1.0), clock.now())[1] is not None
+    reply, _ = part.push(_push(a, 3, norm=1e3), clock.now())  # refused by the guard
+    assert isinstance(reply, ErrorReply) and m.active[a].last_push == 3  # its id is spent
+    reply, _ = part.push(_push(a, 3, norm=1.0), clock.now())  # the same id: a duplicate
+    assert isinstance(reply, Ack) and reply.status == "duplicate"
+    s.apply("grad", {k: np.zeros(v, np.float32) for k, v in SHAPES.items()}, 1.0)
+    reply, _ = part.push(_push(a, 4, base=0), clock.now())  # one behind, bound 0
+    assert isinstance(reply, Ack) and reply.status == "dropped"
+    drops = [r.entry for r in log.since(0) if isinstance(r.entry, DropEntry)]
+    assert [(d.worker, d.pid) for d in drops] == [
+        (a, 3),
+        (a, 4),
+    ]  # the passed pushes are the policy's to log; no duplicate
+
+
+def test_members_silent_are_those_past_the_heartbeat_timeout() -> None:
+    m, clock = members(heartbeat_timeout_s=5.0)
+    a, _ = admit(m, "a")
+    b, _ = admit(m, "b")
+    clock.t += 4.0
+    m.seen(b)
+    clock.t += 2.0  # a: 6 s silent, b: 2 s
+    assert m.silent(clock.now()) == [a]
+
+
+def test_replicas_run_pending_dissolves_a_replica_no_driver_runs() -> None:
+    m, clock = members()
+    a, _ = admit(m, "a", "stages")
+    b, _ = admit(m, "b", "stages")
+    r = Replicas(m)
+    r.form([a, b], clock.now())
+    r.pending[a] = None
+    events = r.run_pending(clock.now())  # no driver here: the replica ends, b comes back
+    assert events == [Join(clock.now(), b)]
+    assert not r.groups and not r.pending
+    ran: list[int] = []
+    r.run_step = ran.append
+    r.form([a, b], clock.now())
+    r.pending[a] = None
+    assert r.run_pending(clock.now()) == [] and ran == [a] and r.groups
 
 
 def test_intake_pull_marks_the_worker_waiting_on_what_it_holds() -> None:

@@ -11,7 +11,7 @@ import contextlib
 import numpy as np
 import optax
 
-from hetd.core.engine import Engine, EngineConfig
+from hetd.core import Engine, EngineConfig
 from hetd.core.store import Snapshot, Store
 from policies import make_policy
 from tests.conftest import FakeClock

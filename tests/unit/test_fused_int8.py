@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hetd.codecs import registry as codecs
-from hetd.core.engine import Engine, EngineConfig
+from hetd.core import Engine, EngineConfig
 from hetd.core.ingest import decode_push
 from hetd.core.store import Aggregator, Int8, Store, dense, make_optimizer
 from hetd.protocol import wire

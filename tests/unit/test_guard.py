@@ -12,7 +12,7 @@ import pytest
 
 from hetd import config
 from hetd.codecs import registry as codecs
-from hetd.core.engine import Engine, EngineConfig
+from hetd.core import Engine, EngineConfig
 from hetd.core.ingest import decode_push, update_norm
 from hetd.core.store import Int8, Store
 from hetd.protocol import wire

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import optax
 
-from hetd.core.engine import Engine, EngineConfig
+from hetd.core import Engine, EngineConfig
 from hetd.core.ingest import decode_hello
 from hetd.core.store import Store
 from hetd.protocol import wire

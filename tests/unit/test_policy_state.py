@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 
-from hetd.core.engine import Engine, EngineConfig
+from hetd.core import Engine, EngineConfig
 from hetd.core.store import Store
 from hetd.protocol.messages import JoinIn, PushIn
 from hetd.server import checkpoint

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import optax
 
-from hetd.core.engine import Engine, EngineConfig
+from hetd.core import Engine, EngineConfig
 from hetd.core.store import Store
 from hetd.protocol.messages import JoinIn, ShardUpdate, Welcome
 from policies import make_policy

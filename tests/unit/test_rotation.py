@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import optax
 
-from hetd.core.engine import Engine, EngineConfig
+from hetd.core import Engine, EngineConfig
 from hetd.core.store import Store
 from hetd.server import checkpoint
 from policies import make_policy

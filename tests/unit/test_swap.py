@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from hetd.core.engine import Engine, EngineConfig
+from hetd.core import Engine, EngineConfig
 from hetd.core.store import Store
 from hetd.protocol.messages import JoinIn, PlanUpdate, PushIn
 from policies import ClusterView, Plan, Policy, PolicyError, make_policy, policy_names, register
