@@ -137,6 +137,15 @@ class StoreConfig:
 
 
 @dataclass(frozen=True)
+class PserversConfig:
+    """Parameter servers ("pservers", see docs/design.md): the decision log."""
+
+    # keep the decision log: every decision the engine carries out, in order, for pservers to
+    # replay; each checkpoint keeps the log's place and a restart goes on from it ([store] dir)
+    log: bool = False
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole daemon configuration."""
 
@@ -144,6 +153,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    pservers: PserversConfig = field(default_factory=PserversConfig)
 
 
 _SECTIONS: dict[str, type[Any]] = {
@@ -151,6 +161,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "train": TrainConfig,
     "policy": PolicyConfig,
     "store": StoreConfig,
+    "pservers": PserversConfig,
 }
 
 
@@ -271,10 +282,16 @@ MAKE_TOKEN = (
 
 def check_serving(cfg: Config) -> None:
     """What only a daemon about to listen needs (an admin client reading the same file needs only
-    the admin token): a usable certificate; tokens of :data:`MIN_TOKEN` characters or more; a
-    worker token, unless ``open_workers`` says to run without one on loopback (the demo's way)."""
+    the admin token): a usable certificate; a state directory for a decision log; tokens of
+    :data:`MIN_TOKEN` characters or more; a worker token, unless ``open_workers`` says to run
+    without one on loopback (the demo's way)."""
     server = cfg.server
     server_ssl_context(server)  # the certificate and key are readable and match
+    if cfg.pservers.log and not cfg.store.dir:
+        raise ConfigError(
+            "[pservers] log = true needs [store] dir (--state-dir): the log's records are "
+            "forgotten once a checkpoint covers them, and each checkpoint keeps its place"
+        )
     if not server.worker_token and not is_loopback(server.host):
         raise ConfigError(
             f"[server] worker_token is empty while host = {server.host!r} admits other "

@@ -31,7 +31,7 @@ those a checkpoint covers. Entries travel as plain msgpack-able dicts (:func:`to
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -218,6 +218,9 @@ class DecisionLog:
         self._records: list[Record] = []
         self._groups: dict[int, list[str]] = {}  # buffered group -> kinds, first buffered first
         self._last_pid: dict[int, int] = {}  # worker -> the last push id logged
+        # called after each append (a link's wake-up; from the engine task or the thread the
+        # engine task awaits during a publish): it must be quick and thread-safe
+        self.on_append: Callable[[], None] | None = None
 
     def apply(self, worker: int, pid: int, kind: str, scale: float) -> Record:
         """Log an applied push (one version)."""
@@ -274,10 +277,28 @@ class DecisionLog:
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> DecisionLog:
         """A log that goes on from :meth:`state`'s value (holding no records)."""
-        log = cls(int(state["version"]), int(state["position"]))
-        log._groups = {int(g): [str(k) for k in kinds] for g, kinds in state["groups"]}
-        log._last_pid = {int(w): int(p) for w, p in state["last_pid"]}
+        log = cls()
+        log.resume(state)
         return log
+
+    def resume(self, state: Mapping[str, Any]) -> None:
+        """Go on from :meth:`state`'s value (a checkpoint's), in place: the engine that writes
+        this log keeps it. Only a log that holds nothing yet (positions 0) may; ValueError else,
+        or when the value is malformed."""
+        if self.position != 0 or self._records:
+            raise ValueError(f"the log already stands at position {self.position}")
+        try:
+            position, version = int(state["position"]), int(state["version"])
+            groups = {int(g): [str(k) for k in kinds] for g, kinds in state["groups"]}
+            last_pid = {int(w): int(p) for w, p in state["last_pid"]}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed decision log state: {exc!r}") from None
+        if position < 0 or version < 0:
+            raise ValueError(f"bad log position {position} or version {version}")
+        self.position = position
+        self.version = self._base_version = version
+        self.first = position + 1
+        self._groups, self._last_pid = groups, last_pid
 
     def buffered_groups(self) -> dict[int, tuple[str, ...]]:
         """The groups waiting for a flush and their kinds (what a checkpoint records)."""
@@ -328,6 +349,8 @@ class DecisionLog:
         self.version = version
         record = Record(self.position, version, entry)
         self._records.append(record)
+        if self.on_append is not None:
+            self.on_append()
         return record
 
 

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hetd import config as config_mod
 
 if TYPE_CHECKING:  # the heavy modules (JAX, flax, optax) load when the engine is built
+    import numpy as np
+
     from hetd.core.engine import Engine
     from hetd.core.evals import Evaluation
     from hetd.core.peers import Clock
@@ -96,9 +99,24 @@ def _engine_settings(cfg: config_mod.Config, recut: bool = False) -> Any:
     )
 
 
+@dataclass(frozen=True)
+class Head:
+    """What pservers need of the built engine beyond its log: the daemon's optimizer spec (None:
+    the Task's own, which a pserver cannot build from a spec) and the initial parameters."""
+
+    optimizer: str | None
+    params: Mapping[str, np.ndarray]
+
+
 def build_engine(cfg: config_mod.Config, clock: Clock | None = None) -> Engine:
     """Task, store, policy and engine from a config: ``[train] task`` (a user's
-    :class:`hetd.Task`), or the bundled ``model`` on ``dataset`` as a task."""
+    :class:`hetd.Task`), or the bundled ``model`` on ``dataset`` as a task; with ``[pservers]
+    log``, the engine writes a decision log (:class:`hetd.pserver.log.DecisionLog`)."""
+    return build_head(cfg, clock)[0]
+
+
+def build_head(cfg: config_mod.Config, clock: Clock | None = None) -> tuple[Engine, Head]:
+    """:func:`build_engine`, and what pservers need of it (:class:`Head`)."""
     from hetd.core.assemble import EngineSpec, Optimizers, assemble
     from hetd.zoo.bundled import ZooTask, zoo_task
     from hetd.zoo.task import Bound, TaskError, load_task
@@ -144,6 +162,12 @@ def build_engine(cfg: config_mod.Config, clock: Clock | None = None) -> Engine:
         welcome=setup,
         settings=_engine_settings(cfg, recut=not bundled),
     )
-    engine = assemble(spec).engine(clock=clock, evaluator=evaluator)
+    decisions = None
+    if cfg.pservers.log:
+        from hetd.pserver.log import DecisionLog
+
+        decisions = DecisionLog()
+    engine = assemble(spec).engine(clock=clock, evaluator=evaluator, decisions=decisions)
     engine.evaluations.target = task.target
-    return engine
+    head = Head(None if task_optimizer is not None else optimizers.specs()[0], params)
+    return engine, head

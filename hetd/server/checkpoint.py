@@ -40,11 +40,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
 import logging
 import re
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,7 @@ from flax import serialization
 
 from hetd.core.engine import Engine
 from hetd.core.saved import EngineState, SavedWorker
+from hetd.pserver.log import DecisionLog
 from hetd.server import ckpt_file, safe_files
 from hetd.server.ckpt_file import FORMAT, FORMAT_VERSION, CheckpointError, decode
 from hetd.server.ckpt_file import CheckpointInfo as CheckpointInfo
@@ -106,7 +108,29 @@ def engine_state(engine: Engine) -> dict[str, Any]:
         "updates_applied": st.updates_applied,
         "next_id": st.next_id,
         "workers": workers,
+        **log_state(engine),
     }
+
+
+def log_state(engine: Engine) -> dict[str, str]:
+    """With a decision log (after :meth:`Engine.state` logged its checkpoint entry): the log's
+    place (:meth:`DecisionLog.state`) and that entry's name, as one JSON string under
+    ``"decisions"``; nothing without one."""
+    log = engine.decisions
+    if not isinstance(log, DecisionLog):
+        return {}
+    return {"decisions": json.dumps({**log.state(), "ref": engine.checkpoint_ref or ""})}
+
+
+def _resume_log(engine: Engine, state: Mapping[str, Any]) -> str | None:
+    """A checkpoint's log place into the engine's decision log (when both have one); the name
+    of the checkpoint entry its restore entry names (None: the engine's default)."""
+    log, saved = engine.decisions, state.get("decisions")
+    if not isinstance(log, DecisionLog) or not saved:
+        return None  # no log kept now, or none kept then (the log starts at position 0)
+    place = json.loads(str(saved))
+    log.resume(place)
+    return str(place.get("ref") or "") or None
 
 
 def restore_engine(engine: Engine, state: Mapping[str, Any]) -> None:
@@ -119,6 +143,7 @@ def restore_engine(engine: Engine, state: Mapping[str, Any]) -> None:
     """
     batch = engine.config.batch_size
     try:
+        ref = _resume_log(engine, state)
         if state.get("outer_optimizer"):  # a swap changed it: the saved state is that one's
             engine.store.set_outer(str(state["outer_optimizer"]))
         _, target, _ = engine.store.state()
@@ -151,7 +176,7 @@ def restore_engine(engine: Engine, state: Mapping[str, Any]) -> None:
         )
         saved_clock = saved.get("clock")
         dt = engine.clock.now() - float(saved_clock) if saved_clock is not None else 0.0
-        engine.restore(typed, revive=partial(revive_policy_state, typed.policy, dt))
+        engine.restore(typed, revive=partial(revive_policy_state, typed.policy, dt), ref=ref)
     except (KeyError, ValueError, TypeError, AttributeError) as exc:
         raise CheckpointError(
             f"the checkpoint does not fit the configured model/optimizer "
@@ -262,6 +287,10 @@ class Checkpointer:
         self.written = 0  # checkpoints written by this process
         self._lock = asyncio.Lock()
         self._thread_lock = threading.Lock()
+        # with a decision log: the last position every pserver still reading it has saved its
+        # slice at (their records are kept after it); None: no pserver reads the log, so each
+        # checkpoint written lets the log forget the records up to it
+        self.log_floor: Callable[[], int] | None = None
 
     def restore(self, engine: Engine) -> CheckpointInfo | None:
         """Load the newest valid checkpoint into ``engine`` (before it runs); None: fresh start."""
@@ -300,6 +329,7 @@ class Checkpointer:
             if state is None:  # (in a list the future does not keep: it is freed after the write)
                 box = await engine.call(lambda: [engine_state(engine)])
                 state = box.pop()
+            saved_log = state.get("decisions")
             info = await asyncio.to_thread(self._write, state)
             # The capture (a copy of the parameters and optimizer state) is freed here; the heap's
             # free pages go back to the system, so a checkpoint leaves the resting RSS as it was.
@@ -307,7 +337,17 @@ class Checkpointer:
             await asyncio.to_thread(ckpt_file.release_memory, collect=True)
             self.last, self.written = info, self.written + 1
             log.info("checkpoint %s (version %d, %d bytes)", info.path, info.version, info.nbytes)
+            if saved_log:
+                await self._forget(engine, int(json.loads(str(saved_log))["position"]))
             return info
+
+    async def _forget(self, engine: Engine, written: int) -> None:
+        """Let the decision log forget what no reader needs: up to the checkpoint just written
+        (at position ``written``) when no pserver reads it, else up to where they all saved."""
+        upto = written if self.log_floor is None else min(written, self.log_floor())
+        decisions = engine.decisions
+        if isinstance(decisions, DecisionLog) and upto >= decisions.first:
+            await engine.call(lambda: decisions.compact(upto))
 
     async def run_timer(self, engine: Engine, interval_s: float) -> None:
         """Checkpoint every ``interval_s`` when the version moved; errors are logged, not fatal.

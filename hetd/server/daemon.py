@@ -38,6 +38,7 @@ from aiohttp import web
 from hetd import config as config_mod
 from hetd.server import admin, admin_context, admin_replicas, dashboard, front
 from hetd.server.budget import DecodeBudget
+from hetd.server.build import Head, build_head
 from hetd.server.build import build_engine as build_engine  # hetd.server.daemon.build_engine too
 from hetd.server.relay import Relay
 from hetd.server.shm_hub import ShmHub
@@ -75,6 +76,7 @@ class Daemon:
         # [server] tls_cert / tls_key: both endpoints serve TLS (wss://, https://); None: plain
         self.ssl_context: ssl.SSLContext | None = config_mod.server_ssl_context(cfg.server)
         self._engine = engine
+        self.head: Head | None = None  # what pservers need of the engine (built here)
         self.checkpointer: checkpoint.Checkpointer | None = None  # made by build (imports flax)
         self.resumed_from: checkpoint.CheckpointInfo | None = None
         self.metrics: Metrics | None = None
@@ -167,7 +169,8 @@ class Daemon:
         began = time.monotonic()
         try:
             if self._engine is None:
-                self._engine = await asyncio.to_thread(build_engine, self.cfg)
+                built, self.head = await asyncio.to_thread(build_head, self.cfg)
+                self._engine = built
             engine = self._engine
             if self._stopped:  # stopped while it built: start nothing
                 return
@@ -316,7 +319,20 @@ class Daemon:
                 "resumed_from": self.resumed_from.to_json() if self.resumed_from else None,
             },
             "planning": self.planning.describe() if self.planning is not None else None,
+            "decisions": self._describe_log(),
         }
+
+    def _describe_log(self) -> dict[str, Any] | None:
+        """The decision log's place ([pservers] log): its last position, the store version
+        there, the first position it still holds; None when no log is kept."""
+        if self._engine is None or self._engine.decisions is None:
+            return None
+        from hetd.pserver.log import DecisionLog
+
+        log_ = self._engine.decisions
+        if not isinstance(log_, DecisionLog):
+            return None
+        return {"position": log_.position, "version": log_.version, "first": log_.first}
 
     def _metric_extras(self) -> dict[str, float]:
         relayed = self.relay.stats()
