@@ -43,6 +43,7 @@ log = logging.getLogger("hetd.worker")
 MAX_REASON = 500  # characters of a bye's reason (a traceback's last line, not all of it)
 STOP_GRACE_S = 10.0  # s a stopping worker may take to finish its step, send it and say bye
 STOPPED = "stopped (SIGTERM)"  # the bye's reason when asked to stop
+LAST_BYE_S = 1.0  # s a worker cancelled while stopping waits to say bye
 
 
 async def run_worker(
@@ -187,12 +188,24 @@ async def _session(
     async with ws:
         try:
             await _converse(ws, opts, state, device, info, inbox, progress)
+        except asyncio.CancelledError:
+            if state.stopping:  # stopped past its grace (a step that outlasted it, or before
+                await _last_bye(ws)  # it trained): the daemon still hears why it left
+            raise
         except (TimeoutError, aiohttp.ClientError, ConnectionError):
             raise  # retried: the worker comes back
         except Exception as exc:  # the worker leaves for good: the daemon logs why
             with contextlib.suppress(Exception):
                 await ws.send_bytes(Bye(leaving_reason(exc)).encode())
             raise
+
+
+async def _last_bye(ws: aiohttp.ClientWebSocketResponse) -> None:
+    """Say bye with :data:`STOPPED` on a worker that is being cancelled, within
+    :data:`LAST_BYE_S` (a socket that cannot take it is closed without)."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(LAST_BYE_S):
+            await ws.send_bytes(Bye(STOPPED).encode())
 
 
 def leaving_reason(exc: BaseException) -> str:

@@ -76,13 +76,15 @@ import contextlib
 import dataclasses
 import functools
 import math
+import os
 import resource
 import secrets
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import IO, Any
 
 from hetd import config as config_mod
 from hetd.bench import links as links_mod
@@ -335,14 +337,19 @@ async def _run_on(
     url = f"ws://{cfg.server.host}:{port}"
     env = worker_env(cfg.server.worker_token)
     procs: list[asyncio.subprocess.Process] = []  # worker i's process at index i
+    # Each worker's stderr goes to a file of its own, read only when something went wrong: a
+    # pipe no one reads would block a worker that logs more than it holds.
+    logs: list[IO[bytes]] = []
+    files = contextlib.ExitStack()  # closed (and so deleted) once the run is over
 
     async def start_worker(i: int) -> asyncio.subprocess.Process:
+        logs.append(files.enter_context(tempfile.TemporaryFile()))  # noqa: SIM115 (files closes it)
         return await spawn_worker(
             url,
             *_worker_args(sc, i, seed, shaped=net is not None),
             env=env,
             stdin=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
+            stderr=logs[-1],
             wrap=None if net is None else functools.partial(net.command, i),
         )
 
@@ -356,9 +363,9 @@ async def _run_on(
         # its pushes (policies.profiling.profile_from_facts), which then reflect the whole
         # cluster at work, not the join.
         deadline = time.monotonic() + JOIN_TIMEOUT_S
-        await _wait_joined(engine, sc.n, procs, deadline)
+        await _wait_joined(engine, sc.n, procs, logs, deadline)
         settled = {wid: f.clock + SETTLE_ROUNDS for wid, f in engine.facts.items()}
-        await _wait_joined(engine, sc.n, procs, deadline, settled)
+        await _wait_joined(engine, sc.n, procs, logs, deadline, settled)
         await engine.call(lambda: _restart(engine, recorder, policy, initial))
         kept = keeper_for(engine.policy, evals)
         try:
@@ -375,12 +382,21 @@ async def _run_on(
                 p.stdin.close()
         await stop_processes(procs)
         await daemon.stop()
+        files.close()
+
+
+def _tail(log: IO[bytes], chars: int = 800) -> str:
+    """The last ``chars`` of what a worker wrote to its stderr file so far."""
+    log.seek(0, os.SEEK_END)
+    log.seek(max(0, log.tell() - chars))
+    return log.read().decode(errors="replace")
 
 
 async def _wait_joined(
     engine: Engine,
     n: int,
     procs: Sequence[asyncio.subprocess.Process],
+    logs: Sequence[IO[bytes]],
     deadline: float,
     clocks: dict[int, int] | None = None,
 ) -> None:
@@ -396,10 +412,11 @@ async def _wait_joined(
 
     while not ready():
         if time.monotonic() > deadline or any(p.returncode is not None for p in procs):
+            late = time.monotonic() > deadline  # then every worker's last words, else the exited
             errors = [
-                (await p.stderr.read()).decode()[-800:]
-                for p in procs
-                if p.returncode is not None and p.stderr is not None
+                _tail(log)
+                for p, log in zip(procs, logs, strict=True)
+                if late or p.returncode is not None
             ]
             raise RuntimeError(
                 f"{len(engine.facts)} of {n} workers joined, "

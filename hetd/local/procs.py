@@ -25,7 +25,7 @@ Stdio = int | IO[Any] | None
 """A child's standard stream: ``asyncio.subprocess.PIPE`` or ``DEVNULL``, an open file, or None
 (inherited)."""
 
-STOP_TIMEOUT_S = 5.0  # SIGTERM to SIGKILL
+STOP_TIMEOUT_S = 15.0  # SIGTERM to SIGKILL: past a worker's grace to finish its step and say bye
 
 
 def worker_env(token: str, admin_token: str | None = None) -> dict[str, str]:

@@ -155,3 +155,25 @@ async def test_a_worker_building_its_trainer_is_not_evicted() -> None:
     finally:
         await stop_processes(c.procs)
         await daemon.stop()
+
+
+async def test_a_worker_stopped_before_it_trains_still_says_bye() -> None:
+    """SIGTERM while the worker builds its trainer (it joined, it has not pushed): it has no step
+    to finish, so it is cancelled at once, and still says bye on its open session. Before, it
+    closed without one and the daemon logged "connection closed", as for a crash."""
+    daemon = Daemon(heartbeat_config("asp", 0.2, 30.0))
+    port = await daemon.start()
+    c = Cluster(daemon, f"ws://127.0.0.1:{port}")
+    try:
+        with no_compile_cache():  # it compiles its step itself: seconds in which it has not pushed
+            await c.spawn(1)
+        await c.wait_for(lambda: bool(c.engine.facts), 60, "the join")
+        wid = next(iter(c.engine.facts))
+        early = c.engine.stats[wid].pushes == 0
+        c.procs[0].send_signal(signal.SIGTERM)
+        await c.wait_for(lambda: bool(departures_of(c, wid)), 30, "the departure")
+        assert departures_of(c, wid) == ["stopped (SIGTERM)"], (early, list(c.engine.departures))
+        assert await c.procs[0].wait() == 128 + signal.SIGTERM or not early
+    finally:
+        await stop_processes(c.procs)
+        await daemon.stop()
