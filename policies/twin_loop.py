@@ -63,6 +63,7 @@ class _Sent(NamedTuple):
     compute_s: float
     nbytes: float
     delta: bool
+    lr_scale: float = 1.0  # the worker's plan's when it began
 
 
 class _Buffered(NamedTuple):
@@ -70,6 +71,7 @@ class _Buffered(NamedTuple):
     samples: int
     steps: int
     staleness: int
+    weight: float  # the Apply's or Buffer's weight times the push's lr_scale
 
 
 def _ewma(old: float | None, new: float) -> float:
@@ -292,11 +294,12 @@ class _Run:
         wid, p, staleness = push
         if isinstance(d, Apply):
             self.version += 1
-            self._record(t, [_Buffered(wid, p.samples, p.steps, staleness)])
+            b = _Buffered(wid, p.samples, p.steps, staleness, d.weight * p.lr_scale)
+            self._record(t, [b], [b.weight * len(self.facts)])
             return 1
         if isinstance(d, Buffer):
             self.buffer.setdefault(d.group, []).append(
-                _Buffered(wid, p.samples, p.steps, staleness)
+                _Buffered(wid, p.samples, p.steps, staleness, d.weight * p.lr_scale)
             )
             return 0
         self.dropped += 1
@@ -307,14 +310,25 @@ class _Run:
         groups = sorted(g for g in self.buffer if f.upto is None or g <= f.upto)
         for g in groups:
             self.version += 1
-            self._record(t, self.buffer.pop(g))
+            pushes = self.buffer.pop(g)
+            total = sum(b.samples for b in pushes)
+            if f.normalize:  # Σ w·u / Σ w: a push's share of the mean against its samples' share
+                weights = sum(b.weight for b in pushes)
+                rel = [
+                    f.scale * b.weight / weights * total / max(1, b.samples) if weights > 0 else 0.0
+                    for b in pushes
+                ]
+            else:  # Σ w·u: each as if applied alone with its weight
+                rel = [f.scale * b.weight * len(self.facts) for b in pushes]
+            self._record(t, pushes, rel)
         return len(groups)
 
-    def _record(self, t: float, pushes: list[_Buffered]) -> None:
+    def _record(self, t: float, pushes: list[_Buffered], rel: list[float]) -> None:
+        """One update of ``pushes``, each with its weight relative to an even share (``rel``)."""
         total = sum(b.samples for b in pushes)
-        for b in pushes:
+        for b, r in zip(pushes, rel, strict=True):
             self.applied.append(
-                Applied(t, self.version, b.worker, b.samples, b.steps, b.staleness, total)
+                Applied(t, self.version, b.worker, b.samples, b.steps, b.staleness, total, r)
             )
         self.samples_applied += total
 
@@ -356,9 +370,8 @@ class _Run:
         w.sending_until = send + w.transfer_s(nbytes, self.cfg.latency_s)
         w.busy_until = end if depth else w.sending_until
         delta = k > 1 or w.plan.push_kind == "delta"
-        self._at(
-            w.sending_until, ARRIVE, w.wid, _Sent(w.held, batch * k, k, compute, nbytes, delta)
-        )
+        sent = _Sent(w.held, batch * k, k, compute, nbytes, delta, w.plan.lr_scale)
+        self._at(w.sending_until, ARRIVE, w.wid, sent)
         if w.busy_until < w.sending_until:  # pipelined: it may start again before the push lands
             self._at(w.busy_until, WAKE, w.wid)
 

@@ -81,6 +81,10 @@ class Applied:
     steps: int  # local steps (1: a gradient)
     staleness: int  # applied updates between its base and its arrival
     update_samples: int  # samples of the whole update it was part of
+    # Its weight against an even share, times its worker's ``lr_scale``: 1 for a push applied
+    # alone with weight 1/N (N active workers) or inside a mean weighted by samples; ashl's
+    # shares weigh a fast worker's pushes above 1 and a slow one's below.
+    weight: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -211,15 +211,18 @@ def test_an_engine_plans_with_its_workers_optimizer_and_default_batch() -> None:
     assert sgd.default_batch == adam.default_batch == 24
     assert adam.efficiency == Efficiency() == PlannerConfig.for_engine(EngineConfig()).efficiency
     assert sgd.efficiency == for_optimizer("momentum") != Efficiency()
-    # under plain SGD a stale push or a delta of many local steps is discounted far less
+    # under plain SGD a stale push or a delta of many local steps is discounted far less, and a
+    # push counts by its weight: asp's 1/N is an even share, ashl's data shares weigh its fast
+    # workers' many pushes above it
     view = view_of(SPREAD)
+    got = {}
     for name in ("asp", "ashl"):
-        got = {}
         for label, eff in (("sgd", sgd.efficiency), ("adam", adam.efficiency)):
             cfg = dataclasses.replace(CONFIG, efficiency=eff)
             (p,) = plan(view, parse_candidates(name), cfg, lambda: 0.0).forecast.predictions
-            got[label] = p.efficiency
-        assert got["adam"] < got["sgd"] <= 1.0
-        assert got["sgd"] > 0.9
+            got[name, label] = p.efficiency
+        assert got[name, "adam"] < got[name, "sgd"]
+    assert 0.9 < got["asp", "sgd"] <= 1.0
+    assert got["ashl", "sgd"] > 1.0
     (fresh,) = plan(view, parse_candidates("lbbsp"), CONFIG, lambda: 0.0).forecast.predictions
     assert fresh.efficiency == 1.0

@@ -12,10 +12,21 @@ from pathlib import Path
 import pytest
 
 import policies  # noqa: F401  (registers the built-in policies)
+from policies.compose import release_waiting
 from policies.efficiency import Efficiency, effective_samples
 from policies.registry import PolicyError
 from policies.twin import TwinConfig, TwinError, TwinResult, reference_loss, run_twin
-from policies.types import ClusterView, Policy, WorkerFacts
+from policies.types import (
+    Apply,
+    Buffer,
+    ClusterView,
+    Decision,
+    Event,
+    Flush,
+    Policy,
+    Push,
+    WorkerFacts,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE_STEP_S, BASE_BATCH = 0.01, 32  # s per step of 32 samples at slow-down 1 (as S1)
@@ -189,6 +200,49 @@ def test_efficiency_discounts_stale_and_local_work_only() -> None:
     assert effective_samples(asp.applied, Efficiency(0.0, 0.0)) == sum(
         a.samples for a in asp.applied
     )
+
+
+def test_each_applied_push_carries_its_weight_against_an_even_share() -> None:
+    # asp applies at 1/N and bsp a mean weighted by samples: every push counts as an even share
+    for name in ("asp", "bsp"):
+        r = run_twin(view_of(S), name, config=FREE)
+        assert {round(a.weight, 9) for a in r.applied} == {1.0}
+
+    # a gate that applies at 1/2 of 4 workers: twice an even share
+    def halves(event: Event, state: None, view: ClusterView) -> tuple[list[Decision], None]:
+        out: list[Decision] = [Apply(0.5)] if isinstance(event, Push) else []
+        return out + release_waiting(view, lambda f: True), None
+
+    r = run_twin(view_of(S), Policy("halves", lambda v: None, halves), config=FREE)
+    assert {a.weight for a in r.applied} == {2.0}
+
+    # bsp's rounds with worker 0 weighted 3 to 1 against its samples, the mean scaled by 2
+    def tilted(event: Event, state: None, view: ClusterView) -> tuple[list[Decision], None]:
+        out: list[Decision] = []
+        if isinstance(event, Push):
+            out.append(Buffer(3.0 if event.worker == 0 else 1.0))
+        if view.buffered + isinstance(event, Push) == len(view.workers):  # a round: all pushed
+            out.append(Flush(normalize=True, scale=2.0))
+        elif isinstance(event, Push) or view.buffered:
+            return out, None
+        return out + release_waiting(view, lambda f: True), None
+
+    r = run_twin(view_of(S), Policy("tilted", lambda v: None, tilted), config=FREE)
+    first = [a for a in r.applied if a.update == r.applied[0].update]
+    assert len(first) == 4
+    # shares 3/6 and 1/6 of a mean over 4 equal pushes: 2 × 4 × 3/6 and 2 × 4 × 1/6
+    assert sorted(a.weight for a in first) == pytest.approx([4 / 3] * 3 + [4.0])
+    eff = Efficiency(0.0, 0.0, weighted=True)
+    assert effective_samples(first, eff) == pytest.approx(2 * sum(a.samples for a in first))
+    assert effective_samples(first, Efficiency(0.0, 0.0)) == sum(a.samples for a in first)
+
+    # ashl weighs by its data shares: the fast workers' pushes count more than an even share
+    ashl = run_twin(view_of(S), "ashl", config=TwinConfig(horizon_s=3.0))
+    ahl = next(t for t, stage in ashl.stages if stage == "AHL")
+    trained = [a for a in ashl.applied if a.at > ahl]
+    fast = max(a.weight for a in trained if a.worker == 0)
+    slow = max(a.weight for a in trained if a.worker == 3)
+    assert fast > 1.0 > slow
 
 
 def test_time_to_a_number_of_samples() -> None:
