@@ -124,10 +124,12 @@ def add_commands(sub: Any) -> None:
         "OUT/chaos.md (hetd.bench.chaos; options below); soak: a real daemon and --workers "
         "light protocol-v1 workers (no compute, no JAX) for --minutes: the daemon's memory "
         "growth after the first minute and every error, written to OUT/soak.json and OUT/soak.md "
-        "(hetd.bench.soak); dpmp: DP+MP against DP-only (lbbsp) on the pipeline simulator's "
-        "scenarios B, C, D, E and the budget run over --seeds, median batch time from round 20 "
-        "against the cost model and the targets, written to OUT/dpmp.json, OUT/dpmp.md and "
-        "OUT/dpmp_budget.png (hetd.bench.dpmp; virtual time); auto: every fixed policy "
+        "(hetd.bench.soak); dpmp: the dpmp policy against lbbsp on the memory-poor scenarios B, "
+        "C, D, E over --seeds, batch time side by side in the pipeline simulator (the planner's "
+        "structure), the engine's simulator (the policies on the packaged scenarios) and, with "
+        "--mode real (slow: a real daemon and worker processes, 20 s per run, seed 0 only), real "
+        "mode; the budget run; against the targets, written to OUT/dpmp.json, OUT/dpmp.md and "
+        "OUT/dpmp_budget.png (hetd.bench.dpmp); auto: every fixed policy "
         "(--policies, default auto's candidates) and auto on each of --scenarios over --seeds, "
         "auto planning every --plan-every s: each scenario's best fixed policy against auto, the "
         "geometric means and a verdict, written to OUT/auto.json, OUT/auto.md and each "
@@ -410,7 +412,7 @@ def _dpmp(args: argparse.Namespace) -> int:
     """``--suite dpmp``: the tables on stdout; OUT/dpmp.json, dpmp.md and dpmp_budget.png."""
     from hetd.bench.dpmp import DpmpOptions, markdown, run_dpmp
 
-    doc = run_dpmp(DpmpOptions(out=Path(args.out), seeds=args.seeds))
+    doc = run_dpmp(DpmpOptions(out=Path(args.out), seeds=args.seeds, real=args.mode == "real"))
     print(markdown(doc))
     print(f"dpmp: wrote {args.out}/dpmp.json, dpmp.md and dpmp_budget.png")
     return 0 if doc["verdict"] == "pass" else 1

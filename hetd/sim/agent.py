@@ -27,6 +27,7 @@ import numpy as np
 
 from hetd.codecs import registry as codecs
 from hetd.codecs.feedback import ErrorFeedback, encode_with_feedback
+from hetd.core.entries import block_facts
 from hetd.protocol import wire
 from hetd.protocol.frames import Hello, Params, Push
 from hetd.protocol.messages import ProfileRequest, Welcome
@@ -101,6 +102,7 @@ class EmuWorker:
     last_arrive: float = 0.0  # s: when its last push reaches the daemon (a bye comes after it)
     delivered: list[int] = field(default_factory=list)  # ids of its pushes the daemon received
     answered: list[int] = field(default_factory=list)  # ids the daemon acknowledged, in order
+    in_replica: bool = False  # a pipeline replica's stage: it runs no data-parallel step
 
     def __post_init__(self) -> None:
         spec = self.sc.all_workers[self.index]  # a joiner's comes after the initial workers
@@ -129,7 +131,8 @@ class EmuWorker:
         device: dict[str, Any] = {"platform": "sim", "kind": f"x{self.spec.slowdown:g}"}
         if self.spec.memory is not None:
             device.update(memory=self.spec.memory, free_memory=self.spec.memory)
-        hello = Hello(1, f"w{self.index}", device, tuple(codecs.names()), ())
+        # it runs pipeline stages (hetd.sim.replicas), as hetd-worker does
+        hello = Hello(1, f"w{self.index}", device, tuple(codecs.names()), ("stages",))
         return wire.decode(hello.encode())
 
     def welcome(self, w: Welcome) -> None:
@@ -198,10 +201,22 @@ class EmuWorker:
         """Whether a step may start at ``t``."""
         return (
             self.gone is None
+            and not self.in_replica
             and self.held is not None
             and t >= self.busy_until
             and self.in_flight <= self.depth
         )
+
+    def fits(self) -> bool:
+        """Whether a whole-model step fits the memory the worker reports (always, when it reports
+        none): the parameters, their gradients and one micro-batch's activations (a
+        block-structured model's; for any other model the parameters and gradients alone). A
+        step that does not fit ends the worker, as an out-of-memory error ends a real one."""
+        if self.spec.memory is None:
+            return True
+        micro = self.sc.micro_batch or self.sc.batch_per_worker
+        acts = sum(a for _, a, _ in block_facts(self.shapes))
+        return 8.0 * self.n_params + micro * acts <= self.spec.memory
 
     def _step_s(self, samples: int, t: float) -> float:
         """Emulated seconds of one step over ``samples`` samples starting at ``t``: one straggle

@@ -107,11 +107,27 @@ def replica_round(
     """Pull, ``batch`` samples as whole micro-batches (the last padded), push; 0 for no work."""
     if batch <= 0:
         return 0.0
-    group = [workers[w] for w in r.members]
-    pull = max(w.lat_s + p / w.bw_down for w, p in zip(group, r.slice_bytes, strict=True))
-    push = max(w.lat_s + p / w.bw_up for w, p in zip(group, r.slice_bytes, strict=True))
     big_m = -(-batch // r.micro)
-    return pull + pipeline_makespan(blocks, group, r.cuts, r.micro, big_m, r.inflight) + push
+    group = [workers[w] for w in r.members]
+    return step_time(blocks, group, r.cuts, r.micro, big_m, r.inflight)
+
+
+def step_time(
+    blocks: Sequence[Block],
+    group: Sequence[WorkerSpec],
+    cuts: Sequence[int],
+    micro: int,
+    micro_batches: int,
+    caps: Sequence[int] = (),
+) -> float:
+    """One replica step from release to its last push: every stage pulls its slice of the
+    parameters (blocks ``[cuts[s], cuts[s+1])``), the pipeline runs ``micro_batches``
+    micro-batches of ``micro`` samples, every stage pushes its slice's gradient. The engine's
+    simulator charges a pipeline replica's steps with it (:mod:`hetd.sim.replicas`)."""
+    slices = [sum(b.param_bytes for b in blocks[cuts[s] : cuts[s + 1]]) for s in range(len(group))]
+    pull = max(w.lat_s + p / w.bw_down for w, p in zip(group, slices, strict=True))
+    push = max(w.lat_s + p / w.bw_up for w, p in zip(group, slices, strict=True))
+    return pull + pipeline_makespan(blocks, group, cuts, micro, micro_batches, caps) + push
 
 
 def round_time(

@@ -9,6 +9,7 @@ in the order they were scheduled, so a run is the same every time.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -116,9 +117,19 @@ class Churn:
 
 @dataclass(frozen=True, slots=True)
 class Bye:
-    """A worker that was stopped cleanly says bye: it reaches the daemon after its last push."""
+    """A worker that was stopped cleanly says bye: it reaches the daemon after its last push.
+    ``reason``: why it left ("": stopped, as on SIGTERM)."""
 
     worker: EmuWorker
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Later:
+    """Something a part of the simulator scheduled for itself (a pipeline replica's step ends:
+    :mod:`hetd.sim.replicas`)."""
+
+    run: Callable[[], None]
 
 
 Event = (
@@ -135,6 +146,7 @@ Event = (
     | Free
     | Churn
     | Bye
+    | Later
 )
 
 

@@ -55,11 +55,13 @@ from hetd.sim import events as ev
 from hetd.sim.agent import EmuWorker, InFlight
 from hetd.sim.compute import StepWork, scenario_compute
 from hetd.sim.costs import CostProfile, load_costs
+from hetd.sim.replicas import SimReplicas
 from hetd.sim.results import PolicySpec, RunResult, Trace, staleness_stats, time_to_target
 from hetd.sim.scenario import Join, Leave, Scenario
 from hetd.sim.server_model import ServerModel, engine_spec
 
 STOPPED = "stopped (SIGTERM)"
+OUT_OF_MEMORY = "out of memory: the model does not fit the memory the worker reports"
 # Virtual s between probes for the first forecast, until every worker has a timing estimate (a
 # probe reads the engine's facts; the planner runs once they are all timed).
 EARLY_PROBE_S = 0.05  # a cleanly stopped worker's bye, as hetd-worker says it
@@ -105,6 +107,16 @@ class _Harness:
         self.pending: list[StepWork] = []  # started steps whose update is not computed yet
         self.trace = Trace(timeline={str(i): [] for i in range(len(sc.all_workers))})
         self.first_forecast = 0.0  # virtual s of the first forecast; the others follow it
+        # a policy's pipeline replicas, run as the daemon's replica driver runs them
+        self.replicas = SimReplicas(
+            self.engine,
+            self.heap,
+            self.clock,
+            lambda: self.workers,
+            lambda work: self.pending.append(work),
+            self._computed,
+            self.server.push,
+        )
 
     def run(self) -> SimRun:
         sc = self.sc
@@ -185,8 +197,10 @@ class _Harness:
                 self._evaluate()
             case ev.Churn(e):
                 self._churn(t, e)
-            case ev.Bye(w):
-                server.message(cmd.Leave(w.wid, STOPPED))
+            case ev.Bye(w, reason):
+                server.message(cmd.Leave(w.wid, reason or STOPPED))
+            case ev.Later(run):
+                run()
 
     def _churn(self, t: float, e: Join | Leave) -> None:
         """A worker arrives and says hello; or one is stopped (it sends what it computed, then
@@ -236,6 +250,10 @@ class _Harness:
         now = self.clock.t
         if not w.ready(now):
             return
+        if not w.fits():  # the step fails at its first allocation, and the worker with it
+            w.gone, w.gone_at = "clean", now
+            self.heap.schedule(now + w.spec.latency_s, ev.Bye(w, OUT_OF_MEMORY))
+            return
         started = w.start(now)
         p = started.push
         self.pending.append(p.work)
@@ -249,6 +267,14 @@ class _Harness:
         self.heap.schedule(p.arrive, ev.Arrive(p))
         if w.busy_until < p.arrive:  # pipelined: it may start again before the push lands
             self.heap.schedule(w.busy_until, ev.Wake(w))
+
+    def _computed(self, work: StepWork) -> None:
+        """``work``'s update, computed now with every step pending."""
+        if work.tensors is None:
+            if work not in self.pending:
+                self.pending.append(work)
+            self.compute.run(self.pending)
+            self.pending = []
 
     def _arrive(self, p: InFlight) -> None:
         """The push reaches the daemon: compute it (with everything pending) and encode it, then

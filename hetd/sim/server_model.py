@@ -37,7 +37,7 @@ from hetd.core.queue import BATCH
 from hetd.core.store import Store, Tensors
 from hetd.protocol import wire
 from hetd.protocol.frames import Params, as_params
-from hetd.protocol.messages import Reply
+from hetd.protocol.messages import PushIn, Reply
 from hetd.sim import events as ev
 from hetd.sim.agent import EmuWorker, InFlight
 from hetd.sim.costs import CostProfile
@@ -222,6 +222,11 @@ class ServerModel:
             self.heap.schedule(self.clock.t + decode_s, ev.Decoded(p, msg))  # in a thread
             return
         self._submit(self._push(p, msg, on_loop_s=decode_s))
+
+    def push(self, push: PushIn, worker: EmuWorker) -> None:
+        """A push made here rather than on a link (a pipeline replica's assembled step, as
+        the daemon's replica driver hands it to the engine): a worker message's cost."""
+        self._submit(Queued(cmd.Push(push), self.costs.message_s, worker))
 
     def decoded(self, p: InFlight, msg: wire.Message) -> None:
         """A push decoded in a thread joins the engine's queue."""

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from policies.dpmp.calibrate import stage_speed
 from policies.dpmp.controller import DpmpConfig, DpmpState, ReplicaSpec, end_round, plan_round
 from policies.dpmp.costs import Block, WorkerSpec
 from policies.dpmp.groups import GroupConfig
@@ -50,7 +51,14 @@ from policies.types import (
 )
 
 PROBE = 4  # samples per round for a data-parallel worker the plan left without work
+KEPT = 5  # a replica's last measured steps kept (their median calibrates its stages)
 DEFAULT_SAMPLE_S = 1e-3  # s per sample of a worker nobody has measured yet (only shares matter)
+
+ShapeKey = tuple[tuple[int, ...], tuple[int, ...], int]  # a replica's (members, cuts, micro)
+
+
+def _key(p: ReplicaShape) -> ShapeKey:
+    return (tuple(p.members), tuple(p.cuts), p.micro)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +73,9 @@ class DpmpPolicyState:
     tau: float = 0.0  # s, the round's predicted time
     reason: str = ""  # why the structure is what it is
     structure: str = ""  # the round's replicas, for status pages
+    # a running replica's (members, cuts, micro) -> its last steps as (wall s, samples)
+    measured: Mapping[ShapeKey, tuple[tuple[float, int], ...]] = field(default_factory=dict)
+    speeds: Mapping[int, float] = field(default_factory=dict)  # s/sample of stage-only workers
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -84,23 +95,35 @@ class DpmpPolicyState:
             "reason": self.reason,
             "structure": self.structure,
             "queues": list(self.ctl.lyapunov.queues),
+            "stage_speeds": {str(w): v for w, v in sorted(self.speeds.items())},
         }
 
 
-def worker_specs(view: ClusterView, price: float) -> dict[int, WorkerSpec]:
-    """What the planner knows of every worker: the view's and the replicas' later stages'."""
+def own_speed(view: ClusterView, f: WorkerFacts) -> float | None:
+    """Seconds per sample of worker ``f`` as timed by itself: its pushes, else its profile
+    (None: neither has timed it)."""
+    # Its pushes first: they follow its speed as it changes (a transient straggler); the
+    # profile run measured it once, at its join. A replica's head pushes the whole replica's
+    # steps, and a later stage none: their profile stands for them.
+    if f.sample_s is not None and f.sample_s > 0 and f.worker not in view.replicas:
+        return f.sample_s
+    measured = (f.profile or {}).get("sample_s")
+    if measured is not None and measured > 0:
+        return float(measured)
+    return None
+
+
+def worker_specs(
+    view: ClusterView, price: float, speeds: Mapping[int, float] | None = None
+) -> dict[int, WorkerSpec]:
+    """What the planner knows of every worker: the view's and the replicas' later stages'.
+    ``speeds``: s/sample of workers known only by their replica's steps (used when the worker
+    has not timed itself)."""
     facts: dict[int, WorkerFacts] = {**view.workers, **view.stage_workers}
+    known_speeds = speeds or {}
 
     def own(f: WorkerFacts) -> float | None:
-        # Its pushes first: they follow its speed as it changes (a transient straggler); the
-        # profile run measured it once, at its join. A replica's head pushes the whole
-        # replica's steps, and a later stage none: their profile stands for them.
-        if f.sample_s is not None and f.sample_s > 0 and f.worker not in view.replicas:
-            return f.sample_s
-        measured = (f.profile or {}).get("sample_s")
-        if measured is not None and measured > 0:
-            return float(measured)
-        return None
+        return own_speed(view, f) or known_speeds.get(f.worker)
 
     known = [s for f in facts.values() if (s := own(f)) is not None]
     fallback = statistics.median(known) if known else DEFAULT_SAMPLE_S
@@ -145,6 +168,42 @@ def probed(specs: Sequence[ReplicaSpec]) -> list[ReplicaSpec]:
     return out
 
 
+def measure(st: DpmpPolicyState, push: Push) -> DpmpPolicyState:
+    """A running pipeline replica's step, timed: its head's push carries the step's wall time."""
+    shape = next((p for p in st.pipelines if p.members[0] == push.worker), None)
+    if shape is None or push.samples < 1 or not push.compute_s > 0:
+        return st
+    key = _key(shape)
+    kept = (*st.measured.get(key, ())[-(KEPT - 1) :], (push.compute_s, push.samples))
+    return replace(st, measured={**st.measured, key: kept})
+
+
+def calibrated(
+    view: ClusterView, blocks: Sequence[Block], price: float, st: DpmpPolicyState
+) -> dict[int, float]:
+    """The speeds of the workers only pipeline stages have timed: per running replica with
+    measured steps, its untimed members' speeds that predict each step as measured
+    (:func:`policies.dpmp.calibrate.stage_speed`), the median over its kept steps."""
+    speeds = dict(st.speeds)
+    facts: dict[int, WorkerFacts] = {**view.workers, **view.stage_workers}
+    for p in st.pipelines:
+        steps = st.measured.get(_key(p), ())
+        if not steps or any(w not in facts for w in p.members):
+            continue
+        guessed = frozenset(w for w in p.members if own_speed(view, facts[w]) is None)
+        if not guessed:
+            continue
+        specs = worker_specs(view, price, speeds)
+        group = [specs[w] for w in p.members]
+        found: dict[int, list[float]] = {}
+        for wall, samples in steps:
+            count = max(1, samples // p.micro)
+            for w, v in stage_speed(blocks, group, guessed, p.cuts, p.micro, count, wall).items():
+                found.setdefault(w, []).append(v)
+        speeds.update({w: statistics.median(vs) for w, vs in found.items()})
+    return speeds
+
+
 def _dp_round(view: ClusterView) -> tuple[list[int], dict[int, int]]:
     """Every worker in the view data parallel with an equal share (no plan possible)."""
     working = sorted(view.workers)
@@ -187,9 +246,10 @@ def dpmp(
             blocks = [Block("model", whole_model_bytes(view), 0.0, 1.0)]
         shapes: list[ReplicaShape] = []
         specs: Sequence[ReplicaSpec] = ()
+        speeds = calibrated(view, blocks, price, st)
         try:
             planned, ctl = plan_round(
-                blocks, worker_specs(view, price), view.global_batch, ctl, cfg
+                blocks, worker_specs(view, price, speeds), view.global_batch, ctl, cfg
             )
             specs, tau, reason = planned.replicas, planned.tau, planned.reason
         except ValueError as exc:
@@ -243,6 +303,8 @@ def dpmp(
         new = replace(
             st,
             ctl=ctl,
+            speeds=speeds,
+            measured={k: v for k, v in st.measured.items() if k in {_key(p) for p in shapes}},
             working=tuple(working),
             pushed=frozenset(),
             pipelines=tuple(shapes),
@@ -273,6 +335,7 @@ def dpmp(
                 )
         if isinstance(event, Push):
             out.append(Buffer(float(event.samples)))
+            st = measure(st, event)
             if event.worker in st.working:
                 st = replace(st, pushed=st.pushed | {event.worker})
         elif isinstance(event, Leave) and event.worker in st.working:

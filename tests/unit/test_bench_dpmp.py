@@ -16,7 +16,13 @@ from hetd.sim.dpmp import SCENARIOS, compare
 @pytest.mark.slow  # the whole dpmp suite, every scenario and seed: `make test` runs it, `make test-fast` does not
 def test_the_suite_writes_every_scenario_and_target(tmp_path: Path) -> None:
     opts = DpmpOptions(
-        out=tmp_path, seeds=2, rounds=26, from_round=20, budget_rounds=400, sweep=(1.0, 10.0)
+        out=tmp_path,
+        seeds=2,
+        rounds=26,
+        from_round=20,
+        budget_rounds=400,
+        sweep=(1.0, 10.0),
+        engine=False,  # the pipeline simulator's column (the engine's: test_dpmp_engine.py)
     )
     doc = run_dpmp(opts)
     assert json.loads((tmp_path / "dpmp.json").read_text()) == doc
@@ -32,12 +38,21 @@ def test_the_suite_writes_every_scenario_and_target(tmp_path: Path) -> None:
     assert doc["verdict"] == "pass"
     md = (tmp_path / "dpmp.md").read_text()
     assert "| B main |" in md and "Verdict: pass." in md
+    assert "not run: --mode real" in md  # the three columns, the engine's and real's empty
 
 
 def test_a_missed_target_is_reported(tmp_path: Path) -> None:
     # 5 budget rounds are too few for the time-average cost to reach the budget
     doc = run_dpmp(
-        DpmpOptions(out=tmp_path, seeds=1, rounds=21, from_round=20, budget_rounds=5, sweep=())
+        DpmpOptions(
+            out=tmp_path,
+            seeds=1,
+            rounds=21,
+            from_round=20,
+            budget_rounds=5,
+            sweep=(),
+            engine=False,
+        )
     )
     budget = doc["targets"][-1]
     assert budget["target"].startswith("budget") and not budget["pass"]

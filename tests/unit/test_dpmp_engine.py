@@ -1,0 +1,108 @@
+"""dpmp in the engine's simulator: pipeline replicas run by the simulator's replica driver
+(:mod:`hetd.sim.replicas`), a memory-poor worker that cannot run a whole-model step, and the
+speed of workers only pipeline stages time (:mod:`policies.dpmp.calibrate`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hetd.bench.dpmp import round_s, three_columns
+from hetd.sim.dpmp import mlp_blocks
+from hetd.sim.loop import OUT_OF_MEMORY, run_sim
+from hetd.sim.results import PolicySpec
+from hetd.sim.scenario import from_mapping, load_scenario, replace
+from policies.dpmp.calibrate import stage_speed
+from policies.dpmp.costs import WorkerSpec, replica_cost
+
+# bytes: the 784-128-128-128-10 block MLP with its gradients and a 16-sample micro-batch needs
+# 1.10 MB; its first block alone (with the planner's 0.8 usable) fits
+POOR = 1_060_000
+
+TINY = {
+    "name": "tiny-poor",
+    "dataset": "mnist5k",
+    "model": "hetd.zoo.blocks:mlp_model",
+    "model_kwargs": {"hidden": [128, 128, 128]},
+    "global_batch": 64,
+    "base_batch": 32,
+    "base_step_s": 0.01,
+    "micro_batch": 16,
+    "budget_s": 2.0,
+    "eval_interval_s": 1.0,
+    "workers": [
+        {"slowdown": 1.0, "count": 2, "bandwidth": 1e8, "latency_s": 0.001},
+        {"slowdown": 2.0, "count": 2, "bandwidth": 1e8, "latency_s": 0.001, "memory": POOR},
+    ],
+}
+
+
+@pytest.mark.slow  # a 2 s run of the engine's simulator with a block model (its compiles)
+def test_a_memory_poor_worker_released_for_a_whole_model_step_leaves_out_of_memory() -> None:
+    run = run_sim(from_mapping(TINY), PolicySpec("lbbsp"), seed=0)
+    poor = [w for w in run.workers if w.spec.memory is not None]
+    assert poor and all(w.gone is not None and w.steps == 0 for w in poor)
+    for w in poor:
+        assert w.wid not in run.engine.facts  # it left: lbbsp goes on with the others
+    fit = [w for w in run.workers if w.spec.memory is None]
+    assert all(w.gone is None and w.steps > 5 for w in fit)
+    assert OUT_OF_MEMORY.startswith("out of memory")
+
+
+@pytest.mark.slow  # a 2 s run of the engine's simulator with a block model (its compiles)
+def test_dpmp_runs_the_memory_poor_workers_as_a_pipeline_replica_in_the_simulator() -> None:
+    run = run_sim(from_mapping(TINY), PolicySpec("dpmp"), seed=0)
+    poor = {w.wid for w in run.workers if w.spec.memory is not None}
+    assert all(w.gone is None for w in run.workers)  # nobody was asked for a step it cannot hold
+    assert [frozenset(m) for m in run.engine.replicas.values()] == [frozenset(poor)]
+    head = next(iter(run.engine.replicas))
+    stats = run.engine.stats[head]
+    assert stats.pushes >= 5  # the replica's assembled steps, as its head's pushes
+    later = (poor - {head}).pop()
+    assert run.engine.stats[later].pushes == 0  # a later stage pushes nothing of its own
+    assert run.result.final_accuracy > 0.3
+
+
+def test_stage_speed_finds_the_speed_that_predicts_the_measured_step() -> None:
+    blocks = mlp_blocks()
+    true = [
+        WorkerSpec(0, 1e-3, bw_up=1e8, bw_down=1e8),
+        WorkerSpec(1, 3e-3, bw_up=1e8, bw_down=1e8),
+    ]
+    cuts, micro, count = (0, 1, 4), 16, 8
+    measured = replica_cost(blocks, true, cuts, micro, count).time(micro * count)
+    guess = [true[0], dataclasses.replace(true[1], sample_s=1e-3)]
+    found = stage_speed(blocks, guess, frozenset({1}), cuts, micro, count, measured)
+    assert found == {1: pytest.approx(3e-3, rel=1e-6)}
+    assert stage_speed(blocks, guess, frozenset(), cuts, micro, count, measured) == {}
+    assert stage_speed(blocks, guess, frozenset({1}), cuts, micro, count, 0.0) == {}
+
+
+def test_round_s_is_the_median_interval_after_the_warm_up() -> None:
+    versions = [(0.1, 1), (0.5, 2), (4.0, 3), (4.2, 4), (4.6, 5), (4.8, 6)]
+    assert round_s(versions, 9.0) == pytest.approx(0.2)  # from 3 s on: 0.2, 0.4, 0.2
+    assert round_s(versions[:1], 9.0) != round_s(versions[:1], 9.0)  # nan: no interval
+
+
+def test_three_columns_shows_what_was_run() -> None:
+    scenario = {"name": "B main", "dpmp_s": 0.24, "lbbsp_s": 0.30}
+    doc = {"engine_budget_s": 10.0, "real_budget_s": None, "scenarios": {"B": scenario}}
+    doc["scenarios"]["B"] |= {
+        "engine_dpmp_s": 0.25,
+        "engine_lbbsp_s": 0.29,
+        "engine_over_pipeline": 0.25 / 0.24,
+    }
+    row = three_columns(doc)[-1]
+    assert row.startswith("| B main | 240.0 / 300.0 (-20.0%) | 250.0 / 290.0 (-13.8%) | — |")
+    assert row.endswith("| 1.042 |")
+
+
+@pytest.mark.slow  # two engine runs of scenario B (about a minute)
+def test_the_packaged_scenario_b_gives_dpmp_its_pipeline_gain_in_the_engine() -> None:
+    sc = replace(load_scenario("B"), budget_s=8.0)
+    rounds = {}
+    for policy in ("dpmp", "lbbsp"):
+        run = run_sim(sc, PolicySpec(policy), seed=0)
+        rounds[policy] = round_s(run.versions, sc.budget_s)
+    assert rounds["dpmp"] <= 0.85 * rounds["lbbsp"]
