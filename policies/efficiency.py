@@ -124,6 +124,60 @@ def for_optimizer(spec: str | None) -> Efficiency:
     return Efficiency()
 
 
+@dataclass(frozen=True, slots=True)
+class NoiseScale:
+    """The gradient noise scale ``φ = tr(Σ) / |G|²`` (McCandlish et al., 2018: the "simple"
+    noise scale, in samples), estimated from pairs of gradients computed on the same parameters
+    (two pushes at the same base version) from independent batches of ``b1`` and ``b2`` samples.
+
+    For such a pair ``E[g1·g2] = |G|²`` and ``E|g1 − g2|² = tr(Σ)·(1/b1 + 1/b2)``: each pair gives
+    an unbiased estimate of both, from three numbers the caller reduces the tensors to (the
+    squared norms and the dot product, :meth:`add`). One pair's estimates are noisy (the dot
+    product may be negative), so the two are averaged apart, with exponential forgetting
+    (``decay`` per pair: the noise scale grows as training goes on), and ``φ`` is their ratio
+    once ``min_pairs`` pairs came and the averaged signal is positive."""
+
+    signal: float = 0.0  # |G|², averaged
+    noise: float = 0.0  # tr(Σ), averaged
+    weight: float = 0.0  # Σ of the forgetting weights of the pairs so far
+    pairs: int = 0
+    decay: float = 0.95  # each pair's weight against the next one's
+    min_pairs: int = 4
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {self.decay!r}")
+        if not self.min_pairs >= 1:
+            raise ValueError(f"min_pairs must be >= 1, got {self.min_pairs!r}")
+
+    def add(self, sq1: float, sq2: float, dot: float, b1: int, b2: int) -> NoiseScale:
+        """With one more pair: ``sq1 = |g1|²``, ``sq2 = |g2|²``, ``dot = g1·g2``, the gradients'
+        batches ``b1`` and ``b2`` (samples; each gradient the mean over its batch). A pair that
+        is not finite, or a batch below one sample, changes nothing."""
+        if not (b1 >= 1 and b2 >= 1 and all(math.isfinite(x) for x in (sq1, sq2, dot))):
+            return self
+        diff = max(0.0, sq1 + sq2 - 2.0 * dot)
+        noise = diff / (1.0 / b1 + 1.0 / b2)
+        w = self.weight * self.decay
+        total = w + 1.0
+        return NoiseScale(
+            (self.signal * w + dot) / total,
+            (self.noise * w + noise) / total,
+            total,
+            self.pairs + 1,
+            self.decay,
+            self.min_pairs,
+        )
+
+    @property
+    def value(self) -> float | None:
+        """``φ`` in samples, or None before ``min_pairs`` pairs or while the averaged signal is
+        not positive (the gradients' mean not told apart from their noise yet)."""
+        if self.pairs < self.min_pairs or not self.signal > 0:
+            return None
+        return self.noise / self.signal
+
+
 def effective_samples(applied: Iterable[AppliedPush], efficiency: Efficiency) -> float:
     """Σ :meth:`Efficiency.worth` over the applied pushes."""
     return sum(efficiency.worth(a) for a in applied)

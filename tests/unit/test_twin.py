@@ -13,7 +13,7 @@ import pytest
 
 import policies  # noqa: F401  (registers the built-in policies)
 from policies.compose import release_waiting
-from policies.efficiency import Efficiency, effective_samples
+from policies.efficiency import Efficiency, NoiseScale, effective_samples
 from policies.registry import PolicyError
 from policies.twin import TwinConfig, TwinError, TwinResult, reference_loss, run_twin
 from policies.types import (
@@ -424,3 +424,26 @@ def test_cost_of_a_10s_horizon_at_16_workers(capsys: pytest.CaptureFixture[str])
         for name, cpu, pushes in rows:
             print(f"  {name:7s} {cpu:6.3f} s  {pushes:6d}  {cpu / pushes * 1e6:6.0f}")
     assert math.isfinite(sum(c for _, c, _ in rows))
+
+
+def test_the_noise_scale_from_pairs_of_gradients() -> None:
+    # gradients G + noise of variance σ² per coordinate over batches: the noise scale is
+    # d·σ² / |G|² samples; pairs at the same parameters, of 32 and 64 samples, find it
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    d, sigma = 2000, 3.0
+    grad = rng.normal(0.0, 1.0, d) * 0.2
+    truth = d * sigma**2 / float(grad @ grad)
+    est = NoiseScale(decay=0.99)
+    for _ in range(200):
+        g1 = grad + rng.normal(0.0, sigma / np.sqrt(32), d)
+        g2 = grad + rng.normal(0.0, sigma / np.sqrt(64), d)
+        est = est.add(float(g1 @ g1), float(g2 @ g2), float(g1 @ g2), 32, 64)
+    assert est.pairs == 200 and est.value == pytest.approx(truth, rel=0.15)
+    # too few pairs, a signal not above the noise, or a pair that is not finite: no figure
+    assert NoiseScale().add(1.0, 1.0, 0.5, 32, 32).value is None
+    assert NoiseScale(min_pairs=1).add(1.0, 1.0, -0.5, 32, 32).value is None
+    assert NoiseScale().add(math.nan, 1.0, 0.5, 32, 32) == NoiseScale()
+    with pytest.raises(ValueError, match="decay"):
+        NoiseScale(decay=1.0)
