@@ -1,7 +1,7 @@
 """The cost profile's two end-to-end terms, fitted from real runs on loopback.
 
-Owns :func:`fit_cluster`, which makes its real runs with the runner it is given
-(:func:`hetd.bench.suites.with_cluster` gives it :func:`hetd.bench.real.run_real`).
+Owns :func:`fit_cluster` and :func:`with_cluster`, which make their real runs with the runner they
+are given (:func:`hetd.bench.real.run_real`).
 :mod:`hetd.bench.calibrate` times each piece of the real path alone, in one quiet process; what it
 cannot time that way is what the pieces cost together: websocket framing and copies on both sides,
 the hops between the event loops and their threads, the host's scheduler when several worker
@@ -142,3 +142,16 @@ def fit_cluster(
         stagger = max(0.0, (realn - simn) / (n - 1))
         about |= {"workers": n, f"round_real_{n}_s": realn, f"round_sim_{n}_s": simn}
     return exchange, stagger, about
+
+
+def with_cluster(
+    profile: CostProfile,
+    sc: Scenario,
+    run_real: Runner,
+    progress: Callable[[str], None] | None = None,
+) -> CostProfile:
+    """``profile`` with its end-to-end terms fitted from real runs of ``sc``'s setting
+    (:func:`fit_cluster`)."""
+    exchange, stagger, measured = fit_cluster(sc, profile, run_real, progress=progress)
+    about = dict(profile.about) | {"cluster": measured}
+    return dataclasses.replace(profile, exchange_s=exchange, release_stagger_s=stagger, about=about)

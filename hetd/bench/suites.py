@@ -6,7 +6,7 @@ Owns :func:`runner_for` (a mode's run function: :func:`hetd.sim.loop.run_sim` in
 (``hetd bench --suite policies``), :func:`run_parity` (``hetd bench --suite parity``),
 :func:`run_auto` (``hetd bench --suite auto``: the sweep on each scenario, judged by
 :mod:`hetd.bench.auto_suite`) and the cost profile in two steps, :func:`calibrate_scenario` and
-:func:`with_cluster` (``hetd calibrate``).
+:func:`~hetd.bench.cluster_costs.with_cluster` (``hetd calibrate``).
 
 The steps import none of each other: the sweep (:mod:`hetd.bench.sweep`) is given its runner, the
 end-to-end fit (:mod:`hetd.bench.cluster_costs`) the real runner it times, the comparison
@@ -27,7 +27,7 @@ from typing import Any
 
 from hetd.bench import auto_suite, parity
 from hetd.bench import calibrate as pieces
-from hetd.bench.cluster_costs import fit_cluster
+from hetd.bench.cluster_costs import with_cluster
 from hetd.bench.real import EvalOptions, check_real, run_real
 from hetd.bench.sweep import BenchOptions, Runner, run_bench
 from hetd.sim.costs import CostProfile, load_costs, write_costs
@@ -63,16 +63,6 @@ def run_policies(opts: BenchOptions) -> dict[str, Any]:
 # --- the cost profile ---------------------------------------------------------------------------
 
 
-def with_cluster(
-    profile: CostProfile, sc: Scenario, progress: Callable[[str], None] | None = None
-) -> CostProfile:
-    """``profile`` with its end-to-end terms fitted from real runs of ``sc``'s setting
-    (:mod:`hetd.bench.cluster_costs`)."""
-    exchange, stagger, measured = fit_cluster(sc, profile, run_real, progress=progress)
-    about = dict(profile.about) | {"cluster": measured}
-    return dataclasses.replace(profile, exchange_s=exchange, release_stagger_s=stagger, about=about)
-
-
 def calibrate_scenario(
     sc: Scenario,
     out: Path,
@@ -85,7 +75,7 @@ def calibrate_scenario(
     progress = None if quiet else (lambda m: print(f"calibrate: {m}", file=sys.stderr))
     profile = pieces.calibrate(pieces.target_for(sc), repeats, progress)
     if cluster:
-        profile = with_cluster(profile, sc, progress)
+        profile = with_cluster(profile, sc, run_real, progress)
     write_costs(out, profile)
     return profile
 

@@ -37,7 +37,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     """``--scenario`` or ``--model``/``--dataset``, ``--repeats``, ``--out``: the pieces timed, then
     (with ``--scenario``, unless ``--no-cluster``) the end-to-end terms fitted from real runs."""
     from hetd.bench.calibrate import Target, calibrate, describe, target_for
-    from hetd.bench.suites import with_cluster
+    from hetd.bench.cluster_costs import with_cluster
+    from hetd.bench.real import run_real
     from hetd.sim.costs import write_costs
     from hetd.sim.scenario import load_scenario
 
@@ -53,7 +54,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     progress = None if args.quiet else (lambda m: print(f"calibrate: {m}", file=sys.stderr))
     profile = calibrate(target, args.repeats, progress)
     if sc is not None and not args.no_cluster:
-        profile = with_cluster(profile, sc, progress)
+        profile = with_cluster(profile, sc, run_real, progress)
     write_costs(args.out, profile)
     where = f"scenario {target.scenario}" if target.scenario else f"{target.model}"
     print(

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from hetd.codecs.tensor import (
+    CHUNK,
     Codec,
     CodecError,
     WireTensor,
@@ -50,7 +51,6 @@ from hetd.codecs.tensor import (
     size_of,
 )
 
-CHUNK = 1 << 18  # elements per kernel pass: a 1 MiB float32 scratch stays in L2/L3
 _MAGIC = 1.5 * 2**23  # x + _MAGIC rounds x (|x| < 2**22) to an integer held in the low bits
 MIN_BLOCK = 8  # below this the float32 scales cost more than the quantization saves
 MIN_SCALE = 2.0**-126  # the smallest normal float32

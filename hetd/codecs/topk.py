@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from hetd.codecs.quant import CHUNK
 from hetd.codecs.tensor import (
+    CHUNK,
     Codec,
     CodecError,
     WireTensor,
