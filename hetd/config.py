@@ -138,11 +138,16 @@ class StoreConfig:
 
 @dataclass(frozen=True)
 class PserversConfig:
-    """Parameter servers ("pservers", see docs/design.md): the decision log."""
+    """Parameter servers ("pservers", see docs/design.md): the decision log and its link."""
 
     # keep the decision log: every decision the engine carries out, in order, for pservers to
     # replay; each checkpoint keeps the log's place and a restart goes on from it ([store] dir)
     log: bool = False
+    # pserver processes (hetd pserver) that follow the log over the link (0: none); needs log
+    servers: int = 0
+    # the link pservers connect to (loopback only: it carries no token yet)
+    host: str = "127.0.0.1"
+    port: int = 7072
 
 
 @dataclass(frozen=True)
@@ -271,6 +276,8 @@ _RANGES: dict[tuple[str, str], tuple[float, float | None, str]] = {
     ("policy", "plan_every_s"): (0, None, "0 (no planning) or positive seconds"),
     ("store", "interval_s"): (0, None, "0 (no timer) or positive seconds"),
     ("store", "keep"): (1, None, "at least 1"),
+    ("pservers", "servers"): (0, 64, "0 (none) to 64 pservers"),
+    ("pservers", "port"): (0, 65535, "a TCP port, 0 for any free one"),
 }
 
 
@@ -361,6 +368,7 @@ def _checked(cfg: Config) -> Config:
         )
     if cfg.server.worker_token and cfg.server.worker_token == cfg.server.admin_token:
         raise ConfigError("the worker token and the admin token must differ")
+    _check_pservers(cfg.pservers)
     # here, not at the top: codecs and optax are heavier than a config needs
     from hetd.codecs import registry as codecs
     from hetd.zoo.optim import parse_optimizer
@@ -382,6 +390,18 @@ def _checked(cfg: Config) -> Config:
             f"[train] downlink = {cfg.train.downlink!r}: one of {', '.join(DOWNLINK_MODES)}"
         )
     return cfg
+
+
+def _check_pservers(p: PserversConfig) -> None:
+    if p.servers > 0 and not p.log:
+        raise ConfigError(
+            f"[pservers] servers = {p.servers} needs log = true: pservers replay the decision log"
+        )
+    if p.servers > 0 and not is_loopback(p.host):
+        raise ConfigError(
+            f"[pservers] host = {p.host!r}: the pservers' link carries no token yet, so it "
+            "listens on loopback only (127.0.0.1, ::1 or localhost)"
+        )
 
 
 def optimizers(

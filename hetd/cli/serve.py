@@ -78,6 +78,9 @@ def add_serve(sub: Sub) -> None:
         help="debugging: every logger at DEBUG",
     )
     s.set_defaults(run=_serve)
+    from hetd.cli.pserver import add_pserver  # its own module; listed beside serve
+
+    add_pserver(sub)
 
 
 def _serve(args: argparse.Namespace) -> int:

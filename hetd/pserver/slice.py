@@ -64,6 +64,7 @@ class SliceSaved:
     position: int  # the last log position carried out
     buffers: dict[int, Mapping[str, Any]]  # the applier's buffered groups
     done: dict[int, int] = field(default_factory=dict)  # worker -> last push id consumed
+    outer: str = ""  # the outer optimizer's spec its state is for ("": not recorded)
 
 
 Loader = Callable[[str], SliceSaved]  # a checkpoint's name -> this slice of it
@@ -226,6 +227,7 @@ class SliceState:
             self.position if position is None else position,
             dict(self.applier.saved_buffers()),
             dict(self._done),
+            self.store.outer_spec,
         )
 
     @classmethod
@@ -242,6 +244,11 @@ class SliceState:
         s = cls(pmap, server, saved.params, tx, position=saved.position, **kwargs)
         s._restore(saved)
         return s
+
+    def restore(self, saved: SliceSaved) -> None:
+        """Load ``saved`` (its optimizer state in this slice's structure) as this slice's state;
+        the position stays."""
+        self._restore(saved)
 
     def _saved(self, ref: str) -> SliceSaved:
         if ref in self.saved:

@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # the heavy modules (JAX, flax, optax) load behind the listen
     from hetd.server import checkpoint
     from hetd.server.metrics import Metrics
     from hetd.server.planning import Planning
+    from hetd.server.pserver_link import HeadLink
     from hetd.server.replicas import ReplicaDriver
 
 log = logging.getLogger("hetd.server.daemon")
@@ -76,7 +77,7 @@ class Daemon:
         # [server] tls_cert / tls_key: both endpoints serve TLS (wss://, https://); None: plain
         self.ssl_context: ssl.SSLContext | None = config_mod.server_ssl_context(cfg.server)
         self._engine = engine
-        self.head: Head | None = None  # what pservers need of the engine (built here)
+        self.pservers: HeadLink | None = None  # the pservers' link ([pservers] servers)
         self.checkpointer: checkpoint.Checkpointer | None = None  # made by build (imports flax)
         self.resumed_from: checkpoint.CheckpointInfo | None = None
         self.metrics: Metrics | None = None
@@ -168,8 +169,9 @@ class Daemon:
         """Build the engine (a thread: the sockets keep answering), resume, start it."""
         began = time.monotonic()
         try:
+            head: Head | None = None
             if self._engine is None:
-                built, self.head = await asyncio.to_thread(build_head, self.cfg)
+                built, head = await asyncio.to_thread(build_head, self.cfg)
                 self._engine = built
             engine = self._engine
             if self._stopped:  # stopped while it built: start nothing
@@ -189,6 +191,8 @@ class Daemon:
             )
             if self.checkpointer is not None:
                 self.resumed_from = await asyncio.to_thread(self.checkpointer.restore, engine)
+            if self.cfg.pservers.servers > 0:
+                await self._start_pservers(engine, head)
             self.metrics = Metrics(engine, extra=self._metric_extras)
             from hetd.server.replicas import ReplicaDriver
 
@@ -234,6 +238,36 @@ class Daemon:
             dict(engine.policy.params),
             engine.store.version,
         )
+
+    async def _start_pservers(self, engine: Engine, head: Head | None) -> None:
+        """The pservers' link: the partition map for the optimizer (probed: one that cannot be
+        cut is refused, saying why), then listening on ``[pservers] host:port``."""
+        from hetd.core.store import make_optimizer
+        from hetd.pserver.separable import NotSliceable, plan
+        from hetd.server.pserver_link import HeadLink, LinkSetup
+
+        p = self.cfg.pservers
+        if head is None or head.optimizer is None:
+            raise StartupError(
+                "[pservers] servers needs the daemon's own optimizer spec ([train] optimizer): "
+                "a Task's own optimizer, or an engine given ready-made, is not run by pservers yet"
+            )
+        shapes = dict(engine.store.shapes)
+        try:
+            pmap = await asyncio.to_thread(plan, make_optimizer(head.optimizer), shapes, p.servers)
+        except NotSliceable as exc:
+            raise StartupError(f"[pservers] servers = {p.servers}: {exc}") from None
+        link = HeadLink(engine, LinkSetup(pmap, head.optimizer, head.params))
+        try:
+            await link.start(p.host, p.port)
+        except OSError as exc:
+            raise StartupError(
+                f"cannot listen on {p.host}:{p.port} (the pservers' link, [pservers] port): "
+                f"{exc.strerror or exc}"
+            ) from exc
+        self.pservers = link
+        if self.checkpointer is not None:
+            self.checkpointer.log_floor = link.floor
 
     async def _start_endpoints(self) -> None:
         server = self.cfg.server
@@ -332,7 +366,16 @@ class Daemon:
         log_ = self._engine.decisions
         if not isinstance(log_, DecisionLog):
             return None
-        return {"position": log_.position, "version": log_.version, "first": log_.first}
+        out: dict[str, Any] = {
+            "position": log_.position,
+            "version": log_.version,
+            "first": log_.first,
+        }
+        if self.pservers is not None:
+            out["link_port"] = self.pservers.port
+            out["saved"] = list(self.pservers.durable)  # each slice's newest saved position
+            out["connected"] = sorted(self.pservers.connected)
+        return out
 
     def _metric_extras(self) -> dict[str, float]:
         relayed = self.relay.stats()
@@ -393,6 +436,9 @@ class Daemon:
                 log.warning("final checkpoint %s at version %d", info.path, info.version)
             except Exception:
                 log.exception("the final checkpoint failed")
+        if self.pservers is not None:  # after the last checkpoint: its entry reached them
+            await self.pservers.close()
+            self.pservers = None
         if self._engine_task is not None:
             self._engine_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

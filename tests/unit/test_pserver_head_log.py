@@ -57,7 +57,13 @@ def _push(engine: Engine, wid: int, pid: int, peer: FakePeer, seed: int) -> dict
 
 def test_the_settings_are_checked() -> None:
     cfg = config_mod.Config()
-    assert cfg.pservers.log is False
+    assert (cfg.pservers.log, cfg.pservers.servers) == (False, 0)
+    with pytest.raises(config_mod.ConfigError, match=r"servers = 2 needs log = true"):
+        config_mod.replace(cfg, "pservers", servers=2)
+    with pytest.raises(config_mod.ConfigError, match=r"loopback only"):
+        config_mod.replace(cfg, "pservers", log=True, servers=1, host="0.0.0.0")
+    with pytest.raises(config_mod.ConfigError, match=r"\[pservers\] servers = 65"):
+        config_mod.replace(cfg, "pservers", log=True, servers=65)
     with pytest.raises(config_mod.ConfigError, match=r"\[pservers\] log must be bool"):
         config_mod.from_mapping({"pservers": {"log": "yes"}})
     with pytest.raises(config_mod.ConfigError, match=r"\[pservers\] unknown keys \['count'\]"):

@@ -1,0 +1,204 @@
+"""One pserver's state machine, without its sockets: the slice, its saved copies and its parts file.
+
+A :class:`Node` starts from its newest saved slice (:mod:`hetd.pserver.disk`), or from the
+initial tensors the head sent when it has none, and reads its parts file back, so that every part
+it ever reported held is held again. Then it takes parts (:meth:`Node.receive`: appended to the
+parts file before it answers) and the head's records (:meth:`Node.offer`), and :meth:`Node.advance`
+carries the records out in order. At each ``checkpoint`` entry the slice is saved to disk, the parts
+file keeps only the parts of pushes the slice has not consumed, and the position becomes
+*durable*: the head may forget the records up to it once every pserver reports as much.
+
+A restart therefore loses nothing and applies nothing twice: the saved slice holds each worker's
+last consumed push id, the records after its position come again from the head, and the parts
+they name come back from the parts file (those consumed after the saved position included).
+
+**A new head life** (the head restarted from its own checkpoint, at log position ``start``): the
+records after ``start`` are a new history, which begins with a ``restore`` entry naming the
+checkpoint entry of the head's file; every pserver saved its slice there. A node that followed
+another life goes back to position ``start`` and the restore entry loads that slice from disk.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from hetd.core.store import make_optimizer, make_outer
+from hetd.pserver import disk
+from hetd.pserver.link import LinkError, decode_tensors
+from hetd.pserver.log import Record
+from hetd.pserver.partition import PartitionMap
+from hetd.pserver.slice import LogMismatch, SliceSaved, SliceState
+
+log = logging.getLogger("hetd.pserver")
+
+
+class NodeError(RuntimeError):
+    """The node cannot start or go on (no slice to start from, a saved slice it cannot find)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """What the head's welcome says: the model's cut and how its store steps."""
+
+    pmap: PartitionMap
+    optimizer: str  # the daemon's optimizer spec
+    outer: str  # the outer optimizer's spec at the log's start
+    combine: bool
+    step_each: bool
+    epoch: str  # the head's life
+    start: int  # the log position this head life began at
+
+
+class Node:
+    """One pserver: its slice following the log, saved at each checkpoint entry."""
+
+    def __init__(
+        self,
+        directory: Path,
+        server: int,
+        setup: Setup,
+        base: Mapping[str, Any] | None = None,
+        *,
+        sync: bool = True,
+    ) -> None:
+        """``base``: the slice's initial tensors (the head's parameters at position 0), used
+        when nothing is saved; ``sync``: fsync each part appended (off only in tests)."""
+        self.directory = directory
+        self.server = server
+        self.setup = setup
+        self._tx = make_optimizer(setup.optimizer)
+        self.slice = self._start(base)
+        self.durable = self.slice.position  # the newest position saved to disk
+        self.parts = disk.PartsFile(directory, sync)
+        replayed = 0
+        for worker, pid, raw in self.parts.read():
+            try:
+                replayed += self.slice.receive(worker, pid, decode_tensors(raw, self.slice.shapes))
+            except (LinkError, ValueError):  # not this map's parts: a file of another model
+                raise NodeError(f"{self.parts.path}: a part that is not this slice's") from None
+        log.info(
+            "pserver %d at position %d (version %d), %d parts read back",
+            server,
+            self.slice.position,
+            self.slice.store.version,
+            replayed,
+        )
+
+    @property
+    def position(self) -> int:
+        """The last log position carried out."""
+        return self.slice.position
+
+    def _start(self, base: Mapping[str, Any] | None) -> SliceState:
+        setup = self.setup
+        saved = self._newest()
+        if saved is None:
+            if base is None:
+                raise NodeError(
+                    f"pserver {self.server} has no saved slice in {self.directory} and the head "
+                    "sent no initial tensors (its log no longer starts at position 0)"
+                )
+            return self._slice(base, setup.outer, 0, setup.start)
+        state = saved.slice
+        if saved.epoch != setup.epoch:  # a new head life: its records begin after `start`
+            if state.position > setup.start:
+                older = [s for s in self._all() if s.slice.position <= setup.start]
+                if older:
+                    state = older[0].slice
+            state = replace(state, position=setup.start)
+        return self._resume(state)
+
+    def _all(self) -> list[disk.Saved]:
+        out = []
+        for path in disk.listing(self.directory):
+            try:
+                out.append(disk.load(path))
+            except disk.DiskError as exc:
+                log.warning("skipping %s", exc)
+        return out
+
+    def _newest(self) -> disk.Saved | None:
+        found = self._all()
+        return found[0] if found else None
+
+    def _slice(
+        self, params: Mapping[str, Any], outer: str, version: int, position: int
+    ) -> SliceState:
+        return SliceState(
+            self.setup.pmap,
+            self.server,
+            params,
+            self._tx,
+            outer=make_outer(outer),
+            outer_spec=outer,
+            combine=self.setup.combine,
+            step_each=self.setup.step_each,
+            version=version,
+            position=position,
+            load=self._load,
+        )
+
+    def _resume(self, state: SliceSaved) -> SliceState:
+        """A slice restarted from ``state`` (its optimizer state a list of leaves)."""
+        outer = state.outer or self.setup.outer
+        fresh = self._slice(state.params, outer, state.version, state.position)
+        target = fresh.store.state()[1]
+        opt = jax.tree.unflatten(jax.tree.structure(target), list(state.opt_state))
+        fresh.restore(replace(state, opt_state=opt))
+        return fresh
+
+    def _load(self, ref: str) -> SliceSaved:
+        """A restore entry's slice, from disk."""
+        found = disk.find(self.directory, ref)
+        if found is None:
+            raise LogMismatch(f"pserver {self.server} has no saved slice {ref!r} to restore")
+        target = self.slice.store.state()[1]
+        leaves = list(found.slice.opt_state)
+        return replace(
+            found.slice, opt_state=jax.tree.unflatten(jax.tree.structure(target), leaves)
+        )
+
+    # --- inputs ---------------------------------------------------------------------------------
+
+    def receive(self, worker: int, pid: int, raw: Any) -> bool:
+        """A push's part (as the link carries it): checked, kept and appended to the parts file
+        before this returns; False when it is a repeat or already consumed (nothing written).
+        :class:`LinkError` when it is not this slice's part."""
+        tensors = decode_tensors(raw, self.slice.shapes)
+        if not self.slice.receive(worker, pid, tensors):
+            return False
+        self.parts.append(worker, pid, tensors)  # an error here (disk full) stops the pserver
+        return True
+
+    def offer(self, records: Iterable[Record]) -> None:
+        """The head's records, in position order (those already offered are skipped)."""
+        self.slice.offer(records)
+
+    def advance(self) -> list[int]:
+        """Carry out what can be; save the slice at each checkpoint entry passed; the positions
+        that became durable (in order)."""
+        self.slice.advance()
+        durable = []
+        for ref, saved in sorted(self.slice.saved.items(), key=lambda kv: kv[1].position):
+            disk.save(self.directory, saved, ref=ref, epoch=self.setup.epoch)
+            kept = self.parts.keep(saved.done)
+            del self.slice.saved[ref]  # on disk now; a restore entry loads it from there
+            self.durable = saved.position
+            durable.append(saved.position)
+            log.info(
+                "pserver %d saved at position %d (%d parts kept)", self.server, saved.position, kept
+            )
+        return durable
+
+    def params(self) -> dict[str, Any]:
+        """The slice's tensors at its position (see :meth:`SliceState.params`)."""
+        return self.slice.params()
+
+    def close(self) -> None:
+        self.parts.close()

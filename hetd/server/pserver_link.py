@@ -1,0 +1,196 @@
+"""The head's side of the pservers' link: the decision log served to S pserver processes.
+
+A pserver connects (TCP, loopback), says which slice it holds and the log position it stands at
+(``hello``), gets the ``welcome`` (the partition map, the optimizer specs, the store's modes, this
+head's life and where its log began, and the slice's initial tensors when it has none saved and
+the log still starts at position 0), then every record after its position, in order, as the
+engine writes them (:attr:`DecisionLog.on_append` wakes the sender; the engine may write from the
+thread a publish runs in, so the wake-up goes through the loop). It reports each position it saved
+its slice at (``durable``); :meth:`HeadLink.floor`, the lowest of those over the S pservers, is how
+far the log may forget (the daemon's checkpointer asks it).
+
+One connection per slice: a second hello for a slice replaces the first. Whatever a pserver
+sends that is malformed closes its connection only, with an ``error`` frame saying why. Frames
+are :mod:`hetd.pserver.link`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from hetd.core.engine import Engine
+from hetd.pserver import link
+from hetd.pserver.log import DecisionLog, to_dict
+from hetd.pserver.partition import PartitionMap, split
+
+log = logging.getLogger("hetd.server.pserver_link")
+
+BATCH = 256  # records per frame at most
+
+
+@dataclass(frozen=True, slots=True)
+class LinkSetup:
+    """What the head tells every pserver."""
+
+    pmap: PartitionMap
+    optimizer: str  # the daemon's optimizer spec
+    base: Mapping[str, Any] | None  # the parameters at position 0 (None: the log began later)
+
+
+class HeadLink:
+    """Serves the engine's decision log to ``pmap.servers`` pservers."""
+
+    def __init__(self, engine: Engine, setup: LinkSetup) -> None:
+        decisions = engine.decisions
+        if not isinstance(decisions, DecisionLog):
+            raise ValueError("the engine keeps no decision log: set [pservers] log = true")
+        self.engine = engine
+        self.log = decisions
+        self.setup = setup
+        self.epoch = secrets.token_hex(8)  # this head's life
+        self.began = decisions.position  # where the log began in this life
+        self.durable = [0] * setup.pmap.servers  # each slice's newest saved position
+        self.connected: dict[int, asyncio.Task[None]] = {}  # slice -> its connection's task
+        self._base = split(setup.pmap, setup.base) if setup.base is not None else None
+        self._wake: list[asyncio.Event] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on ``host:port``; the bound port."""
+        self._loop = asyncio.get_running_loop()
+        self.log.on_append = self._appended
+        self._server = await asyncio.start_server(self._serve, host, port)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        log.info("pservers' link on %s:%d (%d slices)", host, self.port, self.setup.pmap.servers)
+        return self.port
+
+    def floor(self) -> int:
+        """The lowest position every slice has saved (the log keeps the records after it)."""
+        return min(self.durable)
+
+    def _appended(self) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        for event in list(self._wake):
+            loop.call_soon_threadsafe(event.set)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        server = -1
+        try:
+            hello = await asyncio.wait_for(link.recv(reader, 1 << 16), 30)
+            server, position = self._check_hello(hello)
+            old = self.connected.get(server)
+            if old is not None and old is not task:
+                old.cancel()  # a pserver that came back: the old connection is dead
+            assert task is not None
+            self.connected[server] = task
+            await link.send(writer, "welcome", **self._welcome(server, position))
+            await self._follow(reader, writer, server, position)
+        except (link.LinkError, ValueError) as exc:
+            log.warning("pserver link: %s", exc)
+            with contextlib.suppress(Exception):
+                await link.send(writer, "error", message=str(exc))
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
+            pass
+        finally:
+            if server >= 0 and self.connected.get(server) is task:
+                del self.connected[server]
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    def _check_hello(self, hello: Mapping[str, Any]) -> tuple[int, int]:
+        if hello.get("t") != "hello":
+            raise link.LinkError("the first frame must be a hello")
+        server = link.field(hello, "server", int)
+        position = link.field(hello, "position", int)
+        epoch = link.field(hello, "epoch", str)
+        if not 0 <= server < self.setup.pmap.servers:
+            raise link.LinkError(f"slice {server} of {self.setup.pmap.servers}")
+        if position < 0 or (epoch == self.epoch and position > self.log.position):
+            raise link.LinkError(f"position {position} is not in the log (0..{self.log.position})")
+        if epoch != self.epoch and position > 0:  # another head life's: it goes back to start
+            position = self.began
+        return server, position
+
+    def _welcome(self, server: int, position: int) -> dict[str, Any]:
+        base = None
+        if position == 0 and self._base is not None and self.log.first == 1 and self.began == 0:
+            base = link.encode_tensors(self._base[server])
+        store = self.engine.store
+        return {
+            "map": self.setup.pmap.to_dict(),
+            "optimizer": self.setup.optimizer,
+            "outer": store.outer_spec,
+            "combine": store.combine,
+            "step_each": store.step_each,
+            "epoch": self.epoch,
+            "start": self.began,
+            "base": base,
+        }
+
+    async def _follow(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        server: int,
+        position: int,
+    ) -> None:
+        """Send the records after the pserver's place as they come; take its reports."""
+        wake = asyncio.Event()
+        self._wake.append(wake)
+        reports = asyncio.create_task(self._reports(reader, server))
+        try:
+            sent = position
+            while not reports.done():
+                if sent < self.log.first - 1:
+                    raise link.LinkError(
+                        f"the log holds positions from {self.log.first}; slice {server} stands "
+                        f"at {sent}: it needs a saved slice at or after {self.log.first - 1}"
+                    )
+                wake.clear()
+                records = self.log.since(sent)
+                for i in range(0, len(records), BATCH):
+                    batch = records[i : i + BATCH]
+                    await link.send(writer, "records", items=[to_dict(r) for r in batch])
+                    sent = batch[-1].position
+                if not records:
+                    waiter = asyncio.create_task(wake.wait())
+                    await asyncio.wait({waiter, reports}, return_when=asyncio.FIRST_COMPLETED)
+                    waiter.cancel()
+            reports.result()  # raises what ended it
+        finally:
+            self._wake.remove(wake)
+            reports.cancel()
+
+    async def _reports(self, reader: asyncio.StreamReader, server: int) -> None:
+        while True:
+            msg = await link.recv(reader, 1 << 16)
+            if msg["t"] != "durable":
+                raise link.LinkError(f"unexpected frame {msg['t']!r} from slice {server}")
+            self.durable[server] = max(self.durable[server], link.field(msg, "position", int))
+            if min(self.durable) > 0:  # every slice saved: no pserver starts from position 0
+                self._base = None
+
+    async def close(self) -> None:
+        """Stop listening and close every connection."""
+        self.log.on_append = None
+        if self._server is not None:
+            self._server.close()
+        for task in list(self.connected.values()):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()

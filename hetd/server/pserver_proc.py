@@ -1,0 +1,229 @@
+"""A pserver process (``hetd pserver``): one slice following the head's decision log.
+
+It reads where its newest saved slice stands (position, head life) from its state directory,
+connects to the head's link and says so (``hello``), and from the ``welcome`` builds its
+:class:`~hetd.pserver.node.Node` (the saved slice and the parts file read back, or the initial
+tensors the head sent). Then two streams run on one event loop, so the node has one writer:
+
+* the head's ``records``, offered to the node and carried out as far as the parts allow; each
+  position saved at a checkpoint entry is reported back (``durable``);
+* pushers' connections on its own port (written to ``<dir>/port`` once it listens): ``part``
+  frames, answered ``held`` once the part is in the parts file, and ``fetch`` frames, answered
+  with the slice's tensors once it stands at the position asked.
+
+If the head goes away the process reconnects, from its current position; a head that came back
+as a new life (restarted from its checkpoint) makes the node start again from its directory.
+A record the slice disagrees with (:class:`~hetd.pserver.slice.LogMismatch`), or a start it cannot
+make, ends the process with status 3 and the reason: a pserver never serves another model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from hetd.pserver import disk, link
+from hetd.pserver.log import from_dict
+from hetd.pserver.node import Node, NodeError, Setup
+from hetd.pserver.partition import PartitionMap
+from hetd.pserver.slice import LogMismatch
+
+log = logging.getLogger("hetd.pserver")
+
+EXIT_BROKEN = 3  # the slice cannot go on (a disagreement with the log, nothing to start from)
+PORT_FILE = "port"
+
+
+class Pserver:
+    """The process's state: the node and the connection to the head."""
+
+    def __init__(self, head: tuple[str, int], server: int, directory: Path, sync: bool = True):
+        self.head = head
+        self.server = server
+        self.directory = directory
+        self.sync = sync
+        self.node: Node | None = None
+        self.advanced = asyncio.Event()  # set after each advance (fetches wait on it)
+        self.broken = asyncio.Event()  # set when the node cannot go on (see :attr:`failed`)
+        self.failed: BaseException | None = None
+        self._head_writer: asyncio.StreamWriter | None = None
+
+    # --- the head -------------------------------------------------------------------------------
+
+    def _place(self) -> tuple[int, str]:
+        """The position and head life to say hello with."""
+        if self.node is not None:
+            return self.node.position, self.node.setup.epoch
+        for path in disk.listing(self.directory):
+            with contextlib.suppress(disk.DiskError):
+                saved = disk.load(path)
+                return saved.slice.position, saved.epoch
+        return 0, ""
+
+    async def follow(self) -> None:
+        """Connect to the head (again after each loss) and carry out its records."""
+        delay = 0.1
+        while True:
+            try:
+                reader, writer = await asyncio.open_connection(*self.head)
+            except OSError:
+                await asyncio.sleep(delay)
+                delay = min(2.0, delay * 2)
+                continue
+            delay = 0.1
+            try:
+                await self._session(reader, writer)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                log.warning("pserver %d: the head's link closed; reconnecting", self.server)
+            finally:
+                self._head_writer = None
+                writer.close()
+                with contextlib.suppress(Exception):
+                    await writer.wait_closed()
+            await asyncio.sleep(delay)
+
+    async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        position, epoch = self._place()
+        await link.send(writer, "hello", server=self.server, position=position, epoch=epoch)
+        welcome = await link.recv(reader)
+        if welcome["t"] == "error":
+            raise NodeError(f"the head refused pserver {self.server}: {welcome.get('message')}")
+        if welcome["t"] != "welcome":
+            raise link.LinkError(f"expected a welcome, got {welcome['t']!r}")
+        setup = _setup(welcome)
+        if self.node is None or self.node.setup.epoch != setup.epoch:
+            if self.node is not None:
+                self.node.close()
+            raw = welcome.get("base")
+            base = None
+            if raw is not None:
+                base = link.decode_tensors(raw, setup.pmap.slice_shapes(self.server))
+            self.node = Node(self.directory, self.server, setup, base, sync=self.sync)
+        self._head_writer = writer
+        await self._report(self.node.advance())
+        self.advanced.set()
+        while True:
+            msg = await link.recv(reader)
+            if msg["t"] == "error":
+                raise NodeError(f"the head: {msg.get('message')}")
+            if msg["t"] != "records":
+                raise link.LinkError(f"unexpected frame {msg['t']!r} from the head")
+            items = link.field(msg, "items", list)
+            self.node.offer(from_dict(d) for d in items)
+            await self._report(self.node.advance())
+            self.advanced.set()
+
+    async def _report(self, durable: list[int]) -> None:
+        writer = self._head_writer
+        for position in durable:
+            if writer is not None:
+                with contextlib.suppress(ConnectionError):
+                    await link.send(writer, "durable", position=position)
+
+    # --- pushers --------------------------------------------------------------------------------
+
+    async def serve_pushers(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        """One pusher's connection: parts and fetches, answered in order."""
+        try:
+            while True:
+                msg = await link.recv(reader)
+                try:
+                    await self._answer(msg, writer)
+                except link.LinkError as exc:
+                    await link.send(writer, "error", message=str(exc))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        except link.LinkError as exc:  # an unreadable frame: this connection ends
+            with contextlib.suppress(Exception):
+                await link.send(writer, "error", message=str(exc))
+        except (LogMismatch, NodeError, disk.DiskError, OSError) as exc:  # the node cannot go on
+            self.failed = exc
+            self.broken.set()
+        finally:
+            writer.close()
+
+    async def _answer(self, msg: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        while self.node is None:  # the head's welcome comes first
+            self.advanced.clear()
+            await self.advanced.wait()
+        node = self.node
+        if msg["t"] == "part":
+            worker = link.field(msg, "worker", int)
+            pid = link.field(msg, "pid", int)
+            new = node.receive(worker, pid, msg.get("tensors"))
+            await link.send(writer, "held", worker=worker, pid=pid, new=new)
+            if new:
+                await self._report(node.advance())
+                self.advanced.set()
+        elif msg["t"] == "fetch":
+            want = link.field(msg, "position", int)
+            while self.node is node and node.position < want:
+                self.advanced.clear()
+                await self.advanced.wait()
+            try:
+                tensors = link.encode_tensors(node.params())
+            except LogMismatch as exc:  # steps queued here: not a place a release reads
+                raise link.LinkError(str(exc)) from None
+            version = node.slice.store.version
+            await link.send(
+                writer, "slice", position=node.position, version=version, tensors=tensors
+            )
+        else:
+            raise link.LinkError(f"unknown frame {msg['t']!r}")
+
+
+def _setup(welcome: dict[str, Any]) -> Setup:
+    try:
+        pmap = PartitionMap.from_dict(link.field(welcome, "map", dict))
+    except ValueError as exc:
+        raise link.LinkError(str(exc)) from None
+    return Setup(
+        pmap,
+        link.field(welcome, "optimizer", str),
+        link.field(welcome, "outer", str),
+        link.field(welcome, "combine", bool),
+        link.field(welcome, "step_each", bool),
+        link.field(welcome, "epoch", str),
+        link.field(welcome, "start", int),
+    )
+
+
+async def run(
+    head: tuple[str, int],
+    server: int,
+    directory: Path,
+    listen: tuple[str, int] = ("127.0.0.1", 0),
+    sync: bool = True,
+) -> int:
+    """Run a pserver until it fails (its exit status) or is cancelled."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ps = Pserver(head, server, directory, sync)
+    site = await asyncio.start_server(ps.serve_pushers, *listen)
+    port = int(site.sockets[0].getsockname()[1])
+    tmp = directory / f".{PORT_FILE}.tmp"
+    tmp.write_text(f"{port}\n")
+    os.replace(tmp, directory / PORT_FILE)
+    log.warning("pserver %d: parts on %s:%d, head at %s:%d", server, listen[0], port, *head)
+    following = asyncio.create_task(ps.follow())
+    broken = asyncio.create_task(ps.broken.wait())
+    try:
+        await asyncio.wait({following, broken}, return_when=asyncio.FIRST_COMPLETED)
+        if following.done():
+            following.result()
+        raise ps.failed or NodeError("stopped")
+    except (LogMismatch, NodeError, link.LinkError, disk.DiskError, OSError) as exc:
+        log.error("pserver %d stops: %s", server, exc)
+        return EXIT_BROKEN
+    finally:
+        for task in (following, broken):
+            task.cancel()
+        site.close()
+        if ps.node is not None:
+            ps.node.close()
+    return 0
