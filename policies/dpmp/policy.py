@@ -13,9 +13,11 @@ Lyapunov queues; the structure changes only with the hysteresis of :mod:`policie
 (``period``, ``keep``), at once when a member is lost.
 
 What a worker is, for the planner: seconds per sample from its pushes (else from its profile;
-the median of the others when neither is known yet), its reported free memory (``free_mem``: the
-daemon reads it from the hello and the pushes; ``hetd-worker --emulate-memory`` sets it), and its
-measured link both ways.
+else, for a worker only pipeline stages have timed, from its replica's measured steps,
+:mod:`policies.dpmp.calibrate`; the median of the others while none of these is known), its
+reported free memory (``free_mem``: the daemon reads it from the hello and the pushes;
+``hetd-worker --emulate-memory`` sets it), and its measured link both ways (the median of the
+measured links while its own is not measured).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 from policies.dpmp.calibrate import stage_speed
 from policies.dpmp.controller import DpmpConfig, DpmpState, ReplicaSpec, end_round, plan_round
 from policies.dpmp.costs import Block, WorkerSpec
-from policies.dpmp.groups import GroupConfig
+from policies.dpmp.groups import GroupConfig, GroupState
 from policies.dpmp.lyapunov import LyapunovConfig
 from policies.registry import register
 from policies.types import (
@@ -76,6 +78,7 @@ class DpmpPolicyState:
     # a running replica's (members, cuts, micro) -> its last steps as (wall s, samples)
     measured: Mapping[ShapeKey, tuple[tuple[float, int], ...]] = field(default_factory=dict)
     speeds: Mapping[int, float] = field(default_factory=dict)  # s/sample of stage-only workers
+    cut: bool = False  # the structure was planned with the model's blocks (not as one block)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -127,9 +130,15 @@ def worker_specs(
 
     known = [s for f in facts.values() if (s := own(f)) is not None]
     fallback = statistics.median(known) if known else DEFAULT_SAMPLE_S
+    # A link nobody measured (a worker that has only run stages pushes nothing of its own) is
+    # taken as the median of the measured ones, as an unknown speed is: unweighed (infinite),
+    # a pipeline's transfers would be charged to its stages' compute when their speed is
+    # calibrated from its steps, and the split would give it too little.
+    links = [f.link_bps for f in facts.values() if f.link_bps is not None and f.link_bps > 0]
+    link_guess = statistics.median(links) if links else math.inf
     specs = {}
     for wid, f in facts.items():
-        link = f.link_bps if f.link_bps is not None and f.link_bps > 0 else math.inf
+        link = f.link_bps if f.link_bps is not None and f.link_bps > 0 else link_guess
         mem = float(f.free_mem) if f.free_mem is not None and f.free_mem > 0 else math.inf
         specs[wid] = WorkerSpec(
             wid,
@@ -247,6 +256,10 @@ def dpmp(
         shapes: list[ReplicaShape] = []
         specs: Sequence[ReplicaSpec] = ()
         speeds = calibrated(view, blocks, price, st)
+        if not whole and not st.cut and ctl.groups.current is not None:
+            # Planned before the blocks were known (a policy swap's trial view carries none):
+            # no pipeline could be formed then, so the hysteresis has nothing to hold.
+            ctl = replace(ctl, groups=GroupState())
         try:
             planned, ctl = plan_round(
                 blocks, worker_specs(view, price, speeds), view.global_batch, ctl, cfg
@@ -303,6 +316,7 @@ def dpmp(
         new = replace(
             st,
             ctl=ctl,
+            cut=not whole,
             speeds=speeds,
             measured={k: v for k, v in st.measured.items() if k in {_key(p) for p in shapes}},
             working=tuple(working),

@@ -5,6 +5,7 @@ speed of workers only pipeline stages time (:mod:`policies.dpmp.calibrate`)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -15,6 +16,8 @@ from hetd.sim.results import PolicySpec
 from hetd.sim.scenario import from_mapping, load_scenario, replace
 from policies.dpmp.calibrate import stage_speed
 from policies.dpmp.costs import WorkerSpec, replica_cost
+from policies.dpmp.policy import DpmpPolicyState, calibrated, measure, worker_specs
+from policies.types import ClusterView, Push, ReplicaShape, WorkerFacts
 
 # bytes: the 784-128-128-128-10 block MLP with its gradients and a 16-sample micro-batch needs
 # 1.10 MB; its first block alone (with the planner's 0.8 usable) fits
@@ -86,13 +89,9 @@ def test_round_s_is_the_median_interval_after_the_warm_up() -> None:
 
 
 def test_three_columns_shows_what_was_run() -> None:
-    scenario = {"name": "B main", "dpmp_s": 0.24, "lbbsp_s": 0.30}
+    scenario: dict[str, Any] = {"name": "B main", "dpmp_s": 0.24, "lbbsp_s": 0.30}
+    scenario |= {"engine_dpmp_s": 0.25, "engine_lbbsp_s": 0.29, "engine_over_pipeline": 0.25 / 0.24}
     doc = {"engine_budget_s": 10.0, "real_budget_s": None, "scenarios": {"B": scenario}}
-    doc["scenarios"]["B"] |= {
-        "engine_dpmp_s": 0.25,
-        "engine_lbbsp_s": 0.29,
-        "engine_over_pipeline": 0.25 / 0.24,
-    }
     row = three_columns(doc)[-1]
     assert row.startswith("| B main | 240.0 / 300.0 (-20.0%) | 250.0 / 290.0 (-13.8%) | — |")
     assert row.endswith("| 1.042 |")
@@ -106,3 +105,36 @@ def test_the_packaged_scenario_b_gives_dpmp_its_pipeline_gain_in_the_engine() ->
         run = run_sim(sc, PolicySpec(policy), seed=0)
         rounds[policy] = round_s(run.versions, sc.budget_s)
     assert rounds["dpmp"] <= 0.85 * rounds["lbbsp"]
+
+
+def _facts(wid: int, **kw: object) -> WorkerFacts:
+    return WorkerFacts(wid, f"w{wid}", 0, 0, False, 0.0, stages=True, **kw)  # type: ignore[arg-type]
+
+
+def test_the_policy_times_a_stage_only_worker_by_its_replicas_steps() -> None:
+    """Worker 3 (memory-poor) is stage 1 of replica 2 + 3 and never timed itself: the planner's
+    speed for it is the median of the others until the replica's steps are measured, then the
+    speed that predicts them; its unmeasured link is the median of the measured ones."""
+    blocks = mlp_blocks()
+    fast = {"sample_s": 1e-3, "link_bps": 1e8}
+    view = ClusterView(
+        now=0.0,
+        version=0,
+        workers={1: _facts(1, **fast), 2: _facts(2, profile={"sample_s": 1e-3}, link_bps=1e8)},
+        global_batch=512,
+        replicas={2: (2, 3)},
+        stage_workers={3: _facts(3, free_mem=5_742_588)},
+        blocks=tuple((b.param_bytes, b.act_bytes, b.flops) for b in blocks),
+    )
+    specs = worker_specs(view, 1.0)
+    assert specs[3].sample_s == pytest.approx(1e-3) and specs[3].bw_up == pytest.approx(1e8)
+    shape = ReplicaShape((2, 3), (0, 1, 4), 16, 8)
+    true = [specs[2], dataclasses.replace(specs[3], sample_s=4e-3)]
+    wall = replica_cost(blocks, true, shape.cuts, 16, 8).time(128)
+    st = DpmpPolicyState(pipelines=(shape,))
+    st = measure(st, Push(1.0, 2, 0, "grad", 128, 1, wall, None))
+    st = measure(st, Push(1.0, 1, 0, "grad", 128, 1, 9.9, None))  # not a replica's: not kept
+    assert list(st.measured.values()) == [((wall, 128),)]
+    speeds = calibrated(view, blocks, 1.0, st)
+    assert speeds == {3: pytest.approx(4e-3, rel=1e-6)}  # worker 2 timed itself: kept
+    assert worker_specs(view, 1.0, speeds)[3].sample_s == pytest.approx(4e-3, rel=1e-6)
