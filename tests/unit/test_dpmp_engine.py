@@ -14,10 +14,11 @@ from hetd.sim.dpmp import mlp_blocks
 from hetd.sim.loop import OUT_OF_MEMORY, run_sim
 from hetd.sim.results import PolicySpec
 from hetd.sim.scenario import from_mapping, load_scenario, replace
+from policies import make_policy
 from policies.dpmp.calibrate import stage_speed
 from policies.dpmp.costs import WorkerSpec, replica_cost
 from policies.dpmp.policy import DpmpPolicyState, calibrated, measure, worker_specs
-from policies.types import ClusterView, Push, ReplicaShape, WorkerFacts
+from policies.types import ClusterView, Push, Regroup, ReplicaShape, Tick, WorkerFacts
 
 # bytes: the 784-128-128-128-10 block MLP with its gradients and a 16-sample micro-batch needs
 # 1.10 MB; its first block alone (with the planner's 0.8 usable) fits
@@ -108,7 +109,8 @@ def test_the_packaged_scenario_b_gives_dpmp_its_pipeline_gain_in_the_engine() ->
 
 
 def _facts(wid: int, **kw: object) -> WorkerFacts:
-    return WorkerFacts(wid, f"w{wid}", 0, 0, False, 0.0, stages=True, **kw)  # type: ignore[arg-type]
+    base = WorkerFacts(wid, f"w{wid}", 0, 0, False, 0.0, stages=True)
+    return dataclasses.replace(base, **kw)  # type: ignore[arg-type]
 
 
 def test_the_policy_times_a_stage_only_worker_by_its_replicas_steps() -> None:
@@ -138,3 +140,31 @@ def test_the_policy_times_a_stage_only_worker_by_its_replicas_steps() -> None:
     speeds = calibrated(view, blocks, 1.0, st)
     assert speeds == {3: pytest.approx(4e-3, rel=1e-6)}  # worker 2 timed itself: kept
     assert worker_specs(view, 1.0, speeds)[3].sample_s == pytest.approx(4e-3, rel=1e-6)
+
+
+def test_a_structure_planned_before_the_blocks_were_known_is_planned_again() -> None:
+    """A policy swap's trial view has no blocks: the model is planned as one block, data
+    parallel only. Once the blocks are in the view, the memory-poor pair is formed at once (the
+    hysteresis does not hold a structure that could have had no pipeline)."""
+    blocks = mlp_blocks()
+    timed = {"sample_s": 1e-3, "link_bps": 1e8, "push_bytes": 3.7e6, "waiting": True}
+    slow = {**timed, "sample_s": 2e-3}
+    poor = {**slow, "free_mem": 5_742_588}
+    facts = {
+        1: _facts(1, **timed),
+        2: _facts(2, **timed),
+        3: _facts(3, **slow),
+        4: _facts(4, **poor),
+        5: _facts(5, **poor),
+    }
+    trial = ClusterView(now=0.0, version=0, workers=facts, global_batch=512)
+    pol = make_policy("dpmp")
+    out, st = pol.update(Tick(0.0), pol.init(trial), trial)
+    assert not any(isinstance(d, Regroup) and d.replicas for d in out)
+    view = dataclasses.replace(
+        trial, blocks=tuple((b.param_bytes, b.act_bytes, b.flops) for b in blocks)
+    )
+    for wid in st.working:  # the round's pushes; the next round is planned with the blocks
+        out, st = pol.update(Push(0.3, wid, 0, "grad", 100, 1, 0.1, None), st, view)
+    groups = [d.replicas for d in out if isinstance(d, Regroup)]
+    assert [frozenset(s.members) for s in groups[0]] == [frozenset({4, 5})]
