@@ -102,6 +102,8 @@ class HeadLink:
                 await link.send(writer, "error", message=str(exc))
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
             pass
+        except asyncio.CancelledError:  # replaced by the slice's new connection, or closing:
+            pass  # this handler ends here (asyncio logs a cancelled handler as an error)
         finally:
             if server >= 0 and self.connected.get(server) is task:
                 del self.connected[server]

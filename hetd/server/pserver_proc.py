@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -212,16 +213,26 @@ async def run(
     log.warning("pserver %d: parts on %s:%d, head at %s:%d", server, listen[0], port, *head)
     following = asyncio.create_task(ps.follow())
     broken = asyncio.create_task(ps.broken.wait())
+    stop = asyncio.Event()  # SIGTERM or SIGINT: what it saved and its parts file stay as they are
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    stopping = asyncio.create_task(stop.wait())
     try:
-        await asyncio.wait({following, broken}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({following, broken, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set():
+            log.warning("pserver %d stopping (signal)", server)
+            return 0
         if following.done():
             following.result()
         raise ps.failed or NodeError("stopped")
-    except (LogMismatch, NodeError, link.LinkError, disk.DiskError, OSError) as exc:
-        log.error("pserver %d stops: %s", server, exc)
+    except (LogMismatch, NodeError, ValueError, disk.DiskError, OSError) as exc:
+        log.error("pserver %d stops: %s", server, exc)  # (a LinkError is a ValueError)
         return EXIT_BROKEN
     finally:
-        for task in (following, broken):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        for task in (following, broken, stopping):
             task.cancel()
         site.close()
         if ps.node is not None:
