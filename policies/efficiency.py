@@ -1,9 +1,10 @@
 """Statistical efficiency: what one applied sample is worth, kept apart from how fast it arrives.
 
-Owns :class:`Efficiency` (the discount of a push by its staleness, its local steps and the size of
-the update it is part of) and :func:`effective_samples`. The timing twin (:mod:`policies.twin`)
-counts samples; a planner multiplies them by this model to compare policies that trade freshness
-for speed. The forms and the default constants are our design [D], to be fitted online before a
+Owns :class:`Efficiency` (the discount of a push by its staleness, its local steps and the size
+of the update it is part of, and under plain SGD its weight), :class:`NoiseScale` (the gradient
+noise scale from pairs of gradients at the same parameters) and :func:`effective_samples`. The
+timing twin (:mod:`policies.twin`) counts samples; a planner multiplies them by this model to
+compare policies that trade freshness for speed. The forms and the default constants are our design [D], to be fitted online before a
 ranking is trusted: nothing here has been calibrated against training curves yet.
 """
 
@@ -53,9 +54,13 @@ class Efficiency:
     weighted by samples), times its worker's learning-rate scale. Under plain SGD a step moves the
     model in proportion to its weight and learning rate: ashl weighs a fast worker's pushes by its
     data share, above ``1/N``, and the samples it applies count for more than adsp's, which are
-    applied at ``1/N`` (simulator, H1 and S6_5x at seed 0: ashl reached the target at 0.56 of
-    adsp's applied samples and at 0.76 of their weighted count, and asp at 0.97 and 0.97).
-    Adaptive optimizers normalize a step's size, so the weight says little there [D].
+    applied at ``1/N`` (simulator, seed 0 of two six- and four-worker SGD clusters with spread
+    speeds and slow links: ashl reached the target at 0.56-0.57 of adsp's applied samples and at
+    0.73-0.76 of their weighted count; asp, applied at ``1/N`` as adsp is, at 0.97-1.01 of both).
+    Adaptive optimizers normalize a step's size, so the weight says little there [D]. With a
+    noise scale as well, ``E`` is still taken over the update's samples per step; a push at
+    ``1/N`` averages its noise as a mean does, so its own batch over its weight would be the
+    better measure there [D, not built].
 
     The default constants are guesses that order policies the way staleness and local steps are
     known to hurt, and nothing more. A planner is meant to fit them to what it observes (progress
