@@ -268,6 +268,14 @@ class Daemon:
         self.pservers = link
         if self.checkpointer is not None:
             self.checkpointer.log_floor = link.floor
+        log.warning(
+            "%d pservers follow the decision log on %s:%d; workers do not send them their "
+            "pushes' parts yet, so they stop at the first push, and the log keeps every record "
+            "after the last position all of them saved",
+            p.servers,
+            p.host,
+            link.port,
+        )
 
     async def _start_endpoints(self) -> None:
         server = self.cfg.server
