@@ -128,6 +128,11 @@ async def test_every_route_wants_the_admin_token_and_is_documented(cluster) -> N
             for method, op in ops.items():
                 assert "200" in op["responses"]
                 assert (method.upper(), path) in PUBLIC or "401" in op["responses"]
+        # ... and every key of the status it serves is in the document's Status
+        status, served_status = await call(http, c, "GET", "/v1/status")
+        described = doc["components"]["schemas"]["Status"]["properties"]
+        missing = sorted(set(served_status) - set(described))
+        assert status == 200 and not missing, missing
 
 
 async def test_no_admin_token_configured_refuses_every_call_but_healthz() -> None:
