@@ -20,7 +20,7 @@ from hetd.core.planner import (
     plan,
     snapshot,
 )
-from policies.efficiency import Efficiency
+from policies.efficiency import Efficiency, for_optimizer
 from policies.registry import make_policy
 from policies.twin import run_twin
 from policies.types import ClusterView, WorkerFacts
@@ -226,3 +226,31 @@ def test_an_engine_plans_with_its_workers_optimizer_and_default_batch() -> None:
     assert got["ashl", "sgd"] > 1.0
     (fresh,) = plan(view, parse_candidates("lbbsp"), CONFIG, lambda: 0.0).forecast.predictions
     assert fresh.efficiency == 1.0
+
+
+def test_under_sgd_ashl_is_counted_by_its_weights_above_adsp_on_a_spread_cluster() -> None:
+    # six workers of spread speeds and links (a held-out cluster where ashl reached the target
+    # 24 % before adsp): the twin predicts both at about the same applied samples/s; by the
+    # sample count adsp ranks first, by the weights they are applied with (adsp 1/N, ashl its
+    # data shares) ashl does
+    slow = [1.0, 1.5, 1.5, 3.0, 3.0, 6.0]
+    links = [1e9, 200e6, 100e6, 40e6, 1e9, 20e6]
+    base = view_of(slow)
+    workers = {
+        i: dataclasses.replace(f, link_bps=links[i], push_bytes=814_000.0)
+        for i, f in base.workers.items()
+    }
+    view = dataclasses.replace(base, workers=workers, global_batch=BATCH * len(slow))
+    sgd = for_optimizer("sgd")
+    got = {}
+    for weighted in (True, False):
+        cfg = PlannerConfig(
+            default_batch=BATCH, efficiency=dataclasses.replace(sgd, weighted=weighted)
+        )
+        preds = plan(view, parse_candidates("adsp,ashl"), cfg, lambda: 0.0).forecast.predictions
+        got[weighted] = {p.name: p for p in preds}
+    applied = {n: p.samples_per_s for n, p in got[True].items()}
+    assert applied["ashl"] == pytest.approx(applied["adsp"], rel=0.05)
+    assert got[False]["adsp"].goodput > got[False]["ashl"].goodput
+    assert got[True]["ashl"].goodput > 1.15 * got[True]["adsp"].goodput
+    assert got[True]["adsp"].goodput == pytest.approx(got[False]["adsp"].goodput)
