@@ -71,7 +71,8 @@ class _Buffered(NamedTuple):
     samples: int
     steps: int
     staleness: int
-    weight: float  # the Apply's or Buffer's weight times the push's lr_scale
+    weight: float  # the Apply's or Buffer's weight
+    lr_scale: float  # its worker's plan's when it began (the delta's size, not its share)
 
 
 def _ewma(old: float | None, new: float) -> float:
@@ -294,12 +295,12 @@ class _Run:
         wid, p, staleness = push
         if isinstance(d, Apply):
             self.version += 1
-            b = _Buffered(wid, p.samples, p.steps, staleness, d.weight * p.lr_scale)
-            self._record(t, [b], [b.weight * len(self.facts)])
+            b = _Buffered(wid, p.samples, p.steps, staleness, d.weight, p.lr_scale)
+            self._record(t, [b], [b.weight * b.lr_scale * len(self.facts)])
             return 1
         if isinstance(d, Buffer):
             self.buffer.setdefault(d.group, []).append(
-                _Buffered(wid, p.samples, p.steps, staleness, d.weight * p.lr_scale)
+                _Buffered(wid, p.samples, p.steps, staleness, d.weight, p.lr_scale)
             )
             return 0
         self.dropped += 1
@@ -315,11 +316,13 @@ class _Run:
             if f.normalize:  # Σ w·u / Σ w: a push's share of the mean against its samples' share
                 weights = sum(b.weight for b in pushes)
                 rel = [
-                    f.scale * b.weight / weights * total / max(1, b.samples) if weights > 0 else 0.0
+                    f.scale * b.weight / weights * total / max(1, b.samples) * b.lr_scale
+                    if weights > 0
+                    else 0.0
                     for b in pushes
                 ]
             else:  # Σ w·u: each as if applied alone with its weight
-                rel = [f.scale * b.weight * len(self.facts) for b in pushes]
+                rel = [f.scale * b.weight * b.lr_scale * len(self.facts) for b in pushes]
             self._record(t, pushes, rel)
         return len(groups)
 

@@ -25,6 +25,7 @@ from policies.types import (
     Flush,
     Policy,
     Push,
+    SetPlan,
     WorkerFacts,
 )
 
@@ -216,9 +217,10 @@ def test_each_applied_push_carries_its_weight_against_an_even_share() -> None:
     r = run_twin(view_of(S), Policy("halves", lambda v: None, halves), config=FREE)
     assert {a.weight for a in r.applied} == {2.0}
 
-    # bsp's rounds with worker 0 weighted 3 to 1 against its samples, the mean scaled by 2
+    # bsp's rounds with worker 0 weighted 3 to 1 against its samples, the mean scaled by 2, and
+    # every worker's learning rate halved (a step's size: the mean's shares do not take it back)
     def tilted(event: Event, state: None, view: ClusterView) -> tuple[list[Decision], None]:
-        out: list[Decision] = []
+        out: list[Decision] = [SetPlan(w, {"lr_scale": 0.5}) for w in view.workers]
         if isinstance(event, Push):
             out.append(Buffer(3.0 if event.worker == 0 else 1.0))
         if view.buffered + isinstance(event, Push) == len(view.workers):  # a round: all pushed
@@ -230,10 +232,10 @@ def test_each_applied_push_carries_its_weight_against_an_even_share() -> None:
     r = run_twin(view_of(S), Policy("tilted", lambda v: None, tilted), config=FREE)
     first = [a for a in r.applied if a.update == r.applied[0].update]
     assert len(first) == 4
-    # shares 3/6 and 1/6 of a mean over 4 equal pushes: 2 × 4 × 3/6 and 2 × 4 × 1/6
-    assert sorted(a.weight for a in first) == pytest.approx([4 / 3] * 3 + [4.0])
+    # shares 3/6 and 1/6 of a mean over 4 equal pushes: 2 × 4 × 3/6 and 2 × 4 × 1/6, halved
+    assert sorted(a.weight for a in first) == pytest.approx([2 / 3] * 3 + [2.0])
     eff = Efficiency(0.0, 0.0, weighted=True)
-    assert effective_samples(first, eff) == pytest.approx(2 * sum(a.samples for a in first))
+    assert effective_samples(first, eff) == pytest.approx(sum(a.samples for a in first))
     assert effective_samples(first, Efficiency(0.0, 0.0)) == sum(a.samples for a in first)
 
     # ashl weighs by its data shares: the fast workers' pushes count more than an even share
