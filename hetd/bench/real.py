@@ -132,14 +132,15 @@ class Recorder:
         self.compute_s: dict[int, float] = {}
 
     def wrap(self, inner: Policy) -> Policy:
-        """``inner`` with the same name, parameters and state, observed."""
+        """``inner`` with the same name, parameters, state and flags (the events it reads:
+        evaluations, forecasts), observed."""
 
         def update(event: Event, state: Any, view: ClusterView) -> tuple[Sequence[Decision], Any]:
             decisions, state = inner.update(event, state, view)
             self._observe(event, decisions, view)
             return decisions, state
 
-        return Policy(inner.name, inner.init, update, inner.params)
+        return inner._replace(update=update)
 
     def _observe(self, event: Event, decisions: Sequence[Decision], view: ClusterView) -> None:
         if isinstance(event, Push):

@@ -127,3 +127,23 @@ def test_a_policy_that_reads_evals_is_evaluated_live() -> None:
     clock.t += 2.0
     e.tick()
     assert count.evals == 1 and len(e.evals) == 1
+
+
+def test_the_real_benchs_recorder_keeps_what_the_policy_reads() -> None:
+    """The real bench watches the running policy through its Recorder: the wrapped policy must
+    still say which events it reads, or ashl's evaluations are deferred (its stages never see
+    the loss) and auto is never given a forecast (it stays on its first policy)."""
+    from hetd.bench.real import Recorder
+
+    for name in ("ashl", "auto", "asp"):
+        inner = make_policy(name)
+        e, _ = engine(inner)
+        wrapped = Recorder(e).wrap(inner)
+        assert wrapped.update is not inner.update and wrapped.name == inner.name
+        assert (wrapped.reads_evals, wrapped.reads_forecasts, dict(wrapped.params)) == (
+            inner.reads_evals,
+            inner.reads_forecasts,
+            dict(inner.params),
+        ), name
+    assert make_policy("ashl").reads_evals and make_policy("auto").reads_forecasts
+    assert keeper_for(Recorder(e).wrap(make_policy("ashl")), EvalOptions("deferred")) is None
