@@ -148,6 +148,14 @@ class PserversConfig:
     # the link pservers connect to (loopback only: it carries no token yet)
     host: str = "127.0.0.1"
     port: int = 7072
+    # who starts the pserver processes: "none", the operator (hetd pserver, one per slice);
+    # "local", the daemon: it spawns them on this host, each in <[store] dir>/pservers/slice<I>,
+    # restarts one that exits (with a backoff; one that keeps failing is reported, not restarted)
+    # and stops them when it stops
+    backend: str = "none"
+
+
+PSERVER_BACKENDS = ("none", "local")
 
 
 @dataclass(frozen=True)
@@ -393,6 +401,15 @@ def _checked(cfg: Config) -> Config:
 
 
 def _check_pservers(p: PserversConfig) -> None:
+    if p.backend not in PSERVER_BACKENDS:
+        raise ConfigError(
+            f"[pservers] backend = {p.backend!r}: one of {', '.join(map(repr, PSERVER_BACKENDS))} "
+            '("none": you start each hetd pserver; "local": the daemon starts and restarts them)'
+        )
+    if p.backend != "none" and p.servers < 1:
+        raise ConfigError(
+            f"[pservers] backend = {p.backend!r} needs servers >= 1: the processes it starts"
+        )
     if p.servers > 0 and not p.log:
         raise ConfigError(
             f"[pservers] servers = {p.servers} needs log = true: pservers replay the decision log"

@@ -28,6 +28,13 @@ def add_pserver(sub: Sub) -> None:
         default="127.0.0.1:0",
         help="HOST:PORT for push parts (default: a free port on loopback, written to DIR/port)",
     )
+    p.add_argument(
+        "--parent",
+        type=int,
+        default=0,
+        help="stop (as on SIGTERM) when the process PARENT ends (Linux; set by a daemon that "
+        "supervises its pservers)",
+    )
     p.set_defaults(run=_pserver)
 
 
@@ -39,10 +46,12 @@ def _address(text: str, what: str) -> tuple[str, int]:
 
 
 def _pserver(args: argparse.Namespace) -> int:
-    from hetd.server.pserver_proc import run
+    from hetd.server.pserver_proc import exit_with_parent, run
 
     head = _address(args.head, "--head")
     listen = _address(args.listen, "--listen")
     if args.slice < 0:
         raise ValueError(f"--slice must be >= 0, got {args.slice}")
+    if args.parent:
+        exit_with_parent(args.parent)
     return asyncio.run(run(head, args.slice, Path(args.dir), listen))

@@ -52,6 +52,7 @@ if TYPE_CHECKING:  # the heavy modules (JAX, flax, optax) load behind the listen
     from hetd.server.metrics import Metrics
     from hetd.server.planning import Planning
     from hetd.server.pserver_link import HeadLink
+    from hetd.server.pserver_sup import LocalPservers
     from hetd.server.replicas import ReplicaDriver
 
 log = logging.getLogger("hetd.server.daemon")
@@ -78,6 +79,7 @@ class Daemon:
         self.ssl_context: ssl.SSLContext | None = config_mod.server_ssl_context(cfg.server)
         self._engine = engine
         self.pservers: HeadLink | None = None  # the pservers' link ([pservers] servers)
+        self.pserver_procs: LocalPservers | None = None  # [pservers] backend = "local"
         self.checkpointer: checkpoint.Checkpointer | None = None  # made by build (imports flax)
         self.resumed_from: checkpoint.CheckpointInfo | None = None
         self.metrics: Metrics | None = None
@@ -268,6 +270,20 @@ class Daemon:
         self.pservers = link
         if self.checkpointer is not None:
             self.checkpointer.log_floor = link.floor
+        if p.backend == "local":
+            from pathlib import Path
+
+            from hetd.server.pserver_sup import LocalPservers
+
+            procs = LocalPservers(
+                (p.host, link.port), Path(self.cfg.store.dir) / "pservers", p.servers
+            )
+            self.pserver_procs = procs  # (before starting: stop ends what did start)
+            try:
+                await procs.start()
+            except OSError as exc:
+                raise StartupError(f"cannot start the pserver processes: {exc}") from exc
+            log.info("started %d pserver processes under %s", p.servers, procs.root)
         log.warning(
             "%d pservers follow the decision log on %s:%d; workers do not send them their "
             "pushes' parts yet, so they stop at the first push, and the log keeps every record "
@@ -383,7 +399,25 @@ class Daemon:
             out["link_port"] = self.pservers.port
             out["saved"] = list(self.pservers.durable)  # each slice's newest saved position
             out["connected"] = sorted(self.pservers.connected)
+        if self.pserver_procs is not None:  # each process's pid, state and restarts
+            out["processes"] = self.pserver_procs.describe()
         return out
+
+    async def _pservers_saved(self, link: HeadLink, timeout: float) -> None:
+        """Wait (at most ``timeout``) until every connected pserver saved the log's last
+        position, where the final checkpoint's entry is: they stop on it, with nothing to replay."""
+        decisions = self._engine.decisions if self._engine is not None else None
+        if decisions is None:
+            return
+        end = decisions.position
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(link.durable[s] >= end for s in link.connected):
+                return
+            await asyncio.sleep(0.05)
+        log.warning(
+            "pservers did not all save the final checkpoint's position within %.0f s", timeout
+        )
 
     def _metric_extras(self) -> dict[str, float]:
         relayed = self.relay.stats()
@@ -444,6 +478,11 @@ class Daemon:
                 log.warning("final checkpoint %s at version %d", info.path, info.version)
             except Exception:
                 log.exception("the final checkpoint failed")
+        if self.pserver_procs is not None:  # after the last checkpoint: they save its entry
+            if state is not None and self.pservers is not None:
+                await self._pservers_saved(self.pservers, timeout)
+            await self.pserver_procs.stop(timeout)
+            self.pserver_procs = None
         if self.pservers is not None:  # after the last checkpoint: its entry reached them
             await self.pservers.close()
             self.pservers = None

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ log = logging.getLogger("hetd.pserver")
 
 EXIT_BROKEN = 3  # the slice cannot go on (a disagreement with the log, nothing to start from)
 PORT_FILE = "port"
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 class Pserver:
@@ -193,6 +195,19 @@ def _setup(welcome: dict[str, Any]) -> Setup:
         link.field(welcome, "epoch", str),
         link.field(welcome, "start", int),
     )
+
+
+def exit_with_parent(parent: int) -> None:
+    """Have the kernel send this process SIGTERM when the process that started it ends (Linux's
+    parent-death signal; elsewhere nothing), and exit now if ``parent`` is already gone: a pserver
+    a daemon supervises never outlives it to share its directory with the next one's."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != parent:
+        raise SystemExit(0)
 
 
 async def run(
