@@ -125,6 +125,31 @@ def forecast_rows(st: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def log_rows(st: dict[str, Any]) -> list[tuple[str, str]]:
+    """The decision log and its pservers (the daemon's ``decisions``), when one is kept."""
+    d = st.get("decisions")
+    if not isinstance(d, dict):
+        return []
+    rows = [
+        ("decision log", f"position {d['position']}, version {d['version']}, from {d['first']}")
+    ]
+    saved = d.get("saved")
+    if saved is not None:
+        connected = set(d.get("connected") or ())
+        cells = [
+            f"{i}: saved {pos}{'' if i in connected else ' (not connected)'}"
+            for i, pos in enumerate(saved)
+        ]
+        rows.append(("pservers", "; ".join(cells) or "none"))
+    for p in d.get("processes") or ():
+        pid = f"pid {p['pid']}" if p.get("pid") is not None else "no process"
+        exit_ = f", last exit {p['last_exit']}" if p.get("last_exit") is not None else ""
+        rows.append(
+            (f"pserver {p['slice']}", f"{p['state']}, {pid}, {p['restarts']} restarts{exit_}")
+        )
+    return rows
+
+
 def status_text(st: dict[str, Any]) -> str:
     """A readable /v1/status."""
     acc = st.get("accuracy")
@@ -151,6 +176,7 @@ def status_text(st: dict[str, Any]) -> str:
             else f"{ck['dir']}, last: "
             + (f"version {last['version']} ({os.path.basename(last['path'])})" if last else "none"),
         ),
+        *log_rows(st),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -79,3 +79,26 @@ def test_status_shows_the_last_forecast_and_what_auto_made_of_it() -> None:
     plain = status("asp")
     plain["planning"] = {"every_s": 30.0, "rounds": 0, "skipped": 0, "failed": 0, "last": None}
     assert "forecast" not in status_text(plain)
+
+
+def test_status_shows_the_decision_log_and_each_pserver() -> None:
+    body = status("asp")
+    assert "decision log" not in status_text(body)  # none kept: no row
+    body["decisions"] = {
+        "position": 120,
+        "version": 40,
+        "first": 100,
+        "link_port": 7072,
+        "saved": [100, 80],
+        "connected": [0],
+        "processes": [
+            {"slice": 0, "pid": 4242, "state": "running", "restarts": 0, "last_exit": None},
+            {"slice": 1, "pid": None, "state": "waiting", "restarts": 2, "last_exit": -9},
+        ],
+    }
+    rows = dict(line.split("  ", 1) for line in status_text(body).splitlines() if "  " in line)
+    rows = {k.strip(): v.strip() for k, v in rows.items()}
+    assert rows["decision log"] == "position 120, version 40, from 100"
+    assert rows["pservers"] == "0: saved 100; 1: saved 80 (not connected)"
+    assert rows["pserver 0"] == "running, pid 4242, 0 restarts"
+    assert rows["pserver 1"] == "waiting, no process, 2 restarts, last exit -9"
