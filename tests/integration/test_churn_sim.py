@@ -82,7 +82,9 @@ def check_churn(sc: Scenario, run: SimRun, label: str) -> None:
     names = sorted(f.name for f in engine.facts.values())
     assert names == ["w0", "w1", "w4", "w5"], (label, names)
     assert all(f.samples > 0 for f in engine.facts.values()), label
-    if result.stages:  # a profiling policy: the early joiner came while it still profiled
+    # a profiling policy: the early joiner came while it still profiled (auto's stages are those
+    # of the policy it swaps in, which starts from the timings auto has, without a profile)
+    if result.stages and label != "auto":
         assert result.stages[0][1] == "profile" and result.stages[1][0] > 0.01, result.stages
 
 
