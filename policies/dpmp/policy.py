@@ -53,7 +53,7 @@ from policies.types import (
 )
 
 PROBE = 4  # samples per round for a data-parallel worker the plan left without work
-KEPT = 5  # a replica's last measured steps kept (their median calibrates its stages)
+KEPT = 6  # a replica's measured steps kept (the median of all but its first calibrates its stages)
 DEFAULT_SAMPLE_S = 1e-3  # s per sample of a worker nobody has measured yet (only shares matter)
 
 ShapeKey = tuple[tuple[int, ...], tuple[int, ...], int]  # a replica's (members, cuts, micro)
@@ -196,7 +196,9 @@ def calibrated(
     speeds = dict(st.speeds)
     facts: dict[int, WorkerFacts] = {**view.workers, **view.stage_workers}
     for p in st.pipelines:
-        steps = st.measured.get(_key(p), ())
+        # A shape's first step is left out: its stages compile then, and a speed read from it
+        # would plan the replica away for good (no step of it would be measured again).
+        steps = st.measured.get(_key(p), ())[1:]
         if not steps or any(w not in facts for w in p.members):
             continue
         guessed = frozenset(w for w in p.members if own_speed(view, facts[w]) is None)

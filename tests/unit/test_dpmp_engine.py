@@ -134,9 +134,11 @@ def test_the_policy_times_a_stage_only_worker_by_its_replicas_steps() -> None:
     true = [specs[2], dataclasses.replace(specs[3], sample_s=4e-3)]
     wall = replica_cost(blocks, true, shape.cuts, 16, 8).time(128)
     st = DpmpPolicyState(pipelines=(shape,))
-    st = measure(st, Push(1.0, 2, 0, "grad", 128, 1, wall, None))
+    first = measure(st, Push(1.0, 2, 0, "grad", 128, 1, 10 * wall, None))  # its stages compile
+    assert calibrated(view, blocks, 1.0, first) == {}  # the first step alone times nobody
+    st = measure(first, Push(1.0, 2, 0, "grad", 128, 1, wall, None))
     st = measure(st, Push(1.0, 1, 0, "grad", 128, 1, 9.9, None))  # not a replica's: not kept
-    assert list(st.measured.values()) == [((wall, 128),)]
+    assert list(st.measured.values()) == [((10 * wall, 128), (wall, 128))]
     speeds = calibrated(view, blocks, 1.0, st)
     assert speeds == {3: pytest.approx(4e-3, rel=1e-6)}  # worker 2 timed itself: kept
     assert worker_specs(view, 1.0, speeds)[3].sample_s == pytest.approx(4e-3, rel=1e-6)
