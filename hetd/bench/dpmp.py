@@ -112,84 +112,38 @@ def _per_seed(key: str, field: str) -> Callable[[dict[str, Any]], list[float]]:
     return lambda doc: [float(r[field]) for r in doc["scenarios"][key]["seeds"] if field in r]
 
 
+def _less_by(name: str, key: str, field: str, frac: float) -> _Target:
+    """dpmp's batch time at least ``frac`` below lbbsp's."""
+    return _Target(
+        name, f"≥ {frac:.0%} less".replace("%", " %"), _per_seed(key, field),
+        lambda x: x >= frac, lambda x: -x,
+    )  # fmt: skip
+
+
+def _at_most(name: str, key: str, field: str, cap: float) -> _Target:
+    return _Target(name, f"≤ {cap:.2f}", _per_seed(key, field), lambda x: x <= cap, lambda x: x)
+
+
+def _within(name: str, key: str, field: str, tol: float) -> _Target:
+    """A ratio within ``tol`` of 1."""
+    return _Target(
+        name, f"within ±{tol:.0%}".replace("%", " %"), _per_seed(key, field),
+        lambda x: abs(x - 1) <= tol, lambda x: abs(x - 1),
+    )  # fmt: skip
+
+
 TARGETS = (
-    _Target(
-        "B: dpmp batch time vs lbbsp",
-        "≥ 15 % less",
-        _per_seed("B", "reduction"),
-        lambda x: x >= 0.15,
-        lambda x: -x,
-    ),
-    _Target(
-        "B: measured / predicted",
-        "within ±15 %",
-        _per_seed("B", "measured_over_predicted"),
-        lambda x: abs(x - 1) <= 0.15,
-        lambda x: abs(x - 1),
-    ),
-    _Target(
-        "D: dpmp batch time vs lbbsp",
-        "≥ 45 % less",
-        _per_seed("D", "reduction"),
-        lambda x: x >= 0.45,
-        lambda x: -x,
-    ),
-    _Target(
-        "C: dpmp / lbbsp",
-        "≤ 1.05",
-        _per_seed("C", "dpmp_over_lbbsp"),
-        lambda x: x <= 1.05,
-        lambda x: x,
-    ),
-    _Target(
-        "E: dpmp / lbbsp",
-        "≤ 1.05",
-        _per_seed("E", "dpmp_over_lbbsp"),
-        lambda x: x <= 1.05,
-        lambda x: x,
-    ),
-    _Target(
-        "engine B: dpmp batch time vs lbbsp",
-        "≥ 15 % less",
-        _per_seed("B", "engine_reduction"),
-        lambda x: x >= 0.15,
-        lambda x: -x,
-    ),
-    _Target(
-        "engine D: dpmp batch time vs lbbsp",
-        "≥ 45 % less",
-        _per_seed("D", "engine_reduction"),
-        lambda x: x >= 0.45,
-        lambda x: -x,
-    ),
-    _Target(
-        "engine C: dpmp / lbbsp",
-        "≤ 1.05",
-        _per_seed("C", "engine_dpmp_over_lbbsp"),
-        lambda x: x <= 1.05,
-        lambda x: x,
-    ),
-    _Target(
-        "engine E: dpmp / lbbsp",
-        "≤ 1.05",
-        _per_seed("E", "engine_dpmp_over_lbbsp"),
-        lambda x: x <= 1.05,
-        lambda x: x,
-    ),
-    _Target(
-        "B: engine / pipeline (dpmp)",
-        "within ±15 %",
-        _per_seed("B", "engine_over_pipeline"),
-        lambda x: abs(x - 1) <= 0.15,
-        lambda x: abs(x - 1),
-    ),
-    _Target(
-        "D: engine / pipeline (dpmp)",
-        "within ±15 %",
-        _per_seed("D", "engine_over_pipeline"),
-        lambda x: abs(x - 1) <= 0.15,
-        lambda x: abs(x - 1),
-    ),
+    _less_by("B: dpmp batch time vs lbbsp", "B", "reduction", 0.15),
+    _within("B: measured / predicted", "B", "measured_over_predicted", 0.15),
+    _less_by("D: dpmp batch time vs lbbsp", "D", "reduction", 0.45),
+    _at_most("C: dpmp / lbbsp", "C", "dpmp_over_lbbsp", 1.05),
+    _at_most("E: dpmp / lbbsp", "E", "dpmp_over_lbbsp", 1.05),
+    _less_by("engine B: dpmp batch time vs lbbsp", "B", "engine_reduction", 0.15),
+    _less_by("engine D: dpmp batch time vs lbbsp", "D", "engine_reduction", 0.45),
+    _at_most("engine C: dpmp / lbbsp", "C", "engine_dpmp_over_lbbsp", 1.05),
+    _at_most("engine E: dpmp / lbbsp", "E", "engine_dpmp_over_lbbsp", 1.05),
+    _within("B: engine / pipeline (dpmp)", "B", "engine_over_pipeline", 0.15),
+    _within("D: engine / pipeline (dpmp)", "D", "engine_over_pipeline", 0.15),
     _Target(
         "budget: time-average cost / budget",
         "within ±5 %",
@@ -209,13 +163,7 @@ REAL_TARGETS = (
         lambda x: -x,
     ),
     *(
-        _Target(
-            f"{key}: real / engine ({policy})",
-            "≤ 1.30",
-            _per_seed(key, f"real_over_engine_{policy}"),
-            lambda x: x <= 1.3,
-            lambda x: x,
-        )
+        _at_most(f"{key}: real / engine ({policy})", key, f"real_over_engine_{policy}", 1.3)
         for key in KEYS
         for policy in POLICIES
     ),
