@@ -7,7 +7,7 @@ became a replica's stage is ``dropped``; the :class:`~hetd.core.guard.UpdateGuar
 into the worker table, and one based on a version from the future or staler than
 ``max_staleness`` is ``dropped``. What passes becomes the policy's :class:`~policies.types.Push`.
 A push refused or dropped here is a drop in the decision log, when one is kept (a pserver frees
-its part).
+its part); so is one whose parts did not all reach the pservers (:attr:`Intake.partless`).
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ class Intake:
         self.store = applier.store
         self.config = config
         self.meters = meters
+        # pushes (worker, id) whose parts did not all reach the pservers: dropped, as a drop in
+        # the decision log (the daemon's pservers' link names them before it submits them)
+        self.partless: set[tuple[int, int]] = set()
 
     def push(self, p: PushIn, now: float) -> tuple[Reply | None, Event | None]:
         """The answer the push gets now (if any) and the event the policy hears (if any): a
@@ -66,6 +69,12 @@ class Intake:
                 f"push {p.id} was received before (last push {entry.last_push}); not applied again"
             )
             return Ack(p.id, version, "duplicate", why), None
+        if (p.worker, p.id) in self.partless:  # applied everywhere or nowhere: nowhere
+            self.partless.discard((p.worker, p.id))
+            st.dropped += 1
+            entry.last_push = max(entry.last_push, p.id)
+            self.applier.discard(p.worker, p.id)
+            return Ack(p.id, version, "dropped", "its parts did not all reach the pservers"), None
         if p.worker in self.pipelines.head_of:  # a data-parallel step that ended after its
             st.dropped += 1  # worker became a replica's stage: the policy no longer counts it
             entry.last_push = max(entry.last_push, p.id)
