@@ -98,6 +98,7 @@ SCHEMA: Final[dict[str, dict[str, tuple[tuple[type, ...], bool]]]] = {
         "heartbeat_s": (_NUM, True),
         "train": ((dict,), True),
         "secret": (_OPT_STR, False),
+        "pservers": (_OPT_MAP, False),  # {map, addrs}: where a push's parts go (feature)
     },
     "params": {
         "version": ((int,), True),
@@ -128,8 +129,9 @@ ACK_STATUSES: Final = ("applied", "buffered", "dropped", "duplicate")
 # "Compatibility across 0.x"): "hash": full ``params`` frames carry the version's parameter hash; "stages": it runs pipeline
 # stages (``stage``/``step``/``abort``, ``act``/``gact``): only such a worker is put in a replica;
 # "reshard": it takes a ``shard`` message (its part of a Task's data, cut again when workers come
-# and go).
-WORKER_FEATURES: Final = ("hash", "stages", "reshard")
+# and go); "pservers": it sends each push's parts to the pservers the welcome names (a daemon
+# that runs pservers welcomes no other worker).
+WORKER_FEATURES: Final = ("hash", "stages", "reshard", "pservers")
 PUSH_KINDS: Final = ("grad", "delta")
 
 
