@@ -17,8 +17,17 @@ run of a scenario charges what a simulated one does:
   much. Without a base step (``base_step_s = 0``) the slow-down multiplies the real compute;
 * each step outside an episode starts one with probability ``stragglers``; an episode lasts a
   geometric number of steps with mean ``straggle_mean`` (the step that starts it included);
-* every message on the link (a push one way, a parameter frame the other) takes
-  ``latency_s + bytes / bandwidth`` more.
+* every message on the link (a push one way, a parameter frame the other, a pipeline stage's
+  activations and their gradients both ways) takes ``latency_s + bytes / bandwidth`` more;
+* a pipeline stage's work (blocks ``[lo, hi)`` of a block-structured model) is charged as the
+  simulator's pipeline charges it: a micro-batch of ``m`` samples costs the stage's share of the
+  model's compute (its blocks' parameters over all of them) × ``m`` × the seconds per sample,
+  one third for its forward and two for its backward (:meth:`Emulation.stage_seconds`);
+* memory (``memory``, bytes): a whole-model step needs the parameters, their gradients and one
+  micro-batch's activations (:func:`whole_step_bytes`, the simulator's rule); a worker asked for
+  one that does not fit fails it with :class:`OutOfMemory`, as a memory-poor device's
+  allocation fails, and leaves (:meth:`Emulation.check_whole_step`). Pipeline stages hold only
+  their blocks and run.
 
 Schedule time is seconds since the schedule's *origin*. Before the origin is known, or before it
 arrives, the worker runs at its initial slow-down with no shift and no straggle episode: the
@@ -29,10 +38,12 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from workers.errors import FatalError
 
 _UNITS = {
     "": 1.0,
@@ -47,6 +58,23 @@ _UNITS = {
 
 BEFORE = -math.inf  # schedule time before the origin (or while it is not known)
 ORIGIN_MODES = ("first-step", "stdin")  # besides a Unix time
+
+
+class OutOfMemory(FatalError):
+    """A whole-model step that does not fit the memory the worker emulates: the worker leaves,
+    as one whose device runs out of memory does."""
+
+
+def whole_step_bytes(shapes: Mapping[str, Sequence[int]], micro: int) -> float:
+    """Bytes a whole-model step needs: float32 parameters and their gradients, and one
+    micro-batch of ``micro`` samples' activations (each block's output, for a block-structured
+    model, :func:`hetd.core.entries.block_facts`; none for any other). The simulator's worker
+    counts the same (``hetd.sim.agent.EmuWorker.fits``)."""
+    from hetd.core.entries import block_facts  # light, but not on the command line's path
+
+    n_params = sum(math.prod(s) for s in shapes.values())
+    acts = sum(a for _, a, _ in block_facts({k: tuple(v) for k, v in shapes.items()}))
+    return 8.0 * n_params + micro * acts
 
 
 def parse_rate(text: str) -> float:
@@ -249,6 +277,32 @@ class Emulation:
             return compute_s * factor
         base = self.base_step_s * (samples if samples is not None else self.base_batch)
         return max(compute_s, base / self.base_batch * factor)
+
+    def stage_seconds(self, compute_s: float, samples: float, now: float | None = None) -> float:
+        """The emulated duration of pipeline-stage work worth ``samples`` whole-model samples
+        (the stage's share of the model's compute × the micro-batch × 1/3 for a forward, 2/3
+        for a backward) that really took ``compute_s``: as :meth:`step_seconds`, with the
+        slow-down at ``now`` and no straggle draw (episodes count whole-model steps)."""
+        if now is None:
+            now = self.clock.started(compute_s) if self.clock is not None else BEFORE
+        factor = self.slowdown_at(now)
+        if self.base_step_s <= 0:
+            return compute_s * factor
+        return max(compute_s, self.base_step_s * samples / self.base_batch * factor)
+
+    def check_whole_step(self, shapes: Mapping[str, Sequence[int]], micro: int) -> None:
+        """Raise :class:`OutOfMemory` when a whole-model step of the model of parameter
+        ``shapes`` at micro-batch ``micro`` (:func:`whole_step_bytes`) does not fit the
+        emulated ``memory`` (never without one)."""
+        if self.memory is None:
+            return
+        need = whole_step_bytes(shapes, micro)
+        if need > self.memory:
+            raise OutOfMemory(
+                f"out of memory: a whole-model step needs {need / 1e6:.2f} MB (parameters, "
+                f"gradients and a {micro}-sample micro-batch's activations) and this worker has "
+                f"{self.memory / 1e6:.2f} MB (--emulate-memory); it can run pipeline stages only"
+            )
 
     def join_wait_s(self) -> float | None:
         """Seconds left before the first connection (0 once it may connect, and always without

@@ -26,6 +26,7 @@ async def profile(
     if state.trainer is None:
         raise ConnectionError("profile before welcome")
     trainer = state.trainer
+    opts.emulation.check_whole_step(trainer.bound.layout.shapes, trainer.core.micro_batch)
     params = msg.tensors
     steps = max(1, min(20, asked.steps or 3))  # (0: the daemon named none)
     plan = Plan(batch_size=asked.batch_size or 32, local_steps=1)

@@ -35,6 +35,8 @@ async def compute(msg: Held, opts: WorkerOptions, state: WorkerState, idle_s: fl
     if state.trainer is None:
         raise ConnectionError("params before welcome")
     params = msg.tensors
+    trainer = state.trainer
+    opts.emulation.check_whole_step(trainer.bound.layout.shapes, trainer.core.micro_batch)
     plan = dataclasses.replace(
         state.plan, local_steps=local_steps_for(state.plan, state.local_step_s)
     )

@@ -7,14 +7,22 @@ talks to the network (``workers.client`` does). The model must be block-structur
 (:func:`hetd.zoo.blocks.blocks_for`); stage 0 reads the step's inputs and the last stage its
 labels from the same sample indices of the training set (every worker loads the whole data set),
 so no sample travels.
+
+With an :class:`~workers.emulate.Emulation` a stage works at the emulated device's pace: each
+frame it sends leaves once the emulated time of the work before it has passed (the stage's share
+of the model's compute, a third for a forward and two for a backward,
+:meth:`~workers.emulate.Emulation.stage_seconds`; the host's own compute is a floor), and an
+activation or gradient that arrives waits out the emulated link, as a pushed frame does when it
+leaves (:func:`workers.push.send`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,13 +33,17 @@ from hetd.protocol.frames import Abort, Act, Gact, Pipeline, Pull, Push, StageOr
 from hetd.protocol.params import Held
 from hetd.zoo.blocks import blocks_for
 from hetd.zoo.data import Dataset
-from hetd.zoo.stages import Stage, StageRunner
+from hetd.zoo.stages import Stage, StageRunner, prefix
+from workers.emulate import Emulation
 
 log = logging.getLogger("hetd.worker.stage")
 
 
 class StageError(ValueError):
     """A pipeline message this worker cannot act on (no block model, no assignment, ...)."""
+
+
+Timed = tuple[float, bytes]  # a frame and the time.perf_counter() reading it may leave at
 
 
 @dataclass
@@ -41,15 +53,56 @@ class _Step:
     started: float = 0.0
 
 
+def stage_share(shapes: Mapping[str, Sequence[int]], lo: int, hi: int) -> float:
+    """Blocks ``[lo, hi)``'s share of a block-structured model's compute: their parameters over
+    all (the planner's and the simulator's rule, :func:`hetd.core.entries.block_facts`)."""
+    heads = tuple(prefix(j) + "/" for j in range(lo, hi))
+    total = sum(math.prod(s) for s in shapes.values())
+    mine = sum(math.prod(s) for k, s in shapes.items() if k.startswith(heads))
+    return mine / total if total > 0 else 1.0
+
+
+def task_weights(
+    trace: Sequence[tuple[str, int]], last: bool, first: bool
+) -> list[tuple[float, bool]]:
+    """Each task of a runner's ``trace`` as (its part of one micro-batch's stage work, whether
+    it sends a message): a forward a third (it sends its activation, but on the last stage), a
+    backward two thirds (it sends its input's gradient, but on stage 0); the last stage's
+    forward and backward are one task (it sends the gradient, but when it is stage 0 too)."""
+    out: list[tuple[float, bool]] = []
+    for kind, _ in trace:
+        if last:
+            if kind == "F":
+                out.append((1.0, not first))
+        elif kind == "F":
+            out.append((1 / 3, True))
+        else:
+            out.append((2 / 3, not first))
+    return out
+
+
 class StageHost:
     """One worker's pipeline stage and its current step."""
 
-    def __init__(self, model: dict[str, Any], data: Dataset, push_id: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        model: dict[str, Any],
+        data: Dataset,
+        push_id: Callable[[], int],
+        emulation: Emulation | None = None,
+        shapes: Mapping[str, Sequence[int]] | None = None,
+    ) -> None:
         """``model``: the welcome's model setup (``spec``, ``kwargs``); ``data``: the data set;
-        ``push_id``: the request id of the next push (the worker's own sequence)."""
+        ``push_id``: the request id of the next push (the worker's own sequence);
+        ``emulation``: the worker's (None: the host's own pace); ``shapes``: the whole model's
+        parameter shapes (a stage's share of the compute; needed with ``emulation``)."""
         self.model = model
         self.push_id = push_id
         self.data = data
+        self.emulation = emulation
+        self.shapes = shapes
+        self.share = 1.0  # the stage's part of the model's compute
+        self.free_at = 0.0  # time.perf_counter() when the emulated device finishes its work
         self.assignment: StageOrder | None = None
         self.stage: Stage | None = None
         self.step: _Step | None = None
@@ -70,6 +123,8 @@ class StageHost:
         old = self.stage
         if old is None or (old.lo, old.hi, old.index, old.of) != key:
             self.stage = Stage(bm, lo, hi, msg.stage, msg.of)
+        if self.shapes is not None:
+            self.share = stage_share(self.shapes, lo, hi)
         self.assignment = msg
         self.step = None
         log.info(
@@ -88,7 +143,7 @@ class StageHost:
             return False
         return not step or (self.step is not None and self.step.msg.step == msg.step)
 
-    def begin(self, msg: StepOrder, held: Held | None) -> list[bytes]:
+    def begin(self, msg: StepOrder, held: Held | None) -> list[Timed]:
         """Take a ``step`` message; the frames to send (none until its base version is held:
         then :meth:`params` starts it)."""
         if self.assignment is None or self.stage is None or not self._ours(msg, step=False):
@@ -107,7 +162,7 @@ class StageHost:
         s = self.step
         return None if s is None or s.runner is not None else s.msg.base
 
-    def params(self, held: Held | None) -> list[bytes]:
+    def params(self, held: Held | None) -> list[Timed]:
         """New parameters are held: start a step waiting for exactly this version."""
         s, stage = self.step, self.stage
         if s is None or s.runner is not None or held is None or stage is None:
@@ -146,9 +201,9 @@ class StageHost:
             labels=labels if stage.is_last else None,
         )
         s.started = time.perf_counter()
-        return self._frames(s.runner.start())
+        return self._timed(s.runner.start)
 
-    def offer(self, msg: Act) -> list[bytes]:
+    def offer(self, msg: Act) -> list[Timed]:
         """An ``act`` or ``gact`` arrived through the relay; the frames to send."""
         s = self.step
         if s is None or s.runner is None or not self._ours(msg):
@@ -157,13 +212,15 @@ class StageHost:
                 " which this worker is not running"
             )
         array = codecs.decode_tensor(msg.tensor, f"{msg.type}[{msg.mb}]")
+        runner = s.runner
         try:
-            out = s.runner.offer(msg.type, msg.mb, array)
+            return self._timed(lambda: runner.offer(msg.type, msg.mb, array))
+        except StageError:
+            raise
         except Exception as exc:  # a wrong shape or a message for the wrong side: the runner
             self.step = None  # may be half-way through it, so the step is given up
             self.dropped += 1
             raise StageError(f"{msg.type} {msg.mb}: {exc}; step given up") from None
-        return self._frames(out)
 
     def abort(self, msg: Abort) -> bool:
         """Take an ``abort``: forget the step it names; with ``dissolve``, the assignment too.
@@ -181,23 +238,56 @@ class StageHost:
             )
         return self.assignment is None
 
-    def _frames(self, out: list[tuple[str, int, np.ndarray]]) -> list[bytes]:
+    def _timed(self, work: Callable[[], list[tuple[str, int, np.ndarray]]]) -> list[Timed]:
+        """Run ``work`` (the runner's next tasks) and time the frames it sends: each may leave
+        once the emulated time of the tasks up to the one that made it has passed since the
+        work began (at once without an emulation)."""
         s = self.step
         assert s is not None and s.runner is not None  # called while running a step
+        runner = s.runner
+        before = len(runner.trace)
+        began = time.perf_counter()
+        out = work()
+        real = time.perf_counter() - began
+        # the emulated device starts this work once it finished the last (its frames' times)
+        t0 = max(began, self.free_at)
+        stage = self.stage
+        assert stage is not None  # set with the assignment
+        due = [t0] * len(out)
+        emu = self.emulation
+        if emu is not None:
+            tasks = task_weights(runner.trace[before:], stage.is_last, stage.index == 0)
+            total = sum(w for w, _ in tasks)
+            unit = s.msg.micro * self.share  # whole-model samples of one micro-batch's work
+            seconds = emu.stage_seconds(real, unit * total) if total > 0 else real
+            done, due = 0.0, []
+            for w, sends in tasks:
+                done += w
+                if sends:
+                    due.append(t0 + seconds * done / total)
+            if len(due) != len(out):  # a runner that sends otherwise: all at the end
+                due = [t0 + seconds] * len(out)
+            end = t0 + seconds
+        else:
+            end = t0 + real
+        self.free_at = end
         m = s.msg
         none = codecs.get_codec("none")
         frames = [
-            (Act if kind == "act" else Gact)(
-                m.replica, m.gen, m.step, mb, none.encode(np.asarray(x, np.float32), None)
-            ).encode()
-            for kind, mb, x in out
+            (
+                at,
+                (Act if kind == "act" else Gact)(
+                    m.replica, m.gen, m.step, mb, none.encode(np.asarray(x, np.float32), None)
+                ).encode(),
+            )
+            for at, (kind, mb, x) in zip(due, out, strict=True)
         ]
-        if s.runner.done:
-            frames.append(self._push(s))
+        if runner.done:
+            frames.append((end, self._push(s, end)))
             self.step = None
         return frames
 
-    def _push(self, s: _Step) -> bytes:
+    def _push(self, s: _Step, end: float) -> bytes:
         assert s.runner is not None and self.stage is not None
         self.pushed += 1
         m = s.msg
@@ -209,7 +299,7 @@ class StageHost:
             tensors=codecs.encode_tree(grads, codecs.get_codec("none")),
             samples=m.micro * m.micro_batches,
             steps=1,
-            compute_s=time.perf_counter() - s.started,
+            compute_s=max(time.perf_counter(), end) - s.started,
             loss=s.runner.loss if self.stage.is_last else None,
             replica=m.replica,
             gen=m.gen,
@@ -225,24 +315,29 @@ async def handle(
     send: Callable[[bytes], Awaitable[None]],
 ) -> None:
     """Give ``host`` one pipeline message (the compute off the event loop) and send what it
-    answers; a step whose base version is not held asks the daemon for its parameters. A message
-    the host cannot act on is logged and forgotten (the daemon aborts what it cannot finish)."""
+    answers, each frame when it is due (the emulated device's pace); a step whose base version is
+    not held asks the daemon for its parameters. A message the host cannot act on is logged and
+    forgotten (the daemon aborts what it cannot finish). An activation or gradient first waits
+    out the emulated link it came over."""
     try:
         if isinstance(msg, StageOrder):
             await asyncio.to_thread(host.assign, msg)
-            frames: list[bytes] = []
+            frames: list[Timed] = []
         elif isinstance(msg, StepOrder):
             frames = await asyncio.to_thread(host.begin, msg, held)
         elif isinstance(msg, Abort):
             host.abort(msg)
             frames = []
         else:
+            if host.emulation is not None:
+                delay = host.emulation.transfer_seconds(_tensor_bytes(msg.tensor))
+                if delay > 0:
+                    await asyncio.sleep(delay)
             frames = await asyncio.to_thread(host.offer, msg)
     except (StageError, codecs.CodecError) as exc:
         log.warning("%s refused: %s", msg.type, exc)
         return
-    for frame in frames:
-        await send(frame)
+    await _send_due(frames, send)
     wanted = host.waiting_for()
     if isinstance(msg, StepOrder) and wanted is not None:
         await send(Pull(None).encode())
@@ -252,5 +347,19 @@ async def new_params(host: StageHost, held: Held, send: Callable[[bytes], Awaita
     """Parameters arrived: start the step that waited for their version."""
     if host.waiting_for() is None:
         return
-    for frame in await asyncio.to_thread(host.params, held):
+    await _send_due(await asyncio.to_thread(host.params, held), send)
+
+
+async def _send_due(frames: Sequence[Timed], send: Callable[[bytes], Awaitable[None]]) -> None:
+    """Send each frame once its time has come."""
+    for at, frame in frames:
+        wait = at - time.perf_counter()
+        if wait > 0:
+            await asyncio.sleep(wait)
         await send(frame)
+
+
+def _tensor_bytes(tensor: Any) -> int:
+    """The bytes of an encoded tensor (its ``data``; 0 when it has none)."""
+    data = tensor.get("data") if isinstance(tensor, Mapping) else None
+    return len(data) if isinstance(data, bytes | bytearray | memoryview) else 0

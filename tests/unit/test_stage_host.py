@@ -103,8 +103,8 @@ def test_two_hosts_through_wire_frames_give_the_whole_gradient(world) -> None:  
     for s, h in enumerate(hosts):
         h.assign(_stage(s))
     held = Held(4, params)
-    mail = [(0, f) for f in hosts[0].begin(_step(9, 4), held)]
-    mail += [(1, f) for f in hosts[1].begin(_step(9, 4), held)]
+    mail = [(0, f) for _, f in hosts[0].begin(_step(9, 4), held)]
+    mail += [(1, f) for _, f in hosts[1].begin(_step(9, 4), held)]
     pushes: dict[int, Push] = {}
     while mail:
         src, frame = mail.pop(0)
@@ -114,7 +114,7 @@ def test_two_hosts_through_wire_frames_give_the_whole_gradient(world) -> None:  
             continue
         assert isinstance(msg, Act)
         dst = src + 1 if msg.type == "act" else src - 1
-        mail += [(dst, f) for f in hosts[dst].offer(msg)]
+        mail += [(dst, f) for _, f in hosts[dst].offer(msg)]
     assert set(pushes) == {0, 1}
     assert [pushes[s].stage for s in (0, 1)] == [0, 1]
     assert all(p.base == 4 and p.samples == M * MICRO and p.step == 9 for p in pushes.values())
@@ -134,7 +134,7 @@ def test_a_step_waits_for_its_base_and_is_dropped_when_it_is_gone(world) -> None
     host.assign(_stage(0))
     assert host.begin(_step(1, 5), Held(4, params)) == [] and host.waiting_for() == 5
     acts = host.params(Held(5, params))  # its version arrived: stage 0 starts its forwards
-    assert [wire.decode(f).type for f in acts] == ["act", "act"]  # up to its in-flight cap 2
+    assert [wire.decode(f).type for _, f in acts] == ["act", "act"]  # up to its in-flight cap 2
     assert host.waiting_for() is None
     host.begin(_step(2, 7), Held(5, params))
     assert host.params(Held(8, params)) == [] and host.step is None and host.dropped == 2
