@@ -1,27 +1,20 @@
 """The single writer: one asyncio task owns all training state and reads one queue of commands.
 
 Sessions and the admin API put :mod:`~hetd.core.commands` on the queue; :meth:`Engine.handle` routes
-each to the parts (each a plain class with its own state, listed in :mod:`hetd.core`), asks the
-policy about the events they return and hands its decisions to the :class:`~hetd.core.execute.Executor`.
-Replies go to per-session :class:`~hetd.core.peers.Peer` outboxes, which never block it; time comes
-from an injected :class:`~hetd.core.peers.Clock`, so the simulator drives the same code.
-
-:meth:`Engine.run` (the daemon) takes what is queued (up to :data:`~hetd.core.queue.BATCH`
-commands), then publishes once: one optimizer step of the batch's updates, one snapshot, one
-encoding per (codec, held version). Called directly (unit tests) every command publishes before
-it returns; after :meth:`Engine.defer_publishing` (the simulator) the caller publishes each batch
-with :meth:`Engine.publish_batch`.
+each to the part that owns its state (plain classes, listed in :mod:`hetd.core`), asks the policy
+about the events the parts return, and hands its decisions to the :class:`~hetd.core.execute.Executor`,
+whose consequences come back as events. Replies go to per-session :class:`~hetd.core.peers.Peer`
+outboxes, which never block it; time comes from an injected :class:`~hetd.core.peers.Clock`, so the
+simulator drives the same code. :meth:`Engine.run` publishes once per batch of commands
+(:mod:`hetd.core.publish`); called directly (unit tests) every command publishes before it returns.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from hetd.codecs import registry as codecs
 from hetd.core import commands as cmd
 from hetd.core import saved
 from hetd.core.applier import Applier
@@ -60,10 +53,8 @@ class Engine:
         evaluator: Callable[[Snapshot], tuple[float, float]] | None = None,
         decisions: DecisionSink | None = None,
     ) -> None:
-        """``decisions``: a decision log the engine writes every decision into
-        (:class:`~hetd.core.applier.Applier`)."""
+        """``decisions``: a log of every decision (:class:`~hetd.core.applier.Applier`)."""
         self.store = store
-        store.hashes = config.param_hashes  # a snapshot's frame carries its hash (or not)
         self.config = config
         self.clock: Clock = clock or MonotonicClock()
         self.started_at = now = self.clock.now()
@@ -120,8 +111,7 @@ class Engine:
 
     def handle(self, command: cmd.Command) -> Any:
         """Carry out one command now (on the engine task, or synchronously in tests and the
-        simulator); a :class:`~hetd.core.commands.Join` returns the worker's id, a
-        :class:`~hetd.core.commands.Call` its function's result."""
+        simulator); a ``Join`` returns the worker's id, a ``Call`` its function's result."""
         match command:
             case cmd.Push(push):
                 self.push(push)
@@ -139,7 +129,7 @@ class Engine:
                 self.publisher.resend(wid, peer)
             case cmd.Transport(wid, peer, transport, sink):
                 if sink is not None:
-                    self.store.frame_sink = sink
+                    self.publisher.sink_to(sink)
                 self.members.set_transport(wid, peer, transport)
             case cmd.Tick():
                 self.tick()
@@ -159,32 +149,24 @@ class Engine:
     async def run(self) -> None:
         """Process commands until cancelled, publishing once after each batch; timer tasks feed
         ticks and evaluations."""
-        timers = [
-            asyncio.create_task(self.queue.tick_every(self.config.tick_s)),
-            asyncio.create_task(self.evaluations.timer(self.config.tick_s)),
-        ]
-        self.defer_publishing()
-        try:
-            while True:
-                await self.queue.run_batch(self.handle)
-                if self._to_publish():
-                    start = time.perf_counter()
-                    await self.publisher.publish_off_loop()
-                    self._run_replicas()
-                    self.meters.publish_latency.add(time.perf_counter() - start)
-        finally:
-            self.publisher.deferred = self.store.combine = False
-            self.evaluations.cancel()
-            for task in timers:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        tick = self.config.tick_s
+        async with self.queue.ticking(tick, self.evaluations.timer(tick)):
+            self.defer_publishing()
+            try:
+                while True:
+                    await self.queue.run_batch(self.handle)
+                    if self._to_publish():
+                        start = time.perf_counter()
+                        await self.publisher.publish_off_loop()
+                        self._run_replicas()
+                        self.meters.publish_latency.add(time.perf_counter() - start)
+            finally:
+                self.publisher.defer(False)
+                self.evaluations.cancel()
 
     def defer_publishing(self) -> None:
-        """Publish as the daemon does, for a caller that runs commands in batches without
-        :meth:`run` (the simulator's daemon server): releases wait for :meth:`publish_batch`,
-        and the updates queued in between go through one optimizer step of their weighted sum."""
-        self.publisher.deferred = self.store.combine = True
+        """Publish as :meth:`run` does, each batch by :meth:`publish_batch` (the simulator)."""
+        self.publisher.defer()
 
     def publish_batch(self) -> None:
         """What :meth:`run` does after each batch, synchronously."""
@@ -193,39 +175,31 @@ class Engine:
             self._run_replicas()
 
     def _to_publish(self) -> bool:
-        return bool(self.publisher.pending or self.store.pending or self.pipelines.pending)
+        return self.publisher.due() or bool(self.pipelines.pending)
 
     # --- worker commands --------------------------------------------------------------------------
 
     def join(self, hello: JoinIn, peer: Peer, on_id: Callable[[int], None] | None = None) -> int:
-        """Admit a worker: facts, plan, welcome with a new random secret; the policy decides when
-        it may start. A worker that says it is a known one (``resume_id``) and shows that worker's
-        secret gets its id, clock, last push id and secret back (an active one's old session
-        leaves first); a wrong or missing secret makes it a new worker. ``on_id`` is called with
-        the worker's id once it is welcomed and before the policy hears of it."""
-        codec = codecs.negotiate(list(hello.codecs), self.config.codec)  # raises before any change
-        members, rid = self.members, hello.resume_id
-        if rid in members.active and members.may_resume(rid, hello.resume_secret):
+        """Admit a worker (:meth:`Members.join`; one resuming an active worker makes its old
+        session leave first); ``on_id`` hears its id before the policy hears of it."""
+        codec, plan = self.members.terms(hello, self.host.stage)  # raises before any change
+        if (rid := self.members.resuming(hello)) is not None:
             self.leave(rid, "resumed on a new connection", None, keep=True)
-        plan = self.executor.default_plan(codec, self.host.stage)
-        wid = members.join(hello, peer, codec, plan).facts.worker
+        wid = self.members.join(hello, peer, codec, plan).facts.worker
         if on_id is not None:
             on_id(wid)
         self._dispatch(Join(self.clock.now(), wid))
         return wid
 
     def leave(self, wid: int, reason: str, peer: Peer | None = None, keep: bool = False) -> None:
-        """A worker left; it leaves every barrier at once (its entry is kept as departed when
-        a push of it was answered, or ``keep`` says so). ``peer``: the session that ended;
-        nothing happens when the worker is now on another one (it resumed first)."""
+        """A worker left (:meth:`Members.remove`; ``peer``: the session that ended) every barrier
+        at once; its replica dissolves, the shards are recut."""
         gone = self.members.remove(wid, reason, peer, keep)
         if gone is None:
             return
-        head = self.pipelines.of(wid)
-        if head is not None:  # its replica cannot go on: the others go back to data parallel
+        if (head := self.pipelines.of(wid)) is not None:
             self.dissolve_replica(head, f"worker {wid} left")
-        if self.config.recut_shards:
-            self.members.send_cuts(self.members.recut())
+        self.members.recut_on_leave()
         if gone[1]:  # a replica's later stage left the view when the replica formed
             self._dispatch(Leave(self.clock.now(), wid, reason))
 
@@ -236,12 +210,13 @@ class Engine:
             self.leave(wid, reason)
 
     def profile_result(self, wid: int, result: Mapping[str, Any]) -> None:
+        """A worker's profile run (:meth:`Members.profiled`): a chance for gates to open."""
         if self.members.profiled(wid, result):
             self._dispatch(Tick(self.clock.now()))
 
     def pull(self, wid: int, have: int | None = None) -> None:
-        """A worker asks for parameters (``have``: the version it holds; None: send them in full);
-        the gate decides when it gets them. A replica's member gets the newest in full at once."""
+        """A worker asks for parameters (:meth:`Intake.pull`); a replica's member gets the newest
+        in full at once."""
         event = self.intake.pull(wid, have, self.clock.now())
         if event is not None:
             self._dispatch(event)
@@ -269,11 +244,9 @@ class Engine:
     # --- replicas ---------------------------------------------------------------------------------
 
     def form_replica(self, members: Sequence[int]) -> None:
-        """Make connected workers ``members`` (stage order) one replica (:meth:`Replicas.form`;
-        ValueError before anything changes)."""
+        """Make connected workers ``members`` (stage order) one replica (:meth:`Replicas.form`)."""
         events = self.pipelines.form(members, self.clock.now())
-        for wid in members[1:]:
-            self.publisher.pending.pop(wid, None)
+        self.publisher.forget(members[1:])
         self._events(events)
 
     def dissolve_replica(self, head: int, reason: str = "") -> None:
@@ -334,8 +307,8 @@ class Engine:
     # --- state and summaries -------------------------------------------------------------------------
 
     def state(self) -> EngineState:
-        """Everything a restart needs (:func:`hetd.core.saved.capture`); with a decision log, a
-        checkpoint entry follows (:meth:`~hetd.core.applier.Applier.log_checkpoint`)."""
+        """Everything a restart needs (:func:`hetd.core.saved.capture`), then a checkpoint entry
+        in the decision log (:meth:`Applier.log_checkpoint`)."""
         st = saved.capture(self.members, self.applier, self.host)
         self.applier.log_checkpoint()
         return st
@@ -346,9 +319,8 @@ class Engine:
         revive: Callable[[Any, Any], Any] | None = None,
         ref: str | None = None,
     ) -> None:
-        """Put a saved state into this engine before it serves anyone
-        (:func:`hetd.core.saved.restore`); with a decision log, a restore entry follows naming
-        the checkpoint ``ref`` (default ``v<version>``)."""
+        """Put a saved state into this engine before it serves anyone (:func:`saved.restore`),
+        then a restore entry naming checkpoint ``ref`` (:meth:`Applier.log_restore`)."""
         saved.restore(state, self.members, self.applier, self.host, self.view, revive)
         self.applier.log_restore(ref if ref is not None else f"v{state.version}", state.version)
 

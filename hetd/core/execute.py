@@ -12,14 +12,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from hetd.core.applier import Applier
-from hetd.core.entries import EngineConfig
+from hetd.core.entries import EngineConfig, WorkerEntry
 from hetd.core.members import Members
 from hetd.core.peers import Clock
 from hetd.core.policy_host import PolicyHost
-from hetd.core.publish import Publisher
 from hetd.core.rates import Meters
 from hetd.core.replicas import Replicas
 from hetd.core.store import Store
@@ -31,7 +30,6 @@ from policies.types import (
     Drop,
     Event,
     Flush,
-    Plan,
     PushDecision,
     Regroup,
     Release,
@@ -39,6 +37,14 @@ from policies.types import (
 )
 
 log = logging.getLogger("hetd.core.engine")  # one logger for the engine and its parts
+
+
+class Releaser(Protocol):
+    """What the executor needs of the publisher (:class:`hetd.core.publish.Publisher`)."""
+
+    deferred: bool  # releases wait for the batch's publish
+
+    def release(self, entry: WorkerEntry) -> None: ...
 
 
 class Executor:
@@ -49,7 +55,7 @@ class Executor:
         members: Members,
         host: PolicyHost,
         applier: Applier,
-        publisher: Publisher,
+        publisher: Releaser,
         pipelines: Replicas,
         store: Store,
         config: EngineConfig,
@@ -65,11 +71,6 @@ class Executor:
         self.config = config
         self.meters = meters
         self.clock = clock
-
-    def default_plan(self, codec: str, stage: str) -> Plan:
-        """A worker's plan before any policy changes it: the configured batch, pushes in the
-        codec its parameters come in, nothing else set."""
-        return Plan(batch_size=self.config.batch_size, codec=codec, stage=stage)
 
     def run(self, r: Resolved, push: PushIn | None) -> list[Event]:
         """Carry out one event's resolved decisions (``push``: the push the event was)."""
@@ -165,7 +166,7 @@ class Executor:
             name,
             params,
             visible,
-            lambda f: self.default_plan(f.codec, "main"),
+            lambda f: members.default_plan(f.codec, "main"),
             self.store.version,
             self.config.global_batch,
             self.config.outer_for,

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
+from hetd.codecs import registry as codecs
 from hetd.core.entries import Column, EngineConfig, WorkerEntry, WorkerStats
 from hetd.core.peers import Clock, Peer
 from hetd.protocol.messages import JoinIn, ProfileRequest, PushIn, Reply, ShardUpdate, Welcome
@@ -105,6 +106,23 @@ class Members:
         if entry is None or not entry.secret or not secret:
             return False
         return hmac.compare_digest(secret.encode(), entry.secret.encode())
+
+    def terms(self, hello: JoinIn, stage: str) -> tuple[str, Plan]:
+        """The codec ``hello``'s worker gets (a :class:`~hetd.codecs.registry.CodecError`, before
+        anything changed, when it offers none the daemon takes) and its first plan."""
+        codec = codecs.negotiate(list(hello.codecs), self.config.codec)
+        return codec, self.default_plan(codec, stage)
+
+    def default_plan(self, codec: str, stage: str) -> Plan:
+        """A worker's plan before any policy changes it: the configured batch, pushes in the
+        codec its parameters come in, nothing else set."""
+        return Plan(batch_size=self.config.batch_size, codec=codec, stage=stage)
+
+    def resuming(self, hello: JoinIn) -> int | None:
+        """The active worker ``hello`` resumes (it shows that worker's secret): its old session
+        must leave first. None when it resumes no active worker."""
+        rid = hello.resume_id
+        return rid if rid in self.active and self.may_resume(rid, hello.resume_secret) else None
 
     def admit(self, hello: JoinIn, peer: Peer, codec: str, plan: Plan) -> WorkerEntry:
         """A new entry for ``hello`` (its resumed id, clock and secret when it may resume a
@@ -253,6 +271,11 @@ class Members:
         takers = sorted((e.stats.slot, wid) for wid, e in self.active.items() if e.reshard)
         count = max(1, len(takers))
         return {wid: (i, count) for i, (_, wid) in enumerate(takers)}
+
+    def recut_on_leave(self) -> None:
+        """After a leave, the shards are cut again among those left when ``recut_shards`` says so."""
+        if self.config.recut_shards:
+            self.send_cuts(self.recut())
 
     def send_cuts(self, cuts: Mapping[int, tuple[int, int]], but: int | None = None) -> None:
         """Tell each worker whose shard changed (``but``: the one just welcomed with it)."""

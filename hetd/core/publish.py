@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import Iterable
 
 from hetd.codecs.registry import spec_name as codec_name
 from hetd.core.downlink import Downlink, Outgoing
 from hetd.core.entries import EngineConfig, WorkerEntry
 from hetd.core.members import Members
-from hetd.core.peers import Peer
+from hetd.core.peers import FrameSink, Peer
 from hetd.core.rates import Meters
 from hetd.core.store import Store
 
@@ -42,6 +43,26 @@ class Publisher:
         self.downlink = Downlink(s_per_param=config.delta_s_per_param, hashes=config.param_hashes)
         self.pending: dict[int, None] = {}  # workers released, not yet sent parameters (ordered)
         self.deferred = False  # releases wait for the batch's publish
+        store.hashes = config.param_hashes  # a snapshot's frame carries its hash (or not)
+
+    def defer(self, on: bool = True) -> None:
+        """Publish in batches (or not any more): releases wait for :meth:`publish`, and the store
+        runs the updates queued in between as one optimizer step of their weighted sum."""
+        self.deferred = self.store.combine = on
+
+    def due(self) -> bool:
+        """Whether a publish has anything to do: releases waiting, or updates not yet applied."""
+        return bool(self.pending or self.store.pending)
+
+    def forget(self, workers: Iterable[int]) -> None:
+        """Drop ``workers``' waiting releases (a replica's later stages: its head's step feeds
+        them)."""
+        for wid in workers:
+            self.pending.pop(wid, None)
+
+    def sink_to(self, sink: FrameSink) -> None:
+        """Full frames are written once more into ``sink`` (the daemon's shared memory)."""
+        self.store.frame_sink = sink
 
     def release(self, entry: WorkerEntry) -> None:
         """Send a released worker the parameters (or queue it for the batch's publish)."""

@@ -9,9 +9,10 @@ the queue and its run time go to the :class:`~hetd.core.rates.Meters`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from hetd.core import commands as cmd
@@ -62,3 +63,18 @@ class CommandQueue:
         while True:
             await asyncio.sleep(seconds)
             self.submit(cmd.Tick())
+
+    @contextlib.asynccontextmanager
+    async def ticking(
+        self, seconds: float, *feeds: Coroutine[Any, Any, None]
+    ) -> AsyncIterator[None]:
+        """While the block runs, :meth:`tick_every` ``seconds`` and the other ``feeds`` (coroutines
+        that queue commands on timers of their own) run as tasks; cancelled and awaited after."""
+        tasks = [asyncio.create_task(c) for c in (self.tick_every(seconds), *feeds)]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task

@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 
+from hetd.codecs.registry import CodecError
 from hetd.core import commands as cmd
 from hetd.core.applier import Applier
 from hetd.core.decisions import LogMismatch
@@ -493,3 +494,86 @@ def test_forward_reads_and_writes_through_the_path() -> None:
     assert w.value == 1
     w.value = 5
     assert w.part.value == 5 and isinstance(Whole.value, Forward)
+
+
+def test_members_terms_refuse_before_anything_changes_and_resuming_needs_the_secret() -> None:
+    m, _ = members(codec="int8", batch_size=16)
+    assert m.terms(hello("a"), "main") == ("none", Plan(batch_size=16, codec="none"))
+    h = JoinIn(id=1, name="b", device={}, codecs=("int8", "none"))
+    assert m.terms(h, "warm") == ("int8", Plan(batch_size=16, codec="int8", stage="warm"))
+    with pytest.raises(CodecError, match="no usable codec"):
+        m.terms(JoinIn(id=1, name="c", device={}, codecs=("int4",)), "main")
+    assert m.active == {} and m.next_id == 1
+    a, _ = admit(m, "a")
+    secret = m.active[a].secret
+    assert m.resuming(hello("a", resume_id=a, resume_secret=secret)) == a
+    assert m.resuming(hello("a", resume_id=a, resume_secret="guess")) is None
+    assert m.resuming(hello("a", resume_id=99, resume_secret=secret)) is None
+    assert m.resuming(hello("a")) is None
+
+
+@pytest.mark.parametrize("recut", [False, True])
+def test_members_recut_on_leave_only_when_configured(recut: bool) -> None:
+    m, _ = members(recut_shards=recut)
+    a, _ = admit(m, "a", "reshard")
+    b, pb = admit(m, "b", "reshard")
+    before = m.active[b].shard
+    m.remove(a, "bye", None)
+    m.recut_on_leave()
+    assert pb.replies == ([ShardUpdate(0, 1)] if recut else [])
+    assert m.active[b].shard == ((0, 1) if recut else before)
+
+
+class _Sink:
+    """A frame sink that packs frames into buffers of its own and keeps what it was given."""
+
+    def __init__(self) -> None:
+        self.committed: list[tuple[bytes, int]] = []
+
+    def reserve(self, nbytes: int) -> np.ndarray | None:
+        return np.zeros(nbytes, np.uint8)
+
+    def commit(self, buf: np.ndarray, frame: memoryview, version: int) -> None:
+        self.committed.append((bytes(frame), version))
+
+
+def test_publisher_defers_with_the_store_forgets_releases_and_packs_into_a_sink() -> None:
+    m, _ = members()
+    a, pa = admit(m, "a")
+    b, _ = admit(m, "b")
+    s = store()
+    pub = Publisher(m, s, EngineConfig(param_hashes=False), Meters())
+    assert s.hashes is False and not pub.due()
+    pub.defer()
+    assert pub.deferred and s.combine
+    pub.release(m.active[a])
+    pub.release(m.active[b])
+    assert pub.due()
+    pub.forget([b, 42])
+    assert list(pub.pending) == [a]
+    sink = _Sink()
+    pub.sink_to(sink)
+    pub.publish()
+    assert not pub.due() and len(pa.frames) == 1
+    assert sink.committed == [(pa.frames[0], 0)]  # the frame sent is the one packed there
+    pub.defer(False)
+    assert not pub.deferred and not s.combine
+
+
+def test_queue_ticking_feeds_ticks_and_stops_its_feeds_after_the_block() -> None:
+    stopped: list[bool] = []
+
+    async def feed() -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            stopped.append(True)
+
+    async def main() -> list[cmd.Command]:
+        q, seen = CommandQueue(Meters()), []
+        async with q.ticking(0.001, feed()):
+            await q.run_batch(seen.append)
+            assert stopped == []
+        return seen
+
+    assert isinstance(asyncio.run(main())[0], cmd.Tick) and stopped == [True]
