@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import numpy as np
@@ -20,9 +20,24 @@ import xxhash
 
 from hetd.codecs import registry as codecs
 from hetd.protocol import wire
-from hetd.protocol.frames import Params
 
 HASH_BYTES = 8  # XXH3's 64 bits
+
+
+class Params(Protocol):
+    """What is read here of a ``params`` message (:class:`hetd.protocol.frames.Params`, decoded
+    by the frames layer above this one): parameters are applied and checked without it."""
+
+    @property
+    def version(self) -> int: ...
+    @property
+    def full(self) -> bool: ...
+    @property
+    def tensors(self) -> Mapping[str, Mapping[str, Any]]: ...
+    @property
+    def base(self) -> int | None: ...
+    @property
+    def hash(self) -> str | None: ...
 
 
 def param_hash(tensors: Mapping[str, np.ndarray]) -> str:
