@@ -6,7 +6,9 @@ on numbers alone:
 * a worker (``hetd/sim/agent.py``'s rules): it computes when it holds parameters, is not busy and
   has at most ``depth`` pushes unanswered (0, or 1 when its plan says ``pipeline``); a step is
   ``batch × local steps × sample_s`` plus ``step_overhead_s``; its pushes leave in order over its
-  link (``latency + bytes / link_bps``), and without ``pipeline`` it waits for the send;
+  link (``latency + bytes / link_bps``) and arrive ``exchange_s`` later (the round trip's cost
+  beyond the link: given, or read from the view), and without ``pipeline`` it waits for the
+  release;
 * the daemon's intake and executor (``hetd/core/intake.py``, ``members.py``, ``execute.py``): a
   push moves the worker's clock and timing facts (EWMA ``a = 0.5``) and makes it wait, one staler
   than ``max_staleness`` is dropped (the policy hears a ``Tick``), and the policy's decisions are
@@ -30,7 +32,7 @@ from typing import Any, NamedTuple
 
 from policies.compose import Resolved, resolve
 from policies.twin_records import Applied, TwinConfig, TwinError, TwinResult, percentile
-from policies.twin_worker import TwinWorker, codec_bits, local_steps, speed
+from policies.twin_worker import TwinWorker, codec_bits, exchange_s, local_steps, speed
 from policies.types import (
     Apply,
     Buffer,
@@ -102,6 +104,12 @@ class _Run:
         self.max_gap = 0
         self.state: Any = None  # the policy's
         self.end = view.now + (cfg.horizon_s if cfg.horizon_s is not None else math.inf)
+        # every push's round trip beyond the modelled links: given, or as the view's pushes took
+        self.exchange_s = (
+            cfg.exchange_s
+            if cfg.exchange_s is not None
+            else exchange_s(view, cfg.latency_s, cfg.model_bytes)
+        )
         top = max(f.clock for f in view.workers.values())
         self.facts: dict[int, WorkerFacts] = {}
         self.workers: dict[int, TwinWorker] = {}
@@ -136,7 +144,7 @@ class _Run:
         )
         end = max(t0, began + compute + self.cfg.step_overhead_s)
         nbytes = f.push_bytes or w.push_bytes()
-        arrive = end + w.transfer_s(nbytes, lat)
+        arrive = end + w.transfer_s(nbytes, lat) + self.exchange_s
         steps = max(1, round(samples / max(1, f.batch_size)))
         w.in_flight, w.busy_until, w.sending_until, w.idle_from = 1, arrive, arrive, end
         self._at(
@@ -374,7 +382,7 @@ class _Run:
         w.busy_until = end if depth else w.sending_until
         delta = k > 1 or w.plan.push_kind == "delta"
         sent = _Sent(w.held, batch * k, k, compute, nbytes, delta, w.plan.lr_scale)
-        self._at(w.sending_until, ARRIVE, w.wid, sent)
+        self._at(w.sending_until + self.exchange_s, ARRIVE, w.wid, sent)
         if w.busy_until < w.sending_until:  # pipelined: it may start again before the push lands
             self._at(w.busy_until, WAKE, w.wid)
 

@@ -39,6 +39,11 @@ class TwinConfig:
     step_overhead_s: float = 0.0  # worker: fixed time per step outside compute
     latency_s: float = 0.0  # one way, per message, on every link
     release_stagger_s: float = 0.0  # the k-th worker released by one event gets its frame k× later
+    # What one push's round trip costs beyond compute and the links as modelled (framing, codecs,
+    # the daemon's intake, thread hops), paid on every push before it arrives: a worker without
+    # pipeline waits for it, a pipelined one computes meanwhile. None: read from the view
+    # (:func:`policies.twin_worker.exchange_s`, what the workers' last pushes took).
+    exchange_s: float | None = None
     model_bytes: float | None = None  # bytes of a full fp32 parameter frame; None: from push_bytes
     global_batch: int | None = None  # None: the view's
     batch_size: int | None = None  # the default plan's batch; None: each worker's current one
@@ -64,6 +69,12 @@ class TwinConfig:
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a finite number >= 0 (seconds), got {v!r}")
+        if self.exchange_s is not None and not (
+            self.exchange_s >= 0 and math.isfinite(self.exchange_s)
+        ):
+            raise ValueError(
+                f"exchange_s must be a finite number >= 0 (seconds) or None, got {self.exchange_s!r}"
+            )
         if self.eval_interval_s is not None and not self.eval_interval_s > 0:
             raise ValueError(f"eval_interval_s must be > 0 (or None), got {self.eval_interval_s!r}")
         if not self.tick_s > 0:

@@ -16,6 +16,7 @@ from policies.compose import release_waiting
 from policies.efficiency import Efficiency, NoiseScale, effective_samples
 from policies.registry import PolicyError
 from policies.twin import TwinConfig, TwinError, TwinResult, reference_loss, run_twin
+from policies.twin_worker import exchange_s
 from policies.types import (
     Apply,
     Buffer,
@@ -128,6 +129,33 @@ def test_links_and_the_daemon_cost_time() -> None:
     assert tiny.updates_per_s == pytest.approx(200, rel=0.01)
     capped = run_twin(view_of(S), "asp", config=slow_daemon)
     assert 150 < capped.updates_per_s < 200
+
+
+def test_the_round_trip_the_view_shows_is_charged_on_every_push() -> None:
+    # A BSP round as a daemon saw it: every worker pushed 75 ms after its last push, the slowest
+    # (40 ms of compute, 20 ms over its link) with 15 ms more that nothing modelled explains,
+    # the others after waiting for it
+    links = view_of(S, link_bps=1e8, push_bytes=1e6)
+    assert exchange_s(links) == 0.0  # no worker pushed twice: nothing to read
+    seen = {
+        w: dataclasses.replace(f, prev_push_at=0.0, last_push_at=0.075)
+        for w, f in links.workers.items()
+    }
+    live = dataclasses.replace(links, now=0.075, workers=seen)
+    assert exchange_s(live) == pytest.approx(0.015)
+    assert round_s(run_twin(live, "bsp", config=FREE)) == pytest.approx(0.075)
+    # given, it is what is charged: 0 is the links alone
+    alone = dataclasses.replace(FREE, exchange_s=0.0)
+    assert round_s(run_twin(live, "bsp", config=alone)) == pytest.approx(0.06)
+    # asynchronous: each worker pays it once a push, step by step
+    asp = run_twin(live, "asp", config=FREE)
+    rates = [BASE_BATCH / (BASE_STEP_S * s + 0.02 + 0.015) for s in S]
+    assert asp.samples_per_s == pytest.approx(sum(rates), rel=0.02)
+    # a cycle shorter than what is modelled reads as none, never below
+    quick = {w: dataclasses.replace(f, last_push_at=0.03) for w, f in seen.items()}
+    assert exchange_s(dataclasses.replace(live, workers=quick)) == 0.0
+    with pytest.raises(ValueError, match="exchange_s"):
+        TwinConfig(exchange_s=-1.0)
 
 
 def test_a_codec_in_the_plan_shrinks_the_pushes() -> None:
