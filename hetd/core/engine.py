@@ -12,7 +12,7 @@ simulator drives the same code. :meth:`Engine.run` publishes once per batch of c
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from hetd.core import commands as cmd
@@ -95,19 +95,13 @@ class Engine:
     evals: Forward[list[tuple[float, float, float]]] = Forward("evaluations.evals")
     decisions: Forward[DecisionSink | None] = Forward("store.decisions")
     checkpoint_ref: Forward[str | None] = Forward("applier.checkpoint_ref")  # the last in the log
-
-    def buffered(self) -> int:
-        return self.applier.buffered()
+    buffered: Forward[Callable[[], int]] = Forward("applier.buffered")  # updates held back
 
     # --- the single writer -----------------------------------------------------------------------
 
-    def submit(self, command: cmd.Command) -> None:
-        """Queue a command for the engine task (:meth:`CommandQueue.submit`)."""
-        self.queue.submit(command)
-
-    async def call(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on the engine task and return its result (:meth:`CommandQueue.call`)."""
-        return await self.queue.call(fn)
+    # a command queued for the engine task; a function run on it, awaited for its result
+    submit: Forward[Callable[[cmd.Command], None]] = Forward("queue.submit")
+    call: Forward[Callable[[Callable[[], Any]], Awaitable[Any]]] = Forward("queue.call")
 
     def handle(self, command: cmd.Command) -> Any:
         """Carry out one command now (on the engine task, or synchronously in tests and the
@@ -296,9 +290,7 @@ class Engine:
         """Store an evaluation (:meth:`Evaluations.record`) and tell the policy."""
         self._dispatch(self.evaluations.record(loss, accuracy, taken, metrics))
 
-    def anchor_evals(self, at: float) -> None:
-        """Evaluate at ``at`` + k × ``eval_interval_s`` from now on (engine clock)."""
-        self.evaluations.anchor(at)
+    anchor_evals: Forward[Callable[[float], None]] = Forward("evaluations.anchor")
 
     def keep_evals(self, keeper: Keeper | None) -> None:
         """Defer evaluations to ``keeper`` (:meth:`Evaluations.keep`)."""
