@@ -31,7 +31,7 @@ from workers.loop import device_info
 from workers.prepare import start_preparing
 from workers.profiling import link_profile, link_rtt, profile
 from workers.progress import Progress
-from workers.push import compute, heartbeats, restamped, send
+from workers.push import compute, heartbeats, joined, restamped, send
 from workers.receive import read
 from workers.shm import wanted
 from workers.state import HELLO_ID, WorkerOptions, WorkerState
@@ -66,6 +66,8 @@ async def run_worker(
     try:
         return await _run(opts, state, progress)
     finally:
+        if state.parts is not None:
+            await state.parts.close()
         for task in (ticker, stopper):
             if task is not None:
                 task.cancel()
@@ -200,6 +202,14 @@ async def _session(
             raise
 
 
+async def _answered(state: WorkerState, timeout_s: float) -> None:
+    """Wait (at most ``timeout_s``) until the daemon answered every push sent."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            while state.unacked:
+                await asyncio.sleep(0.02)
+
+
 async def _last_bye(ws: aiohttp.ClientWebSocketResponse) -> None:
     """Say bye with :data:`STOPPED` on a worker that is being cancelled, within
     :data:`LAST_BYE_S` (a socket that cannot take it is closed without)."""
@@ -276,6 +286,8 @@ async def _converse(
                 await ws.send_bytes(ProfileResult(result).encode())
             start = time.perf_counter()
             frame = await compute(msg, opts, state, idle_s=start - idle_from)
+            if state.parts is not None and state.worker_id is not None:  # beside the push
+                await state.parts.send(state.worker_id, joined(frame))
             steps = local_steps_for(plan, state.local_step_s)
             progress.pushed(plan.batch_size * steps, plan.batch_size)
             idle_from = time.perf_counter()
@@ -292,6 +304,9 @@ async def _converse(
                 await sending
         if sending is not None:
             await sending
+        if state.parts is not None:  # the daemon decides a push once its parts are all in:
+            await state.parts.drain(STOP_GRACE_S)  # leaving first would lose the last ones
+            await _answered(state, STOP_GRACE_S)
         await ws.send_bytes(Bye(STOPPED if inbox.stopping else "max steps reached").encode())
     finally:
         state.inbox = None

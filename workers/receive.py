@@ -39,6 +39,7 @@ from workers.errors import FatalError
 from workers.imports import Allowed, ImportRefused
 from workers.inbox import Inbox
 from workers.loop import Core, TaskMismatch, Trainer
+from workers.parts import PartsError, PartsSender
 from workers.prepare import prepared
 from workers.push import send
 from workers.shm import ShmLink
@@ -166,6 +167,8 @@ async def read(
                         inbox.changed.set()
             elif isinstance(msg, Ack):
                 state.unacked.pop(msg.id, None)
+                if state.parts is not None:
+                    state.parts.done(msg.id)
                 inbox.answered(msg.id, msg.status)
                 if msg.status in ("dropped", "duplicate"):
                     log.info("push %d %s: %s", msg.id, msg.status, msg.reason)
@@ -176,6 +179,8 @@ async def read(
                 if msg.id == HELLO_ID and not inbox.joined.is_set():
                     raise FatalError(refused_hello(msg))
                 state.unacked.pop(msg.id, None)  # a refused push is not sent again
+                if state.parts is not None:
+                    state.parts.done(msg.id)
                 if inbox.refused(msg.id) and inbox.rejected_in_a_row >= MAX_REFUSED:
                     # Leaving frees every barrier this worker holds; the operator sees why.
                     raise FatalError(
@@ -219,6 +224,15 @@ def welcome(
     ``allowed``: the plug-ins this worker's operator named (:mod:`workers.imports`)."""
     setup = {**w.setup, "shard": {"index": w.shard, "count": w.shards}}
     state.worker_id = w.worker_id
+    pservers = setup.get("pservers")
+    if pservers is not None:  # its pushes' parts go to them (workers.parts)
+        try:
+            if state.parts is None:
+                state.parts = PartsSender(pservers)
+            else:
+                state.parts.update(pservers)
+        except PartsError as exc:  # the daemon's own field: retrying will not help
+            raise FatalError(str(exc)) from None
     state.model_setup = dict(setup["model"])
     state.secret = w.secret
     state.plan = w.plan

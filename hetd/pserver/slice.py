@@ -169,6 +169,14 @@ class SliceState:
         """Parts held for entries still to come."""
         return len(self._parts)
 
+    def holding(self) -> list[tuple[int, int]]:
+        """The pushes (worker, pid) whose parts are held for entries still to come."""
+        return sorted(self._parts)
+
+    def holds(self, worker: int, pid: int) -> bool:
+        """Whether push ``pid`` of ``worker`` has its part here, not yet consumed."""
+        return (worker, pid) in self._parts
+
     def _ready(self, e: object) -> bool:
         return not isinstance(e, ApplyEntry | BufferEntry) or (e.worker, e.pid) in self._parts
 

@@ -9,6 +9,14 @@ thread a publish runs in, so the wake-up goes through the loop). It reports each
 its slice at (``durable``); :meth:`HeadLink.floor`, the lowest of those over the S pservers, is how
 far the log may forget (the daemon's checkpointer asks it).
 
+**The data path.** Each hello names the address the pserver takes push parts on; once all S
+have said hello, :attr:`HeadLink.ready` is set and the workers' welcome carries the map and the
+addresses (``pservers``: the engine's welcome setup gains that key): a worker sends each part to
+its pserver and its push to the head as before. A pserver reports each part it holds (``have``);
+the head hands a push to the engine only once every pserver holds its part
+(:class:`~hetd.server.pserver_parts.PartsWait`), and drops one whose parts do not all come in
+time. :func:`serving` finds the link of an engine (the workers' sessions ask it).
+
 One connection per slice: a second hello for a slice replaces the first. Whatever a pserver
 sends that is malformed closes its connection only, with an ``error`` frame saying why. Frames
 are :mod:`hetd.pserver.link`'s.
@@ -20,18 +28,32 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import Mapping
+import weakref
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
+from hetd.core import commands as cmd
 from hetd.core.engine import Engine
+from hetd.protocol.messages import PushIn
 from hetd.pserver import link
 from hetd.pserver.log import DecisionLog, to_dict
 from hetd.pserver.partition import PartitionMap, split
+from hetd.server.pserver_parts import PartsWait
 
 log = logging.getLogger("hetd.server.pserver_link")
 
 BATCH = 256  # records per frame at most
+PART_TIMEOUT_S = 30.0  # s a push waits for its parts' reports before it is dropped
+EXPIRE_EVERY_S = 0.5  # s between checks for pushes waited on too long
+WELCOME_KEY = "pservers"  # the welcome's field: {"map": ..., "addrs": [[host, port], ...]}
+
+_links: weakref.WeakKeyDictionary[Engine, HeadLink] = weakref.WeakKeyDictionary()
+
+
+def serving(engine: Engine) -> HeadLink | None:
+    """The pservers' link serving ``engine``'s log (None: the daemon runs no pservers)."""
+    return _links.get(engine)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +63,7 @@ class LinkSetup:
     pmap: PartitionMap
     optimizer: str  # the daemon's optimizer spec
     base: Mapping[str, Any] | None  # the parameters at position 0 (None: the log began later)
+    part_timeout_s: float = PART_TIMEOUT_S  # a push whose parts take longer is dropped
 
 
 class HeadLink:
@@ -62,6 +85,11 @@ class HeadLink:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.Server | None = None
         self.port = 0
+        self.addrs: list[tuple[str, int] | None] = [None] * setup.pmap.servers  # parts' addresses
+        self.ready = asyncio.Event()  # every pserver said where it takes parts
+        self.parts = PartsWait(setup.pmap.servers, self._decide, self._lose, setup.part_timeout_s)
+        self._expiry: asyncio.Task[None] | None = None
+        _links[engine] = self
 
     async def start(self, host: str, port: int) -> int:
         """Listen on ``host:port``; the bound port."""
@@ -69,8 +97,36 @@ class HeadLink:
         self.log.on_append = self._appended
         self._server = await asyncio.start_server(self._serve, host, port)
         self.port = int(self._server.sockets[0].getsockname()[1])
+        self._expiry = asyncio.create_task(self._expire())
         log.info("pservers' link on %s:%d (%d slices)", host, self.port, self.setup.pmap.servers)
         return self.port
+
+    def _decide(self, push: PushIn) -> None:
+        self.engine.submit(cmd.Push(push))
+
+    def _lose(self, push: PushIn) -> None:
+        self.engine.intake.partless.add((push.worker, push.id))
+        self.engine.submit(cmd.Push(push))
+
+    async def _expire(self) -> None:
+        while True:
+            await asyncio.sleep(EXPIRE_EVERY_S)
+            self.parts.expire()
+
+    def _advertise(self, server: int, addr: tuple[str, int]) -> None:
+        """Pserver ``server`` takes parts at ``addr``: once all are known, the welcome says so."""
+        self.addrs[server] = addr
+        known = [a for a in self.addrs if a is not None]
+        if len(known) < len(self.addrs):
+            return
+        welcome = cast(MutableMapping[str, Any], self.engine.config.welcome)
+        welcome[WELCOME_KEY] = {
+            "map": self.setup.pmap.to_dict(),
+            "addrs": [[h, p] for h, p in known],
+        }
+        if not self.ready.is_set():
+            log.info("every pserver takes parts: workers are welcomed with the map")
+        self.ready.set()
 
     def floor(self) -> int:
         """The lowest position every slice has saved (the log keeps the records after it)."""
@@ -89,6 +145,8 @@ class HeadLink:
         try:
             hello = await asyncio.wait_for(link.recv(reader, 1 << 16), 30)
             server, position = self._check_hello(hello)
+            if hello.get("parts") is not None:  # (a reader of the log alone names none)
+                self._advertise(server, _parts_address(hello))
             old = self.connected.get(server)
             if old is not None and old is not task:
                 old.cancel()  # a pserver that came back: the old connection is dead
@@ -178,6 +236,9 @@ class HeadLink:
     async def _reports(self, reader: asyncio.StreamReader, server: int) -> None:
         while True:
             msg = await link.recv(reader, 1 << 16)
+            if msg["t"] == "have":
+                self.parts.have(server, link.field(msg, "worker", int), link.field(msg, "pid", int))
+                continue
             if msg["t"] != "durable":
                 raise link.LinkError(f"unexpected frame {msg['t']!r} from slice {server}")
             self.durable[server] = max(self.durable[server], link.field(msg, "position", int))
@@ -187,6 +248,8 @@ class HeadLink:
     async def close(self) -> None:
         """Stop listening and close every connection."""
         self.log.on_append = None
+        if self._expiry is not None:
+            self._expiry.cancel()
         if self._server is not None:
             self._server.close()
         for task in list(self.connected.values()):
@@ -196,3 +259,16 @@ class HeadLink:
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await self._server.wait_closed()
+
+
+def _parts_address(hello: Mapping[str, Any]) -> tuple[str, int]:
+    addr = link.field(hello, "parts", list)
+    if (
+        len(addr) != 2
+        or not isinstance(addr[0], str)
+        or not isinstance(addr[1], int)
+        or isinstance(addr[1], bool)
+        or not 0 < addr[1] <= 65535
+    ):
+        raise link.LinkError(f"hello: parts must be [host, port], got {addr!r}")
+    return addr[0], addr[1]

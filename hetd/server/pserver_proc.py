@@ -7,9 +7,14 @@ tensors the head sent). Then two streams run on one event loop, so the node has 
 
 * the head's ``records``, offered to the node and carried out as far as the parts allow; each
   position saved at a checkpoint entry is reported back (``durable``);
-* pushers' connections on its own port (written to ``<dir>/port`` once it listens): ``part``
-  frames, answered ``held`` once the part is in the parts file, and ``fetch`` frames, answered
-  with the slice's tensors once it stands at the position asked.
+* pushers' connections on its own port (written to ``<dir>/port`` once it listens, and taken
+  again when it restarts on that directory, so that its address stays the one workers were
+  given): ``part`` frames, answered ``held`` once the part is in the parts file, and reported
+  to the head (``have``: the head decides a push only once every pserver holds its part), and
+  ``fetch`` frames, answered with the slice's tensors once it stands at the position asked.
+
+Its hello names that address (``parts``), which the head hands its workers in their welcome; on
+each new connection to the head it reports every part it holds for entries still to come.
 
 If the head goes away the process reconnects, from its current position; a head that came back
 as a new life (restarted from its checkpoint) makes the node start again from its directory.
@@ -44,8 +49,17 @@ PR_SET_PDEATHSIG = 1  # prctl(2)
 class Pserver:
     """The process's state: the node and the connection to the head."""
 
-    def __init__(self, head: tuple[str, int], server: int, directory: Path, sync: bool = True):
+    def __init__(
+        self,
+        head: tuple[str, int],
+        server: int,
+        directory: Path,
+        sync: bool = True,
+        parts: tuple[str, int] = ("127.0.0.1", 0),
+    ):
+        """``parts``: the address pushers reach this pserver at (its hello names it)."""
         self.head = head
+        self.parts = parts
         self.server = server
         self.directory = directory
         self.sync = sync
@@ -91,7 +105,14 @@ class Pserver:
 
     async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         position, epoch = self._place()
-        await link.send(writer, "hello", server=self.server, position=position, epoch=epoch)
+        await link.send(
+            writer,
+            "hello",
+            server=self.server,
+            position=position,
+            epoch=epoch,
+            parts=list(self.parts),
+        )
         welcome = await link.recv(reader)
         if welcome["t"] == "error":
             raise NodeError(f"the head refused pserver {self.server}: {welcome.get('message')}")
@@ -107,6 +128,8 @@ class Pserver:
                 base = link.decode_tensors(raw, setup.pmap.slice_shapes(self.server))
             self.node = Node(self.directory, self.server, setup, base, sync=self.sync)
         self._head_writer = writer
+        for worker, pid in self.node.slice.holding():  # this head may not know of them yet
+            await link.send(writer, "have", worker=worker, pid=pid)
         await self._report(self.node.advance())
         self.advanced.set()
         while True:
@@ -119,6 +142,14 @@ class Pserver:
             self.node.offer(from_dict(d) for d in items)
             await self._report(self.node.advance())
             self.advanced.set()
+
+    async def _have(self, worker: int, pid: int) -> None:
+        """Tell the head this slice holds push ``pid``'s part (when connected: a new connection
+        reports every part held)."""
+        writer = self._head_writer
+        if writer is not None:
+            with contextlib.suppress(ConnectionError):
+                await link.send(writer, "have", worker=worker, pid=pid)
 
     async def _report(self, durable: list[int]) -> None:
         writer = self._head_writer
@@ -161,6 +192,8 @@ class Pserver:
             pid = link.field(msg, "pid", int)
             new = node.receive(worker, pid, msg.get("tensors"))
             await link.send(writer, "held", worker=worker, pid=pid, new=new)
+            if node.slice.holds(worker, pid):  # (not when the log already consumed it)
+                await self._have(worker, pid)
             if new:
                 await self._report(node.advance())
                 self.advanced.set()
@@ -179,6 +212,17 @@ class Pserver:
             )
         else:
             raise link.LinkError(f"unknown frame {msg['t']!r}")
+
+
+async def _listen(ps: Pserver, directory: Path, listen: tuple[str, int]) -> asyncio.Server:
+    """Listen for pushers on ``listen``; port 0 takes the port this directory's pserver had
+    (``<dir>/port``) when it is free, so a restarted pserver keeps the address workers hold."""
+    host, port = listen
+    if port == 0:
+        with contextlib.suppress(OSError, ValueError):
+            old = int((directory / PORT_FILE).read_text().strip())
+            return await asyncio.start_server(ps.serve_pushers, host, old)
+    return await asyncio.start_server(ps.serve_pushers, host, port)
 
 
 def _setup(welcome: dict[str, Any]) -> Setup:
@@ -220,8 +264,9 @@ async def run(
     """Run a pserver until it fails (its exit status) or is cancelled."""
     directory.mkdir(parents=True, exist_ok=True)
     ps = Pserver(head, server, directory, sync)
-    site = await asyncio.start_server(ps.serve_pushers, *listen)
+    site = await _listen(ps, directory, listen)
     port = int(site.sockets[0].getsockname()[1])
+    ps.parts = (listen[0], port)
     tmp = directory / f".{PORT_FILE}.tmp"
     tmp.write_text(f"{port}\n")
     os.replace(tmp, directory / PORT_FILE)

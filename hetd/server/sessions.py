@@ -42,6 +42,7 @@ from hetd.protocol.messages import Bye, PushIn, Reply
 from hetd.protocol.text import clip
 from hetd.server.auth import bearer_ok
 from hetd.server.budget import DecodeBudget
+from hetd.server.pserver_link import HeadLink, serving
 from hetd.server.relay import NoRoute, Relay
 from hetd.server.shm_hub import ShmHub, Uplink
 
@@ -254,6 +255,7 @@ async def handle(
     parts = wire.Reassembler(message_cap(engine, cap))
     wid: int | None = None
     uplink: Uplink | None = None
+    pservers = serving(engine)  # the daemon's pservers: pushes wait for their parts
     reason = "connection closed"
     try:
         async for frame in ws:
@@ -286,7 +288,10 @@ async def handle(
             if item is None:  # a chunk: the rest of its message is still to come
                 continue
             if isinstance(item, PushIn):
-                engine.submit(cmd.Push(item))
+                if pservers is not None:  # decided once every pserver holds its part
+                    pservers.parts.hold(item)
+                else:
+                    engine.submit(cmd.Push(item))
                 continue
             if isinstance(item, Relayed) and item.msg.type == "push":
                 if relay is None or relay.on_part is None or wid is None:
@@ -321,6 +326,12 @@ async def handle(
                     continue
                 try:
                     hello = decode_hello(msg, same_host=is_loopback(request.remote))
+                    if pservers is not None:
+                        if PSERVERS_FEATURE not in hello.features:
+                            outbox.send_error("unsupported", NO_PARTS, msg.id)
+                            reason = "a worker that sends no parts to the pservers"
+                            break
+                        await _pservers_ready(pservers)
                     # The relay routes to the worker before the policy hears of its join: a
                     # policy that puts it in a replica at once reaches it (the stage frames
                     # queue behind its welcome).
@@ -391,6 +402,24 @@ async def handle(
         writer.cancel()
         await ws.close()
     return ws
+
+
+PSERVERS_FEATURE = "pservers"  # a worker that sends its pushes' parts to the pservers
+NO_PARTS = (
+    "this daemon runs pservers: its workers send each push's parts to them, which this "
+    "hetd-worker does not do; run a hetd-worker of the daemon's release"
+)
+PSERVERS_WAIT_LOG_S = 10.0  # s a hello waits for the pservers before the daemon says so
+
+
+async def _pservers_ready(link: HeadLink) -> None:
+    """Wait until every pserver said where it takes parts (the welcome names them)."""
+    while True:
+        try:
+            await asyncio.wait_for(link.ready.wait(), PSERVERS_WAIT_LOG_S)
+            return
+        except TimeoutError:
+            log.warning("a worker's hello waits for the pservers to connect to the link")
 
 
 def shm_slot_bytes(engine: Engine) -> int:

@@ -1,0 +1,128 @@
+"""The head holds a push until every pserver holds its part (:class:`PartsWait`).
+
+With pservers a worker sends its push's parts straight to them and the head its push as before;
+the head hands a push to the engine (which decides it) only once each of the S pservers has
+reported holding its part (``have``, over the pservers' link), so that whatever the engine
+decides, every slice can carry it out: an update is applied everywhere or nowhere. A push whose
+parts do not all come within ``timeout_s`` is handed over as *lost*: the engine answers it
+``dropped`` and logs a drop, and each pserver frees the part it may hold.
+
+Pushes leave in the order they came, per worker (the log names a worker's pushes in id order):
+a push waits behind an earlier one of its worker. Reports may come before the push they name
+(the parts travel beside it); they are kept until it comes, and forgotten once the worker's
+pushes have passed them, or past :data:`MAX_EARLY` (a worker that left for good).
+
+One writer: everything here runs on the daemon's event loop; time is read from ``clock``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hetd.protocol.messages import PushIn
+
+log = logging.getLogger("hetd.server.pserver_link")
+
+MAX_EARLY = 65536  # reports kept for pushes the head has not seen (the oldest go first)
+
+
+@dataclass(slots=True)
+class _Held:
+    push: PushIn
+    since: float
+
+
+class PartsWait:
+    """Pushes waiting for their parts' reports; ``submit`` gets each once its parts are all in,
+    ``lose`` each whose parts did not come in time (both on the event loop)."""
+
+    def __init__(
+        self,
+        servers: int,
+        submit: Callable[[PushIn], None],
+        lose: Callable[[PushIn], None],
+        timeout_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if servers < 1:
+            raise ValueError(f"PartsWait needs at least one pserver, got {servers}")
+        self.servers = servers
+        self.submit = submit
+        self.lose = lose
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self._haves: OrderedDict[tuple[int, int], set[int]] = OrderedDict()
+        self._queues: dict[int, deque[_Held]] = {}
+        self._passed: dict[int, int] = {}  # worker -> the last push id handed on
+        self.decided = 0  # pushes handed to the engine with every part in
+        self.lost = 0  # pushes handed on as lost
+
+    def waiting(self) -> int:
+        """Pushes held now."""
+        return sum(len(q) for q in self._queues.values())
+
+    def hold(self, push: PushIn) -> None:
+        """A push from a worker's session: on to the engine once every pserver holds its part
+        (at once when its id was passed: sent again, the engine answers it a duplicate)."""
+        if push.id <= self._passed.get(push.worker, -1):
+            self.submit(push)
+            return
+        self._queues.setdefault(push.worker, deque()).append(_Held(push, self.clock()))
+        self._release(push.worker)
+
+    def have(self, server: int, worker: int, pid: int) -> None:
+        """Pserver ``server`` holds push ``pid``'s part."""
+        if not 0 <= server < self.servers or pid <= self._passed.get(worker, -1):
+            return
+        key = (worker, pid)
+        self._haves.setdefault(key, set()).add(server)
+        if len(self._haves) > MAX_EARLY:
+            self._haves.popitem(last=False)
+        self._release(worker)
+
+    def expire(self) -> None:
+        """Hand on as lost every push that has waited past ``timeout_s`` (and what then follows
+        it); the daemon calls this periodically."""
+        now = self.clock()
+        for worker in list(self._queues):
+            self._release(worker)  # (what is complete goes on, however long it waited)
+            queue = self._queues.get(worker)
+            while queue and now - queue[0].since >= self.timeout_s:
+                held = queue.popleft()
+                have = len(self._haves.pop((worker, held.push.id), ()))
+                self._pass(worker, held.push.id)
+                self.lost += 1
+                log.warning(
+                    "worker %d: push %d dropped: %d of %d pservers reported its part within %g s",
+                    worker,
+                    held.push.id,
+                    have,
+                    self.servers,
+                    self.timeout_s,
+                )
+                self.lose(held.push)
+                self._release(worker)
+                queue = self._queues.get(worker)
+
+    def _release(self, worker: int) -> None:
+        queue = self._queues.get(worker)
+        while queue:
+            pid = queue[0].push.id
+            if len(self._haves.get((worker, pid), ())) < self.servers:
+                return
+            held = queue.popleft()
+            del self._haves[(worker, pid)]
+            self._pass(worker, pid)
+            self.decided += 1
+            self.submit(held.push)
+        if queue is not None and not queue:
+            del self._queues[worker]
+
+    def _pass(self, worker: int, pid: int) -> None:
+        self._passed[worker] = max(self._passed.get(worker, -1), pid)
+        for key in [k for k in self._haves if k[0] == worker and k[1] <= pid]:
+            del self._haves[key]

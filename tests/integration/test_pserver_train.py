@@ -1,0 +1,76 @@
+"""Real training through the pservers' data path: a daemon with two local pservers, two real
+``hetd-worker`` processes that send each push's parts to the pservers and the push to the head;
+every push is decided only once both pservers hold its part, both follow every decision, and
+their slices saved at the daemon's checkpoint join to the head's parameters bit for bit."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from hetd import config as config_mod
+from hetd.pserver import disk
+from hetd.pserver.partition import join
+from hetd.server.daemon import Daemon
+from tests.conftest import make_config, start_worker
+
+WAIT = 240.0  # s: generous, every process imports JAX on a shared 2-core machine
+STEPS = 8  # pushes per worker
+
+
+async def _until(what: Callable[[], bool], why: str, timeout: float = WAIT) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not what():
+        assert loop.time() < deadline, f"timed out waiting: {why}"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.slow
+async def test_two_workers_train_through_two_local_pservers_which_end_with_the_head(
+    tmp_path: Path,
+) -> None:
+    # momentum (products and sums: bit for bit whatever the cut; Adam's family is bit for bit
+    # only where both sides compile its division alike, see docs/design.md), int8 pushes
+    cfg = make_config("asp", optimizer="momentum", lr=0.05, codec="int8")
+    cfg = config_mod.replace(cfg, "server", admin_port=-1, stop_timeout_s=60.0)
+    cfg = config_mod.replace(cfg, "store", dir=str(tmp_path / "state"), interval_s=0.0)
+    cfg = config_mod.replace(cfg, "pservers", log=True, servers=2, port=0, backend="local")
+    daemon = Daemon(cfg)
+    port = await daemon.start()
+    workers = []
+    try:
+        link = daemon.pservers
+        assert link is not None
+        await _until(link.ready.is_set, "both pservers said where they take parts")
+        welcome = daemon.engine.config.welcome["pservers"]
+        assert len(welcome["addrs"]) == 2 and welcome["map"] == link.setup.pmap.to_dict()
+        workers = [await start_worker(port, STEPS) for _ in range(2)]
+        for w in workers:
+            await asyncio.wait_for(w.wait(), WAIT)
+        for w in workers:
+            assert w.returncode == 0, (await w.stderr.read()).decode()[-2000:]  # type: ignore[union-attr]
+
+        # Every push was decided with both parts in (asp applies each): none lost, none waits.
+        assert link.parts.decided == 2 * STEPS and link.parts.lost == 0
+        assert link.parts.waiting() == 0 and daemon.engine.store.version == 2 * STEPS
+        await daemon.checkpoint()
+        position = daemon.engine.decisions.position  # type: ignore[union-attr]
+        await _until(lambda: link.durable == [position] * 2, "both saved the checkpoint")
+        head = dict(daemon.engine.store.snapshot().tensors)
+        dirs = [tmp_path / "state" / "pservers" / f"slice{s}" for s in range(2)]
+        saved = [disk.load(disk.listing(d)[0]).slice for d in dirs]
+        assert [s.position for s in saved] == [position] * 2
+        assert [s.version for s in saved] == [2 * STEPS] * 2
+        joined = join(link.setup.pmap, [s.params for s in saved])
+        assert sorted(joined) == sorted(head)
+        assert all(joined[k].tobytes() == head[k].tobytes() for k in head)  # bit for bit
+    finally:
+        for w in workers:
+            if w.returncode is None:
+                w.kill()
+                await w.wait()
+        await daemon.stop(final_checkpoint=False)

@@ -1,0 +1,155 @@
+"""The head decides a push only once every pserver holds its part (:mod:`hetd.server.pserver_parts`,
+the ``have`` reports on the pservers' link), and drops, as a drop in the log, one whose parts do
+not all come in time. The engine and the link are real ones on loopback; the pservers' side is
+this test, speaking the link's frames."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import numpy as np
+import optax
+import pytest
+
+from hetd.core.engine import Engine
+from hetd.core.entries import EngineConfig
+from hetd.core.ingest import decode_hello
+from hetd.core.store import Store
+from hetd.protocol import wire
+from hetd.protocol.messages import Ack, PushIn
+from hetd.pserver import link
+from hetd.pserver.log import DecisionLog, DropEntry
+from hetd.pserver.partition import partition
+from hetd.server.pserver_link import HeadLink, LinkSetup
+from hetd.server.pserver_parts import PartsWait
+from policies import make_policy
+from tests.conftest import FakeClock, FakePeer
+
+PARAMS = {"a/w": np.ones((4, 3), np.float32), "b/w": np.zeros(5, np.float32)}
+Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+@pytest.fixture
+async def head() -> AsyncIterator[tuple[HeadLink, Engine]]:
+    engine = Engine(
+        Store(PARAMS, optax.sgd(0.1)),
+        make_policy("asp", {}),
+        EngineConfig(guard_factor=0.0, welcome={"model": {}}),
+        FakeClock(),
+        decisions=DecisionLog(),
+    )
+    pmap = partition({k: v.shape for k, v in PARAMS.items()}, 2, block_bytes=0)
+    hl = HeadLink(engine, LinkSetup(pmap, "sgd:lr=0.1", PARAMS, part_timeout_s=0.5))
+    await hl.start("127.0.0.1", 0)
+    running = asyncio.create_task(engine.run())
+    yield hl, engine
+    running.cancel()
+    await hl.close()
+
+
+async def _pserver(hl: HeadLink, server: int, port: int) -> Streams:
+    reader, writer = await asyncio.open_connection("127.0.0.1", hl.port)
+    await link.send(writer, "hello", server=server, position=0, epoch="", parts=["127.0.0.1", port])
+    assert (await asyncio.wait_for(link.recv(reader), 10))["t"] == "welcome"
+    return reader, writer
+
+
+async def _until(what: Callable[[], bool], why: str) -> None:
+    for _ in range(400):
+        if what():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting: {why}")
+
+
+def _push(engine: Engine, wid: int, pid: int) -> PushIn:
+    grad = {k: np.full(v.shape, 0.5, np.float32) for k, v in PARAMS.items()}
+    return PushIn(wid, pid, engine.store.version, "grad", grad, 8, 1, 1.0, None, None, 1)
+
+
+async def test_a_push_is_decided_once_every_pserver_holds_its_part_and_dropped_if_not(
+    head: tuple[HeadLink, Engine],
+) -> None:
+    hl, engine = head
+    log = engine.decisions
+    assert isinstance(log, DecisionLog)
+    fields = {"name": "w", "device": {"platform": "cpu"}, "codecs": ["none"]}
+    peer = FakePeer()
+    wid = engine.join(decode_hello(wire.decode(wire.encode("hello", 1, **fields))), peer)
+
+    _, w0 = await _pserver(hl, 0, 7001)
+    assert not hl.ready.is_set() and "pservers" not in engine.config.welcome
+    _, w1 = await _pserver(hl, 1, 7002)
+    assert hl.ready.is_set()  # the welcome now names both and the map
+    assert engine.config.welcome["pservers"] == {
+        "map": hl.setup.pmap.to_dict(),
+        "addrs": [["127.0.0.1", 7001], ["127.0.0.1", 7002]],
+    }
+
+    await link.send(w1, "have", worker=wid, pid=1)  # a report may come before its push
+    hl.parts.hold(_push(engine, wid, 1))
+    await asyncio.sleep(0.1)
+    assert engine.store.version == 0 and hl.parts.waiting() == 1  # pserver 0's part is not in
+    await link.send(w0, "have", worker=wid, pid=1)
+    await _until(lambda: engine.store.version == 1, "push 1 applied")
+
+    hl.parts.hold(_push(engine, wid, 2))  # only pserver 0 ever holds push 2's part
+    hl.parts.hold(_push(engine, wid, 3))  # both hold 3's, which waits behind 2 (id order)
+    for w in (w0, w1):
+        await link.send(w, "have", worker=wid, pid=3)
+    await link.send(w0, "have", worker=wid, pid=2)
+    await asyncio.sleep(0.1)
+    assert engine.store.version == 1 and hl.parts.waiting() == 2
+    await _until(lambda: engine.store.version == 2, "push 2 dropped past the timeout, 3 applied")
+    acks = {r.id: r.status for r in peer.replies if isinstance(r, Ack)}
+    assert acks == {1: "applied", 2: "dropped", 3: "applied"}
+    assert hl.parts.lost == 1 and hl.parts.decided == 2 and hl.parts.waiting() == 0
+    drops = [r.entry for r in log.since(0) if isinstance(r.entry, DropEntry)]
+    assert [(d.worker, d.pid) for d in drops] == [(wid, 2)]  # a pserver frees its part
+
+    hl.parts.hold(_push(engine, wid, 2))  # sent again: at once to the engine, a duplicate
+
+    def answers() -> list[str]:
+        return [r.status for r in peer.replies if isinstance(r, Ack)]
+
+    await _until(lambda: len(answers()) == 4, "push 2 answered again")
+    assert answers()[-1] == "duplicate" and engine.store.version == 2
+    for w in (w0, w1):
+        w.close()
+
+
+def test_parts_wait_keeps_each_workers_order_and_forgets_reports_it_passed() -> None:
+    now = [0.0]
+    out: list[tuple[str, int, int]] = []
+    wait = PartsWait(
+        3,
+        lambda p: out.append(("decided", p.worker, p.id)),
+        lambda p: out.append(("lost", p.worker, p.id)),
+        timeout_s=5.0,
+        clock=lambda: now[0],
+    )
+
+    def push(worker: int, pid: int) -> PushIn:
+        return PushIn(worker, pid, 0, "grad", {}, 1, 1, 1.0, None, None, 1)
+
+    for pid in (1, 2):
+        wait.hold(push(7, pid))
+    wait.hold(push(8, 1))
+    for server in range(3):
+        wait.have(server, 7, 2)
+        wait.have(server, 8, 1)
+    assert out == [("decided", 8, 1)]  # 7's push 2 waits behind its push 1
+    wait.have(0, 7, 1)
+    wait.have(0, 7, 1)  # a report sent twice counts once
+    wait.have(5, 7, 1)  # not a pserver of this map: ignored
+    wait.have(1, 7, 1)
+    assert out == [("decided", 8, 1)]
+    now[0] = 5.0
+    wait.expire()
+    assert out == [("decided", 8, 1), ("lost", 7, 1), ("decided", 7, 2)]
+    wait.have(2, 7, 1)  # a late report of a push passed by: forgotten
+    wait.hold(push(7, 3))
+    assert wait.waiting() == 1 and wait.lost == 1 and wait.decided == 2
+    with pytest.raises(ValueError, match="at least one pserver"):
+        PartsWait(0, print, print)

@@ -1,0 +1,174 @@
+"""A worker's pushes cut into parts for the daemon's pservers (when its welcome names them).
+
+The welcome's ``pservers`` field holds the partition map and where each pserver takes parts. For
+each push the worker reads its encoded update back as the daemon's sessions read it
+(:func:`hetd.core.ingest.decode_push`: an int8 tensor stays int8 with its scale, any other codec
+is decoded to float32), cuts it by the map (:func:`hetd.pserver.partition.split`) and sends each
+pserver its part (a ``part`` frame of :mod:`hetd.pserver.link`, over TCP), while the push itself
+goes to the daemon as before. A part is sent again, over a new connection, until its pserver
+answers ``held`` (it is then in the pserver's write-ahead file) or the daemon answers the push
+(:meth:`PartsSender.done`): the daemon decides a push only once every pserver holds its part,
+and drops it when they do not all come in time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from hetd.core.ingest import decode_push
+from hetd.protocol import wire
+from hetd.pserver import link
+from hetd.pserver.partition import PartitionMap, split
+
+log = logging.getLogger("hetd.worker")
+
+RETRY_S = (0.1, 2.0)  # a lost pserver connection: the first delay, the longest
+
+
+class PartsError(ValueError):
+    """A welcome's ``pservers`` field that cannot be read."""
+
+
+def read_info(info: Any) -> tuple[PartitionMap, list[tuple[str, int]]]:
+    """The partition map and the pservers' addresses from a welcome's ``pservers`` field."""
+    if not isinstance(info, Mapping) or not isinstance(info.get("addrs"), list):
+        raise PartsError("the welcome's pservers field must be {map, addrs}")
+    try:
+        pmap = PartitionMap.from_dict(info.get("map") or {})
+    except (ValueError, TypeError, KeyError) as exc:
+        raise PartsError(f"the welcome's partition map: {exc}") from None
+    addrs = []
+    for a in info["addrs"]:
+        if not (isinstance(a, list) and len(a) == 2 and isinstance(a[0], str)):
+            raise PartsError(f"a pserver address must be [host, port], got {a!r}")
+        if not isinstance(a[1], int) or isinstance(a[1], bool) or not 0 < a[1] <= 65535:
+            raise PartsError(f"a pserver address must be [host, port], got {a!r}")
+        addrs.append((a[0], a[1]))
+    if len(addrs) != pmap.servers:
+        raise PartsError(f"{len(addrs)} pserver addresses for a map of {pmap.servers}")
+    return pmap, addrs
+
+
+class _Conn:
+    """One pserver's connection: parts sent in order, each until answered."""
+
+    def __init__(self, server: int, addr: tuple[str, int]) -> None:
+        self.server = server
+        self.addr = addr
+        self.lock = asyncio.Lock()
+        self._stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    async def deliver(self, frame: bytes, pid: int) -> None:
+        """Send ``frame`` (push ``pid``'s part) until the pserver answers it."""
+        delay = RETRY_S[0]
+        async with self.lock:
+            while True:
+                try:
+                    reader, writer = await self._open()
+                    writer.write(frame)
+                    await writer.drain()
+                    reply = await link.recv(reader, 1 << 16)
+                    if reply["t"] == "held" and reply.get("pid") == pid:
+                        return
+                    log.warning("pserver %d: part of push %d: %r", self.server, pid, reply)
+                    return  # refused: sending it again would not help (the daemon drops it)
+                except (OSError, asyncio.IncompleteReadError, link.LinkError) as exc:
+                    self.close()
+                    log.info("pserver %d at %s:%d: %s; again", self.server, *self.addr, exc)
+                    await asyncio.sleep(delay)
+                    delay = min(RETRY_S[1], delay * 2)
+                except asyncio.CancelledError:
+                    self.close()  # a frame may be half written
+                    raise
+
+    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if self._stream is None:
+            self._stream = await asyncio.open_connection(*self.addr)
+        return self._stream
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream[1].close()
+            self._stream = None
+
+
+class PartsSender:
+    """Sends each push's parts to the pservers; kept across reconnects (the daemon's map and
+    the pservers' addresses come with each welcome)."""
+
+    def __init__(self, info: Any) -> None:
+        self.pmap, addrs = read_info(info)
+        self._conns = [_Conn(s, a) for s, a in enumerate(addrs)]
+        self._sending: dict[int, asyncio.Task[None]] = {}
+        self.sent = 0  # pushes whose parts all went out
+
+    def update(self, info: Any) -> None:
+        """A new welcome's field (the same map; a pserver may have moved)."""
+        pmap, addrs = read_info(info)
+        if pmap != self.pmap:
+            raise PartsError("the daemon's partition map changed: restart this worker")
+        for conn, addr in zip(self._conns, addrs, strict=True):
+            if conn.addr != addr:
+                conn.close()
+                conn.addr = addr
+
+    def frames(self, worker: int, push: bytes) -> tuple[int, list[bytes]]:
+        """The push frame's id and one ``part`` frame per pserver (CPU work: a thread's)."""
+        msg = wire.decode(push, max_size=len(push))
+        p = decode_push(self.pmap.shapes, worker, msg, len(push), fused=True, norm=False)
+        slices = split(self.pmap, p.tensors)
+        return p.id, [
+            link.pack("part", worker=worker, pid=p.id, tensors=link.encode_tensors(s))
+            for s in slices
+        ]
+
+    async def send(self, worker: int, push: bytes) -> None:
+        """Cut ``push`` (an encoded push frame) and start sending its parts (in the background:
+        until each is held, or :meth:`done`). A push the daemon will refuse (not finite) sends
+        none."""
+        try:
+            pid, frames = await asyncio.to_thread(self.frames, worker, push)
+        except wire.ProtocolError as exc:
+            log.info("no parts for a push the daemon will refuse: %s", exc.message)
+            return
+        task = asyncio.create_task(self._deliver(pid, frames))
+        self._sending[pid] = task
+        task.add_done_callback(lambda _t: self._finished(pid, _t))
+
+    async def _deliver(self, pid: int, frames: list[bytes]) -> None:
+        await asyncio.gather(*(c.deliver(f, pid) for c, f in zip(self._conns, frames, strict=True)))
+        self.sent += 1
+
+    def _finished(self, pid: int, task: asyncio.Task[None]) -> None:
+        if self._sending.get(pid) is task:
+            del self._sending[pid]
+
+    def done(self, pid: int) -> None:
+        """The daemon answered push ``pid``: its parts need not be sent any more."""
+        task = self._sending.pop(pid, None)
+        if task is not None:
+            task.cancel()
+
+    def pending(self) -> int:
+        """Pushes with parts still going out."""
+        return len(self._sending)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until every push's parts are held: a worker that
+        leaves first would leave its last pushes without their parts."""
+        tasks = list(self._sending.values())
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
+
+    async def close(self) -> None:
+        for task in list(self._sending.values()):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._sending.clear()
+        for conn in self._conns:
+            conn.close()
