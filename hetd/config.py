@@ -153,6 +153,9 @@ class PserversConfig:
     # restarts one that exits (with a backoff; one that keeps failing is reported, not restarted)
     # and stops them when it stops
     backend: str = "none"
+    # a push is decided once every pserver holds its part (workers send the parts); one whose
+    # parts do not all come within this many seconds is dropped, everywhere
+    part_timeout_s: float = 30.0
 
 
 PSERVER_BACKENDS = ("none", "local")
@@ -286,6 +289,7 @@ _RANGES: dict[tuple[str, str], tuple[float, float | None, str]] = {
     ("store", "keep"): (1, None, "at least 1"),
     ("pservers", "servers"): (0, 64, "0 (none) to 64 pservers"),
     ("pservers", "port"): (0, 65535, "a TCP port, 0 for any free one"),
+    ("pservers", "part_timeout_s"): (0.1, None, "at least 0.1 s"),
 }
 
 

@@ -259,7 +259,7 @@ class Daemon:
             pmap = await asyncio.to_thread(plan, make_optimizer(head.optimizer), shapes, p.servers)
         except NotSliceable as exc:
             raise StartupError(f"[pservers] servers = {p.servers}: {exc}") from None
-        link = HeadLink(engine, LinkSetup(pmap, head.optimizer, head.params))
+        link = HeadLink(engine, LinkSetup(pmap, head.optimizer, head.params, p.part_timeout_s))
         try:
             await link.start(p.host, p.port)
         except OSError as exc:
@@ -284,10 +284,9 @@ class Daemon:
             except OSError as exc:
                 raise StartupError(f"cannot start the pserver processes: {exc}") from exc
             log.info("started %d pserver processes under %s", p.servers, procs.root)
-        log.warning(
-            "%d pservers follow the decision log on %s:%d; workers do not send them their "
-            "pushes' parts yet, so they stop at the first push, and the log keeps every record "
-            "after the last position all of them saved",
+        log.info(
+            "%d pservers follow the decision log on %s:%d; workers are welcomed once all of "
+            "them connected, and send them their pushes' parts",
             p.servers,
             p.host,
             link.port,
