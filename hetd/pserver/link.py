@@ -2,10 +2,12 @@
 
 One frame is a 4-byte big-endian length and a msgpack map with a string ``"t"`` (its type). The
 head's side and the pserver's side speak it over TCP on loopback (:mod:`hetd.server.pserver_link`,
-:mod:`hetd.server.pserver_proc`); a pusher sends a push's parts to a pserver with it. Frames:
+:mod:`hetd.server.pserver_proc`); a worker (:mod:`workers.parts`) sends a push's parts to a pserver with it. Frames:
 
-* pserver -> head: ``hello {server, position, epoch}`` (the log position its slice stands at, and
-  the head's life it followed), then ``durable {position}`` each time it saved its slice;
+* pserver -> head: ``hello {server, position, epoch, parts}`` (the log position its slice stands
+  at, the head's life it followed, and the ``[host, port]`` it takes parts on, which the head
+  hands its workers), then ``durable {position}`` each time it saved its slice and ``have
+  {worker, pid}`` for each part it holds (on each new connection, every one it holds);
 * head -> pserver: ``welcome {map, optimizer, outer, combine, step_each, epoch, start, base}``
   (the partition map, the optimizer specs, the store's modes, this head's life and the position
   its log began at, and the slice's initial tensors for a pserver with none saved), then
