@@ -1,11 +1,11 @@
 """A worker's pushes cut into parts for the daemon's pservers (when its welcome names them).
 
-The welcome's ``pservers`` field holds the partition map and where each pserver takes parts. For
-each push the worker reads its encoded update back as the daemon's sessions read it
-(:func:`hetd.core.ingest.decode_push`: an int8 tensor stays int8 with its scale, any other codec
-is decoded to float32), cuts it by the map (:func:`hetd.pserver.partition.split`) and sends each
-pserver its part (a ``part`` frame of :mod:`hetd.pserver.link`, over TCP), while the push itself
-goes to the daemon as before. A part is sent again, over a new connection, until its pserver
+The welcome's ``pservers`` field holds the partition map (:mod:`hetd.pserver.partition`'s plain
+value) and where each pserver takes parts. For each push the worker reads its encoded update back
+as the daemon's sessions read it (an int8 tensor with one scale stays int8 with that scale, any
+other codec is decoded to float32), cuts it by the map (whole tensors, or blocks of rows) and
+sends each pserver its part (a ``part`` frame, :mod:`hetd.protocol.pslink`, over TCP), while the
+push itself goes to the daemon as before. A part is sent again, over a new connection, until its pserver
 answers ``held`` (it is then in the pserver's write-ahead file) or the daemon answers the push
 (:meth:`PartsSender.done`): the daemon decides a push only once every pserver holds its part,
 and drops it when they do not all come in time.
@@ -19,10 +19,12 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from hetd.core.ingest import decode_push
-from hetd.protocol import wire
-from hetd.pserver import link
-from hetd.pserver.partition import PartitionMap, split
+import numpy as np
+
+from hetd.codecs import registry as codecs
+from hetd.codecs.tensor import read_bytes, read_scales, read_shape, size_of
+from hetd.protocol import pslink, wire
+from hetd.protocol.frames import Push, decode
 
 log = logging.getLogger("hetd.worker")
 
@@ -33,14 +35,35 @@ class PartsError(ValueError):
     """A welcome's ``pservers`` field that cannot be read."""
 
 
-def read_info(info: Any) -> tuple[PartitionMap, list[tuple[str, int]]]:
-    """The partition map and the pservers' addresses from a welcome's ``pservers`` field."""
+# a part: (key, path, first row, one past the last, whole tensor, pserver)
+Cut = tuple[str, str, int, int, bool, int]
+
+
+def read_map(m: Any) -> tuple[dict[str, tuple[int, ...]], list[Cut], int]:
+    """A partition map's plain value as the tensors' shapes, the parts and the pservers' number
+    (what cutting a push needs; the pservers check each part's key and shape)."""
+    try:
+        shapes = {str(path): tuple(int(d) for d in shape) for path, shape, _ in m["tensors"]}
+        cuts: list[Cut] = []
+        for path, start, stop, whole, server in m["parts"]:
+            if path not in shapes or not 0 <= start <= stop or not 0 <= server < m["servers"]:
+                raise ValueError(f"a bad part of {path!r}")
+            cuts.append(
+                (pslink.part_key(path, start, stop, whole), path, start, stop, whole, server)
+            )
+        servers = int(m["servers"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PartsError(f"the welcome's partition map: {exc!r}") from None
+    return shapes, cuts, servers
+
+
+def read_info(info: Any) -> tuple[Any, list[tuple[str, int]]]:
+    """The partition map (its plain value) and the pservers' addresses from a welcome's
+    ``pservers`` field."""
     if not isinstance(info, Mapping) or not isinstance(info.get("addrs"), list):
         raise PartsError("the welcome's pservers field must be {map, addrs}")
-    try:
-        pmap = PartitionMap.from_dict(info.get("map") or {})
-    except (ValueError, TypeError, KeyError) as exc:
-        raise PartsError(f"the welcome's partition map: {exc}") from None
+    pmap = info.get("map")
+    servers = read_map(pmap)[2]
     addrs = []
     for a in info["addrs"]:
         if not (isinstance(a, list) and len(a) == 2 and isinstance(a[0], str)):
@@ -48,9 +71,44 @@ def read_info(info: Any) -> tuple[PartitionMap, list[tuple[str, int]]]:
         if not isinstance(a[1], int) or isinstance(a[1], bool) or not 0 < a[1] <= 65535:
             raise PartsError(f"a pserver address must be [host, port], got {a!r}")
         addrs.append((a[0], a[1]))
-    if len(addrs) != pmap.servers:
-        raise PartsError(f"{len(addrs)} pserver addresses for a map of {pmap.servers}")
+    if len(addrs) != servers:
+        raise PartsError(f"{len(addrs)} pserver addresses for a map of {servers}")
     return pmap, addrs
+
+
+def tensors_of(push: Push, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, list[Any]]:
+    """A push's tensors as the link carries them, as the daemon reads them: an int8 tensor with
+    one scale as its int8 values and that scale, any other decoded to float32. ``CodecError``
+    when they are not the model's."""
+    wire_tensors = push.tensors
+    out: dict[str, list[Any]] = {}
+    if not isinstance(wire_tensors, Mapping) or set(wire_tensors) != set(shapes):
+        raise codecs.CodecError("the push's tensors are not the model's")
+    rest = {}
+    for path, t in wire_tensors.items():
+        block = t.get("block") if isinstance(t, Mapping) else None
+        if type(block) is int and block == 0 and t.get("codec") == "int8":
+            shape = read_shape(t)
+            scale = float(np.float32(read_scales(t, "int8", 1)[0]))
+            q = np.frombuffer(read_bytes(t, "data", "int8", size_of(shape)), np.int8)
+            out[path] = ["int8", q.reshape(shape), scale]
+        else:
+            rest[path] = t
+    for path, arr in codecs.decode_tree(rest, {p: shapes[p] for p in rest}).items():
+        out[path] = ["float32", arr, None]
+    return out
+
+
+def cut(
+    tensors: Mapping[str, list[Any]], cuts: list[Cut], servers: int
+) -> list[dict[str, list[Any]]]:
+    """One slice per pserver, ``key -> tensor entry`` (:func:`hetd.protocol.pslink.tensor_entry`)."""
+    out: list[dict[str, list[Any]]] = [{} for _ in range(servers)]
+    for key, path, start, stop, whole, server in cuts:
+        _, values, scale = tensors[path]
+        rows = values if whole else values[start:stop]
+        out[server][key] = pslink.tensor_entry(rows, scale)
+    return out
 
 
 class _Conn:
@@ -71,12 +129,12 @@ class _Conn:
                     reader, writer = await self._open()
                     writer.write(frame)
                     await writer.drain()
-                    reply = await link.recv(reader, 1 << 16)
+                    reply = await pslink.recv(reader, 1 << 16)
                     if reply["t"] == "held" and reply.get("pid") == pid:
                         return
                     log.warning("pserver %d: part of push %d: %r", self.server, pid, reply)
                     return  # refused: sending it again would not help (the daemon drops it)
-                except (OSError, asyncio.IncompleteReadError, link.LinkError) as exc:
+                except (OSError, asyncio.IncompleteReadError, pslink.FrameError) as exc:
                     self.close()
                     log.info("pserver %d at %s:%d: %s; again", self.server, *self.addr, exc)
                     await asyncio.sleep(delay)
@@ -102,6 +160,7 @@ class PartsSender:
 
     def __init__(self, info: Any) -> None:
         self.pmap, addrs = read_info(info)
+        self.shapes, self.cuts, self.servers = read_map(self.pmap)
         self._conns = [_Conn(s, a) for s, a in enumerate(addrs)]
         self._sending: dict[int, asyncio.Task[None]] = {}
         self.sent = 0  # pushes whose parts all went out
@@ -118,13 +177,11 @@ class PartsSender:
 
     def frames(self, worker: int, push: bytes) -> tuple[int, list[bytes]]:
         """The push frame's id and one ``part`` frame per pserver (CPU work: a thread's)."""
-        msg = wire.decode(push, max_size=len(push))
-        p = decode_push(self.pmap.shapes, worker, msg, len(push), fused=True, norm=False)
-        slices = split(self.pmap, p.tensors)
-        return p.id, [
-            link.pack("part", worker=worker, pid=p.id, tensors=link.encode_tensors(s))
-            for s in slices
-        ]
+        p = decode(push, max_size=len(push))
+        if not isinstance(p, Push):
+            raise TypeError(f"a push frame holds a {p.type} message")
+        slices = cut(tensors_of(p, self.shapes), self.cuts, self.servers)
+        return p.id, [pslink.pack("part", worker=worker, pid=p.id, tensors=s) for s in slices]
 
     async def send(self, worker: int, push: bytes) -> None:
         """Cut ``push`` (an encoded push frame) and start sending its parts (in the background:
@@ -132,8 +189,8 @@ class PartsSender:
         none."""
         try:
             pid, frames = await asyncio.to_thread(self.frames, worker, push)
-        except wire.ProtocolError as exc:
-            log.info("no parts for a push the daemon will refuse: %s", exc.message)
+        except (wire.ProtocolError, codecs.CodecError) as exc:
+            log.info("no parts for a push the daemon will refuse: %s", exc)
             return
         task = asyncio.create_task(self._deliver(pid, frames))
         self._sending[pid] = task

@@ -29,49 +29,25 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-import msgpack
 import numpy as np
 
 from hetd.core.store import Int8
+from hetd.protocol import pslink
 
-MAX_FRAME = 1 << 30  # bytes in one frame: a part of at most 1 GiB
 DTYPES = ("float32", "int8")  # what a tensor on the link may be
 
-
-class LinkError(ValueError):
-    """A frame that cannot be read or says something impossible."""
-
-
-def pack(kind: str, **fields: Any) -> bytes:
-    """One frame (length prefix included)."""
-    body: bytes = msgpack.packb({"t": kind, **fields}, use_bin_type=True)
-    return len(body).to_bytes(4, "big") + body
+# The frames themselves are the protocol's (a worker writes them too): a LinkError is a FrameError.
+LinkError = pslink.FrameError
+MAX_FRAME = pslink.MAX_FRAME
+pack = pslink.pack
+recv = pslink.recv
+unpack = pslink.unpack
 
 
 async def send(writer: asyncio.StreamWriter, kind: str, **fields: Any) -> None:
     """Write one frame and wait until the transport takes it."""
     writer.write(pack(kind, **fields))
     await writer.drain()
-
-
-async def recv(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME) -> dict[str, Any]:
-    """The next frame; :class:`LinkError` when malformed, ``asyncio.IncompleteReadError`` when
-    the stream ends."""
-    n = int.from_bytes(await reader.readexactly(4), "big")
-    if n > max_bytes:
-        raise LinkError(f"a frame of {n} bytes, over the limit of {max_bytes}")
-    return unpack(await reader.readexactly(n))
-
-
-def unpack(body: bytes) -> dict[str, Any]:
-    """A frame's body as a map with a string ``"t"``; :class:`LinkError` otherwise."""
-    try:
-        msg = msgpack.unpackb(body, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several kinds on bad bytes
-        raise LinkError(f"not a msgpack frame: {exc!r}") from None
-    if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
-        raise LinkError("a frame must be a map with a string 't'")
-    return msg
 
 
 def field(msg: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
@@ -94,11 +70,9 @@ def encode_tensors(tensors: Mapping[str, Any]) -> dict[str, list[Any]]:
     out: dict[str, list[Any]] = {}
     for key, value in tensors.items():
         if isinstance(value, Int8):
-            q = np.asarray(value.q, np.int8)
-            out[key] = ["int8", list(q.shape), q.tobytes(), float(value.scale)]  # C order
+            out[key] = pslink.tensor_entry(value.q, float(value.scale))
         else:
-            arr = np.asarray(value, np.float32)  # (tobytes() writes C order, a 0-d array too)
-            out[key] = ["float32", list(arr.shape), arr.tobytes()]
+            out[key] = pslink.tensor_entry(value)
     return out
 
 

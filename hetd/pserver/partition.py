@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 
 from hetd.core.store import Int8
+from hetd.protocol.pslink import part_key
 
 FORMAT = 1  # the version of to_dict()'s layout
 BLOCK_BYTES = 4 << 20  # 4 MiB: a million float32 values per block
-BLOCK_MARK = "#rows="  # a block's key: f"{path}{BLOCK_MARK}{start}:{stop}"
 
 
 class _Malformed(ValueError):
@@ -52,7 +52,7 @@ class Part:
     @property
     def key(self) -> str:
         """The part's name inside a slice: the path for a whole tensor, else path and rows."""
-        return self.path if self.whole else f"{self.path}{BLOCK_MARK}{self.start}:{self.stop}"
+        return part_key(self.path, self.start, self.stop, self.whole)
 
 
 @dataclass(frozen=True, slots=True)

@@ -153,3 +153,42 @@ def test_parts_wait_keeps_each_workers_order_and_forgets_reports_it_passed() -> 
     assert wait.waiting() == 1 and wait.lost == 1 and wait.decided == 2
     with pytest.raises(ValueError, match="at least one pserver"):
         PartsWait(0, print, print)
+
+
+@pytest.mark.parametrize("codec", ["int8", "none", "topk:k=0.25"])
+def test_a_workers_parts_are_the_daemons_reading_of_its_push_cut_by_the_map(codec: str) -> None:
+    """What a worker sends each pserver is what the daemon reads from the same push frame
+    (:func:`hetd.core.ingest.decode_push`, int8 kept as int8), cut by the map, bit for bit,
+    row blocks included."""
+    from hetd.codecs import registry as codecs
+    from hetd.core.ingest import decode_push
+    from hetd.protocol.frames import Push
+    from hetd.pserver.partition import split
+    from workers.parts import PartsSender
+
+    rng = np.random.default_rng(3)
+    shapes = {"a/w": (64, 16), "b/w": (16,), "c/s": ()}
+    update = {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
+    pmap = partition(shapes, 2, block_bytes=1024)  # a/w in row blocks over both pservers
+    assert any(not p.whole for p in pmap.parts)
+    enc = codecs.from_spec(codec)
+    tensors = {k: enc.encode(v, np.random.default_rng(0)) for k, v in update.items()}
+    frame = Push(5, base=0, kind="grad", tensors=tensors, samples=8, steps=1, compute_s=0.1)
+    data = frame.encode()
+
+    sender = PartsSender({"map": pmap.to_dict(), "addrs": [["127.0.0.1", 1], ["127.0.0.1", 2]]})
+    pid, frames = sender.frames(9, data)
+    head = decode_push(pmap.shapes, 9, wire.decode(data), len(data), fused=True)
+    expected = split(pmap, head.tensors)
+    assert pid == 5 and len(frames) == 2
+    for server, raw in enumerate(frames):
+        msg = link.unpack(raw[4:])
+        assert (msg["t"], msg["worker"], msg["pid"]) == ("part", 9, 5)
+        got = link.decode_tensors(msg["tensors"], pmap.slice_shapes(server))
+        assert set(got) == set(expected[server])
+        for key, value in expected[server].items():
+            if codec == "int8":  # the daemon's view: int8 values and their scale
+                assert got[key].q.tobytes() == np.asarray(value.q).tobytes()  # type: ignore[union-attr]
+                assert got[key].scale == value.scale  # type: ignore[union-attr]
+            else:
+                assert np.asarray(got[key]).tobytes() == np.asarray(value).tobytes()
