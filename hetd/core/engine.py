@@ -227,8 +227,8 @@ class Engine:
 
     def tick(self) -> None:
         """Time passes: heartbeats, evaluation, and a chance for gates to open."""
-        now, m = self.clock.now(), self.meters
-        m.rates.sample(now, self.applier.updates_applied, m.bytes_in, m.bytes_out)
+        now = self.clock.now()
+        self.meters.sample(now, self.applier.updates_applied)
         for wid in self.members.silent(now):
             self.leave(wid, "heartbeat timeout")
         self.members.evict_due(now)

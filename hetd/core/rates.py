@@ -92,3 +92,7 @@ class Meters:
         self.publish_latency = LatencyRecorder()  # s per publish: steps, snapshot, param frames
         self.wait = LatencyRecorder()  # s a command waited in the queue
         self.rates = RateMeter()  # updates/s and MB/s over the last seconds, sampled on ticks
+
+    def sample(self, now: float, updates: int) -> None:
+        """A tick's sample of the rates: ``updates`` applied so far, and the bytes counted here."""
+        self.rates.sample(now, updates, self.bytes_in, self.bytes_out)

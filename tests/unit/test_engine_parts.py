@@ -24,7 +24,7 @@ from hetd.core.members import Members
 from hetd.core.policy_host import PolicyHost
 from hetd.core.publish import Publisher
 from hetd.core.queue import CommandQueue
-from hetd.core.rates import Meters
+from hetd.core.rates import MB, Meters
 from hetd.core.replicas import Replicas
 from hetd.core.store import Store
 from hetd.protocol import wire
@@ -577,3 +577,16 @@ def test_queue_ticking_feeds_ticks_and_stops_its_feeds_after_the_block() -> None
         return seen
 
     assert isinstance(asyncio.run(main())[0], cmd.Tick) and stopped == [True]
+
+
+def test_meters_sample_the_rates_with_their_own_byte_counts() -> None:
+    m = Meters()
+    m.sample(0.0, 0)
+    m.bytes_in, m.bytes_out = 2_000_000, 4_000_000
+    m.sample(2.0, 10)
+    assert m.rates.rates() == {
+        "updates_per_s": 5.0,
+        "mb_in_per_s": round(1_000_000 / MB, 3),
+        "mb_out_per_s": round(2_000_000 / MB, 3),
+        "window_s": 2.0,
+    }
