@@ -68,9 +68,9 @@ class OutOfMemory(FatalError):
 def whole_step_bytes(shapes: Mapping[str, Sequence[int]], micro: int) -> float:
     """Bytes a whole-model step needs: float32 parameters and their gradients, and one
     micro-batch of ``micro`` samples' activations (each block's output, for a block-structured
-    model, :func:`hetd.core.entries.block_facts`; none for any other). The simulator's worker
+    model, :func:`hetd.zoo.shapes.block_facts`; none for any other). The simulator's worker
     counts the same (``hetd.sim.agent.EmuWorker.fits``)."""
-    from hetd.core.entries import block_facts  # light, but not on the command line's path
+    from hetd.zoo.shapes import block_facts
 
     n_params = sum(math.prod(s) for s in shapes.values())
     acts = sum(a for _, a, _ in block_facts({k: tuple(v) for k, v in shapes.items()}))

@@ -55,7 +55,7 @@ class _Step:
 
 def stage_share(shapes: Mapping[str, Sequence[int]], lo: int, hi: int) -> float:
     """Blocks ``[lo, hi)``'s share of a block-structured model's compute: their parameters over
-    all (the planner's and the simulator's rule, :func:`hetd.core.entries.block_facts`)."""
+    all (the planner's and the simulator's rule, :func:`hetd.zoo.shapes.block_facts`)."""
     heads = tuple(prefix(j) + "/" for j in range(lo, hi))
     total = sum(math.prod(s) for s in shapes.values())
     mine = sum(math.prod(s) for k, s in shapes.items() if k.startswith(heads))

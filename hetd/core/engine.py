@@ -19,7 +19,7 @@ from hetd.core import commands as cmd
 from hetd.core import saved
 from hetd.core.applier import Applier
 from hetd.core.decisions import DecisionSink
-from hetd.core.entries import EngineConfig, WorkerEntry, WorkerStats, block_facts
+from hetd.core.entries import EngineConfig, WorkerEntry, WorkerStats
 from hetd.core.evals import Evaluations, Keeper, metrics_of
 from hetd.core.execute import Executor
 from hetd.core.forward import Forward
@@ -36,6 +36,7 @@ from hetd.core.saved import EngineState
 from hetd.core.store import Snapshot, Store
 from hetd.core.views import cluster_view, status, worker_rows
 from hetd.protocol.messages import Bye, JoinIn, PushIn
+from hetd.zoo.shapes import block_facts
 from policies.types import ClusterView, Event, Join, Leave, Plan, Policy, Push, Tick, WorkerFacts
 
 __all__ = ["Engine"]

@@ -27,7 +27,6 @@ import numpy as np
 
 from hetd.codecs import registry as codecs
 from hetd.codecs.feedback import ErrorFeedback, encode_with_feedback
-from hetd.core.entries import block_facts
 from hetd.protocol import wire
 from hetd.protocol.frames import Hello, Params, Push
 from hetd.protocol.messages import ProfileRequest, Welcome
@@ -38,6 +37,7 @@ from hetd.sim.costs import CostProfile
 from hetd.sim.scenario import Scenario
 from hetd.zoo.data import BatchSampler, Dataset, shard_indices, share_indices
 from hetd.zoo.optim import parse_optimizer
+from hetd.zoo.shapes import block_facts
 
 
 @dataclass(eq=False)
