@@ -153,7 +153,14 @@ async def read(
             elif isinstance(msg, StageOrder | StepOrder | Abort | Act):
                 dataset = state.trainer.data if state.trainer is not None else None
                 if state.stage_host is None and dataset is not None:
-                    state.stage_host = StageHost(state.model_setup, dataset, state.next_push_id)
+                    assert state.trainer is not None  # the data set is its
+                    state.stage_host = StageHost(
+                        state.model_setup,
+                        dataset,
+                        state.next_push_id,
+                        opts.emulation,
+                        state.trainer.bound.layout.shapes,
+                    )
                 if state.stage_host is not None:
                     was_staged, inbox.staged = inbox.staged, True  # no data-parallel step now
                     answer = partial(send, ws, opts=opts)

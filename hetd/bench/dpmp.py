@@ -13,10 +13,13 @@ The three columns of each scenario's batch time (a round of the global batch):
   its rounds publish over the last two thirds of ``engine_budget_s`` virtual seconds; its
   pipeline replicas run as the daemon's replica driver runs them (:mod:`hetd.sim.replicas`);
 * *real* (only with ``real``, it takes minutes): a real daemon and ``hetd-worker`` processes
-  (``--emulate-memory`` for the memory-poor ones, :func:`hetd.bench.real.run_real`) for
-  ``real_budget_s`` wall seconds; its batch time is the global batch over the samples per second
-  measured from the run's warm start. The engine's simulator's figure for it is measured the
-  same way (``engine_per_throughput_s``).
+  (:func:`hetd.bench.real.run_real`) for ``real_budget_s`` wall seconds; its batch time is the
+  global batch over the samples per second measured from the run's warm start. The engine's
+  simulator's figure for it is measured the same way (``engine_per_throughput_s``). The
+  memory-poor workers run with ``--emulate-memory``: a whole-model step (a data-parallel step or
+  a profile) that does not fit fails and the worker leaves, as in the engine's simulator, and
+  they join at the run's t = 0 instead of warming up under bsp's whole-model steps; their
+  pipeline stages run at their emulated slow-down and links.
 
 The targets: in the engine's simulator, dpmp at least 15 % less batch time than lbbsp on B and
 45 % less on D, and within 5 % of it on C and E; the engine's simulator within 15 % of the

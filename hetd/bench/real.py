@@ -26,6 +26,16 @@ and it finds out by the heartbeat timeout (the scenario's ``heartbeat_timeout_s`
 simulator's silent crash does. Every worker ever in the run has its namespace and link from the
 start.
 
+**Memory-poor workers.** A worker whose ``memory`` cannot hold a whole-model step (the
+parameters, their gradients and a micro-batch's activations, :func:`workers.emulate.whole_step_bytes`)
+fails one as a real memory-poor device does (``hetd-worker --emulate-memory``: it leaves with an
+out-of-memory error). So the bsp warm-up, which gives every worker whole-model steps, would end it
+before t = 0, and a policy that does not plan for it (lbbsp) could never meet it. It is started
+as a joiner at t = 0 (``--emulate-join-at 0``): it builds its trainer before, connects at t = 0,
+and from then on meets what the run's policy gives it, as in the simulator, whose workers all
+start at t = 0: dpmp makes it a pipeline stage, lbbsp gives it a share, its first step fails and
+lbbsp goes on with the others.
+
 **The time origin.** The simulator's t = 0 is the start of the run, and so is the real run's: the
 moment every worker has joined and pushed once (and three warm-up rounds more), from which the
 budget and every curve count. That moment is not known when the worker processes start (importing
@@ -83,7 +93,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
 from hetd import config as config_mod
@@ -166,6 +176,19 @@ class Recorder:
         return out
 
 
+def memory_poor(sc: Scenario, shapes: Mapping[str, Sequence[int]]) -> frozenset[int]:
+    """The initial workers whose ``memory`` cannot hold a whole-model step of the model of
+    parameter ``shapes`` (module docstring): what a worker with that ``--emulate-memory``
+    refuses (its micro-batch is the daemon's, the scenario's ``micro_batch``)."""
+    from workers.emulate import whole_step_bytes
+    from workers.loop import DEFAULT_MICRO_BATCH
+
+    need = whole_step_bytes(shapes, sc.micro_batch or DEFAULT_MICRO_BATCH)
+    return frozenset(
+        i for i, w in enumerate(sc.workers) if w.memory is not None and w.memory < need
+    )
+
+
 def check_real(sc: Scenario) -> None:
     """Raise ValueError if ``hetd-worker``'s emulation flags cannot express ``sc``. Every
     scenario the simulator accepts can be expressed today; this builds each worker's flags, so a
@@ -220,8 +243,11 @@ def _config(
     )
 
 
-def _worker_args(sc: Scenario, i: int, seed: int, shaped: bool = False) -> list[str]:
-    """Emulation flags for worker ``i``. ``--emulate-slowdown`` and a shift's slow-down must be
+def _worker_args(
+    sc: Scenario, i: int, seed: int, shaped: bool = False, late: bool = False
+) -> list[str]:
+    """Emulation flags for worker ``i`` (``late``: a memory-poor worker, which joins at t = 0,
+    the module docstring). ``--emulate-slowdown`` and a shift's slow-down must be
     >= 1, so slow-downs are relative to the fastest worker at any time (regime shifts included),
     whose speed goes into ``--emulate-base-step`` (seconds per 32 samples; the worker scales it
     by its batch). Shift times are seconds from the run's t = 0 (written to the worker's standard
@@ -268,6 +294,8 @@ def _worker_args(sc: Scenario, i: int, seed: int, shaped: bool = False) -> list[
     join = next((e for e in sc.events if isinstance(e, Join) and e.worker == i), None)
     if join is not None:  # started with the others, it connects at its time (Churn)
         args += ["--emulate-join-at", repr(join.at_s)]
+    elif late:
+        args += ["--emulate-join-at", "0.0"]
     return args
 
 
@@ -335,6 +363,7 @@ async def _run_on(
     recorder = Recorder(engine)
     engine.policy, engine.policy_state = recorder.wrap(engine.policy), engine.policy_state
     initial = engine.store.state()  # before any worker joins: the t = 0 restart goes back to it
+    late = memory_poor(sc, engine.store.shapes)  # they join at t = 0 (the module docstring)
     url = f"ws://{cfg.server.host}:{port}"
     env = worker_env(cfg.server.worker_token)
     procs: list[asyncio.subprocess.Process] = []  # worker i's process at index i
@@ -347,7 +376,7 @@ async def _run_on(
         logs.append(files.enter_context(tempfile.TemporaryFile()))  # noqa: SIM115 (files closes it)
         return await spawn_worker(
             url,
-            *_worker_args(sc, i, seed, shaped=net is not None),
+            *_worker_args(sc, i, seed, shaped=net is not None, late=i in late),
             env=env,
             stdin=asyncio.subprocess.PIPE,
             stderr=logs[-1],
@@ -364,15 +393,15 @@ async def _run_on(
         # its pushes (policies.profiling.profile_from_facts), which then reflect the whole
         # cluster at work, not the join.
         deadline = time.monotonic() + JOIN_TIMEOUT_S
-        await _wait_joined(engine, sc.n, procs, logs, deadline)
+        await _wait_joined(engine, sc.n - len(late), procs, logs, deadline)
         settled = {wid: f.clock + SETTLE_ROUNDS for wid, f in engine.facts.items()}
-        await _wait_joined(engine, sc.n, procs, logs, deadline, settled)
+        await _wait_joined(engine, sc.n - len(late), procs, logs, deadline, settled)
         await engine.call(lambda: _restart(engine, recorder, policy, initial))
         kept = keeper_for(engine.policy, evals)
         try:
             churn = Churn(sc, procs, net)
             return await _measure(
-                sc, policy, seed, lr, daemon, recorder, on_time, procs, kept, churn
+                sc, policy, seed, lr, daemon, recorder, on_time, procs, kept, churn, late
             )
         finally:
             if kept is not None:
@@ -490,6 +519,7 @@ async def _measure(
     procs: Sequence[asyncio.subprocess.Process],
     kept: KeptSnapshots | None,
     churn: Churn | None = None,
+    late: frozenset[int] = frozenset(),
 ) -> RunResult:
     """Train for the budget from the moment every worker has joined, sampling the engine; the
     workers' emulation schedules start at the same moment. With ``kept`` the evaluations are
@@ -499,12 +529,13 @@ async def _measure(
     evaluate = engine.evaluations.evaluator
     assert evaluate is not None  # build_engine always sets one
     by_name = {f.name: wid for wid, f in engine.facts.items()}
-    wids = {str(i): by_name[f"w{i}"] for i in range(sc.n)}
+    wids = {str(i): by_name[f"w{i}"] for i in range(sc.n) if i not in late}
     start = engine.clock.now()
 
     def joined() -> None:
-        """Joiners get their ids once they join (each a name of the scenario's, w<i>)."""
-        for i in range(sc.n, len(sc.all_workers)):
+        """Joiners (and the memory-poor workers) get their ids once they join (each a name of
+        the scenario's, w<i>)."""
+        for i in range(len(sc.all_workers)):
             if str(i) not in wids:
                 wid = next((w for w, f in engine.facts.items() if f.name == f"w{i}"), None)
                 if wid is not None:

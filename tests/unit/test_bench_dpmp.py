@@ -71,3 +71,30 @@ def test_the_median_starts_at_from_round() -> None:
 def test_the_command_line_refuses_no_seeds(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--suite", "dpmp", "--seeds", "0", "--out", "/nonexistent/x"]) == 2
     assert "--seeds must be >= 1" in capsys.readouterr().err
+
+
+def test_real_mode_starts_the_memory_poor_workers_at_t0() -> None:
+    """A worker whose ``memory`` cannot hold a whole-model step would fail one in the bsp
+    warm-up (``--emulate-memory`` is enforced): real mode starts it as a joiner at t = 0, the
+    others as usual; a worker that fits, or reports no memory, is not one."""
+    import jax
+
+    from hetd.bench.real import _worker_args, memory_poor
+    from hetd.sim.scenario import load_scenario
+    from hetd.zoo.blocks import mlp_model
+
+    def shapes(hidden: list[int]) -> dict[str, tuple[int, ...]]:
+        tree = jax.eval_shape(
+            lambda: mlp_model(10, hidden=tuple(hidden)).init(jax.random.PRNGKey(0), (784,))
+        )
+        return {k: tuple(v.shape) for k, v in tree.items()}
+
+    b, d = load_scenario("B"), load_scenario("D")
+    big = shapes(b.model_kwargs["hidden"])
+    assert memory_poor(b, big) == {3, 4}
+    assert memory_poor(d, big) == {i for i, w in enumerate(d.workers) if w.memory is not None}
+    assert memory_poor(b, shapes([64])) == set()  # a model small enough: everyone fits
+    args = _worker_args(b, 3, 0, late=True)
+    assert args[args.index("--emulate-join-at") + 1] == "0.0"
+    assert "--emulate-memory" in args
+    assert "--emulate-join-at" not in _worker_args(b, 0, 0)
