@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import numpy as np
 import optax
@@ -192,3 +193,52 @@ def test_a_workers_parts_are_the_daemons_reading_of_its_push_cut_by_the_map(code
                 assert got[key].scale == value.scale  # type: ignore[union-attr]
             else:
                 assert np.asarray(got[key]).tobytes() == np.asarray(value).tobytes()
+
+
+@pytest.mark.slow  # a daemon that probes its optimizer for the cut (seconds on a shared machine)
+async def test_the_daemon_welcomes_workers_once_its_pservers_said_where_they_take_parts(
+    tmp_path: Path,
+) -> None:
+    """A real daemon with two pservers (the test speaks for them): a worker that does not name the
+    ``pservers`` feature (an older hetd-worker, whose pushes would never have parts) is refused
+    with the reason; one that does is welcomed once both pservers said hello, with the map and
+    their addresses."""
+    import aiohttp
+
+    from hetd import config as config_mod
+    from hetd.server.daemon import Daemon
+    from tests.conftest import WORKER_AUTH, make_config, recv_type
+
+    cfg = make_config("asp", optimizer="momentum", lr=0.05)
+    cfg = config_mod.replace(cfg, "server", admin_port=-1)
+    cfg = config_mod.replace(cfg, "store", dir=str(tmp_path / "state"), interval_s=0.0)
+    cfg = config_mod.replace(cfg, "pservers", log=True, servers=2, port=0)
+    daemon = Daemon(cfg)
+    port = await daemon.start()
+    url = f"ws://127.0.0.1:{port}/v1/ws"
+    fields = {"name": "raw", "device": {"platform": "cpu"}, "codecs": ["none"]}
+    try:
+        hl = daemon.pservers
+        assert hl is not None
+        async with aiohttp.ClientSession() as http:
+            old = await http.ws_connect(url, headers=WORKER_AUTH)
+            await old.send_bytes(wire.encode("hello", 1, **fields))
+            refusal = await recv_type(old, "error")
+            assert refusal["code"] == "unsupported" and "pservers" in refusal["message"]
+            await old.close()
+
+            ws = await http.ws_connect(url, headers=WORKER_AUTH, max_msg_size=0)
+            await ws.send_bytes(wire.encode("hello", 1, features=["pservers"], **fields))
+            with pytest.raises(TimeoutError):  # no welcome before the pservers are known
+                await ws.receive(timeout=0.5)
+            pservers = [await _pserver(hl, s, 7100 + s) for s in range(2)]
+            welcome = await recv_type(ws, "welcome")
+            assert welcome["pservers"] == {
+                "map": hl.setup.pmap.to_dict(),
+                "addrs": [["127.0.0.1", 7100], ["127.0.0.1", 7101]],
+            }
+            await ws.close()
+            for _, writer in pservers:
+                writer.close()
+    finally:
+        await daemon.stop(final_checkpoint=False)
