@@ -77,6 +77,18 @@ class _Buffered(NamedTuple):
     lr_scale: float  # its worker's plan's when it began (the delta's size, not its share)
 
 
+def _link(f: WorkerFacts, full: float) -> float | None:
+    """A worker's link in bytes/s: measured on its pushes, or before its first push its
+    join-time profile's (a full frame's ``push_s``, latency included); None (free) with
+    neither."""
+    if f.link_bps is not None and f.link_bps > 0:
+        return f.link_bps
+    push_s = (f.profile or {}).get("push_s")
+    if isinstance(push_s, int | float) and push_s > 0 and full > 0:
+        return full / float(push_s)
+    return None
+
+
 def _ewma(old: float | None, new: float) -> float:
     return new if old is None else EWMA * new + (1 - EWMA) * old
 
@@ -113,10 +125,16 @@ class _Run:
         top = max(f.clock for f in view.workers.values())
         self.facts: dict[int, WorkerFacts] = {}
         self.workers: dict[int, TwinWorker] = {}
+        # a full frame's bytes: every worker's, the codec aside (a worker timed by its join-time
+        # profile alone has pushed none yet)
+        frame = cfg.model_bytes or max(
+            ((f.push_bytes or 0.0) * 32 / codec_bits(f.codec) for f in view.workers.values()),
+            default=0.0,
+        )
         for wid, f in sorted(view.workers.items()):
             plan = Plan(batch_size=cfg.batch_size or f.batch_size, codec=f.codec)
-            full = cfg.model_bytes or (f.push_bytes or 0.0) * 32 / codec_bits(f.codec)
-            self.workers[wid] = TwinWorker(wid, plan, speed(f), f.link_bps, full)
+            full = cfg.model_bytes or (f.push_bytes or 0.0) * 32 / codec_bits(f.codec) or frame
+            self.workers[wid] = TwinWorker(wid, plan, speed(f), _link(f, full), full)
             self.facts[wid] = dataclasses.replace(f, batch_size=plan.batch_size, clock=top)
         for wid, f in sorted(view.workers.items()):
             self._resume(self.workers[wid], f)

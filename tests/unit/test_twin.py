@@ -158,6 +158,24 @@ def test_the_round_trip_the_view_shows_is_charged_on_every_push() -> None:
         TwinConfig(exchange_s=-1.0)
 
 
+def test_a_worker_timed_by_its_profile_alone_moves_frames_at_its_profiled_speed() -> None:
+    # before its first push a worker's facts hold its join-time profile only: a full frame took
+    # 50 ms to reach the daemon, and the others' pushes say a frame is 1 MB
+    view = view_of(S, link_bps=1e8, push_bytes=1e6)
+    new = dataclasses.replace(
+        view.workers[3],
+        compute_s=None,
+        sample_s=None,
+        push_bytes=None,
+        link_bps=None,
+        profile={"sample_s": BASE_STEP_S / BASE_BATCH * 4, "push_s": 0.05, "pull_s": 0.05},
+    )
+    joined = dataclasses.replace(view, workers={**view.workers, 3: new})
+    r = run_twin(joined, "bsp", config=FREE)
+    assert round_s(r) == pytest.approx(0.04 + 2 * 0.05)  # its step, then 50 ms each way
+    assert r.bytes_up == pytest.approx(r.pushes * 1e6)
+
+
 def test_a_codec_in_the_plan_shrinks_the_pushes() -> None:
     # hps gives the worker on a slow link (1 MB pushes, 10 MB/s) fewer bits per value; lbbsp
     # sends every push in full
