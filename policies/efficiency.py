@@ -57,7 +57,8 @@ class Efficiency:
     applied at ``1/N`` (simulator, seed 0 of two six- and four-worker SGD clusters with spread
     speeds and slow links: ashl reached the target at 0.56-0.57 of adsp's applied samples and at
     0.73-0.76 of their weighted count; asp, applied at ``1/N`` as adsp is, at 0.97-1.01 of both).
-    Adaptive optimizers normalize a step's size, so the weight says little there [D]. With a
+    Under Adam, which normalizes a step's size, the weight still ordered ashl above adsp in the
+    simulator (:data:`ADAM`). With a
     noise scale as well, ``E`` is still taken over the update's samples per step; a push at
     ``1/N`` averages its noise as a mean does, so its own batch over its weight would be the
     better measure there [D, not built].
@@ -112,20 +113,31 @@ PLAIN = frozenset({"sgd", "momentum", "nesterov", "delayed_nesterov"})
 # Plain SGD's model [D]: staleness and local steps nearly free. Evidence, simulator (one seed
 # each, docs/policies.md §14): under SGD, samples to the target per policy against lbbsp's (fresh,
 # one step) — asp (staleness about 3) 0.99, ashl on S1 1.07 and on S4 (tens of local steps over
-# slow links) 1.0; under Adam (peer_adam, S1's cluster) asp 1.67, ashl 1.52, adsp 1.40, which the
-# class defaults fit.
+# slow links) 1.0.
 PLAIN_SGD = (0.02, 0.002)  # kappa_staleness, kappa_local
+# Adam's model [D]: staleness costs as the class default says, local steps little, and a push
+# counts by its weight. Fitted on two six- and three-worker Adam clusters of our own, not
+# packaged (simulator, 3 seeds: the samples lbbsp needed over each policy's, asp 0.68 and 0.83,
+# ashl 0.81 and 0.83, adsp 0.57 and 0.74; this model 0.70 and 0.85, 0.76 and 0.84, 0.62 and
+# 0.77, where the class defaults gave ashl 0.44 and 0.45); on peer_adam, not fitted, it gives
+# ashl 0.89, adsp 0.73, asp 0.79 against 0.74, 0.72 and 0.66 measured (the defaults: 0.61, 0.62,
+# 0.79). Its local steps are the workers' own Adam steps; its weight, the share ashl applies a
+# fast worker's delta at, moves the daemon's Adam as it moves SGD (ashl needed fewer samples than
+# adsp on all three, which applies every commit at 1/N).
+ADAM = (0.1, 0.01)  # kappa_staleness, kappa_local
 
 
 def for_optimizer(spec: str | None) -> Efficiency:
     """The efficiency model for training with the optimizer ``spec`` (``name[:options]``; the
     workers' for local steps, which is the daemon's family unless set apart): plain SGD and its
-    momentum forms barely discount staleness and local steps and count a push by its weight, an
-    adaptive optimizer (Adam) keeps the class defaults, and so does a name not known (or
-    none). [D]"""
+    momentum forms barely discount staleness and local steps, an adaptive optimizer (Adam)
+    discounts staleness as the class default and local steps little (:data:`ADAM`), both count
+    a push by its weight; a name not known (or none) keeps the class defaults. [D]"""
     name = (spec or "").partition(":")[0].strip().lower()
     if name in PLAIN:
         return Efficiency(kappa_staleness=PLAIN_SGD[0], kappa_local=PLAIN_SGD[1], weighted=True)
+    if name in ADAPTIVE:
+        return Efficiency(kappa_staleness=ADAM[0], kappa_local=ADAM[1], weighted=True)
     return Efficiency()
 
 

@@ -209,7 +209,8 @@ def test_an_engine_plans_with_its_workers_optimizer_and_default_batch() -> None:
     sgd = PlannerConfig.for_engine(config("sgd:lr=0.2"))
     adam = PlannerConfig.for_engine(config("adam:lr=0.001"))
     assert sgd.default_batch == adam.default_batch == 24
-    assert adam.efficiency == Efficiency() == PlannerConfig.for_engine(EngineConfig()).efficiency
+    assert Efficiency() == PlannerConfig.for_engine(EngineConfig()).efficiency  # none named
+    assert adam.efficiency == for_optimizer("adamw") != Efficiency()
     assert sgd.efficiency == for_optimizer("momentum") != Efficiency()
     # under plain SGD a stale push or a delta of many local steps is discounted far less, and a
     # push counts by its weight: asp's 1/N is an even share, ashl's data shares weigh its fast
@@ -224,6 +225,16 @@ def test_an_engine_plans_with_its_workers_optimizer_and_default_batch() -> None:
         assert got[name, "adam"] < got[name, "sgd"]
     assert 0.9 < got["asp", "sgd"] <= 1.0
     assert got["ashl", "sgd"] > 1.0
+    # under Adam too ashl's local steps cost little and its weights count: a sample of it is
+    # worth more than asp's (staleness alone) and adsp's (local steps at 1/N), as it reached
+    # the target on fewer samples than both on three Adam clusters (simulator)
+    (adsp,) = plan(
+        view,
+        parse_candidates("adsp"),
+        dataclasses.replace(CONFIG, efficiency=adam.efficiency),
+        lambda: 0.0,
+    ).forecast.predictions
+    assert got["ashl", "adam"] > max(got["asp", "adam"], adsp.efficiency)
     (fresh,) = plan(view, parse_candidates("lbbsp"), CONFIG, lambda: 0.0).forecast.predictions
     assert fresh.efficiency == 1.0
 
