@@ -74,3 +74,58 @@ async def test_two_workers_train_through_two_local_pservers_which_end_with_the_h
                 w.kill()
                 await w.wait()
         await daemon.stop(final_checkpoint=False)
+
+
+@pytest.mark.slow
+async def test_a_pserver_killed_while_workers_train_comes_back_at_its_address_and_catches_up(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL one of two local pservers while two real workers train: the daemon restarts it on
+    its directory, it takes its old port again, the workers send it the parts it had not
+    answered, and at the end both slices join to the head's parameters bit for bit, with no push
+    lost or applied twice."""
+    import os
+    import signal
+
+    cfg = make_config("asp", optimizer="momentum", lr=0.05, codec="int8")
+    cfg = config_mod.replace(cfg, "server", admin_port=-1, stop_timeout_s=60.0)
+    cfg = config_mod.replace(cfg, "store", dir=str(tmp_path / "state"), interval_s=0.0)
+    cfg = config_mod.replace(cfg, "pservers", log=True, servers=2, port=0, backend="local")
+    daemon = Daemon(cfg)
+    port = await daemon.start()
+    workers = []
+    steps = 5 * STEPS
+    try:
+        link, procs = daemon.pservers, daemon.pserver_procs
+        assert link is not None and procs is not None
+        await _until(link.ready.is_set, "both pservers said where they take parts")
+        addrs = list(link.addrs)
+        workers = [await start_worker(port, steps) for _ in range(2)]
+        store = daemon.engine.store
+        await _until(lambda: store.version >= 4, "training under way")
+        proc = procs.slots[1].proc
+        assert proc is not None
+        os.kill(proc.pid, signal.SIGKILL)
+        at_kill = store.version
+        await _until(lambda: procs.slots[1].restarts == 1, "the pserver restarted")
+        for w in workers:
+            await asyncio.wait_for(w.wait(), WAIT)
+        for w in workers:
+            assert w.returncode == 0, (await w.stderr.read()).decode()[-2000:]  # type: ignore[union-attr]
+        assert at_kill < 2 * steps - 2  # pushes came after the kill: they waited for it
+        assert link.addrs == addrs  # it came back where the workers send its parts
+        assert link.parts.lost == 0 and store.version == 2 * steps  # none lost, none twice
+        await daemon.checkpoint()
+        position = daemon.engine.decisions.position  # type: ignore[union-attr]
+        await _until(lambda: link.durable == [position] * 2, "both saved the checkpoint")
+        head = dict(store.snapshot().tensors)
+        dirs = [tmp_path / "state" / "pservers" / f"slice{s}" for s in range(2)]
+        saved = [disk.load(disk.listing(d)[0]).slice for d in dirs]
+        joined = join(link.setup.pmap, [s.params for s in saved])
+        assert all(joined[k].tobytes() == head[k].tobytes() for k in head)  # bit for bit
+    finally:
+        for w in workers:
+            if w.returncode is None:
+                w.kill()
+                await w.wait()
+        await daemon.stop(final_checkpoint=False)
