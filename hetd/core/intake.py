@@ -59,6 +59,7 @@ class Intake:
         (the clock moved: gates may open)."""
         entry = self.members.active.get(p.worker)
         if entry is None:
+            self.partless.discard((p.worker, p.id))
             return None, None
         st = entry.stats
         st.last_seen = now
