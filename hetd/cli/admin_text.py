@@ -141,6 +141,15 @@ def log_rows(st: dict[str, Any]) -> list[tuple[str, str]]:
             for i, pos in enumerate(saved)
         ]
         rows.append(("pservers", "; ".join(cells) or "none"))
+    parts = d.get("parts")
+    if isinstance(parts, dict):
+        rows.append(
+            (
+                "pushes' parts",
+                f"{parts['decided']} decided with every part, {parts['dropped']} dropped "
+                f"without, {parts['waiting']} waiting",
+            )
+        )
     for p in d.get("processes") or ():
         pid = f"pid {p['pid']}" if p.get("pid") is not None else "no process"
         exit_ = f", last exit {p['last_exit']}" if p.get("last_exit") is not None else ""

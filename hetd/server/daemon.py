@@ -398,6 +398,7 @@ class Daemon:
             out["link_port"] = self.pservers.port
             out["saved"] = list(self.pservers.durable)  # each slice's newest saved position
             out["connected"] = sorted(self.pservers.connected)
+            out["parts"] = self.pservers.parts.describe()  # pushes and their pservers' parts
         if self.pserver_procs is not None:  # each process's pid, state and restarts
             out["processes"] = self.pserver_procs.describe()
         return out

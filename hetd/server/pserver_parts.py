@@ -61,6 +61,10 @@ class PartsWait:
         self.decided = 0  # pushes handed to the engine with every part in
         self.lost = 0  # pushes handed on as lost
 
+    def describe(self) -> dict[str, int]:
+        """For ``/v1/status``: pushes decided with every part in, dropped without, waiting now."""
+        return {"decided": self.decided, "dropped": self.lost, "waiting": self.waiting()}
+
     def waiting(self) -> int:
         """Pushes held now."""
         return sum(len(q) for q in self._queues.values())

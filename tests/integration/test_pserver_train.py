@@ -57,6 +57,8 @@ async def test_two_workers_train_through_two_local_pservers_which_end_with_the_h
         # Every push was decided with both parts in (asp applies each): none lost, none waits.
         assert link.parts.decided == 2 * STEPS and link.parts.lost == 0
         assert link.parts.waiting() == 0 and daemon.engine.store.version == 2 * STEPS
+        parts = daemon.describe()["decisions"]["parts"]
+        assert parts == {"decided": 2 * STEPS, "dropped": 0, "waiting": 0}
         await daemon.checkpoint()
         position = daemon.engine.decisions.position  # type: ignore[union-attr]
         await _until(lambda: link.durable == [position] * 2, "both saved the checkpoint")

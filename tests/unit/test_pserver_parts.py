@@ -242,3 +242,23 @@ async def test_the_daemon_welcomes_workers_once_its_pservers_said_where_they_tak
                 writer.close()
     finally:
         await daemon.stop(final_checkpoint=False)
+
+
+def test_hetd_status_shows_the_pushes_held_for_their_parts() -> None:
+    from hetd.cli.admin_text import status_text
+    from tests.unit.test_admin_text import status
+
+    body = status("asp")
+    body["decisions"] = {
+        "position": 12,
+        "version": 10,
+        "first": 1,
+        "saved": [0, 0],
+        "connected": [0, 1],
+        "parts": {"decided": 10, "dropped": 1, "waiting": 2},
+    }
+    rows = {
+        k.strip(): v.strip()
+        for k, v in (line.split("  ", 1) for line in status_text(body).splitlines() if "  " in line)
+    }
+    assert rows["pushes' parts"] == "10 decided with every part, 1 dropped without, 2 waiting"
