@@ -35,6 +35,7 @@ from policies.auto_choice import (
 )
 from policies.compose import describe_state, resolve
 from policies.registry import make_policy, register
+from policies.twin_worker import exchange_s, moved_s
 from policies.types import (
     Apply,
     Buffer,
@@ -167,13 +168,18 @@ def default_plan_fields(batch_size: int, codec: str) -> dict[str, Any]:
 
 def switch_cost_s(view: ClusterView) -> float:
     """Seconds a switch costs the cluster: :data:`SWITCH_ROUNDS` rounds of its slowest worker,
-    each worker's round measured between its last two pushes (else its compute time)."""
+    each worker's round its compute time (the engine's average) and its push's round trip (the
+    links as measured and what the twin reads beyond them, :func:`exchange_s`), else, before
+    it reported one, its last two pushes apart. Not the last cycle alone: in real mode one
+    cycle holds whatever stalled it (a compile at a new batch shape, the first planning round's
+    CPU), and on peer_adam one of 0.26 s made a switch look to cost half of a 1 s dwell."""
+    extra = exchange_s(view)
     rounds = [0.0]
     for f in view.workers.values():
-        if f.last_push_at is not None and f.prev_push_at is not None:
+        if f.compute_s is not None:
+            rounds.append(max(0.0, f.compute_s) + moved_s(f) + extra)
+        elif f.last_push_at is not None and f.prev_push_at is not None:
             rounds.append(f.last_push_at - f.prev_push_at)
-        elif f.compute_s is not None:
-            rounds.append(f.compute_s)
     return SWITCH_ROUNDS * max(rounds)
 
 

@@ -133,10 +133,15 @@ def exchange_s(
         cycle = f.last_push_at - f.prev_push_at
         if not cycle > 0:
             continue
-        up = f.push_bytes or 0.0
-        full = model_bytes or up * 32 / codec_bits(f.codec)
-        link = f.link_bps if f.link_bps and f.link_bps > 0 else None
-        moved = 2 * latency_s + ((up + full) / link if link else 0.0)
-        rest = cycle - max(0.0, f.compute_s) - moved
+        rest = cycle - max(0.0, f.compute_s) - moved_s(f, latency_s, model_bytes)
         found = rest if found is None else min(found, rest)
     return max(0.0, found) if found is not None else 0.0
+
+
+def moved_s(f: WorkerFacts, latency_s: float = 0.0, model_bytes: float | None = None) -> float:
+    """Seconds the twin charges a worker's push and the parameter frame that answers it on its
+    measured link (``latency_s`` each way; 0 over a link not measured yet)."""
+    up = f.push_bytes or 0.0
+    full = model_bytes or up * 32 / codec_bits(f.codec)
+    link = f.link_bps if f.link_bps and f.link_bps > 0 else None
+    return 2 * latency_s + ((up + full) / link if link else 0.0)
