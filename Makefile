@@ -23,8 +23,12 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/hetd demo --out demo-out
 
+# Two test processes (TEST_PROCS=1 for one): most tests wait on sockets and worker processes, so
+# two keep both cores busy; a file's tests stay together in one process (--dist loadfile), in order.
+TEST_PROCS ?= 2
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=30
+	$(BIN)/python -m pytest -q -n $(TEST_PROCS) --dist loadfile --durations=30
 
 # The unit tests without those marked slow (they train models for seconds; `make test` runs them):
 # the loop to run while editing.
