@@ -66,6 +66,9 @@ class ClusterView:
     # The model's blocks when it is block-structured (else empty), in order: (parameter bytes,
     # output bytes per sample, relative compute per sample).
     blocks: tuple[tuple[float, float, float], ...] = ()
+    # The gradient noise scale in samples, measured from pairs of gradient pushes at the same
+    # base version (policies.efficiency.NoiseScale); None until enough pairs came
+    noise_scale: float | None = None
 
     @property
     def n(self) -> int:

@@ -26,6 +26,7 @@ from hetd.core.forward import Forward
 from hetd.core.guard import UpdateGuard
 from hetd.core.intake import Intake
 from hetd.core.members import Members
+from hetd.core.noise import GradientNoise
 from hetd.core.peers import Clock, MonotonicClock, Peer
 from hetd.core.policy_host import PolicyHost
 from hetd.core.publish import Publisher
@@ -69,13 +70,14 @@ class Engine:
         self.intake = Intake(
             self.members, self.pipelines, self.guard, self.applier, config, self.meters
         )
+        self.noise = GradientNoise()  # the gradient noise scale, from pairs of pushes
         self.evaluations = Evaluations(
             self.clock, now, config.eval_interval_s, config.eval_inline, self.submit, evaluator
         )
         self.host = PolicyHost(policy, self.clock, now)
         self.executor = Executor(
             self.members, self.host, self.applier, self.publisher, self.pipelines, store, config,
-            self.meters, self.clock,
+            self.meters, self.clock, self.noise,
         )  # fmt: skip
         self.host.state = policy.init(self.view())
 

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from hetd.core.applier import Applier
 from hetd.core.entries import EngineConfig, WorkerEntry
 from hetd.core.members import Members
+from hetd.core.noise import GradientNoise
 from hetd.core.peers import Clock
 from hetd.core.policy_host import PolicyHost
 from hetd.core.rates import Meters
@@ -61,7 +62,9 @@ class Executor:
         config: EngineConfig,
         meters: Meters,
         clock: Clock,
+        noise: GradientNoise | None = None,
     ) -> None:
+        """``noise``: where plain gradient pushes applied or buffered are paired (None: not)."""
         self.members = members
         self.host = host
         self.applier = applier
@@ -71,6 +74,7 @@ class Executor:
         self.config = config
         self.meters = meters
         self.clock = clock
+        self.noise = noise
 
     def run(self, r: Resolved, push: PushIn | None) -> list[Event]:
         """Carry out one event's resolved decisions (``push``: the push the event was)."""
@@ -106,14 +110,24 @@ class Executor:
             self.applier.apply(p.kind, p.tensors, d.weight * factor, named)
             st.applied += 1
             self.ack(p, "applied")
+            self._measure(p)
         elif isinstance(d, Buffer):
             self.applier.buffer(d.group, p.kind, p.tensors, d.weight * factor, named)
             st.buffered += 1
             self.ack(p, "buffered")
+            self._measure(p)
         elif isinstance(d, Drop):
             self.applier.discard(*named)
             st.dropped += 1
             self.ack(p, "dropped", d.reason)
+
+    def _measure(self, p: PushIn) -> None:
+        """A plain gradient push (one step, not a pipeline replica's) to the noise scale."""
+        if self.noise is None or p.kind != "grad" or p.steps != 1:
+            return
+        if self.pipelines.of(p.worker) is not None:
+            return
+        self.noise.push(p.worker, p.base, p.samples, p.tensors, p.norm)
 
     def ack(self, p: PushIn, status: AckStatus, reason: str | None = None) -> None:
         self.members.send(p.worker, Ack(p.id, self.store.version, status, reason))

@@ -14,6 +14,7 @@ import numpy as np
 from hetd.core.applier import Applier
 from hetd.core.evals import Evaluations
 from hetd.core.members import Members
+from hetd.core.noise import GradientNoise
 from hetd.core.peers import Clock
 from hetd.core.policy_host import PolicyHost
 from hetd.core.rates import Meters
@@ -41,6 +42,8 @@ class Parts(Protocol):
     @property
     def meters(self) -> Meters: ...
     @property
+    def noise(self) -> GradientNoise: ...
+    @property
     def clock(self) -> Clock: ...
     @property
     def started_at(self) -> float: ...
@@ -59,6 +62,7 @@ def cluster_view(e: Parts, global_batch: int) -> ClusterView:
         replicas=pipelines.groups,
         stage_workers={w: m.active[w].facts for w in pipelines.head_of if w in m.active},
         blocks=pipelines.blocks,
+        noise_scale=e.noise.value,
     )
 
 
@@ -90,6 +94,10 @@ def status(e: Parts) -> dict[str, Any]:
             "value": e.evaluations.target.value,
             "reached_at_s": e.evaluations.target_at,
         },
+        # the gradient noise scale in samples (None until enough pairs of gradient pushes at the
+        # same base version came), and the pairs it is from
+        "noise_scale": e.noise.value,
+        "noise_pairs": e.noise.pairs,
         "throughput": e.meters.rates.rates(),
         "engine_latency": e.meters.latency.summary(),
         "publish_latency": e.meters.publish_latency.summary(),
