@@ -23,9 +23,11 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/hetd demo --out demo-out
 
-# Two test processes (TEST_PROCS=1 for one): most tests wait on sockets and worker processes, so
-# two keep both cores busy; a file's tests stay together in one process (--dist loadfile), in order.
-TEST_PROCS ?= 2
+# TEST_PROCS=2 runs the suite in two processes (a file's tests together in one, in order): most
+# tests wait on sockets and worker processes, so two keep both cores busy (16 min against 23 on
+# this 2-core machine). Not the default yet: under the doubled load two real-process tests failed
+# (the digits demo's final accuracy under ssp; a SIGTERMed worker's bye in the churn run).
+TEST_PROCS ?= 0
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_PROCS) --dist loadfile --durations=30
