@@ -262,6 +262,16 @@ async def raw_asp() -> AsyncIterator[Cluster]:
 WORKER_AUTH = {"Authorization": f"Bearer {WORKER_TOKEN}"}
 
 
+async def until(what: Callable[[], bool], why: str, timeout: float = 240.0) -> None:
+    """Wait until ``what()`` holds, looking every 0.02 s; AssertionError naming ``why`` past
+    ``timeout`` s (generous by default: every process imports JAX on a shared 2-core machine)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not what():
+        assert loop.time() < deadline, f"timed out waiting: {why}"
+        await asyncio.sleep(0.02)
+
+
 async def recv_type(ws: Any, type_: str) -> Any:
     """The next message of ``type_`` on a raw client websocket, skipping the others."""
     import aiohttp

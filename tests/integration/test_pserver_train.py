@@ -6,7 +6,6 @@ their slices saved at the daemon's checkpoint join to the head's parameters bit 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,37 +14,33 @@ from hetd import config as config_mod
 from hetd.pserver import disk
 from hetd.pserver.partition import join
 from hetd.server.daemon import Daemon
-from tests.conftest import make_config, start_worker
+from tests.conftest import make_config, start_worker, until
 
 WAIT = 240.0  # s: generous, every process imports JAX on a shared 2-core machine
 STEPS = 8  # pushes per worker
 
 
-async def _until(what: Callable[[], bool], why: str, timeout: float = WAIT) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not what():
-        assert loop.time() < deadline, f"timed out waiting: {why}"
-        await asyncio.sleep(0.05)
+def _two_local_pservers(state: Path) -> config_mod.Config:
+    """asp with momentum (products and sums: bit for bit whatever the cut; Adam's family is bit
+    for bit only where both sides compile its division alike, see docs/design.md), int8 pushes,
+    and two local pservers keeping their slices under ``state``."""
+    cfg = make_config("asp", optimizer="momentum", lr=0.05, codec="int8")
+    cfg = config_mod.replace(cfg, "server", admin_port=-1, stop_timeout_s=60.0)
+    cfg = config_mod.replace(cfg, "store", dir=str(state / "state"), interval_s=0.0)
+    return config_mod.replace(cfg, "pservers", log=True, servers=2, port=0, backend="local")
 
 
 @pytest.mark.slow
 async def test_two_workers_train_through_two_local_pservers_which_end_with_the_head(
     tmp_path: Path,
 ) -> None:
-    # momentum (products and sums: bit for bit whatever the cut; Adam's family is bit for bit
-    # only where both sides compile its division alike, see docs/design.md), int8 pushes
-    cfg = make_config("asp", optimizer="momentum", lr=0.05, codec="int8")
-    cfg = config_mod.replace(cfg, "server", admin_port=-1, stop_timeout_s=60.0)
-    cfg = config_mod.replace(cfg, "store", dir=str(tmp_path / "state"), interval_s=0.0)
-    cfg = config_mod.replace(cfg, "pservers", log=True, servers=2, port=0, backend="local")
-    daemon = Daemon(cfg)
+    daemon = Daemon(_two_local_pservers(tmp_path))
     port = await daemon.start()
     workers = []
     try:
         link = daemon.pservers
         assert link is not None
-        await _until(link.ready.is_set, "both pservers said where they take parts")
+        await until(link.ready.is_set, "both pservers said where they take parts")
         welcome = daemon.engine.config.welcome["pservers"]
         assert len(welcome["addrs"]) == 2 and welcome["map"] == link.setup.pmap.to_dict()
         workers = [await start_worker(port, STEPS) for _ in range(2)]
@@ -61,7 +56,7 @@ async def test_two_workers_train_through_two_local_pservers_which_end_with_the_h
         assert parts == {"decided": 2 * STEPS, "dropped": 0, "waiting": 0}
         await daemon.checkpoint()
         position = daemon.engine.decisions.position  # type: ignore[union-attr]
-        await _until(lambda: link.durable == [position] * 2, "both saved the checkpoint")
+        await until(lambda: link.durable == [position] * 2, "both saved the checkpoint")
         head = dict(daemon.engine.store.snapshot().tensors)
         dirs = [tmp_path / "state" / "pservers" / f"slice{s}" for s in range(2)]
         saved = [disk.load(disk.listing(d)[0]).slice for d in dirs]
@@ -89,27 +84,23 @@ async def test_a_pserver_killed_while_workers_train_comes_back_at_its_address_an
     import os
     import signal
 
-    cfg = make_config("asp", optimizer="momentum", lr=0.05, codec="int8")
-    cfg = config_mod.replace(cfg, "server", admin_port=-1, stop_timeout_s=60.0)
-    cfg = config_mod.replace(cfg, "store", dir=str(tmp_path / "state"), interval_s=0.0)
-    cfg = config_mod.replace(cfg, "pservers", log=True, servers=2, port=0, backend="local")
-    daemon = Daemon(cfg)
+    daemon = Daemon(_two_local_pservers(tmp_path))
     port = await daemon.start()
     workers = []
     steps = 5 * STEPS
     try:
         link, procs = daemon.pservers, daemon.pserver_procs
         assert link is not None and procs is not None
-        await _until(link.ready.is_set, "both pservers said where they take parts")
+        await until(link.ready.is_set, "both pservers said where they take parts")
         addrs = list(link.addrs)
         workers = [await start_worker(port, steps) for _ in range(2)]
         store = daemon.engine.store
-        await _until(lambda: store.version >= 4, "training under way")
+        await until(lambda: store.version >= 4, "training under way")
         proc = procs.slots[1].proc
         assert proc is not None
         os.kill(proc.pid, signal.SIGKILL)
         at_kill = store.version
-        await _until(lambda: procs.slots[1].restarts == 1, "the pserver restarted")
+        await until(lambda: procs.slots[1].restarts == 1, "the pserver restarted")
         for w in workers:
             await asyncio.wait_for(w.wait(), WAIT)
         for w in workers:
@@ -119,7 +110,7 @@ async def test_a_pserver_killed_while_workers_train_comes_back_at_its_address_an
         assert link.parts.lost == 0 and store.version == 2 * steps  # none lost, none twice
         await daemon.checkpoint()
         position = daemon.engine.decisions.position  # type: ignore[union-attr]
-        await _until(lambda: link.durable == [position] * 2, "both saved the checkpoint")
+        await until(lambda: link.durable == [position] * 2, "both saved the checkpoint")
         head = dict(store.snapshot().tensors)
         dirs = [tmp_path / "state" / "pservers" / f"slice{s}" for s in range(2)]
         saved = [disk.load(disk.listing(d)[0]).slice for d in dirs]

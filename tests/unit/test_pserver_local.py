@@ -9,7 +9,6 @@ import asyncio
 import os
 import signal
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,17 +16,9 @@ import pytest
 from hetd import config as config_mod
 from hetd.pserver import disk
 from hetd.server.pserver_sup import LocalPservers, RestartPolicy, Slot
-from tests.conftest import make_config
+from tests.conftest import make_config, until
 
 WAIT = 240.0  # s: generous, each process imports JAX on a shared 2-core machine
-
-
-async def _until(what: Callable[[], bool], why: str, timeout: float = WAIT) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not what():
-        assert loop.time() < deadline, f"timed out waiting: {why}"
-        await asyncio.sleep(0.05)
 
 
 def test_the_backend_key_is_checked() -> None:
@@ -60,10 +51,10 @@ async def test_the_daemon_restarts_a_killed_pserver_which_saves_the_next_checkpo
         assert link is not None and procs is not None
         dirs = [tmp_path / "state" / "pservers" / f"slice{s}" for s in range(2)]
         assert [slot.directory for slot in procs.slots] == dirs
-        await _until(lambda: sorted(link.connected) == [0, 1], "both pservers connected")
+        await until(lambda: sorted(link.connected) == [0, 1], "both pservers connected")
         first = await daemon.checkpoint()
         p1 = daemon.engine.decisions.position  # type: ignore[union-attr]
-        await _until(lambda: link.durable == [p1, p1], "both saved the first checkpoint")
+        await until(lambda: link.durable == [p1, p1], "both saved the first checkpoint")
 
         before = daemon.describe()["decisions"]["processes"]
         assert [p["restarts"] for p in before] == [0, 0]
@@ -71,15 +62,15 @@ async def test_the_daemon_restarts_a_killed_pserver_which_saves_the_next_checkpo
         old = before[1]["pid"]
         os.kill(old, signal.SIGKILL)
         slot = procs.slots[1]
-        await _until(lambda: slot.restarts == 1 and slot.state == "running", "restarted")
+        await until(lambda: slot.restarts == 1 and slot.state == "running", "restarted")
         new = daemon.describe()["decisions"]["processes"][1]
         assert new["pid"] not in (None, old) and new["last_exit"] == -signal.SIGKILL
-        await _until(lambda: 1 in link.connected, "the restarted pserver reconnected")
+        await until(lambda: 1 in link.connected, "the restarted pserver reconnected")
 
         second = await daemon.checkpoint()
         p2 = daemon.engine.decisions.position  # type: ignore[union-attr]
         assert p2 > p1 and second.seq > first.seq
-        await _until(lambda: link.durable == [p2, p2], "both saved the second checkpoint")
+        await until(lambda: link.durable == [p2, p2], "both saved the second checkpoint")
         for d in dirs:  # each slice saved at both checkpoints, the restarted one too
             assert {disk.load(path).slice.position for path in disk.listing(d)} >= {p1, p2}
         status = daemon.describe()["decisions"]
@@ -116,7 +107,7 @@ async def test_a_pserver_that_keeps_failing_is_reported_not_restarted(tmp_path: 
     sup = _Scripted(tmp_path, "import sys; sys.exit(1)", quick)
     await sup.start()
     try:
-        await _until(lambda: all(s.state == "failed" for s in sup.slots), "both given up", 60)
+        await until(lambda: all(s.state == "failed" for s in sup.slots), "both given up", 60)
         for slot in sup.describe():
             assert slot["restarts"] == 2 and slot["last_exit"] == 1 and slot["pid"] is None
         assert all("3 times in a row" in s.reason for s in sup.slots)
@@ -126,7 +117,7 @@ async def test_a_pserver_that_keeps_failing_is_reported_not_restarted(tmp_path: 
     broken = _Scripted(tmp_path / "b", "import sys; sys.exit(3)", quick)
     await broken.start()
     try:  # status 3: the slice cannot go on, and starting it again would not change that
-        await _until(lambda: all(s.state == "failed" for s in broken.slots), "given up", 60)
+        await until(lambda: all(s.state == "failed" for s in broken.slots), "given up", 60)
         assert [s["restarts"] for s in broken.describe()] == [0, 0]
         assert all("status 3" in s.reason for s in broken.slots)
     finally:
@@ -142,7 +133,7 @@ async def test_stop_kills_a_pserver_that_ignores_sigterm(tmp_path: Path) -> None
     )
     sup = _Scripted(tmp_path, script, RestartPolicy())
     await sup.start()
-    await _until(
+    await until(
         lambda: all((s.directory / "ready").exists() for s in sup.slots), "scripts ready", 60
     )
     procs = [s.proc for s in sup.slots]
@@ -179,11 +170,11 @@ async def test_a_pserver_given_its_parent_stops_when_the_parent_is_killed(tmp_pa
     assert proc.stdout is not None
     child = int(await asyncio.wait_for(proc.stdout.readline(), WAIT))
     try:
-        await _until(lambda: (directory / "port").exists(), "the pserver listens")
+        await until(lambda: (directory / "port").exists(), "the pserver listens")
         assert _alive(child)  # (its head is nowhere: it keeps trying to connect)
         proc.kill()
         await proc.wait()
-        await _until(lambda: not _alive(child), "the pserver stopped with its parent", 60)
+        await until(lambda: not _alive(child), "the pserver stopped with its parent", 60)
     finally:
         if _alive(child):
             os.kill(child, signal.SIGKILL)

@@ -6,7 +6,7 @@ this test, speaking the link's frames."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +25,7 @@ from hetd.pserver.partition import partition
 from hetd.server.pserver_link import HeadLink, LinkSetup
 from hetd.server.pserver_parts import PartsWait
 from policies import make_policy
-from tests.conftest import FakeClock, FakePeer
+from tests.conftest import FakeClock, FakePeer, until
 
 PARAMS = {"a/w": np.ones((4, 3), np.float32), "b/w": np.zeros(5, np.float32)}
 Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
@@ -54,14 +54,6 @@ async def _pserver(hl: HeadLink, server: int, port: int) -> Streams:
     await link.send(writer, "hello", server=server, position=0, epoch="", parts=["127.0.0.1", port])
     assert (await asyncio.wait_for(link.recv(reader), 10))["t"] == "welcome"
     return reader, writer
-
-
-async def _until(what: Callable[[], bool], why: str) -> None:
-    for _ in range(400):
-        if what():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out waiting: {why}")
 
 
 def _push(engine: Engine, wid: int, pid: int) -> PushIn:
@@ -93,7 +85,7 @@ async def test_a_push_is_decided_once_every_pserver_holds_its_part_and_dropped_i
     await asyncio.sleep(0.1)
     assert engine.store.version == 0 and hl.parts.waiting() == 1  # pserver 0's part is not in
     await link.send(w0, "have", worker=wid, pid=1)
-    await _until(lambda: engine.store.version == 1, "push 1 applied")
+    await until(lambda: engine.store.version == 1, "push 1 applied")
 
     hl.parts.hold(_push(engine, wid, 2))  # only pserver 0 ever holds push 2's part
     hl.parts.hold(_push(engine, wid, 3))  # both hold 3's, which waits behind 2 (id order)
@@ -102,7 +94,7 @@ async def test_a_push_is_decided_once_every_pserver_holds_its_part_and_dropped_i
     await link.send(w0, "have", worker=wid, pid=2)
     await asyncio.sleep(0.1)
     assert engine.store.version == 1 and hl.parts.waiting() == 2
-    await _until(lambda: engine.store.version == 2, "push 2 dropped past the timeout, 3 applied")
+    await until(lambda: engine.store.version == 2, "push 2 dropped past the timeout, 3 applied")
     acks = {r.id: r.status for r in peer.replies if isinstance(r, Ack)}
     assert acks == {1: "applied", 2: "dropped", 3: "applied"}
     assert hl.parts.lost == 1 and hl.parts.decided == 2 and hl.parts.waiting() == 0
@@ -114,7 +106,7 @@ async def test_a_push_is_decided_once_every_pserver_holds_its_part_and_dropped_i
     def answers() -> list[str]:
         return [r.status for r in peer.replies if isinstance(r, Ack)]
 
-    await _until(lambda: len(answers()) == 4, "push 2 answered again")
+    await until(lambda: len(answers()) == 4, "push 2 answered again")
     assert answers()[-1] == "duplicate" and engine.store.version == 2
     for w in (w0, w1):
         w.close()
