@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,6 +29,20 @@ def _two_local_pservers(state: Path) -> config_mod.Config:
     cfg = config_mod.replace(cfg, "server", admin_port=-1, stop_timeout_s=60.0)
     cfg = config_mod.replace(cfg, "store", dir=str(state / "state"), interval_s=0.0)
     return config_mod.replace(cfg, "pservers", log=True, servers=2, port=0, backend="local")
+
+
+def _saved_slices(state: Path) -> list[Any]:
+    """Each pserver's newest saved slice under ``state`` (the two of :func:`_two_local_pservers`)."""
+    dirs = [state / "state" / "pservers" / f"slice{s}" for s in range(2)]
+    return [disk.load(disk.listing(d)[0]).slice for d in dirs]
+
+
+async def _stop(daemon: Daemon, workers: list[asyncio.subprocess.Process]) -> None:
+    for w in workers:
+        if w.returncode is None:
+            w.kill()
+            await w.wait()
+    await daemon.stop(final_checkpoint=False)
 
 
 @pytest.mark.slow
@@ -58,19 +73,14 @@ async def test_two_workers_train_through_two_local_pservers_which_end_with_the_h
         position = daemon.engine.decisions.position  # type: ignore[union-attr]
         await until(lambda: link.durable == [position] * 2, "both saved the checkpoint")
         head = dict(daemon.engine.store.snapshot().tensors)
-        dirs = [tmp_path / "state" / "pservers" / f"slice{s}" for s in range(2)]
-        saved = [disk.load(disk.listing(d)[0]).slice for d in dirs]
+        saved = _saved_slices(tmp_path)
         assert [s.position for s in saved] == [position] * 2
         assert [s.version for s in saved] == [2 * STEPS] * 2
         joined = join(link.setup.pmap, [s.params for s in saved])
         assert sorted(joined) == sorted(head)
         assert all(joined[k].tobytes() == head[k].tobytes() for k in head)  # bit for bit
     finally:
-        for w in workers:
-            if w.returncode is None:
-                w.kill()
-                await w.wait()
-        await daemon.stop(final_checkpoint=False)
+        await _stop(daemon, workers)
 
 
 @pytest.mark.slow
@@ -112,13 +122,8 @@ async def test_a_pserver_killed_while_workers_train_comes_back_at_its_address_an
         position = daemon.engine.decisions.position  # type: ignore[union-attr]
         await until(lambda: link.durable == [position] * 2, "both saved the checkpoint")
         head = dict(store.snapshot().tensors)
-        dirs = [tmp_path / "state" / "pservers" / f"slice{s}" for s in range(2)]
-        saved = [disk.load(disk.listing(d)[0]).slice for d in dirs]
+        saved = _saved_slices(tmp_path)
         joined = join(link.setup.pmap, [s.params for s in saved])
         assert all(joined[k].tobytes() == head[k].tobytes() for k in head)  # bit for bit
     finally:
-        for w in workers:
-            if w.returncode is None:
-                w.kill()
-                await w.wait()
-        await daemon.stop(final_checkpoint=False)
+        await _stop(daemon, workers)
