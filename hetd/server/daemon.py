@@ -133,6 +133,24 @@ class Daemon:
         await self._ready.wait()
         return self._engine if self.ready else None
 
+    async def serve_worker(self, request: web.Request, engine: Engine) -> web.StreamResponse:
+        """One worker's websocket session (:func:`hetd.server.sessions.handle`: imported here,
+        behind the listening sockets), its pushes waiting for this daemon's pservers' parts."""
+        from hetd.server import sessions
+
+        server = self.cfg.server
+        return await sessions.handle(
+            request,
+            engine,
+            server.worker_token,
+            server.max_frame_bytes,
+            server.outbox_frames,
+            self.relay,
+            hub=self.shm,
+            budget=self.decodes,
+            pservers=self.pservers,
+        )
+
     async def start(self) -> int:
         """Listen, then build, resume and run the engine; returns the bound worker port (useful
         with port 0).

@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import weakref
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -47,13 +46,6 @@ BATCH = 256  # records per frame at most
 PART_TIMEOUT_S = 30.0  # s a push waits for its parts' reports before it is dropped
 EXPIRE_EVERY_S = 0.5  # s between checks for pushes waited on too long
 WELCOME_KEY = "pservers"  # the welcome's field: {"map": ..., "addrs": [[host, port], ...]}
-
-_links: weakref.WeakKeyDictionary[Engine, HeadLink] = weakref.WeakKeyDictionary()
-
-
-def serving(engine: Engine) -> HeadLink | None:
-    """The pservers' link serving ``engine``'s log (None: the daemon runs no pservers)."""
-    return _links.get(engine)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +81,6 @@ class HeadLink:
         self.ready = asyncio.Event()  # every pserver said where it takes parts
         self.parts = PartsWait(setup.pmap.servers, self._decide, self._lose, setup.part_timeout_s)
         self._expiry: asyncio.Task[None] | None = None
-        _links[engine] = self
 
     async def start(self, host: str, port: int) -> int:
         """Listen on ``host:port``; the bound port."""

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import cast
+from typing import Protocol, cast
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
@@ -42,7 +42,7 @@ from hetd.protocol.messages import Bye, PushIn, Reply
 from hetd.protocol.text import clip
 from hetd.server.auth import bearer_ok
 from hetd.server.budget import DecodeBudget
-from hetd.server.pserver_link import HeadLink, serving
+from hetd.server.pserver_parts import PartsWait
 from hetd.server.relay import NoRoute, Relay
 from hetd.server.shm_hub import ShmHub, Uplink
 
@@ -56,6 +56,19 @@ WORKER_SENDS = frozenset({"heartbeat", "pull", "bye", "shm_ready", "profile_resu
 
 
 authorized = bearer_ok  # the worker token: ``Authorization: Bearer <token>``
+
+
+class PserverGate(Protocol):
+    """What a session reads of the daemon's pservers' link
+    (:class:`hetd.server.pserver_link.HeadLink`)."""
+
+    @property
+    def parts(self) -> PartsWait:
+        """Pushes held until every pserver holds its part."""
+
+    @property
+    def ready(self) -> asyncio.Event:
+        """Set once every pserver said where it takes parts."""
 
 
 class Outbox:
@@ -240,10 +253,13 @@ async def handle(
     relay: Relay | None = None,
     hub: ShmHub | None = None,
     budget: DecodeBudget | None = None,
+    pservers: PserverGate | None = None,
 ) -> web.StreamResponse:
     """The websocket endpoint ``/v1/ws``; ``relay`` forwards pipeline stages' ``act``/``gact``
     frames (None: they are refused); ``hub``: shared memory for same-host workers that ask for
-    it (None: sockets only); ``budget``: the daemon's bound on decodes at once (None: none)."""
+    it (None: sockets only); ``budget``: the daemon's bound on decodes at once (None: none);
+    ``pservers``: the daemon's pservers' link, where pushes wait for their parts (None: it runs
+    none)."""
     if not authorized(request, token):
         return web.Response(
             status=401, text="missing or wrong worker token (Authorization: Bearer)"
@@ -255,7 +271,6 @@ async def handle(
     parts = wire.Reassembler(message_cap(engine, cap))
     wid: int | None = None
     uplink: Uplink | None = None
-    pservers = serving(engine)  # the daemon's pservers: pushes wait for their parts
     reason = "connection closed"
     try:
         async for frame in ws:
@@ -412,7 +427,7 @@ NO_PARTS = (
 PSERVERS_WAIT_LOG_S = 10.0  # s a hello waits for the pservers before the daemon says so
 
 
-async def _pservers_ready(link: HeadLink) -> None:
+async def _pservers_ready(link: PserverGate) -> None:
     """Wait until every pserver said where it takes parts (the welcome names them)."""
     while True:
         try:

@@ -67,6 +67,10 @@ class WorkerHost(Protocol):
     async def wait_ready(self) -> Engine | None:
         """The running engine once it runs; None when the daemon stopped first."""
 
+    async def serve_worker(self, request: web.Request, engine: Engine) -> web.StreamResponse:
+        """One worker's websocket session on the running ``engine``
+        (:func:`hetd.server.sessions.handle`)."""
+
 
 def make_worker_app(daemon: WorkerHost) -> web.Application:
     """The workers' HTTP app: ``/v1/ws`` (waits for the engine while the daemon starts),
@@ -116,18 +120,7 @@ def make_worker_app(daemon: WorkerHost) -> web.Application:
             return web.json_response(
                 {"error": "stopping", "message": "the daemon is stopping"}, status=503
             )
-        from hetd.server import sessions
-
-        return await sessions.handle(
-            request,
-            engine,
-            server.worker_token,
-            server.max_frame_bytes,
-            server.outbox_frames,
-            daemon.relay,
-            hub=daemon.shm,
-            budget=daemon.decodes,
-        )
+        return await daemon.serve_worker(request, engine)
 
     setup = config_mod.worker_setup(daemon.cfg)
 
