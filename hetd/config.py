@@ -151,14 +151,15 @@ class PserversConfig:
     # who starts the pserver processes: "none", the operator (hetd pserver, one per slice);
     # "local", the daemon: it spawns them on this host, each in <[store] dir>/pservers/slice<I>,
     # restarts one that exits (with a backoff; one that keeps failing is reported, not restarted)
-    # and stops them when it stops
+    # and stops them when it stops; "ray" (pip install 'hetd[ray]'), the daemon starts them as
+    # named Ray actors that Ray restarts (in the placement group of hetd cluster up, if any)
     backend: str = "none"
     # a push is decided once every pserver holds its part (workers send the parts); one whose
     # parts do not all come within this many seconds is dropped, everywhere
     part_timeout_s: float = 30.0
 
 
-PSERVER_BACKENDS = ("none", "local")
+PSERVER_BACKENDS = ("none", "local", "ray")
 
 
 @dataclass(frozen=True)
@@ -408,7 +409,8 @@ def _check_pservers(p: PserversConfig) -> None:
     if p.backend not in PSERVER_BACKENDS:
         raise ConfigError(
             f"[pservers] backend = {p.backend!r}: one of {', '.join(map(repr, PSERVER_BACKENDS))} "
-            '("none": you start each hetd pserver; "local": the daemon starts and restarts them)'
+            '("none": you start each hetd pserver; "local": the daemon starts and restarts them; "ray": '
+            "Ray actors do)"
         )
     if p.backend != "none" and p.servers < 1:
         raise ConfigError(

@@ -51,8 +51,8 @@ if TYPE_CHECKING:  # the heavy modules (JAX, flax, optax) load behind the listen
     from hetd.server import checkpoint
     from hetd.server.metrics import Metrics
     from hetd.server.planning import Planning
+    from hetd.server.pserver_backend import PserverProcesses
     from hetd.server.pserver_link import HeadLink
-    from hetd.server.pserver_sup import LocalPservers
     from hetd.server.replicas import ReplicaDriver
 
 log = logging.getLogger("hetd.server.daemon")
@@ -79,7 +79,7 @@ class Daemon:
         self.ssl_context: ssl.SSLContext | None = config_mod.server_ssl_context(cfg.server)
         self._engine = engine
         self.pservers: HeadLink | None = None  # the pservers' link ([pservers] servers)
-        self.pserver_procs: LocalPservers | None = None  # [pservers] backend = "local"
+        self.pserver_procs: PserverProcesses | None = None  # [pservers] backend "local", "ray"
         self.checkpointer: checkpoint.Checkpointer | None = None  # made by build (imports flax)
         self.resumed_from: checkpoint.CheckpointInfo | None = None
         self.metrics: Metrics | None = None
@@ -288,13 +288,13 @@ class Daemon:
         self.pservers = link
         if self.checkpointer is not None:
             self.checkpointer.log_floor = link.floor
-        if p.backend == "local":
+        if p.backend != "none":
             from pathlib import Path
 
-            from hetd.server.pserver_sup import LocalPservers
+            from hetd.server import pserver_backend
 
-            procs = LocalPservers(
-                (p.host, link.port), Path(self.cfg.store.dir) / "pservers", p.servers
+            procs = pserver_backend.make(
+                p.backend, (p.host, link.port), Path(self.cfg.store.dir) / "pservers", p.servers
             )
             self.pserver_procs = procs  # (before starting: stop ends what did start)
             try:

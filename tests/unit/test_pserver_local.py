@@ -23,12 +23,15 @@ WAIT = 240.0  # s: generous, each process imports JAX on a shared 2-core machine
 
 def test_the_backend_key_is_checked() -> None:
     base = make_config("asp")
-    with pytest.raises(config_mod.ConfigError, match=r"backend = 'ray'.*one of 'none', 'local'"):
-        config_mod.replace(base, "pservers", log=True, servers=2, backend="ray")
+    with pytest.raises(
+        config_mod.ConfigError, match=r"backend = 'k8s'.*one of 'none', 'local', 'ray'"
+    ):
+        config_mod.replace(base, "pservers", log=True, servers=2, backend="k8s")
     with pytest.raises(config_mod.ConfigError, match="needs servers >= 1"):
         config_mod.replace(base, "pservers", backend="local")
     cfg = config_mod.replace(base, "pservers", log=True, servers=2, backend="local")
     assert cfg.pservers.backend == "local"
+    assert config_mod.replace(cfg, "pservers", backend="ray").pservers.backend == "ray"
     assert config_mod.Config().pservers.backend == "none"  # today's: the operator starts them
 
 

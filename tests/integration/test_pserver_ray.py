@@ -1,0 +1,122 @@
+"""The Ray backend ([pservers] backend = "ray") on a Ray cluster of fake nodes on this host
+(``ray.cluster_utils.Cluster``: a head and two nodes): two pservers as named Ray actors spread over
+the nodes of the placement group ``hetd``, two real ``hetd-worker`` processes training through
+them, one pserver's process SIGKILLed (Ray restarts its actor) and the node of the other removed
+(Ray places its bundle and actor again on a node left). No push is lost or applied twice, both
+come back at the address the workers hold, and both slices end with the head's parameters bit for
+bit. Ray is the ``ray`` extra, which ``make test`` installs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hetd import config as config_mod
+from hetd.pserver import disk
+from hetd.pserver.partition import join
+from hetd.server.daemon import Daemon
+from tests.conftest import make_config, start_worker, until
+
+ray = pytest.importorskip(
+    "ray", reason="Ray is not installed: the ray tier needs the extra (pip install -e '.[ray]')"
+)
+
+WAIT = 240.0
+STEPS = 30  # pushes per worker: the kill and the removal come while they train
+
+
+@pytest.fixture
+def fake_nodes() -> Iterator[Any]:
+    """A Ray cluster of three fake nodes of one CPU each, this process its driver."""
+    from ray.cluster_utils import Cluster
+
+    from hetd.server.pserver_ray import NAMESPACE
+
+    try:
+        cluster = Cluster(
+            initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
+        )
+    except Exception as exc:  # pragma: no cover - says why instead of failing on the machine
+        pytest.skip(f"Ray refuses to start a cluster on this machine: {exc}")
+    try:
+        nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
+        ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
+        cluster.wait_for_nodes()
+        yield cluster, nodes
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+async def test_two_ray_pservers_survive_a_kill_and_a_node_removal_and_end_with_the_head(
+    tmp_path: Path, fake_nodes: Any
+) -> None:
+    from hetd.server.pserver_ray import RayPservers, place
+
+    cluster, _ = fake_nodes
+    place(ray, 2, strategy="STRICT_SPREAD")  # one node each: removing one moves one pserver
+    cfg = make_config("asp", optimizer="momentum", lr=0.05, codec="int8")
+    cfg = config_mod.replace(cfg, "server", admin_port=-1, stop_timeout_s=60.0)
+    cfg = config_mod.replace(cfg, "store", dir=str(tmp_path / "state"), interval_s=0.0)
+    cfg = config_mod.replace(cfg, "pservers", log=True, servers=2, port=0, backend="ray")
+    daemon = Daemon(cfg)
+    port = await daemon.start()
+    workers: list[asyncio.subprocess.Process] = []
+    try:
+        link, procs = daemon.pservers, daemon.pserver_procs
+        assert link is not None and isinstance(procs, RayPservers)
+        await until(link.ready.is_set, "both pserver actors said where they take parts", WAIT)
+        rows = daemon.describe()["decisions"]["processes"]
+        assert [r["actor"] for r in rows] == ["hetd-pserver-0", "hetd-pserver-1"]
+        assert rows[0]["node"] != rows[1]["node"]  # spread: one node each
+        assert ray.get_actor("hetd-pserver-1") is not None  # found by name
+        addrs = list(link.addrs)
+        workers = [await start_worker(port, STEPS) for _ in range(2)]
+        store = daemon.engine.store
+        await until(lambda: store.version >= 4, "training under way", WAIT)
+
+        # One pserver's node goes (not the head node: that is the cluster's), the other's
+        # process dies: its actor exits with it and Ray restarts the actor on its node.
+        head_node = cluster.head_node.node_id
+        moved = next(s for s in procs.slots if s.node != head_node)
+        killed = procs.slots[1 - moved.server]
+        child = killed.child
+        assert child is not None
+        os.kill(child, signal.SIGKILL)
+        await until(lambda: killed.restarts == 1, "Ray restarted the killed pserver's actor", WAIT)
+        assert killed.child != child
+
+        # Ray places the removed node's bundle and its actor again on the node left free.
+        gone = next(n for n in cluster.list_all_nodes() if n.node_id == moved.node)
+        cluster.remove_node(gone)
+        await until(lambda: moved.restarts == 1, "the moved pserver came back elsewhere", WAIT)
+        assert moved.node not in (gone.node_id, killed.node)
+
+        for w in workers:
+            await asyncio.wait_for(w.wait(), WAIT)
+        for w in workers:
+            assert w.returncode == 0, (await w.stderr.read()).decode()[-2000:]  # type: ignore[union-attr]
+        assert link.addrs == addrs  # both came back where the workers send their parts
+        assert link.parts.lost == 0 and store.version == 2 * STEPS  # none lost, none twice
+        await daemon.checkpoint()
+        position = daemon.engine.decisions.position  # type: ignore[union-attr]
+        await until(lambda: link.durable == [position] * 2, "both saved the checkpoint", WAIT)
+        head = dict(store.snapshot().tensors)
+        dirs = [tmp_path / "state" / "pservers" / f"slice{s}" for s in range(2)]
+        saved = [disk.load(disk.listing(d)[0]).slice for d in dirs]
+        joined = join(link.setup.pmap, [s.params for s in saved])
+        assert all(joined[k].tobytes() == head[k].tobytes() for k in head)  # bit for bit
+    finally:
+        for w in workers:
+            if w.returncode is None:
+                w.kill()
+                await w.wait()
+        await daemon.stop(final_checkpoint=False)
+    with pytest.raises(ValueError):  # stopped: the actors are gone, by name too
+        ray.get_actor("hetd-pserver-0")
