@@ -43,7 +43,9 @@ log = logging.getLogger("hetd.worker")
 MAX_REASON = 500  # characters of a bye's reason (a traceback's last line, not all of it)
 STOP_GRACE_S = 10.0  # s a stopping worker may take to finish its step, send it and say bye
 STOPPED = "stopped (SIGTERM)"  # the bye's reason when asked to stop
-LAST_BYE_S = 1.0  # s a worker cancelled while stopping waits to say bye
+BYE_WAIT_S = 5.0  # s a leaving worker waits for the daemon's close after its bye
+LAST_BYE_S = 3.0  # ... and one cancelled while stopping (past its grace, or before it trained)
+WAITING_FOR_CLOSE = "waiting for the daemon to close"  # logged after the bye
 
 
 async def run_worker(
@@ -188,18 +190,7 @@ async def _session(
         info[EMULATED_LINK] = opts.emulation.bandwidth
     inbox = Inbox()
     async with ws:
-        try:
-            await _converse(ws, opts, state, device, info, inbox, progress)
-        except asyncio.CancelledError:
-            if state.stopping:  # stopped past its grace (a step that outlasted it, or before
-                await _last_bye(ws)  # it trained): the daemon still hears why it left
-            raise
-        except (TimeoutError, aiohttp.ClientError, ConnectionError):
-            raise  # retried: the worker comes back
-        except Exception as exc:  # the worker leaves for good: the daemon logs why
-            with contextlib.suppress(Exception):
-                await ws.send_bytes(Bye(leaving_reason(exc)).encode())
-            raise
+        await _converse(ws, opts, state, device, info, inbox, progress)
 
 
 async def _answered(state: WorkerState, timeout_s: float) -> None:
@@ -210,12 +201,23 @@ async def _answered(state: WorkerState, timeout_s: float) -> None:
                 await asyncio.sleep(0.02)
 
 
-async def _last_bye(ws: aiohttp.ClientWebSocketResponse) -> None:
-    """Say bye with :data:`STOPPED` on a worker that is being cancelled, within
-    :data:`LAST_BYE_S` (a socket that cannot take it is closed without)."""
+async def _leave(ws: aiohttp.ClientWebSocketResponse, reason: str, timeout_s: float) -> None:
+    """Say bye with ``reason``, then close the websocket with its closing handshake, within
+    ``timeout_s`` (past it, or on a socket that cannot take the bye, it is closed without).
+
+    The daemon closes a session once it has read its bye, so the worker keeps its connection
+    until the daemon's close comes. Closed at once, it could lose the bye and the push before it:
+    a daemon that had not read them yet (a busy loop) and wrote to the worker (new parameters)
+    found the connection gone, and asyncio ends a connection that fails a write without reading
+    what is still in its buffer; the daemon heard a crash. The reader task must still be running
+    (or have ended by itself): cancelling it inside aiohttp's ``receive()`` marks the socket
+    closed abnormally, and aiohttp's close then drops the connection without the handshake."""
     with contextlib.suppress(Exception):
-        async with asyncio.timeout(LAST_BYE_S):
-            await ws.send_bytes(Bye(STOPPED).encode())
+        async with asyncio.timeout(timeout_s):
+            await ws.send_bytes(Bye(reason).encode())
+            log.info("said bye (%s); %s", reason, WAITING_FOR_CLOSE)
+            await ws.close()
+            log.debug("the daemon closed (code %s)", ws.close_code)
 
 
 def leaving_reason(exc: BaseException) -> str:
@@ -246,6 +248,7 @@ async def _converse(
     hello_at = time.perf_counter()
     reader = asyncio.create_task(read(ws, opts, state, inbox, device, hello_at))
     beat: asyncio.Task[None] | None = None
+    left = False  # said bye (the reader runs until the daemon's close: _leave)
     try:
         # Heartbeats start with the welcome, not after the trainer is built (loading data and
         # compiling can outlast the daemon's heartbeat timeout).
@@ -307,7 +310,20 @@ async def _converse(
         if state.parts is not None:  # the daemon decides a push once its parts are all in:
             await state.parts.drain(STOP_GRACE_S)  # leaving first would lose the last ones
             await _answered(state, STOP_GRACE_S)
-        await ws.send_bytes(Bye(STOPPED if inbox.stopping else "max steps reached").encode())
+        left = True
+        await _leave(ws, STOPPED if inbox.stopping else "max steps reached", BYE_WAIT_S)
+    except asyncio.CancelledError:
+        if state.stopping and not left:  # stopped past its grace (a step that outlasted it, or
+            left = True  # before it trained): the daemon still hears why it left
+            await _leave(ws, STOPPED, LAST_BYE_S)
+        raise
+    except (TimeoutError, aiohttp.ClientError, ConnectionError):
+        raise  # retried: the worker comes back
+    except Exception as exc:  # the worker leaves for good: the daemon logs why
+        if not left:
+            left = True
+            await _leave(ws, leaving_reason(exc), BYE_WAIT_S)
+        raise
     finally:
         state.inbox = None
         for task in (beat, reader):
