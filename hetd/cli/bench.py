@@ -1,8 +1,8 @@
 """The ``hetd sim`` and ``hetd bench`` commands: argument parsing only; the work is in
 :mod:`hetd.sim.loop` and the bench's suites (:mod:`hetd.bench.suites` runs those of several steps).
 
-``hetd.cli.main`` calls :func:`add_commands` with its sub-parsers and hands the parsed arguments of
-these two commands to :func:`run_command`.
+``hetd.cli.main`` calls :func:`add_commands` with its sub-parsers; both commands run
+:func:`run_command` with their parsed arguments.
 """
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ def add_commands(sub: Any) -> None:
     )
     s.add_argument("--seed", type=int, default=0, help="the run's seed (default 0)")
     s.add_argument("--out", default=None, help="directory for results.json, summary.md, PNGs")
+    s.set_defaults(run=run_command)
 
     b = sub.add_parser(
         "bench",
@@ -195,6 +196,7 @@ def add_commands(sub: Any) -> None:
     add_options(b)
     _chaos_options(b)
     _auto_options(b)
+    b.set_defaults(run=run_command)
 
 
 def _auto_options(p: argparse.ArgumentParser) -> None:

@@ -11,20 +11,38 @@
 
 Each subcommand is one ``add_<name>(sub)`` function in its command group's module that builds its
 parser and sets ``run`` to the function that executes it; adding a command is adding one such pair
-(in a new module for a new group) and one line in :func:`parser`.
+(in a new module for a new group) and one line in :data:`COMMANDS`. This module names the command
+modules and imports them by name when it builds the parser: it imports none of them itself, so the
+entry point sits above no command's own imports (the bench's suites, the daemon).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
 from collections.abc import Callable
 
-from hetd.cli import admin, calibrate, demo, replicas, serve
 from hetd.cli.client import client_flags
 from hetd.cli.common import EXIT_USAGE
+
+# The subcommands in the order ``hetd --help`` lists them: (module in hetd.cli, its adder, whether
+# the adder takes the admin client's flags).
+COMMANDS: tuple[tuple[str, str, bool], ...] = (
+    ("serve", "add_serve", False),
+    ("serve", "add_token", False),
+    ("demo", "add_demo", False),
+    ("admin", "add_status", True),
+    ("admin", "add_workers", True),
+    ("replicas", "add_replicas", True),
+    ("admin", "add_policy", True),
+    ("admin", "add_checkpoint", True),
+    ("admin", "add_export", True),
+    ("calibrate", "add_calibrate", False),
+    ("bench", "add_commands", False),  # sim and bench
+)
 
 # --- the parser -------------------------------------------------------------------------------------
 
@@ -49,20 +67,13 @@ def parser() -> argparse.ArgumentParser:
         help="only warnings and errors (hetd serve logs its events at INFO by default)",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    serve.add_serve(sub)
-    serve.add_token(sub)
-    demo.add_demo(sub)
     client = client_flags()
-    admin.add_status(sub, client)
-    admin.add_workers(sub, client)
-    replicas.add_replicas(sub, client)
-    admin.add_policy(sub, client)
-    admin.add_checkpoint(sub, client)
-    admin.add_export(sub, client)
-    calibrate.add_calibrate(sub)
-    from hetd.cli import bench as bench_cli
-
-    bench_cli.add_commands(sub)
+    for module, adder, takes_client in COMMANDS:
+        add = getattr(importlib.import_module(f"hetd.cli.{module}"), adder)
+        if takes_client:
+            add(sub, client)
+        else:
+            add(sub)
     return p
 
 
@@ -114,11 +125,8 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     args = parser().parse_args(argv)
     setup_logging(args.command, args.verbose, args.quiet_log)
-    from hetd.cli import bench as bench_cli
     from hetd.config import ConfigError
 
-    if args.command in bench_cli.COMMANDS:
-        return bench_cli.run_command(args)
     run: Callable[[argparse.Namespace], int] = args.run
     try:
         return run(args)
