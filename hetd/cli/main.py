@@ -33,6 +33,7 @@ from hetd.cli.common import EXIT_USAGE
 COMMANDS: tuple[tuple[str, str, bool], ...] = (
     ("serve", "add_serve", False),
     ("serve", "add_token", False),
+    ("cluster", "add_cluster", False),  # a head and its pservers on Ray
     ("demo", "add_demo", False),
     ("admin", "add_status", True),
     ("admin", "add_workers", True),
