@@ -19,11 +19,36 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
+from typing import Any, Protocol
 
-from hetd.core.members import Members
-from policies.types import Event, Join, Leave, ReplicaShape
+from hetd.core.entries import WorkerEntry
+from policies.types import Event, Join, Leave, ReplicaShape, WorkerFacts
 
 log = logging.getLogger("hetd.core.engine")
+
+
+class WorkerTable(Protocol):
+    """What replicas read and change of the worker table (:class:`hetd.core.members.Members`)."""
+
+    @property
+    def active(self) -> Mapping[int, WorkerEntry]: ...
+
+    @property
+    def view_facts(self) -> Mapping[int, WorkerFacts]:
+        """The active workers the policy sees."""
+
+    @property
+    def hidden(self) -> set[int]:
+        """Active workers kept out of the policy's view."""
+
+    def update(self, entry: WorkerEntry, **changes: Any) -> None:
+        """Replace an active worker's facts with ``changes``."""
+
+    def hide(self, wid: int) -> bool:
+        """Take an active worker out of the policy's view; whether it was in it."""
+
+    def min_clock(self) -> int:
+        """The slowest clock in the policy's view."""
 
 
 class Replicas:
@@ -31,7 +56,7 @@ class Replicas:
     to be sent."""
 
     def __init__(
-        self, members: Members, blocks: tuple[tuple[float, float, float], ...] = ()
+        self, members: WorkerTable, blocks: tuple[tuple[float, float, float], ...] = ()
     ) -> None:
         self.members = members
         self.groups: dict[int, tuple[int, ...]] = {}  # head -> members in stage order
