@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,19 +23,20 @@ from hetd import config as config_mod
 from hetd.pserver import disk
 from hetd.pserver.partition import join
 from hetd.server.daemon import Daemon
-from tests.conftest import make_config, start_worker, until
+from tests.conftest import WORKER_TOKEN, make_config, start_worker, until
 
 ray = pytest.importorskip(
     "ray", reason="Ray is not installed: the ray tier needs the extra (pip install -e '.[ray]')"
 )
 
 WAIT = 240.0
-STEPS = 30  # pushes per worker: the kill and the removal come while they train
+STEPS = 20  # pushes per worker: the kill and the removal come while they train
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def fake_nodes() -> Iterator[Any]:
-    """A Ray cluster of three fake nodes of one CPU each, this process its driver."""
+    """A Ray cluster of three fake nodes of one CPU each, this process its driver (one for the
+    module: it takes 20 s to start here)."""
     from ray.cluster_utils import Cluster
 
     from hetd.server.pserver_ray import NAMESPACE
@@ -52,6 +55,71 @@ def fake_nodes() -> Iterator[Any]:
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _hetd(*args: str) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "hetd",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), WAIT)
+    return int(proc.returncode or 0), out.decode()
+
+
+async def test_hetd_cluster_up_places_the_head_and_its_pservers_and_down_removes_them(
+    tmp_path: Path, fake_nodes: Any
+) -> None:
+    """hetd cluster up: the head and two pservers as named actors, one bundle each of the group
+        hetd; a real worker trains against the head; status lists them; down stops them all (the head
+    drains and saves its final checkpoint: status 0) and removes the group."""
+    from hetd.cli.cluster import rows
+    from hetd.server.pserver_ray import HEAD, group
+
+    cluster, _ = fake_nodes
+    port = _free_port()
+    toml = tmp_path / "hetd.toml"
+    toml.write_text(
+        f'[server]\nport = {port}\nadmin_port = -1\nworker_token = "{WORKER_TOKEN}"\n'
+        '[train]\ndataset = "digits"\nmodel = "mlp"\noptimizer = "momentum"\nlr = 0.05\n'
+        '[policy]\nname = "asp"\n'
+        '[store]\ndir = "state"\ninterval_s = 0.0\n'
+        f"[pservers]\nport = {_free_port()}\n"
+    )
+    up = ["--address", cluster.address, "--pservers", "2", "--config", str(toml)]
+    rc, out = await _hetd("cluster", "up", *up, "--strategy", "SPREAD")
+    try:
+        assert rc == 0, out
+        assert "hetd-head up" in out and (tmp_path / "state" / "cluster.toml").exists()
+        names = [HEAD, "hetd-pserver-0", "hetd-pserver-1"]
+        await until(
+            lambda: [r.get("state") for r in rows(ray)] == ["running"] * 3,
+            "the head and both pservers running",
+            WAIT,
+        )
+        assert [r["actor"] for r in rows(ray)] == names
+        assert len(group(ray).bundle_specs) == 3  # type: ignore[union-attr]
+        worker = await start_worker(port, 2)
+        await asyncio.wait_for(worker.wait(), WAIT)
+        assert worker.returncode == 0, (await worker.stderr.read()).decode()[-2000:]  # type: ignore[union-attr]
+        rc, out = await _hetd("cluster", "status", "--address", cluster.address)
+        assert rc == 0 and out.count("running") == 3, out
+    finally:
+        rc, out = await _hetd("cluster", "down", "--address", cluster.address)
+    assert rc == 0 and "hetd-head stopped (status 0)" in out, out
+    assert group(ray) is None and rows(ray) == []
+    for name in names:
+        with pytest.raises(ValueError):
+            ray.get_actor(name)
 
 
 async def test_two_ray_pservers_survive_a_kill_and_a_node_removal_and_end_with_the_head(
@@ -81,22 +149,21 @@ async def test_two_ray_pservers_survive_a_kill_and_a_node_removal_and_end_with_t
         store = daemon.engine.store
         await until(lambda: store.version >= 4, "training under way", WAIT)
 
-        # One pserver's node goes (not the head node: that is the cluster's), the other's
-        # process dies: its actor exits with it and Ray restarts the actor on its node.
+        # At once: one pserver's process dies (its actor exits with it and Ray restarts the actor
+        # on its node), and the other's node goes (not the head node: that is the cluster's; Ray
+        # places its bundle and actor again on the node left free).
         head_node = cluster.head_node.node_id
         moved = next(s for s in procs.slots if s.node != head_node)
         killed = procs.slots[1 - moved.server]
-        child = killed.child
+        child, kept = killed.child, killed.node
         assert child is not None
-        os.kill(child, signal.SIGKILL)
-        await until(lambda: killed.restarts == 1, "Ray restarted the killed pserver's actor", WAIT)
-        assert killed.child != child
-
-        # Ray places the removed node's bundle and its actor again on the node left free.
         gone = next(n for n in cluster.list_all_nodes() if n.node_id == moved.node)
+        os.kill(child, signal.SIGKILL)
         cluster.remove_node(gone)
+        await until(lambda: killed.restarts == 1, "Ray restarted the killed pserver's actor", WAIT)
+        assert killed.child != child and killed.node == kept
         await until(lambda: moved.restarts == 1, "the moved pserver came back elsewhere", WAIT)
-        assert moved.node not in (gone.node_id, killed.node)
+        assert moved.node not in (gone.node_id, kept)
 
         for w in workers:
             await asyncio.wait_for(w.wait(), WAIT)
