@@ -31,12 +31,19 @@ HETD = Path(sys.executable).with_name("hetd")
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
-# The demo stops at the target well inside the budget (≈ 10 s of training, ≈ 14 s in all on two
-# busy cores); the timeout only keeps a hung run from hanging the suite.
+# The demo stops at the target (≈ 10 s of training on two quiet cores). Its budget only bounds a
+# run that never gets there, and counts from the daemon being ready while the four workers still
+# import JAX and compile: on a loaded machine their first push came 34 s in and the target at 39 s,
+# so the budget is the demo's default. The timeout (a hung run) stays below pytest's 300 s.
 DEMO_TARGET = 0.9
-DEMO_BUDGET_S = 40.0
-FINAL_SLACK = 0.05
-DEMO_TIMEOUT_S = 240.0
+DEMO_BUDGET_S = 150.0
+DEMO_TIMEOUT_S = 280.0
+# The run stops at the first evaluation at or above the target: the top of a noisy climb (lr 0.2),
+# whose evaluations just before it were up to 0.15 lower (0.79, 0.74, 0.83, 0.87, then 0.91 at the
+# stop; 0.86, 0.87, 0.88, 0.88, then 0.91, on a loaded machine). The final model, tens of updates
+# later (the pushes in flight while the workers stop, more on a loaded machine), is a fresh draw
+# from that band, not from above the target (0.81 once, the suite in two processes).
+FINAL_SLACK = 0.15
 BENCH_TIMEOUT_S = 240.0
 
 
@@ -99,13 +106,13 @@ def test_demo_on_digits_reaches_target_and_writes_summary_and_plot(tmp_path: Pat
     assert summary["policy"]["name"] == "ssp"
     assert summary["policy"]["params"]["staleness"] == 3
 
-    # the result
-    # The demo stops when an evaluation reaches the target; the final evaluation comes after the
-    # workers have stopped, so the updates applied in between (up to a second of training at
-    # lr 0.2) move it by a few of digits' 360 test samples either way.
+    # the result: the stop (one of the run's evaluations, at the target) and the final model,
+    # evaluated again after the workers stopped, still in the band the run climbed through to the
+    # stop (FINAL_SLACK; the untrained model is at 0.13)
     final = summary["final_accuracy"]
+    assert summary["stop_accuracy"] in [acc for _, acc in summary["curve"]], summary["curve"]
     assert DEMO_TARGET - FINAL_SLACK <= final <= 1.0, (
-        f"final accuracy {final}, target {DEMO_TARGET}"
+        f"final accuracy {final}, target {DEMO_TARGET}; the evaluations: {summary['curve']}"
     )
     assert math.isfinite(summary["final_loss"]) and summary["final_loss"] > 0
     tta, elapsed = summary["time_to_target_s"], summary["elapsed_s"]
