@@ -34,6 +34,7 @@ from policies.auto_choice import (
     weigh,
 )
 from policies.compose import describe_state, resolve
+from policies.efficiency import ADAPTIVE
 from policies.registry import make_policy, register
 from policies.twin_worker import exchange_s, moved_s
 from policies.types import (
@@ -61,6 +62,12 @@ HISTORY = 8  # switches kept in the state, for status pages
 # policy leaves half done and the new policy's first, whose plans and batches change), to be
 # paid back within the dwell.
 SWITCH_ROUNDS = 2
+# The policy run before the first forecast [D]: no barrier, every push applied as it comes, so no
+# worker waits on one whose speed nobody knows yet (lbbsp's first round gives every worker the
+# same batch and holds the fast ones for the slowest). Not under an adaptive optimizer: on a
+# four-worker Adam cluster 0.15 s of asp before lbbsp cost lbbsp 0.17-0.66 s of its time to the
+# target (3 seeds; under SGD the same warm-up cost nothing), docs/policies.md §15.
+WARMUP = "asp"
 
 
 def _empty() -> Mapping[Any, Any]:
@@ -88,6 +95,10 @@ class AutoState:
     # A candidate that failed to start: label -> (s, forecasts_total then); it sits out a dwell.
     failed: Mapping[str, tuple[float, int]] = field(default_factory=_empty)
     forecasts_total: int = 0  # forecasts received since auto started
+    # True while the warm-up policy runs: before the first forecast (or the warm-up's end)
+    warming: bool = False
+    # True when a forecast chose the running policy (a dwell holds it), not the start or warm-up
+    chosen: bool = False
     last: Choice | None = None  # the last forecast's weighing
     switches: tuple[tuple[float, str, str, str], ...] = ()  # (s, from, to, why), last HISTORY
 
@@ -95,6 +106,7 @@ class AutoState:
         """The running policy, its dwell, the last weighing and the switches, as plain values."""
         return {
             "policy": canonical(key_of(self.name, self.params)),
+            "warming_up": self.warming,
             "since_s": self.since,
             "checks": self.checks,
             "offsets": {str(w): o for w, o in sorted(self.offsets.items())},
@@ -183,6 +195,33 @@ def switch_cost_s(view: ClusterView) -> float:
     return SWITCH_ROUNDS * max(rounds)
 
 
+def adaptive(optimizer: str | None) -> bool:
+    """Whether ``optimizer`` (``name[:options]``) keeps per-coordinate moments (Adam and its
+    kind, :data:`policies.efficiency.ADAPTIVE`)."""
+    return (optimizer or "").partition(":")[0].strip().lower() in ADAPTIVE
+
+
+def _warmup(
+    warmup: str, allowed: frozenset[Key], start: Key
+) -> tuple[str, tuple[tuple[str, Any], ...]] | None:
+    """The warm-up candidate as (name, params), or None: none asked for (``""``), the start
+    policy itself, or the default (:data:`WARMUP`) where it is not a candidate. Raises
+    ValueError for another policy that is not a candidate."""
+    if not isinstance(warmup, str):
+        raise ValueError(f"warmup must name a candidate or be empty, got {warmup!r}")
+    if not warmup.strip():
+        return None
+    parsed = parse_candidates(warmup)
+    if len(parsed) != 1:
+        raise ValueError(f"warmup must name one policy, got {warmup!r}")
+    key = key_of(*parsed[0])
+    if key not in allowed:
+        if warmup == WARMUP:
+            return None
+        raise ValueError(f"warmup {warmup!r} must be one of the candidates (or empty)")
+    return None if key == start else parsed[0]
+
+
 def _applied_samples(event: Push, decisions: Sequence[Decision]) -> int:
     """The push's samples unless the inner policy dropped it (no decision: the engine applies)."""
     for d in decisions:
@@ -200,6 +239,8 @@ def auto(
     margin: float = 0.10,
     dwell_s: float = 30.0,
     dwell_checks: int = 1,
+    warmup: str = WARMUP,
+    warmup_s: float = 5.0,
 ) -> Policy:
     """Run ``start`` (a candidate, ``name[:key=value;...]``) and switch among ``candidates`` (a
     comma-separated string or a sequence of such items) on a planner's forecasts: to the best
@@ -208,7 +249,11 @@ def auto(
     check measured it; the switch's own cost is charged apart) and the running policy has run at least ``dwell_s`` seconds and its throughput was checked
     against a prediction at least ``dwell_checks`` times (from one forecast to the next). The
     start policy is a default, not a choice: no dwell holds it, and the first forecast may move
-    auto off it. Candidates that need an outer optimizer of their own (the DiLoCo family)
+    auto off it. Until that first forecast auto runs ``warmup`` (asp: no barrier, so no worker
+    waits on one the twin cannot time yet; ``""`` or the start policy: none; the default is
+    skipped when asp is not a candidate or the view's optimizer is adaptive), and the first forecast weighs the best candidate
+    against ``start``, not against the warm-up: auto goes to the best when it beats ``start`` by
+    the margin, else to ``start``. Without a forecast in ``warmup_s`` seconds, ``start``. Candidates that need an outer optimizer of their own (the DiLoCo family)
     cannot be switched to here: the engine sets that optimizer on its own swap."""
     cands = parse_candidates(candidates)
     check_candidates(cands)
@@ -225,6 +270,9 @@ def auto(
     if not isinstance(dwell_checks, int) or isinstance(dwell_checks, bool) or dwell_checks < 0:
         raise ValueError(f"dwell_checks must be an int >= 0, got {dwell_checks!r}")
     allowed = frozenset(key_of(n, p) for n, p in cands)
+    warm = _warmup(warmup, allowed, first_key)
+    if isinstance(warmup_s, bool) or not isinstance(warmup_s, int | float) or not warmup_s >= 0:
+        raise ValueError(f"warmup_s must be >= 0 (seconds), got {warmup_s!r}")
     built: dict[tuple[str, str], Policy] = {}  # memo of a pure function: name, params -> Policy
 
     def policy_of(name: str, params: tuple[tuple[str, Any], ...]) -> Policy:
@@ -234,10 +282,11 @@ def auto(
         return built[k]
 
     def init(view: ClusterView) -> AutoState:
-        name, params = first[0]
+        warming = warm is not None and not (warmup == WARMUP and adaptive(view.optimizer))
+        name, params = warm if warm is not None and warming else first[0]
         inner = policy_of(name, params).init(view)
         base = MappingProxyType({w: f.batch_size for w, f in view.workers.items()})
-        return AutoState(name, params, inner, view.now, base_batch=base)
+        return AutoState(name, params, inner, view.now, base_batch=base, warming=warming)
 
     def delegate(
         event: Event, st: AutoState, view: ClusterView
@@ -264,7 +313,7 @@ def auto(
         )
 
     def start_policy(
-        best: Scored, st: AutoState, view: ClusterView, now: float
+        name: str, params: tuple[tuple[str, Any], ...], st: AutoState, view: ClusterView, now: float
     ) -> tuple[list[Decision], Any, dict[int, int]]:
         """The new policy's state and the switch's decisions; raises what it raises."""
         top = view.max_clock()
@@ -276,7 +325,7 @@ def auto(
             buffered=0,
             stage="main",
         )
-        new = policy_of(best.name, best.params)
+        new = policy_of(name, params)
         first_decisions, state = new.update(Tick(now), new.init(fresh), fresh)
         resolve(first_decisions)  # an unknown plan field or a wrong value refuses the switch
         out: list[Decision] = []
@@ -324,49 +373,68 @@ def auto(
         # forecast's horizon without one)
         payback = dwell_s if dwell_s > 0 else event.horizon_s
         cost = min(1.0, switch_cost_s(view) / payback) if payback > 0 else 0.0
+        # what the best must beat: the running policy, or during the warm-up the start policy
+        # (the warm-up is no choice to keep; the start policy is the default that is)
+        base = mine
+        if st.warming:
+            base = next((s for s in scored if s.key == first_key), None) or best
+        target: Scored | None = None
         if best is None:
             why = "no candidate was predicted"
-        elif mine is None:
+        elif base is None:
             why = "the forecast has no prediction for the running policy"
-        elif best.key == current:
-            why = "the running policy is the best"
-        elif st.switches and (ran < dwell_s or checks < dwell_checks):
+        elif best.key == base.key:
+            target = best
+            why = (
+                "the running policy is the best"
+                if best.key == current
+                else (f"{best.label} is the best: the warm-up ends")
+            )
+        elif st.chosen and (ran < dwell_s or checks < dwell_checks):
             why = (
                 f"dwell: ran {ran:.1f} s, its prediction checked {checks} time(s); a switch "
                 f"needs {dwell_s:g} s and {dwell_checks}"
             )
-        elif (net := best.discounted * (1.0 - cost)) <= (1.0 + margin) * mine.discounted:
+        elif (net := best.discounted * (1.0 - cost)) <= (1.0 + margin) * base.discounted:
+            target = base if st.warming else None
             why = (
                 f"{best.label} ({best.discounted:.4g}, {net:.4g} after {cost:.0%} for the "
-                f"switch) is not {margin:.0%} better than {mine.label} ({mine.discounted:.4g})"
+                f"switch) is not {margin:.0%} better than {base.label} ({base.discounted:.4g})"
             )
         else:
+            target = best
             why = (
                 f"{best.label} ({best.discounted:.4g}, {net:.4g} after {cost:.0%} for the "
-                f"switch) beats {mine.label} ({mine.discounted:.4g}) by more than {margin:.0%}"
+                f"switch) beats {base.label} ({base.discounted:.4g}) by more than {margin:.0%}"
             )
+        running = canonical(current)
+        if target is not None and target.key == current:
+            target = None  # it runs already (the warm-up ends on it)
+        elif target is not None:
             try:
-                out, inner, offsets = start_policy(best, st, view, now)
+                out, inner, offsets = start_policy(target.name, target.params, st, view, now)
             except Exception as exc:  # the new policy failed to start: stay on the old one
-                why = f"{best.label} failed to start: {type(exc).__name__}: {exc}"
-                failed[best.label] = (now, total)
-                choice = Choice(now, mine.label, scored, None, why)
+                why = f"{target.label} failed to start: {type(exc).__name__}: {exc}"
+                failed[target.label] = (now, total)
+                choice = Choice(now, running, scored, None, why)
                 return (), replace(st, failed=MappingProxyType(failed), last=choice)
-            switch = (now, mine.label, best.label, why)
+            switch = (now, running, target.label, why)
             return out, replace(
                 st,
-                name=best.name,
-                params=best.params,
+                name=target.name,
+                params=target.params,
                 inner=inner,
                 since=now,
                 checks=0,
                 offsets=MappingProxyType(offsets),
-                window_predicted=best.samples_per_s,
-                last=Choice(now, mine.label, scored, best.label, why),
+                window_predicted=target.samples_per_s,
+                last=Choice(now, running, scored, target.label, why),
                 switches=(*st.switches, switch)[-HISTORY:],
+                warming=False,
+                chosen=target is best,
             )
-        running = canonical(current)
-        return (), replace(st, last=Choice(now, running, scored, None, why))
+        warming = st.warming and best is None
+        return (), replace(st, last=Choice(now, running, scored, None, why), warming=warming)
 
     def update(
         event: Event, state: AutoState | None, view: ClusterView
@@ -374,7 +442,31 @@ def auto(
         st = state if state is not None else init(view)
         if isinstance(event, Forecast):
             return on_forecast(event, st, view)
+        if st.warming and isinstance(event, Tick) and event.now - st.since >= warmup_s:
+            return end_warmup(event.now, st, view)
         return delegate(event, st, view)
+
+    def end_warmup(
+        now: float, st: AutoState, view: ClusterView
+    ) -> tuple[Sequence[Decision], AutoState]:
+        """No forecast in ``warmup_s``: the start policy, as a default (no dwell holds it)."""
+        name, params = first[0]
+        why = f"no forecast in {warmup_s:g} s of warm-up: the start policy"
+        out, inner, offsets = start_policy(name, params, st, view, now)
+        switch = (now, canonical(key_of(st.name, st.params)), canonical(first_key), why)
+        return out, replace(
+            st,
+            name=name,
+            params=params,
+            inner=inner,
+            since=now,
+            checks=0,
+            offsets=MappingProxyType(offsets),
+            window_start=None,
+            window_samples=0,
+            warming=False,
+            switches=(*st.switches, switch)[-HISTORY:],
+        )
 
     reads_evals = any(policy_of(n, p).reads_evals for n, p in cands)
     params = {
@@ -383,6 +475,8 @@ def auto(
         "margin": margin,
         "dwell_s": dwell_s,
         "dwell_checks": dwell_checks,
+        "warmup": "" if warm is None else label(*warm),
+        "warmup_s": warmup_s,
     }
     return Policy("auto", init, update, params, reads_evals=reads_evals, reads_forecasts=True)
 

@@ -69,6 +69,9 @@ class ClusterView:
     # The gradient noise scale in samples, measured from pairs of gradient pushes at the same
     # base version (policies.efficiency.NoiseScale); None until enough pairs came
     noise_scale: float | None = None
+    # The workers' optimizer as the welcome names it (``adam``, ``sgd:momentum=0.9``); None: not
+    # known
+    optimizer: str | None = None
 
     @property
     def n(self) -> int:

@@ -58,6 +58,9 @@ class Engine:
         """``decisions``: a log of every decision (:class:`~hetd.core.applier.Applier`)."""
         self.store = store
         self.config = config
+        train = config.welcome.get("train") if isinstance(config.welcome, Mapping) else None
+        spec = train.get("inner_optimizer") if isinstance(train, Mapping) else None
+        self.optimizer = spec if isinstance(spec, str) else None  # the workers', in the view
         self.clock: Clock = clock or MonotonicClock()
         self.started_at = now = self.clock.now()
         self.meters = Meters()
@@ -258,7 +261,7 @@ class Engine:
 
     def view(self) -> ClusterView:
         """The facts as the policy sees them (active replicas only)."""
-        return cluster_view(self, self.config.global_batch)
+        return cluster_view(self, self.config.global_batch, self.optimizer)
 
     def swap_policy(self, name: str, params: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Replace the policy between two events, all or nothing (:meth:`Executor.swap`), then

@@ -49,8 +49,8 @@ class Parts(Protocol):
     def started_at(self) -> float: ...
 
 
-def cluster_view(e: Parts, global_batch: int) -> ClusterView:
-    """The facts as the policy sees them (active replicas only)."""
+def cluster_view(e: Parts, global_batch: int, optimizer: str | None = None) -> ClusterView:
+    """The facts as the policy sees them (active replicas only); ``optimizer``: the workers'."""
     m, pipelines = e.members, e.pipelines
     return ClusterView(
         now=e.clock.now(),
@@ -63,6 +63,7 @@ def cluster_view(e: Parts, global_batch: int) -> ClusterView:
         stage_workers={w: m.active[w].facts for w in pipelines.head_of if w in m.active},
         blocks=pipelines.blocks,
         noise_scale=e.noise.value,
+        optimizer=optimizer,
     )
 
 

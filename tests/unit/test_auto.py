@@ -58,10 +58,17 @@ class Cluster:
             for w in range(len(slowdowns))
         }
         self.slow = dict(enumerate(slowdowns))
+        self.optimizer: str | None = None  # the workers' optimizer, as the view names it
 
     def view(self) -> ClusterView:
         return ClusterView(
-            self.now, self.version, dict(self.workers), 128, len(self.groups), self.stage
+            self.now,
+            self.version,
+            dict(self.workers),
+            128,
+            len(self.groups),
+            self.stage,
+            optimizer=self.optimizer,
         )
 
     def push(self, w: int) -> Push:
@@ -169,7 +176,7 @@ CHURN = {0.2: "join:3:1.5", 0.5: "leave:1"}
 @pytest.mark.parametrize("inner", ["lbbsp", "ssp", "bsp", "asp", "adsp", "hps"])
 def test_without_forecasts_auto_decides_as_its_inner_policy(inner: str) -> None:
     a, b = Cluster([1.0, 2.0, 4.0]), Cluster([1.0, 2.0, 4.0])
-    wrapped, plain = make_policy("auto", {"start": inner}), make_policy(inner)
+    wrapped, plain = make_policy("auto", {"warmup": "", "start": inner}), make_policy(inner)
     got, _ = drive(a, wrapped, start(wrapped, a), 1.0, CHURN)
     want, _ = drive(b, plain, start(plain, b), 1.0, CHURN)
     assert got == want
@@ -206,7 +213,7 @@ def warm(
 
 def test_a_forecast_that_clears_the_margin_after_the_dwell_switches() -> None:
     c = Cluster([1.0, 2.0, 4.0])
-    p = make_policy("auto", {"dwell_s": 5.0})
+    p = make_policy("auto", {"warmup": "", "dwell_s": 5.0})
     state, _ = warm(c, p, 0.6, forecast(0.0, pred("lbbsp", 5000), pred("asp", 5000)))
     decisions, state = p.update(
         forecast(c.now, pred("lbbsp", 5000), pred("asp", 6000)), state, c.view()
@@ -226,7 +233,7 @@ def test_the_start_policy_may_be_left_at_the_first_forecast() -> None:
     """The start policy is a default, not a choice: no dwell holds it (a forecast that comes as
     soon as the workers are timed can move auto off it at once)."""
     c = Cluster([1.0, 2.0, 4.0])
-    p = make_policy("auto", {"dwell_s": 30.0})
+    p = make_policy("auto", {"warmup": "", "dwell_s": 30.0})
     state, _ = warm(c, p, 0.1)
     decisions, state = p.update(
         forecast(c.now, pred("lbbsp", 5000), pred("asp", 9000)), state, c.view()
@@ -235,13 +242,67 @@ def test_the_start_policy_may_be_left_at_the_first_forecast() -> None:
     assert {d.worker for d in decisions if isinstance(d, SetPlan)} == set(c.workers)
 
 
+@pytest.mark.parametrize(
+    ("asp", "hps", "then"),
+    [(5400.0, 5000.0, "lbbsp"), (6000.0, 5000.0, "asp"), (5000.0, 6000.0, "hps")],
+)
+def test_until_its_first_forecast_auto_warms_up_on_asp_then_weighs_against_the_start(
+    asp: float, hps: float, then: str
+) -> None:
+    """Before the first forecast auto runs asp (no worker waits on one not timed yet), deciding
+    as asp alone does; the first forecast then weighs the best candidate against the start
+    policy, not against the warm-up: inside the margin auto goes to lbbsp, beyond it to the
+    best, which may be asp itself."""
+    a, b = Cluster([1.0, 2.0, 4.0]), Cluster([1.0, 2.0, 4.0])
+    p, plain = make_policy("auto", {"dwell_s": 30.0}), make_policy("asp")
+    got, state = drive(a, p, start(p, a), 0.3)
+    want, _ = drive(b, plain, start(plain, b), 0.3)
+    assert got == want and running(state) == "asp" and state.warming
+    decisions, state = p.update(
+        forecast(a.now, pred("lbbsp", 5000), pred("asp", asp), pred("hps", hps)), state, a.view()
+    )
+    assert running(state) == then and not state.warming
+    assert state.last is not None and "lbbsp (5000)" in state.last.why
+    assert len(state.switches) == (then != "asp") and (then == "asp") == (list(decisions) == [])
+    # a policy kept or gone back to is no switch the dwell holds; one switched to (hps) is
+    _, state = p.update(forecast(a.now, pred(then, 5000), pred("ssp", 9000)), state, a.view())
+    assert running(state) == ("hps" if then == "hps" else "ssp")
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "first"), [("sgd:lr=0.2", "asp"), ("adam:lr=0.001", "lbbsp")]
+)
+def test_under_an_adaptive_optimizer_auto_starts_without_the_warm_up(
+    optimizer: str, first: str
+) -> None:
+    """Adam's moments keep what asp's small stale steps left in them: the default warm-up is
+    skipped there, and auto starts on its start policy."""
+    c = Cluster([1.0, 2.0, 4.0])
+    c.optimizer = optimizer
+    p = make_policy("auto")
+    state = start(p, c)
+    assert running(state) == first and state.warming == (first == "asp")
+
+
+def test_without_a_forecast_the_warm_up_ends_on_the_start_policy() -> None:
+    c = Cluster([1.0, 2.0, 4.0])
+    p = make_policy("auto", {"warmup_s": 0.4, "dwell_s": 30.0})
+    state, out = warm(c, p, 0.6)
+    assert running(state) == "lbbsp" and not state.warming
+    assert [s[1:3] for s in state.switches] == [("asp", "lbbsp")]
+    assert "no forecast in 0.4 s" in state.switches[0][3] and state.switches[0][0] == 0.4
+    assert any(isinstance(d, SetPlan) for d in out[-1] + [d for ds in out for d in ds])
+    _, state = p.update(forecast(c.now, pred("lbbsp", 5000), pred("ssp", 9000)), state, c.view())
+    assert running(state) == "ssp"  # no dwell holds a default
+
+
 def test_a_switch_must_pay_for_its_rounds_within_the_dwell() -> None:
     """The same forecast, 20 % better, moves auto off its start policy when the dwell is long
     enough to pay back two rounds of the slowest worker, and not when it is not."""
     decided = {}
     for dwell in (0.4, 5.0):
         c = Cluster([1.0, 2.0, 4.0])
-        p = make_policy("auto", {"dwell_s": dwell})
+        p = make_policy("auto", {"warmup": "", "dwell_s": dwell})
         state, _ = warm(c, p, 0.6)
         cost = switch_cost_s(c.view())
         rounds = [(f.last_push_at or 0.0) - (f.prev_push_at or 0.0) for f in c.workers.values()]
@@ -296,7 +357,7 @@ def test_after_a_switch_a_forecast_short_of_the_margin_or_the_dwell_does_not_swi
     why: str, at: float, needs: int, second: float, reason: str
 ) -> None:
     c = Cluster([1.0, 2.0, 4.0])
-    p = make_policy("auto", {"dwell_s": 0.5, "dwell_checks": needs})
+    p = make_policy("auto", {"warmup": "", "dwell_s": 0.5, "dwell_checks": needs})
     state = switched(c, p, at)  # the window from the switch is checked at this forecast
     before = state
     decisions, state = p.update(
@@ -465,7 +526,7 @@ def test_a_policy_that_delivers_what_was_predicted_is_not_left_for_the_one_befor
     again is no new evidence: auto stays on asp (the old rule charged asp for its own check
     and could send it back)."""
     c = Cluster([1.0, 2.0, 4.0])
-    p = make_policy("auto", {"dwell_s": 0.0})
+    p = make_policy("auto", {"warmup": "", "dwell_s": 0.0})
     state = start(p, c)
     state = drive(c, p, state, 0.2)[1]
     decisions, state = p.update(
@@ -527,6 +588,8 @@ def test_the_state_round_trips_through_a_checkpoint_and_describes_itself() -> No
         ({"start": "asp", "candidates": "bsp,ssp"}, "must be one of the candidates"),
         ({"margin": -0.1}, "margin must be >= 0"),
         ({"dwell_checks": -1}, "dwell_checks must be an int >= 0"),
+        ({"warmup": "bsp", "candidates": "lbbsp,asp"}, "warmup 'bsp' must be one of"),
+        ({"warmup_s": -1}, "warmup_s must be >= 0"),
     ],
 )
 def test_bad_parameters_are_refused_with_what_is_valid(
