@@ -23,11 +23,11 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/hetd demo --out demo-out
 
-# TEST_PROCS=2 runs the suite in two processes (a file's tests together in one, in order): most
-# tests wait on sockets and worker processes, so two keep both cores busy (16 min against 23 on
-# this 2-core machine). Not the default yet: under the doubled load two real-process tests failed
-# (the digits demo's final accuracy under ssp; a SIGTERMed worker's bye in the churn run).
-TEST_PROCS ?= 0
+# The suite in two processes (pytest-xdist, a file's tests together in one, in order): most tests
+# wait on sockets and worker processes, so two keep both cores busy (16 min against 27 in one on
+# this 2-core machine when it is quiet; TEST_PROCS=0 for one). The tests assert what holds on a
+# loaded machine, two processes' load included.
+TEST_PROCS ?= 2
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_PROCS) --dist loadfile --durations=30
