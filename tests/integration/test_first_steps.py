@@ -68,7 +68,9 @@ async def worker(
     return proc.returncode, err.decode()
 
 
-@pytest.mark.parametrize("url", ["127.0.0.1:7070", "ftp://127.0.0.1:7070"])
+# Without a scheme (the common slip): the same check refuses another scheme (ftp://...), a
+# process start each.
+@pytest.mark.parametrize("url", ["127.0.0.1:7070"])
 async def test_a_url_that_is_not_ws_is_refused_at_once(url: str) -> None:
     code, err = await worker(url)
     assert code == 2, err
