@@ -19,6 +19,7 @@ import os
 import sys
 import time
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,19 @@ def _join(address: str | None) -> Any:
     return ray
 
 
+def _on_ray(address: str | None, verb: Callable[[Any], int]) -> int:
+    """Run ``verb`` on the Ray cluster at ``address`` (joined, then left), or say why not."""
+    try:
+        ray = _join(address)
+    except OSError as exc:
+        print(f"hetd: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    try:
+        return verb(ray)
+    finally:
+        ray.shutdown()
+
+
 def _up(args: argparse.Namespace) -> int:
     from hetd.server import pserver_ray as pr
 
@@ -141,12 +155,8 @@ def _up(args: argparse.Namespace) -> int:
     state.mkdir(parents=True, exist_ok=True)
     effective = state / "cluster.toml"
     effective.write_text(toml_text(raw))
-    try:
-        ray = _join(args.address)
-    except OSError as exc:
-        print(f"hetd: {exc}", file=sys.stderr)
-        return EXIT_UNREACHABLE
-    try:
+
+    def up(ray: Any) -> int:
         if pr.group(ray) is not None:
             print("hetd: a hetd cluster is up already: hetd cluster down first", file=sys.stderr)
             return EXIT_USAGE
@@ -182,8 +192,8 @@ def _up(args: argparse.Namespace) -> int:
             "(hetd cluster status)"
         )
         return 0
-    finally:
-        ray.shutdown()
+
+    return _on_ray(args.address, up)
 
 
 def rows(ray: Any) -> list[dict[str, Any]]:
@@ -213,15 +223,14 @@ def rows(ray: Any) -> list[dict[str, Any]]:
 
 
 def _status(args: argparse.Namespace) -> int:
-    try:
-        ray = _join(args.address)
-    except OSError as exc:
-        print(f"hetd: {exc}", file=sys.stderr)
-        return EXIT_UNREACHABLE
-    try:
-        found = rows(ray)
-    finally:
-        ray.shutdown()
+    found: list[dict[str, Any]] = []
+
+    def read(ray: Any) -> int:
+        found.extend(rows(ray))
+        return 0
+
+    if (unreachable := _on_ray(args.address, read)) != 0:
+        return unreachable
     if args.json:
         print(json.dumps({"actors": found}))
     elif not found:
@@ -235,12 +244,7 @@ def _status(args: argparse.Namespace) -> int:
 def _down(args: argparse.Namespace) -> int:
     from hetd.server import pserver_ray as pr
 
-    try:
-        ray = _join(args.address)
-    except OSError as exc:
-        print(f"hetd: {exc}", file=sys.stderr)
-        return EXIT_UNREACHABLE
-    try:
+    def down(ray: Any) -> int:
         pg = pr.group(ray)
         if pg is None:
             print("no hetd cluster is up")
@@ -259,5 +263,5 @@ def _down(args: argparse.Namespace) -> int:
         ray.util.remove_placement_group(pg)
         print("the placement group hetd is removed")
         return 0
-    finally:
-        ray.shutdown()
+
+    return _on_ray(args.address, down)

@@ -32,16 +32,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hetd.server.pserver_sup import EXIT_BROKEN, LOG_FILE, pserver_command
+
 log = logging.getLogger("hetd.server.pservers")
 
 NAMESPACE = "hetd"  # the Ray namespace of hetd's actors and placement group
 GROUP = "hetd"  # the placement group's name: bundle 0 the head (hetd cluster up), then the slices
 HEAD = "hetd-head"  # the head's actor (hetd cluster up)
 MAX_RESTARTS = 20  # restarts of one pserver's actor before Ray gives it up
-EXIT_BROKEN = 3  # hetd pserver's status for a slice that cannot go on
 POLL_S = 0.5  # how often the daemon asks each actor how it stands
 PORT_WAIT_S = 15.0  # a restarted actor waits this long for its old port to be free
-LOG_FILE = "pserver.log"
 
 
 def pserver_name(server: int) -> str:
@@ -236,19 +236,7 @@ class RayPservers:
         self._stopping = False
 
     def command(self, slot: _Slot) -> list[str]:
-        host, port = self.head
-        return [
-            sys.executable,
-            "-m",
-            "hetd",
-            "pserver",
-            "--head",
-            f"{host}:{port}",
-            "--slice",
-            str(slot.server),
-            "--dir",
-            str(slot.directory),
-        ]
+        return pserver_command(self.head, slot.server, slot.directory)
 
     async def start(self) -> None:
         try:

@@ -32,6 +32,16 @@ EXIT_BROKEN = 3  # hetd pserver's status for a slice that cannot go on (server/p
 LOG_FILE = "pserver.log"  # each process's stderr, appended, in its directory
 
 
+def pserver_command(head: tuple[str, int], server: int, directory: Path) -> list[str]:
+    """The command line of slice ``server``'s pserver, following the head's link at ``head`` and
+    keeping its slice in ``directory`` (whichever backend runs it)."""
+    host, port = head
+    return [
+        sys.executable, "-m", "hetd", "pserver", "--head", f"{host}:{port}",
+        "--slice", str(server), "--dir", str(directory),
+    ]  # fmt: skip
+
+
 @dataclass(frozen=True)
 class RestartPolicy:
     """When a process that exited is started again."""
@@ -86,18 +96,8 @@ class LocalPservers:
         self._wake = asyncio.Event()  # set by stop: a backoff wait ends at once
 
     def command(self, slot: Slot) -> list[str]:
-        host, port = self.head
         return [
-            sys.executable,
-            "-m",
-            "hetd",
-            "pserver",
-            "--head",
-            f"{host}:{port}",
-            "--slice",
-            str(slot.server),
-            "--dir",
-            str(slot.directory),
+            *pserver_command(self.head, slot.server, slot.directory),
             "--parent",
             str(os.getpid()),
         ]

@@ -29,6 +29,12 @@ ray = pytest.importorskip(
     "ray", reason="Ray is not installed: the ray tier needs the extra (pip install -e '.[ray]')"
 )
 
+# Ray starts its nodes' processes from this one with a preexec_fn, which runs the fork handlers
+# JAX registers once it is imported (by the tests before these in the same process): JAX warns
+# that a fork of a multithreaded process may deadlock. The child execs at once, running nothing
+# of JAX's, so the warning does not apply here.
+pytestmark = pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
+
 WAIT = 240.0
 STEPS = 20  # pushes per worker: the kill and the removal come while they train
 
