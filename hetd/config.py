@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import json
 import os
 import ssl
 import tomllib
@@ -502,3 +503,25 @@ def replace(cfg: Config, section: str, **values: Any) -> Config:
     """A copy of ``cfg`` with some keys of one section changed (checked like the file)."""
     merged = {**dataclasses.asdict(getattr(cfg, section)), **values}
     return _checked(dataclasses.replace(cfg, **{section: _section(section, merged)}))
+
+
+def toml_value(v: Any) -> str:
+    """One TOML value: a boolean, number, string, list or inline table of them."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float | str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {toml_value(x)}" for k, x in v.items()) + "}"
+    raise ValueError(f"cannot write {v!r} into TOML")
+
+
+def toml_text(raw: dict[str, Any]) -> str:
+    """``raw`` (tables of values) as TOML: ``tomllib.loads(toml_text(raw)) == raw``."""
+    lines = []
+    for section, table in raw.items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{json.dumps(k)} = {toml_value(v)}" for k, v in table.items())
+    return "\n".join(lines) + "\n"

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hetd.cli.common import EXIT_UNREACHABLE, EXIT_USAGE, Sub
+from hetd.config import toml_text
 
 STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 HEAD_RESTARTS = 5  # restarts of the head's actor (each resumes from its newest checkpoint)
@@ -93,27 +94,6 @@ def head_config(path: Path, servers: int) -> dict[str, Any]:
     raw["pservers"] = dict(raw.get("pservers", {}), log=True, servers=servers, backend="ray")
     config.check_serving(config.from_mapping(raw))
     return raw
-
-
-def _value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float | str):
-        return json.dumps(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{json.dumps(k)} = {_value(x)}" for k, x in v.items()) + "}"
-    raise ValueError(f"cannot write {v!r} into TOML")
-
-
-def toml_text(raw: dict[str, Any]) -> str:
-    """``raw`` (tables of values) as TOML: ``tomllib.loads(toml_text(raw)) == raw``."""
-    lines = []
-    for section, table in raw.items():
-        lines.append(f"[{section}]")
-        lines.extend(f"{json.dumps(k)} = {_value(v)}" for k, v in table.items())
-    return "\n".join(lines) + "\n"
 
 
 # --- the verbs --------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from hetd import config as config_mod
-from hetd.cli.cluster import head_config, toml_text
+from hetd.cli.cluster import head_config
+from hetd.config import toml_text
 
 
 def _write(tmp_path: Path, text: str) -> Path:

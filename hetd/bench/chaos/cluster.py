@@ -32,6 +32,7 @@ from typing import Any
 
 from hetd.bench.links import NetnsLinks
 from hetd.bench.system_limit import free_port
+from hetd.config import toml_value
 from hetd.local.procs import spawn_daemon, spawn_worker, stop_processes, wait_ready, worker_env
 from hetd.sim.results import PolicySpec
 
@@ -118,18 +119,10 @@ def metric_sums(text: str) -> dict[str, float]:
 # --- the daemon's config ------------------------------------------------------------------------------
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float | str):
-        return json.dumps(v)
-    raise ValueError(f"cannot write {v!r} into the daemon's config")
-
-
 def _config_text(
     opts: ChaosOptions, policy: PolicySpec, port: int, admin: int, state: str, host: str
 ) -> str:
-    params = ", ".join(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in policy.params)
+    params = ", ".join(f"{json.dumps(k)} = {toml_value(v)}" for k, v in policy.params)
     return (
         "[server]\n"
         f'host = {json.dumps(host)}\nport = {port}\nadmin_host = "127.0.0.1"\nadmin_port = {admin}\n'
