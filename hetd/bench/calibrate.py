@@ -190,7 +190,7 @@ async def _message_s(engine: Engine, frame: bytes, repeats: int) -> float:
                 features=list(wire.WORKER_FEATURES),  # as a real worker: frames with the hash
             )
         )
-        wid = await engine.call(lambda: engine.join(decode_hello(hello), peer))
+        wid = await engine.queue.call(lambda: engine.join(decode_hello(hello), peer))
         push = decode_push(engine.store.shapes, wid, wire.decode(frame), len(frame), fused=True)
         for i in range(WARM + repeats):
             if i == WARM:
@@ -199,7 +199,7 @@ async def _message_s(engine: Engine, frame: bytes, repeats: int) -> float:
             # a new request id (the engine answers each once), from the version it holds
             current = dataclasses.replace(push, id=i + 1, base=engine.store.version)
 
-            engine.submit(cmd.Push(current))
+            engine.queue.submit(cmd.Push(current))
             await asyncio.wait_for(peer.got.wait(), 60.0)
         p50 = engine.meters.latency.summary()["p50_ms"]
         assert p50 is not None  # repeats >= 1 pushes were timed

@@ -1,7 +1,7 @@
 """Deferred evaluations for ``hetd bench --mode real --evals deferred``: the parameters at each
 point of the evaluation grid, kept during the run and evaluated after it.
 
-Owns :class:`KeptSnapshots`, the engine's keeper (:meth:`hetd.core.engine.Engine.keep_evals`).
+Owns :class:`KeptSnapshots`, the engine's keeper (:meth:`hetd.core.evals.Evaluations.keep`).
 Each kept snapshot is a copy (the store's snapshot memory is reused, a slot of shared memory
 among them), timestamped when it was taken. Memory is bounded by ``cap_bytes``: past the cap a
 snapshot goes to ``.npy`` files in a directory of its own (removed by :meth:`close`) instead of

@@ -361,7 +361,7 @@ async def _run_on(
     if observe is not None:
         observe(engine)
     recorder = Recorder(engine)
-    engine.policy, engine.policy_state = recorder.wrap(engine.policy), engine.policy_state
+    engine.host.policy, engine.host.state = recorder.wrap(engine.host.policy), engine.host.state
     initial = engine.store.state()  # before any worker joins: the t = 0 restart goes back to it
     late = memory_poor(sc, engine.store.shapes)  # they join at t = 0 (the module docstring)
     url = f"ws://{cfg.server.host}:{port}"
@@ -394,10 +394,10 @@ async def _run_on(
         # cluster at work, not the join.
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         await _wait_joined(engine, sc.n - len(late), procs, logs, deadline)
-        settled = {wid: f.clock + SETTLE_ROUNDS for wid, f in engine.facts.items()}
+        settled = {wid: f.clock + SETTLE_ROUNDS for wid, f in engine.members.facts.items()}
         await _wait_joined(engine, sc.n - len(late), procs, logs, deadline, settled)
-        await engine.call(lambda: _restart(engine, recorder, policy, initial))
-        kept = keeper_for(engine.policy, evals)
+        await engine.queue.call(lambda: _restart(engine, recorder, policy, initial))
+        kept = keeper_for(engine.host.policy, evals)
         try:
             churn = Churn(sc, procs, net)
             return await _measure(
@@ -435,7 +435,7 @@ async def _wait_joined(
     s) or when one exits."""
 
     def ready() -> bool:
-        facts = engine.facts
+        facts = engine.members.facts
         if len(facts) < n or any(f.samples == 0 for f in facts.values()):
             return False
         return clocks is None or all(facts[w].clock >= c for w, c in clocks.items() if w in facts)
@@ -449,8 +449,8 @@ async def _wait_joined(
                 if late or p.returncode is not None
             ]
             raise RuntimeError(
-                f"{len(engine.facts)} of {n} workers joined, "
-                f"{sum(f.samples > 0 for f in engine.facts.values())} pushed, within "
+                f"{len(engine.members.facts)} of {n} workers joined, "
+                f"{sum(f.samples > 0 for f in engine.members.facts.values())} pushed, within "
                 f"{JOIN_TIMEOUT_S:g} s; worker errors: {errors}"
             )
         await asyncio.sleep(0.05)
@@ -466,7 +466,7 @@ def _restart(
     the same spec (observed again), then the initial parameters and optimizer state under a new
     version."""
     engine.swap_policy(policy.name, policy.build_params())
-    engine.policy = recorder.wrap(engine.policy)
+    engine.host.policy = recorder.wrap(engine.host.policy)
     params, opt_state, _ = initial
     engine.store.restore(params, opt_state, engine.store.version + 1)
 
@@ -528,7 +528,7 @@ async def _measure(
     engine = daemon.engine
     evaluate = engine.evaluations.evaluator
     assert evaluate is not None  # build_engine always sets one
-    by_name = {f.name: wid for wid, f in engine.facts.items()}
+    by_name = {f.name: wid for wid, f in engine.members.facts.items()}
     wids = {str(i): by_name[f"w{i}"] for i in range(sc.n) if i not in late}
     start = engine.clock.now()
 
@@ -537,18 +537,18 @@ async def _measure(
         the scenario's, w<i>)."""
         for i in range(len(sc.all_workers)):
             if str(i) not in wids:
-                wid = next((w for w, f in engine.facts.items() if f.name == f"w{i}"), None)
+                wid = next((w for w, f in engine.members.facts.items() if f.name == f"w{i}"), None)
                 if wid is not None:
                     wids[str(i)] = wid
 
     def anchor() -> None:
         # the daemon evaluates (or keeps) at t = k × eval_interval_s from here, as the simulator
-        engine.anchor_evals(start)
+        engine.evaluations.anchor(start)
         if kept is not None:
-            engine.keep_evals(kept)
+            engine.evaluations.keep(kept, engine.host.policy)
             kept(engine.store.snapshot(), start)  # t = 0's parameters
 
-    await engine.call(anchor)
+    await engine.queue.call(anchor)
     cpu0 = _cpu_s()
     wall_t0 = time.time() - (engine.clock.now() - start)
     await _start_schedules(procs, wall_t0)
@@ -561,8 +561,10 @@ async def _measure(
     # simulator counts it; not the idle each push reports either, whose first one after t = 0
     # carries the wait before it (the warm-up's)
     busy0 = {w: recorder.compute_s.get(wid, 0.0) for w, wid in wids.items()}
-    samples0 = sum(engine.facts[wid].samples for wid in wids.values())  # joiners start at 0
-    bytes0 = [(s.bytes_in, s.bytes_out, s.pushes, s.releases) for s in engine.stats.values()]
+    samples0 = sum(engine.members.facts[wid].samples for wid in wids.values())  # joiners start at 0
+    bytes0 = [
+        (s.bytes_in, s.bytes_out, s.pushes, s.releases) for s in engine.members.stats.values()
+    ]
     if kept is None:
         loss0, acc0 = await asyncio.to_thread(evaluate, engine.store.snapshot())
     trace = Trace(timeline={str(i): [] for i in range(len(sc.all_workers))})
@@ -577,11 +579,13 @@ async def _measure(
         joined()
         if events is not None and events.done():
             events.result()  # raises what went wrong starting or stopping a worker
-        moved = sum(s.bytes_in + s.bytes_out for s in engine.stats.values()) - moved0
+        moved = sum(s.bytes_in + s.bytes_out for s in engine.members.stats.values()) - moved0
         bytes_curve.append([t, float(moved)])
         if t - last_share >= sc.eval_interval_s:
             last_share = t
-            sizes = {w: f.batch_size for w, wid in wids.items() if (f := engine.facts.get(wid))}
+            sizes = {
+                w: f.batch_size for w, wid in wids.items() if (f := engine.members.facts.get(wid))
+            }
             total = sum(sizes.values()) or 1
             trace.shares.append((t, {w: b / total for w, b in sizes.items()}))
             on_time(t)
@@ -595,9 +599,11 @@ async def _measure(
         def last() -> None:
             assert kept is not None  # narrowed above; mypy does not carry it into the closure
             kept(engine.store.snapshot(), start + sc.budget_s)  # the final parameters
-            engine.keep_evals(lambda snap, taken: None)  # keep nothing more, evaluate nothing
+            engine.evaluations.keep(
+                lambda snap, taken: None, engine.host.policy
+            )  # keep nothing more
 
-        await engine.call(last)
+        await engine.queue.call(last)
     busy1 = dict(recorder.compute_s)  # at the end of the budget (pushes may arrive later)
     names = {wid: w for w, wid in wids.items()}
     for wid, spans in recorder.spans().items():
@@ -611,10 +617,12 @@ async def _measure(
         final_loss, final_acc = await asyncio.to_thread(evaluate, engine.store.snapshot())
         evals = [(0.0, loss0, acc0)]  # (t, loss, accuracy) on the run's clock
         evals += [
-            (e[0] - offset, e[1], e[2]) for e in engine.evals if 0 < e[0] - offset < sc.budget_s
+            (e[0] - offset, e[1], e[2])
+            for e in engine.evaluations.evals
+            if 0 < e[0] - offset < sc.budget_s
         ]
         evals.append((sc.budget_s, final_loss, final_acc))
-    stats = list(engine.stats.values())
+    stats = list(engine.members.stats.values())
     pushes = sum(s.pushes for s in stats) - sum(b[2] for b in bytes0)
     if kept is not None:
         await asyncio.to_thread(kept.wait)  # the last copies, so that the report counts them
@@ -623,13 +631,15 @@ async def _measure(
     staleness: list[int] = []
     samples = 0
     for w, wid in wids.items():
-        f = engine.facts.get(wid) or engine.departed.get(wid)
+        f = engine.members.facts.get(wid) or engine.members.departed.get(wid)
         if f is None:
             continue
         busy = busy1.get(wid, 0.0) - busy0.get(w, 0.0)
         idle[w] = min(1.0, max(0.0, 1.0 - busy / _present_s(sc, int(w))))
         samples += f.samples
-        staleness += engine.stats[wid].staleness  # the engine keeps each worker's last ≤ 4096
+        staleness += engine.members.stats[
+            wid
+        ].staleness  # the engine keeps each worker's last ≤ 4096
     mean, p95 = staleness_stats(staleness)
     up = sum(s.bytes_in for s in stats) - sum(b[0] for b in bytes0)
     down = sum(s.bytes_out for s in stats) - sum(b[1] for b in bytes0)
@@ -661,7 +671,7 @@ async def _measure(
         curve=[[t, acc] for t, _, acc in evals],
         bytes_curve=bytes_curve,
         trace=trace,
-        stages=[[t - offset, st] for t, st in engine.stages],
+        stages=[[t - offset, st] for t, st in engine.host.stages],
         evals="live" if kept is None else "deferred",
     )
 

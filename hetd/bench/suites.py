@@ -161,7 +161,7 @@ def _recording_runner(mode: str, links: str, evals: str, switches: dict[int, lis
         sc: Scenario, p: PolicySpec, seed: int, lr: float, on_time: Callable[[float], None]
     ) -> RunResult:
         run = run_sim(sc, p, seed, lr, on_time)
-        state = run.engine.policy_state
+        state = run.engine.host.state
         if isinstance(state, AutoState):  # its last HISTORY (8) switches
             switches[seed] = state.describe()["switches"]
         return run.result

@@ -197,7 +197,7 @@ def rss_bytes() -> int:
 
 def _engine_counters(engine: Engine) -> Any:
     return lambda: (
-        engine.updates_applied,
+        engine.applier.updates_applied,
         engine.meters.bytes_in,
         engine.meters.bytes_out,
         engine.meters.publishes,
@@ -240,14 +240,16 @@ async def hetd_cell(
     await pool.start(jobs)
     # Windows open once a step was published: the daemon compiles its steps in a thread while it
     # starts (seconds for 10M parameters under load), which is start-up, not throughput.
-    await _until(lambda: any(f.version > 0 for f in engine.facts.values()), 300.0, "a first step")
+    await _until(
+        lambda: any(f.version > 0 for f in engine.members.facts.values()), 300.0, "a first step"
+    )
     await asyncio.sleep(opts.warmup_s)
     tally = await _measure(_engine_counters(engine), seconds or opts.seconds)
     reports = await pool.stop(k)
     _check_reports(reports, f"hetd {n_params(shapes)} {codec} x{k}")
     if any(r.extra.get("shm") != shm for r in reports):
         raise RuntimeError(f"hetd {n_params(shapes)} {codec} x{k}: shared memory {shm} not kept")
-    await _until(lambda: not engine.facts, 10.0, "the senders to leave")
+    await _until(lambda: not engine.members.facts, 10.0, "the senders to leave")
     return tally, reports
 
 
@@ -446,12 +448,12 @@ async def run_latency(pool: PeerPool, opts: SystemOptions) -> dict[str, Any]:
     try:
         await pool.start(jobs, timeout=120.0)
         await asyncio.sleep(opts.warmup_s)
-        connected = await engine.call(lambda: len(engine.facts))
+        connected = await engine.queue.call(lambda: len(engine.members.facts))
         recorders = (engine.meters.latency, engine.meters.publish_latency, engine.meters.wait)
-        await engine.call(partial(_reset, recorders))
+        await engine.queue.call(partial(_reset, recorders))
         rates = (await _measure(_engine_counters(engine), opts.latency_seconds)).rates()
-        decide, publish, wait = await engine.call(lambda: [r.summary() for r in recorders])
-        connected = min(connected, await engine.call(lambda: len(engine.facts)))
+        decide, publish, wait = await engine.queue.call(lambda: [r.summary() for r in recorders])
+        connected = min(connected, await engine.queue.call(lambda: len(engine.members.facts)))
         _check_reports(await pool.stop(len(jobs)), "latency run")
     finally:
         await daemon.stop(final_checkpoint=False)

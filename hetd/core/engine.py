@@ -1,28 +1,29 @@
 """The single writer: one asyncio task owns all training state and reads one queue of commands.
 
 Sessions and the admin API put :mod:`~hetd.core.commands` on the queue; :meth:`Engine.handle` routes
-each to the part that owns its state (plain classes, listed in :mod:`hetd.core`), asks the policy
-about the events the parts return, and hands its decisions to the :class:`~hetd.core.execute.Executor`,
-whose consequences come back as events. Replies go to per-session :class:`~hetd.core.peers.Peer`
-outboxes, which never block it; time comes from an injected :class:`~hetd.core.peers.Clock`, so the
-simulator drives the same code. :meth:`Engine.run` publishes once per batch of commands
-(:mod:`hetd.core.publish`); called directly (unit tests) every command publishes before it returns.
+each to the part that owns its state (plain classes, listed in :mod:`hetd.core`, public attributes
+of the engine that readers read directly: ``engine.members.facts``, ``engine.host.policy``), asks
+the policy about the events the parts return, and hands its decisions to the
+:class:`~hetd.core.execute.Executor`, whose consequences come back as events. Replies go to
+per-session :class:`~hetd.core.peers.Peer` outboxes, which never block it; time comes from an
+injected :class:`~hetd.core.peers.Clock`, so the simulator drives the same code. :meth:`Engine.run`
+publishes once per batch of commands (:mod:`hetd.core.publish`); called directly (unit tests) every
+command publishes before it returns.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from hetd.core import commands as cmd
 from hetd.core import saved
 from hetd.core.applier import Applier
 from hetd.core.decisions import DecisionSink
-from hetd.core.entries import EngineConfig, WorkerEntry, WorkerStats
-from hetd.core.evals import Evaluations, Keeper, metrics_of
+from hetd.core.entries import EngineConfig
+from hetd.core.evals import Evaluations, metrics_of
 from hetd.core.execute import Executor
-from hetd.core.forward import Forward
 from hetd.core.guard import UpdateGuard
 from hetd.core.intake import Intake
 from hetd.core.members import Members
@@ -38,7 +39,7 @@ from hetd.core.store import Snapshot, Store
 from hetd.core.views import cluster_view, status, worker_rows
 from hetd.protocol.messages import Bye, JoinIn, PushIn
 from hetd.zoo.shapes import block_facts
-from policies.types import ClusterView, Event, Join, Leave, Plan, Policy, Push, Tick, WorkerFacts
+from policies.types import ClusterView, Event, Join, Leave, Policy, Push, Tick
 
 __all__ = ["Engine"]
 
@@ -56,11 +57,7 @@ class Engine:
         decisions: DecisionSink | None = None,
     ) -> None:
         """``decisions``: a log of every decision (:class:`~hetd.core.applier.Applier`)."""
-        self.store = store
-        self.config = config
-        train = config.welcome.get("train") if isinstance(config.welcome, Mapping) else None
-        spec = train.get("inner_optimizer") if isinstance(train, Mapping) else None
-        self.optimizer = spec if isinstance(spec, str) else None  # the workers', in the view
+        self.store, self.config = store, config
         self.clock: Clock = clock or MonotonicClock()
         self.started_at = now = self.clock.now()
         self.meters = Meters()
@@ -70,12 +67,12 @@ class Engine:
         self.publisher = Publisher(self.members, store, config, self.meters)
         self.pipelines = Replicas(self.members, block_facts(store.shapes))
         self.guard = UpdateGuard(config.guard_factor, config.guard_warmup)
-        self.intake = Intake(
-            self.members, self.pipelines, self.guard, self.applier, config, self.meters
-        )
+        parts = (self.members, self.pipelines, self.guard, self.applier, config, self.meters)
+        self.intake = Intake(*parts)
         self.noise = GradientNoise()  # the gradient noise scale, from pairs of pushes
+        every = config.eval_interval_s
         self.evaluations = Evaluations(
-            self.clock, now, config.eval_interval_s, config.eval_inline, self.submit, evaluator
+            self.clock, now, every, config.eval_inline, self.queue.submit, evaluator
         )
         self.host = PolicyHost(policy, self.clock, now)
         self.executor = Executor(
@@ -83,31 +80,6 @@ class Engine:
             self.meters, self.clock, self.noise,
         )  # fmt: skip
         self.host.state = policy.init(self.view())
-
-    # --- what callers read, each from the part that owns it ----------------------------------------
-
-    entries: Forward[Mapping[int, WorkerEntry]] = Forward("members.entries")  # active, read-only
-    facts: Forward[Mapping[int, WorkerFacts]] = Forward("members.facts")  # the policy's view
-    departed: Forward[Mapping[int, WorkerFacts]] = Forward("members.departed")
-    stats: Forward[Mapping[int, WorkerStats]] = Forward("members.stats")  # active and departed
-    plans: Forward[Mapping[int, Plan]] = Forward("members.plans")
-    departures: Forward[Sequence[tuple[float, int, str]]] = Forward("members.departures")
-    replicas: Forward[Mapping[int, tuple[int, ...]]] = Forward("pipelines.view")
-    policy: Forward[Policy] = Forward("host.policy")
-    policy_state: Forward[Any] = Forward("host.state")
-    stage: Forward[str] = Forward("host.stage")
-    stages: Forward[list[tuple[float, str]]] = Forward("host.stages")
-    updates_applied: Forward[int] = Forward("applier.updates_applied")
-    evals: Forward[list[tuple[float, float, float]]] = Forward("evaluations.evals")
-    decisions: Forward[DecisionSink | None] = Forward("store.decisions")
-    checkpoint_ref: Forward[str | None] = Forward("applier.checkpoint_ref")  # the last in the log
-    buffered: Forward[Callable[[], int]] = Forward("applier.buffered")  # updates held back
-
-    # --- the single writer -----------------------------------------------------------------------
-
-    # a command queued for the engine task; a function run on it, awaited for its result
-    submit: Forward[Callable[[cmd.Command], None]] = Forward("queue.submit")
-    call: Forward[Callable[[Callable[[], Any]], Awaitable[Any]]] = Forward("queue.call")
 
     def handle(self, command: cmd.Command) -> Any:
         """Carry out one command now (on the engine task, or synchronously in tests and the
@@ -136,7 +108,7 @@ class Engine:
             case cmd.EvalDue():
                 self._evaluate_if_due(self.clock.now())
             case cmd.EvalDone(result, taken):
-                self.record_eval(*result, taken, metrics=metrics_of(result))
+                self._dispatch(self.evaluations.record(*result, taken, metrics_of(result)))
             case cmd.Forecast(forecast):
                 if self.host.policy.reads_forecasts:
                     self._dispatch(forecast)
@@ -177,7 +149,7 @@ class Engine:
     def _to_publish(self) -> bool:
         return self.publisher.due() or bool(self.pipelines.pending)
 
-    # --- worker commands --------------------------------------------------------------------------
+    # --- worker commands: each part's answer, then the policy's ----------------------------------
 
     def join(self, hello: JoinIn, peer: Peer, on_id: Callable[[int], None] | None = None) -> int:
         """Admit a worker (:meth:`Members.join`; one resuming an active worker makes its old
@@ -241,7 +213,11 @@ class Engine:
         self._evaluate_if_due(now)
         self._dispatch(Tick(now))
 
-    # --- replicas ---------------------------------------------------------------------------------
+    def _evaluate_if_due(self, now: float) -> None:
+        if (event := self.evaluations.due(now, self.store.snapshot)) is not None:
+            self._dispatch(event)
+
+    # --- replicas and the policy -------------------------------------------------------------------
 
     def form_replica(self, members: Sequence[int]) -> None:
         """Make connected workers ``members`` (stage order) one replica (:meth:`Replicas.form`)."""
@@ -257,11 +233,9 @@ class Engine:
         """After a publish: the released replicas' next steps."""
         self._events(self.pipelines.run_pending(self.clock.now()))
 
-    # --- the policy --------------------------------------------------------------------------------
-
     def view(self) -> ClusterView:
         """The facts as the policy sees them (active replicas only)."""
-        return cluster_view(self, self.config.global_batch, self.optimizer)
+        return cluster_view(self, self.config.global_batch, self.config.inner_optimizer)
 
     def swap_policy(self, name: str, params: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Replace the policy between two events, all or nothing (:meth:`Executor.swap`), then
@@ -279,34 +253,11 @@ class Engine:
         resolved = self.host.decide(event, self.view(), push is not None)
         self._events(self.executor.run(resolved, push))
 
-    # --- evaluations ---------------------------------------------------------------------------------
-
-    def _evaluate_if_due(self, now: float) -> None:
-        event = self.evaluations.due(now, self.store.snapshot)
-        if event is not None:
-            self._dispatch(event)
-
-    def record_eval(
-        self,
-        loss: float,
-        accuracy: float,
-        taken: float | None = None,
-        metrics: dict[str, float] | None = None,
-    ) -> None:
-        """Store an evaluation (:meth:`Evaluations.record`) and tell the policy."""
-        self._dispatch(self.evaluations.record(loss, accuracy, taken, metrics))
-
-    anchor_evals: Forward[Callable[[float], None]] = Forward("evaluations.anchor")
-
-    def keep_evals(self, keeper: Keeper | None) -> None:
-        """Defer evaluations to ``keeper`` (:meth:`Evaluations.keep`)."""
-        self.evaluations.keep(keeper, self.host.policy)
-
     # --- state and summaries -------------------------------------------------------------------------
 
     def state(self) -> EngineState:
-        """Everything a restart needs (:func:`hetd.core.saved.capture`), then a checkpoint entry
-        in the decision log (:meth:`Applier.log_checkpoint`)."""
+        """Everything a restart needs (:func:`saved.capture`), then a checkpoint entry in the
+        decision log (:meth:`Applier.log_checkpoint`)."""
         st = saved.capture(self.members, self.applier, self.host)
         self.applier.log_checkpoint()
         return st
@@ -318,9 +269,9 @@ class Engine:
         ref: str | None = None,
     ) -> None:
         """Put a saved state into this engine before it serves anyone (:func:`saved.restore`),
-        then a restore entry naming checkpoint ``ref`` (:meth:`Applier.log_restore`)."""
+        then a restore entry naming checkpoint ``ref`` (default: the state's version)."""
         saved.restore(state, self.members, self.applier, self.host, self.view, revive)
-        self.applier.log_restore(ref if ref is not None else f"v{state.version}", state.version)
+        self.applier.log_restore(ref or f"v{state.version}", state.version)
 
     def status(self) -> dict[str, Any]:
         return status(self)

@@ -59,6 +59,13 @@ class EngineConfig:
     # rebuilds the store's outer optimizer from it. None: the store's stays as it is.
     outer_for: Callable[[str, Mapping[str, Any]], str] | None = None
 
+    @property
+    def inner_optimizer(self) -> str | None:
+        """The workers' optimizer spec, as the welcome's ``train`` names it (None: not named)."""
+        train = self.welcome.get("train") if isinstance(self.welcome, Mapping) else None
+        spec = train.get("inner_optimizer") if isinstance(train, Mapping) else None
+        return spec if isinstance(spec, str) else None
+
 
 @dataclass
 class WorkerStats:

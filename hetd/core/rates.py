@@ -3,7 +3,7 @@
 Owns :class:`LatencyRecorder` (the last few thousand engine event latencies, and their quantiles)
 and :class:`RateMeter` (updates and bytes per second over a sliding window, from cumulative counters
 sampled on the engine's ticks). Both are written only by the engine task; readers go through
-``engine.call`` or read between two events. Pure bookkeeping: the caller passes the time.
+``engine.queue.call`` or read between two events. Pure bookkeeping: the caller passes the time.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Read-only summaries of the engine (the policy's view, the daemon at a glance, one row per
 worker), read from its
 parts (:class:`Parts`, which :class:`hetd.core.engine.Engine` is); other tasks call them through
-:meth:`~hetd.core.engine.Engine.call`.
+:meth:`~hetd.core.queue.CommandQueue.call`.
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ async def _drain(proc: asyncio.subprocess.Process, tail: deque[str]) -> None:
 
 
 def _record_versions(engine: Any, out: list[tuple[int, float]]) -> None:
-    """Wrap the engine's evaluator so each evaluation's version is known: ``engine.evals`` keeps
+    """Wrap the engine's evaluator so each evaluation's version is known: ``engine.evaluations.evals`` keeps
     (time, loss, accuracy) only, and the demo reports which version met the target."""
     evaluate = engine.evaluations.evaluator
     if evaluate is None:
@@ -266,7 +266,7 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
     train_s = time.monotonic() - (first_push or t0 or launched)
     target = engine.evaluations.target
     summary = {
-        "policy": engine.policy.describe(),
+        "policy": engine.host.policy.describe(),
         "dataset": opts.dataset if not opts.task else None,
         # a user's Task: its name, its target and the metrics of the stop and the final model
         "task": opts.task or None,
@@ -290,7 +290,7 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
         "elapsed_s": elapsed,  # from the daemon being ready, like the two above
         "daemon_build_s": build_s,  # launch to ready: imports, data, model, resume
         "first_update_s": None if first_push is None else first_push - (t0 or launched),
-        "updates_applied": engine.updates_applied,
+        "updates_applied": engine.applier.updates_applied,
         "version": engine.store.version,
         "pushes": pushes,
         "pushes_per_s": pushes / max(1e-9, min(train_s, elapsed)),
@@ -298,8 +298,8 @@ async def run_demo(opts: DemoOptions) -> dict[str, Any]:
             {k: w[k] for k in ("worker", "name", "samples", "pushes", "clock", "idle_fraction")}
             for w in workers
         ],
-        "curve": [[t, acc] for t, _, acc in engine.evals],
-        "loss_curve": [[t, loss] for t, loss, _ in engine.evals],
+        "curve": [[t, acc] for t, _, acc in engine.evaluations.evals],
+        "loss_curve": [[t, loss] for t, loss, _ in engine.evaluations.evals],
         "samples": samples,
     }
     if opts.out:

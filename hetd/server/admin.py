@@ -3,7 +3,7 @@
 Every route but ``/healthz`` needs ``Authorization: Bearer <admin token>``; with no admin token
 configured every such call is refused (401). An address that sent too many wrong tokens gets 429
 (with ``Retry-After``) until its window ends (:mod:`hetd.server.throttle`). The engine is only read
-or changed through ``engine.call``, so each answer is consistent and each change lands between two
+or changed through ``engine.queue.call``, so each answer is consistent and each change lands between two
 events. Nothing an operator sends can stop the daemon: bad JSON, wrong types or a policy that will
 not build get a 400 whose message says what to fix, and the running policy stays.
 ``hetd/openapi.json`` documents the routes and is served at ``/openapi.json``. What these routes
@@ -118,7 +118,7 @@ async def status(request: web.Request) -> web.Response:
     ctx = context(request)
     engine = ctx.engine
     body: dict[str, Any] = await call(ctx, engine.status)
-    body["buffered"] = engine.buffered()
+    body["buffered"] = engine.applier.buffered()
     body.update(ctx.daemon_status())
     return web.json_response(body)
 
@@ -133,7 +133,7 @@ async def workers(request: web.Request) -> web.Response:
 def _policy_body(engine: Engine) -> dict[str, Any]:
     from policies.registry import policy_names
 
-    return {**engine.policy.describe(), "known": policy_names()}
+    return {**engine.host.policy.describe(), "known": policy_names()}
 
 
 async def get_policy(request: web.Request) -> web.Response:
@@ -150,20 +150,20 @@ async def _swap(ctx: AdminContext, build: Callable[[], tuple[str, dict[str, Any]
     engine = ctx.engine
 
     def swap() -> tuple[dict[str, Any], dict[str, Any]]:
-        old = engine.policy.describe()
+        old = engine.host.policy.describe()
         name, params = build()
         return old, engine.swap_policy(name, params)
 
     try:
         old, new = await call(ctx, swap)
     except (PolicyError, ValueError, TypeError, KeyError) as exc:
-        current = await call(ctx, lambda: engine.policy.describe())
+        current = await call(ctx, lambda: engine.host.policy.describe())
         raise ApiError(400, "bad_policy", str(exc), policy=current) from None
     except ApiError:
         raise
     except Exception as exc:  # the policy's own init failed: still a refusal, the old one runs
         log.exception("policy swap failed")
-        current = await call(ctx, lambda: engine.policy.describe())
+        current = await call(ctx, lambda: engine.host.policy.describe())
         raise ApiError(
             400,
             "bad_policy",
@@ -200,13 +200,13 @@ async def patch_policy(request: web.Request) -> web.Response:
     engine = ctx.engine
 
     def build() -> tuple[str, dict[str, Any]]:
-        merged = dict(engine.policy.params)
+        merged = dict(engine.host.policy.params)
         for k, v in patch.items():
             if v is None:
                 merged.pop(k, None)
             else:
                 merged[k] = v
-        return engine.policy.name, merged
+        return engine.host.policy.name, merged
 
     return await _swap(ctx, build)
 

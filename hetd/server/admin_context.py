@@ -154,7 +154,7 @@ def note_failure(slot: AdminSlot, request: web.Request) -> None:
 async def call(ctx: AdminContext, fn: Callable[[], Any]) -> Any:
     """Run ``fn`` on the engine task, bounded in time."""
     try:
-        return await asyncio.wait_for(ctx.engine.call(fn), ctx.timeout_s)
+        return await asyncio.wait_for(ctx.engine.queue.call(fn), ctx.timeout_s)
     except TimeoutError:
         raise ApiError(
             503, "engine_busy", f"the engine did not answer within {ctx.timeout_s:g}s"

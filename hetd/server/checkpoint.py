@@ -116,16 +116,16 @@ def log_state(engine: Engine) -> dict[str, str]:
     """With a decision log (after :meth:`Engine.state` logged its checkpoint entry): the log's
     place (:meth:`DecisionLog.state`) and that entry's name, as one JSON string under
     ``"decisions"``; nothing without one."""
-    log = engine.decisions
+    log = engine.store.decisions
     if not isinstance(log, DecisionLog):
         return {}
-    return {"decisions": json.dumps({**log.state(), "ref": engine.checkpoint_ref or ""})}
+    return {"decisions": json.dumps({**log.state(), "ref": engine.applier.checkpoint_ref or ""})}
 
 
 def _resume_log(engine: Engine, state: Mapping[str, Any]) -> str | None:
     """A checkpoint's log place into the engine's decision log (when both have one); the name
     of the checkpoint entry its restore entry names (None: the engine's default)."""
-    log, saved = engine.decisions, state.get("decisions")
+    log, saved = engine.store.decisions, state.get("decisions")
     if not isinstance(log, DecisionLog) or not saved:
         return None  # no log kept now, or none kept then (the log starts at position 0)
     place = json.loads(str(saved))
@@ -156,7 +156,7 @@ def restore_engine(engine: Engine, state: Mapping[str, Any]) -> None:
             policy=str(saved.get("name", "")),
             policy_params=dict(saved.get("params") or {}),
             policy_state=saved.get("state"),
-            stage=str(state.get("stage", engine.stage)),
+            stage=str(state.get("stage", engine.host.stage)),
             updates_applied=int(state.get("updates_applied", 0)),
             next_id=int(state.get("next_id", 1)),
             workers={
@@ -312,8 +312,8 @@ class Checkpointer:
             "resumed from %s: version %d, policy %s, %d workers known",
             info.path,
             info.version,
-            engine.policy.name,
-            len(engine.departed),
+            engine.host.policy.name,
+            len(engine.members.departed),
         )
         return info
 
@@ -327,7 +327,7 @@ class Checkpointer:
         """Capture the engine's state on its task (unless given) and write it off the loop."""
         async with self._lock:
             if state is None:  # (in a list the future does not keep: it is freed after the write)
-                box = await engine.call(lambda: [engine_state(engine)])
+                box = await engine.queue.call(lambda: [engine_state(engine)])
                 state = box.pop()
             saved_log = state.get("decisions")
             info = await asyncio.to_thread(self._write, state)
@@ -345,9 +345,9 @@ class Checkpointer:
         """Let the decision log forget what no reader needs: up to the checkpoint just written
         (at position ``written``) when no pserver reads it, else up to where they all saved."""
         upto = written if self.log_floor is None else min(written, self.log_floor())
-        decisions = engine.decisions
+        decisions = engine.store.decisions
         if isinstance(decisions, DecisionLog) and upto >= decisions.first:
-            await engine.call(lambda: decisions.compact(upto))
+            await engine.queue.call(lambda: decisions.compact(upto))
 
     async def run_timer(self, engine: Engine, interval_s: float) -> None:
         """Checkpoint every ``interval_s`` when the version moved; errors are logged, not fatal.

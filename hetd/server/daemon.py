@@ -254,8 +254,8 @@ class Daemon:
             time.monotonic() - began,
             t.model,
             t.dataset,
-            engine.policy.name,
-            dict(engine.policy.params),
+            engine.host.policy.name,
+            dict(engine.host.policy.params),
             engine.store.version,
         )
 
@@ -377,7 +377,7 @@ class Daemon:
         from hetd.server import export
 
         engine = self.engine
-        state = await engine.call(lambda: export.capture(engine))
+        state = await engine.queue.call(lambda: export.capture(engine))
         return await asyncio.to_thread(export.write, out, state, self.cfg)
 
     def describe(self) -> dict[str, Any]:
@@ -400,11 +400,11 @@ class Daemon:
     def _describe_log(self) -> dict[str, Any] | None:
         """The decision log's place ([pservers] log): its last position, the store version
         there, the first position it still holds; None when no log is kept."""
-        if self._engine is None or self._engine.decisions is None:
+        if self._engine is None or self._engine.store.decisions is None:
             return None
         from hetd.pserver.log import DecisionLog
 
-        log_ = self._engine.decisions
+        log_ = self._engine.store.decisions
         if not isinstance(log_, DecisionLog):
             return None
         out: dict[str, Any] = {
@@ -424,7 +424,7 @@ class Daemon:
     async def _pservers_saved(self, link: HeadLink, timeout: float) -> None:
         """Wait (at most ``timeout``) until every connected pserver saved the log's last
         position, where the final checkpoint's entry is: they stop on it, with nothing to replay."""
-        decisions = self._engine.decisions if self._engine is not None else None
+        decisions = self._engine.store.decisions if self._engine is not None else None
         if decisions is None:
             return
         end = decisions.position
@@ -480,7 +480,7 @@ class Daemon:
         if engine is not None and self._engine_task is not None and not self._engine_task.done():
             try:
                 state = await asyncio.wait_for(
-                    engine.call(lambda: _drain(engine, capture)), timeout
+                    engine.queue.call(lambda: _drain(engine, capture)), timeout
                 )
             except Exception:
                 log.exception("draining the engine failed")
@@ -577,6 +577,6 @@ async def serve(cfg: config_mod.Config, extra: Callable[[Daemon], Any] | None = 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         sd_notify("STOPPING=1\nSTATUS=draining: bye to workers, final checkpoint")
-        log.warning("stopping: saying bye to %d workers", len(daemon.engine.facts))
+        log.warning("stopping: saying bye to %d workers", len(daemon.engine.members.facts))
     finally:
         await daemon.stop()

@@ -12,7 +12,7 @@ no library, nothing fetched.
   authenticates GETs on the admin API; a change (the swap form's ``PUT /v1/policy``, the same
   endpoint ``hetd policy set`` calls) must also carry the ``X-Hetd-Dashboard`` header, which no
   other site can make a browser send here.
-* **Data.** :class:`Recorder` samples the engine once a second through ``engine.call`` (status,
+* **Data.** :class:`Recorder` samples the engine once a second through ``engine.queue.call`` (status,
   workers, stages, evaluations, departures), keeps a few minutes of rates, and turns what changed
   into events (joins, leaves, swaps, stage changes, checkpoints, refused pushes).
   ``GET /v1/dashboard`` is the current state as JSON; ``GET /v1/dashboard/stream`` sends the same
@@ -342,16 +342,16 @@ class Recorder:
 
             return {
                 "status": engine.status(),
-                "buffered": engine.buffered(),
+                "buffered": engine.applier.buffered(),
                 "workers": engine.workers(),
-                "policy": {**engine.policy.describe(), "known": policy_names()},
-                "evals": list(engine.evals[-MAX_EVALS:]),
+                "policy": {**engine.host.policy.describe(), "known": policy_names()},
+                "evals": list(engine.evaluations.evals[-MAX_EVALS:]),
                 "metric_evals": list(engine.evaluations.history[-MAX_EVALS:]),
-                "stages": list(engine.stages),
-                "departures": list(engine.departures),
+                "stages": list(engine.host.stages),
+                "departures": list(engine.members.departures),
             }
 
-        raw = await asyncio.wait_for(engine.call(read), ctx.timeout_s)
+        raw = await asyncio.wait_for(engine.queue.call(read), ctx.timeout_s)
         daemon = ctx.daemon_status()
         self._fold(raw, daemon)
         self.state = self._document(raw, daemon)

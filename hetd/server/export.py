@@ -69,7 +69,7 @@ def capture(engine: Engine) -> Captured:
         params={k: np.array(v, copy=True) for k, v in st.params.items()},
         opt_state=st.opt_state,
         version=st.version,
-        policy=engine.policy.describe(),
+        policy=engine.host.policy.describe(),
         samples_seen=sum(int(w.samples) for w in st.workers.values()),
         updates_applied=st.updates_applied,
         stage=st.stage,

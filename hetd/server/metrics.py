@@ -1,6 +1,6 @@
 """Prometheus metrics of one daemon: its own registry, filled from an engine sample per scrape.
 
-``Metrics.sample`` runs on the engine task (through ``engine.call``) and copies the numbers out;
+``Metrics.sample`` runs on the engine task (through ``engine.queue.call``) and copies the numbers out;
 ``Metrics.render`` turns the last sample into the text format with prometheus-client. Each daemon has
 its own :class:`~prometheus_client.CollectorRegistry`, so two daemons in one process (tests) never
 mix their series.
@@ -92,26 +92,26 @@ class Metrics:
         """Copy the engine's numbers (run on the engine task, between two events)."""
         e = self.engine
         now = e.clock.now()
-        last = e.evals[-1] if e.evals else None
+        last = e.evaluations.evals[-1] if e.evaluations.evals else None
         self._sample = {
             "version": e.store.version,
-            "stage": e.stage,
-            "stage_switches": list(e.stages),
-            "policy": e.policy.describe(),
-            "workers": len(e.facts),
-            "updates_applied": e.updates_applied,
-            "buffered": e.buffered(),
+            "stage": e.host.stage,
+            "stage_switches": list(e.host.stages),
+            "policy": e.host.policy.describe(),
+            "workers": len(e.members.facts),
+            "updates_applied": e.applier.updates_applied,
+            "buffered": e.applier.buffered(),
             "uptime_s": now - e.started_at,
             "accuracy": None if last is None or last[2] != last[2] else last[2],
             "loss": None if last is None else last[1],
             "metrics": dict(e.evaluations.latest),
-            "departures": len(e.departures),
+            "departures": len(e.members.departures),
             "throughput": e.meters.rates.rates(),
             "latency": e.meters.latency.summary(),
             "extra": self._extra() if self._extra is not None else {},
         }
         rows = []
-        entries = e.entries
+        entries = e.members.entries
         for wid in sorted(entries):
             entry = entries[wid]
             f, st = entry.facts, entry.stats
@@ -145,7 +145,7 @@ class Metrics:
                     staleness_sum=h.total,
                 )
             )
-        for wid in set(self._hist) - set(entries) - set(e.departed):
+        for wid in set(self._hist) - set(entries) - set(e.members.departed):
             del self._hist[wid]
         self._workers = rows
 

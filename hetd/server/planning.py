@@ -78,7 +78,7 @@ class Planning:
     def next_in(self) -> float:
         """Seconds to the next round: ``every_s`` once the running policy had a forecast, a probe
         sooner (:data:`EARLY_POLL_S`) before."""
-        if self.planned_for is not None and self.planned_for is self.engine.policy:
+        if self.planned_for is not None and self.planned_for is self.engine.host.policy:
             return self.every_s
         return min(self.every_s, EARLY_POLL_S)
 
@@ -108,7 +108,7 @@ class Planning:
         # asyncio.timeout, not wait_for: Python 3.11's wait_for loses a cancel that comes as the
         # call completes, and the daemon's stop then waited for this task for ever
         async with asyncio.timeout(self.every_s):
-            taken = await self.engine.call(self._take)
+            taken = await self.engine.queue.call(self._take)
         if taken is None:  # the running policy reads no forecasts
             return False
         view, candidates, policy = taken
@@ -123,7 +123,7 @@ class Planning:
                 log.info("planner: candidate %s left out: %s", *refusal)
         if not planned.forecast.predictions:
             return False
-        self.engine.submit(cmd.Forecast(planned.forecast))
+        self.engine.queue.submit(cmd.Forecast(planned.forecast))
         self.planned_for = policy
         return True
 
@@ -134,8 +134,8 @@ class Planning:
         from hetd.core.planner import candidates_of, snapshot, untimed
 
         engine = self.engine
-        policy = engine.policy
-        if not policy.reads_forecasts or not engine.facts:
+        policy = engine.host.policy
+        if not policy.reads_forecasts or not engine.members.facts:
             return None
         view = snapshot(engine.view())
         if untimed(view):

@@ -62,7 +62,7 @@ class HeadLink:
     """Serves the engine's decision log to ``pmap.servers`` pservers."""
 
     def __init__(self, engine: Engine, setup: LinkSetup) -> None:
-        decisions = engine.decisions
+        decisions = engine.store.decisions
         if not isinstance(decisions, DecisionLog):
             raise ValueError("the engine keeps no decision log: set [pservers] log = true")
         self.engine = engine
@@ -93,11 +93,11 @@ class HeadLink:
         return self.port
 
     def _decide(self, push: PushIn) -> None:
-        self.engine.submit(cmd.Push(push))
+        self.engine.queue.submit(cmd.Push(push))
 
     def _lose(self, push: PushIn) -> None:
         self.engine.intake.partless.add((push.worker, push.id))
-        self.engine.submit(cmd.Push(push))
+        self.engine.queue.submit(cmd.Push(push))
 
     async def _expire(self) -> None:
         while True:

@@ -87,7 +87,7 @@ class Replica:
         ``s`` holding blocks ``[cuts[s], cuts[s+1])``, and release its first step. Raises
         ValueError, with nothing changed, when the group or the cuts do not fit."""
         form = partial(self.form_now, members, cuts, micro, micro_batches, inflight)
-        await self.engine.call(form)
+        await self.engine.queue.call(form)
 
     def form_now(
         self,
@@ -220,7 +220,7 @@ class Replica:
             self._watch = None
             return
         expire = partial(self._expire, self.gen, self.step, self.timeout_s)
-        self._watch = loop.call_later(self.timeout_s, self.engine.submit, cmd.Call(expire))
+        self._watch = loop.call_later(self.timeout_s, self.engine.queue.submit, cmd.Call(expire))
 
     def _expire(self, gen: int, step: int, after_s: float) -> None:
         """On the engine task: step ``step`` of generation ``gen`` is overdue. If it is still
@@ -269,7 +269,7 @@ class Replica:
         self._pending = False
         self.relay.install({k: w for k, w in self.relay.routes.items() if k[0] != self.replica})
         head, reason = self.members[0], f"stage worker {wid} left"
-        self.engine.submit(cmd.DissolveReplica(head, reason))
+        self.engine.queue.submit(cmd.DissolveReplica(head, reason))
         survivors, self.members = [w for w in self.members if w != wid], ()
         self._send_dissolve(survivors, reason)
         log.info("replica %d gen %d dissolved: worker %d left", self.replica, self.gen, wid)
@@ -303,12 +303,12 @@ class Replica:
 
         def push_once() -> bool:
             """Push; whether the engine took it (not refused by the guard, not a duplicate)."""
-            st = self.engine.stats[head]
+            st = self.engine.members.stats[head]
             before = st.refused + st.duplicates
             self.engine.push(push)
             return st.refused + st.duplicates == before
 
-        taken = await self.engine.call(push_once)
+        taken = await self.engine.queue.call(push_once)
         for r in (self, self.parent):
             if r is not None:
                 r.assembled += 1

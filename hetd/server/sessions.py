@@ -306,7 +306,7 @@ async def handle(
                 if pservers is not None:  # decided once every pserver holds its part
                     pservers.parts.hold(item)
                 else:
-                    engine.submit(cmd.Push(item))
+                    engine.queue.submit(cmd.Push(item))
                 continue
             if isinstance(item, Relayed) and item.msg.type == "push":
                 if relay is None or relay.on_part is None or wid is None:
@@ -351,8 +351,10 @@ async def handle(
                     # policy that puts it in a replica at once reaches it (the stage frames
                     # queue behind its welcome).
                     route = None if relay is None else partial(relay.attach, sink=outbox)
-                    wid = await engine.call(partial(engine.handle, cmd.Join(hello, outbox, route)))
-                    outbox.resend = partial(engine.submit, cmd.Resend(wid, outbox))
+                    wid = await engine.queue.call(
+                        partial(engine.handle, cmd.Join(hello, outbox, route))
+                    )
+                    outbox.resend = partial(engine.queue.submit, cmd.Resend(wid, outbox))
                     if hub is not None and hello.same_host and offers_shm(read(msg)):
                         size = shm_slot_bytes(engine)  # (the ring takes its memory: a thread)
                         ring = await asyncio.to_thread(hub.offer, size)
@@ -372,9 +374,9 @@ async def handle(
                 outbox.send_error(exc.code, clip(exc.message), msg.id)
                 continue
             if isinstance(typed, Heartbeat):
-                engine.submit(cmd.Heartbeat(wid))
+                engine.queue.submit(cmd.Heartbeat(wid))
             elif isinstance(typed, Pull):
-                engine.submit(cmd.Pull(wid, typed.have))
+                engine.queue.submit(cmd.Pull(wid, typed.have))
             elif isinstance(typed, Bye):  # (cut: the log, the engine's departures, the dashboard)
                 reason = clip(typed.reason or "bye")
                 break
@@ -387,7 +389,7 @@ async def handle(
                     continue
                 outbox.shm = hub
                 if wid is not None:  # snapshots are packed into the ring from then on
-                    engine.submit(cmd.Transport(wid, outbox, "shm", sink=hub))
+                    engine.queue.submit(cmd.Transport(wid, outbox, "shm", sink=hub))
                 log.info(
                     "worker %s: shared memory on (rings %s, %s)",
                     wid,
@@ -395,7 +397,7 @@ async def handle(
                     typed.segment,
                 )
             elif isinstance(typed, ProfileResult):
-                engine.submit(cmd.ProfileResult(wid, dict(typed.result)))
+                engine.queue.submit(cmd.ProfileResult(wid, dict(typed.result)))
             elif isinstance(typed, Hello):
                 outbox.send_error("malformed", "hello was already received", msg.id)
             else:
@@ -410,7 +412,7 @@ async def handle(
         if wid is not None:
             if relay is not None:
                 relay.detach(wid, outbox)
-            engine.submit(cmd.Leave(wid, reason, outbox))
+            engine.queue.submit(cmd.Leave(wid, reason, outbox))
         outbox.close(reason)
         with contextlib.suppress(asyncio.TimeoutError, Exception):
             await asyncio.wait_for(writer, 2.0)

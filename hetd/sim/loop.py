@@ -127,7 +127,7 @@ class _Harness:
         for t in [t for t in times if t < sc.budget_s * (1 - 1e-12)] + [sc.budget_s]:
             self.heap.schedule(t, ev.Evaluate())
         self.heap.schedule(sc.tick_s, ev.Tick(1))
-        if sc.plan_every_s > 0 and self.engine.policy.reads_forecasts:
+        if sc.plan_every_s > 0 and self.engine.host.policy.reads_forecasts:
             self.heap.schedule(min(EARLY_PROBE_S, sc.plan_every_s), ev.Forecast(0))
         for e in sc.events:
             self.heap.schedule(e.at_s, ev.Churn(e))
@@ -302,13 +302,13 @@ class _Harness:
         through the daemon's queue. False (nothing planned) while a worker has no timing
         estimate yet, or no worker is there."""
         engine = self.engine
-        if not engine.policy.reads_forecasts or not engine.facts:
+        if not engine.host.policy.reads_forecasts or not engine.members.facts:
             return False
         view = snapshot(engine.view())
         if untimed(view):
             return False
         config = PlannerConfig.for_engine(engine.config)
-        planned = plan(view, candidates_of(engine.policy), config, _no_cpu)
+        planned = plan(view, candidates_of(engine.host.policy), config, _no_cpu)
         if planned.forecast.predictions:
             self.server.forecast(planned.forecast)
         return True
@@ -323,7 +323,9 @@ class _Harness:
         else:
             self.server.record_now(loss, acc)
         sizes = {
-            str(w.index): f.batch_size for w in self.workers if (f := self.engine.facts.get(w.wid))
+            str(w.index): f.batch_size
+            for w in self.workers
+            if (f := self.engine.members.facts.get(w.wid))
         }
         total = sum(sizes.values()) or 1
         self.trace.shares.append((self.clock.t, {w: b / total for w, b in sizes.items()}))
@@ -334,7 +336,7 @@ class _Harness:
 
     def _result(self) -> RunResult:
         sc, engine = self.sc, self.engine
-        curve = [[t, acc] for t, _, acc in engine.evals]
+        curve = [[t, acc] for t, _, acc in engine.evaluations.evals]
         staleness = [s for w in self.workers for s in w.staleness]
         mean, p95 = staleness_stats(staleness)
         idle: dict[str, float] = {}
@@ -350,26 +352,26 @@ class _Harness:
             present = max(end - w.joined_at, 1e-12)
             idle[str(w.index)] = min(1.0, (w.idle_total + open_idle) / present)
             # (a worker that left before any push of it was answered left no record)
-            f = engine.facts.get(w.wid) or engine.departed.get(w.wid)
+            f = engine.members.facts.get(w.wid) or engine.members.departed.get(w.wid)
             samples += f.samples if f is not None else 0
         return RunResult(
             policy=self.policy.label,
             scenario=sc.name,
             seed=self.seed,
             lr=self.lr,
-            tta_s=time_to_target(engine.evals, sc.target_accuracy, sc.target_loss),
+            tta_s=time_to_target(engine.evaluations.evals, sc.target_accuracy, sc.target_loss),
             final_accuracy=curve[-1][1],
             samples_per_s=samples / sc.budget_s,
             idle_fraction=idle,
             staleness_mean=mean,
             staleness_p95=p95,
-            bytes_up=sum(s.bytes_in for s in engine.stats.values()),
-            bytes_down=sum(s.bytes_out for s in engine.stats.values()),
-            pushes=sum(s.pushes for s in engine.stats.values()),
-            releases=sum(s.releases for s in engine.stats.values()),
+            bytes_up=sum(s.bytes_in for s in engine.members.stats.values()),
+            bytes_down=sum(s.bytes_out for s in engine.members.stats.values()),
+            pushes=sum(s.pushes for s in engine.members.stats.values()),
+            releases=sum(s.releases for s in engine.members.stats.values()),
             curve=curve,
             trace=self.trace,
-            stages=[[t, st] for t, st in engine.stages],
+            stages=[[t, st] for t, st in engine.host.stages],
             bytes_curve=self.server.bytes_marks,
         )
 

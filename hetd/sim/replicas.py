@@ -91,7 +91,7 @@ class SimReplicas:
     def _sync(self) -> None:
         """Forget replicas the engine dissolved itself (a member left)."""
         for head, r in list(self.running.items()):
-            if self.engine.replicas.get(head) != r.members:
+            if self.engine.pipelines.view.get(head) != r.members:
                 self._end(head, r)
 
     def regroup(self, shapes: Sequence[ReplicaShape]) -> None:

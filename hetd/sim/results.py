@@ -205,7 +205,7 @@ def first_above(curve: Sequence[Sequence[float]], target: float) -> float | None
 def time_to_target(
     evals: Sequence[Sequence[float]], target_accuracy: float, target_loss: float = 0.0
 ) -> float | None:
-    """TTA from ``[(t, loss, accuracy), ...]`` evaluations (as ``Engine.evals``), read between
+    """TTA from ``[(t, loss, accuracy), ...]`` evaluations (as ``Evaluations.evals``), read between
     evaluations in both cases, in sim and real mode alike: with a loss target (> 0) the
     interpolated time the loss comes down to it (:func:`first_below`), otherwise the
     interpolated time the accuracy comes up to ``target_accuracy`` (:func:`first_above`). TTA

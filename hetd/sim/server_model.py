@@ -286,7 +286,7 @@ class ServerModel:
                 self.heap.schedule(self.free_at, ev.Free())
 
     def _buffered(self) -> int:
-        return sum(s.buffered for s in self.engine.stats.values())
+        return sum(s.buffered for s in self.engine.members.stats.values())
 
     def _run(self, q: Queued) -> float:
         """Run one queued command on the engine; what it cost the daemon."""
@@ -300,7 +300,9 @@ class ServerModel:
         if isinstance(c, cmd.Push):
             self.pushes += 1
         elif isinstance(c, cmd.EvalDone):
-            t = self.engine.evals[-1][0]  # bytes to target: what crossed the links until now
+            t = self.engine.evaluations.evals[-1][
+                0
+            ]  # bytes to target: what crossed the links until now
             self.bytes_marks.append([t, self.engine.meters.bytes_in + self.engine.meters.bytes_out])
         return q.cost
 

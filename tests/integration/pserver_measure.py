@@ -95,7 +95,7 @@ async def _once(backend: str, steps: int, workers: int, root: Path) -> dict[str,
             out["parts_wait_p50_ms"] = _ms(waits, 0.5)
             out["parts_wait_p90_ms"] = _ms(waits, 0.9)
             await daemon.checkpoint()
-            position = daemon.engine.decisions.position  # type: ignore[union-attr]
+            position = daemon.engine.store.decisions.position  # type: ignore[union-attr]
             while link.durable != [position] * servers:
                 await asyncio.sleep(0.05)
             head = dict(store.snapshot().tensors)

@@ -147,14 +147,14 @@ async def test_no_admin_token_configured_refuses_every_call_but_healthz() -> Non
                     status, reply = await call(http, c, method, path, body, headers)
                     assert status == 401 and "no admin token is configured" in reply["message"]
             assert (await call(http, c, "GET", "/healthz", headers={}))[0] == 200
-        assert daemon.engine.policy.name == "asp"
+        assert daemon.engine.host.policy.name == "asp"
     finally:
         await daemon.stop()
 
 
 async def test_bad_operator_input_gets_400_and_changes_nothing(cluster) -> None:  # type: ignore[no-untyped-def]
     c = await cluster("ssp", {"staleness": 3})
-    before = c.engine.policy.describe()
+    before = c.engine.host.policy.describe()
     bad: list[tuple[str, Any, str | None, str]] = [
         ("PUT", None, "{not json", "bad_json"),
         ("PUT", None, '{"name": "asp", "params": {"weight": NaN}}', "bad_json"),
@@ -197,7 +197,7 @@ async def test_bad_operator_input_gets_400_and_changes_nothing(cluster) -> None:
         assert reply["previous"] == before
         status, reply = await call(http, c, "PATCH", "/v1/policy", {"params": {"staleness": None}})
         assert status == 200 and reply["params"]["staleness"] == 3
-    assert c.engine.policy.describe() == before
+    assert c.engine.host.policy.describe() == before
     # The CLI reports refusals on stderr with a non-zero exit and never needs the token in argv.
     code, _, err = await hetd_cli("policy", "set", "nope", "--admin-url", c.admin_url)
     assert code == 1 and "400 bad_policy" in err and "known policies" in err
@@ -215,11 +215,11 @@ async def test_hot_swap_under_load_loses_no_update(cluster) -> None:  # type: ig
     c = await cluster("bsp")
     for slowdown in (1, 1.5, 2):
         await c.spawn(slowdown)
-    await c.wait_for(lambda: len(c.engine.facts) == 3, 60, "3 workers to join")
-    ids = set(c.engine.facts)
+    await c.wait_for(lambda: len(c.engine.members.facts) == 3, 60, "3 workers to join")
+    ids = set(c.engine.members.facts)
 
     def clocks() -> dict[int, int]:
-        return {w: f.clock for w, f in c.engine.facts.items()}
+        return {w: f.clock for w, f in c.engine.members.facts.items()}
 
     await c.wait_for(lambda: min(clocks().values(), default=0) >= 5, 60, "5 BSP rounds")
     history: list[tuple[str, int, dict[int, int]]] = []
@@ -230,8 +230,8 @@ async def test_hot_swap_under_load_loses_no_update(cluster) -> None:  # type: ig
                 http, c, "PUT", "/v1/policy", {"name": name, "params": params}
             )
             assert status == 200, reply
-            assert reply["name"] == name and c.engine.policy.name == name
-            assert c.engine.buffered() == 0  # the swap applied what BSP had buffered
+            assert reply["name"] == name and c.engine.host.policy.name == name
+            assert c.engine.applier.buffered() == 0  # the swap applied what BSP had buffered
             history.append((name, version, before))
             await c.wait_for(
                 lambda v=version: c.engine.store.version >= v + 15, 30, f"progress under {name}"
@@ -249,17 +249,19 @@ async def test_hot_swap_under_load_loses_no_update(cluster) -> None:  # type: ig
         await c.wait_for(lambda: c.engine.store.version >= version + 10, 30, "progress after CLI")
 
         # Nobody was disconnected and every clock carried on.
-        assert set(c.engine.facts) == ids and not c.engine.departures, c.engine.departures
+        assert set(c.engine.members.facts) == ids and not c.engine.members.departures, (
+            c.engine.members.departures
+        )
         assert all(p.returncode is None for p in c.procs)
         for _, _, before in history:
             assert all(clocks()[w] >= before[w] for w in ids)
         # No update lost: each push was applied, buffered (then flushed) or dropped on purpose
         # (none here), and every applied update moved the version once.
         for w in ids:
-            st = c.engine.stats[w]
+            st = c.engine.members.stats[w]
             assert st.pushes == st.applied + st.buffered + st.dropped, (w, st)
             assert st.dropped == 0
-        assert c.engine.updates_applied == c.engine.store.version
+        assert c.engine.applier.updates_applied == c.engine.store.version
 
         status, st = await call(http, c, "GET", "/v1/status")
         assert status == 200
@@ -279,14 +281,16 @@ async def test_hot_swap_under_load_loses_no_update(cluster) -> None:  # type: ig
             assert 0 <= r["idle_fraction"] <= 1 and r["last_seen_s"] < 5
             assert r["staleness_mean"] >= 0
 
-        pushes_before = sum(c.engine.stats[w].pushes for w in ids)
+        pushes_before = sum(c.engine.members.stats[w].pushes for w in ids)
         status, text = await call(http, c, "GET", "/metrics")
         assert status == 200
-        pushes_after = sum(c.engine.stats[w].pushes for w in ids)  # workers are still pushing
+        pushes_after = sum(
+            c.engine.members.stats[w].pushes for w in ids
+        )  # workers are still pushing
         fams = metric_families(text)
         assert fams["hetd_version"].samples[0].value >= version + 10
         assert fams["hetd_workers"].samples[0].value == 3
-        names = {f.name for f in c.engine.facts.values()}
+        names = {f.name for f in c.engine.members.facts.values()}
         for family in (
             "hetd_worker_samples",
             "hetd_worker_samples_per_second",

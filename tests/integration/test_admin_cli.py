@@ -94,7 +94,7 @@ async def test_policy_get_shows_the_running_policy_and_a_wrong_token_is_refused(
     assert code == 0, err
     name, params, known = parse_policy_get(out)
     assert name == "ssp" and params == {"staleness": 2, "weight": None, "patience": 10.0}
-    assert {"name": name, "params": params} == c.engine.policy.describe()
+    assert {"name": name, "params": params} == c.engine.host.policy.describe()
     assert known == policy_names() and {"asp", "bsp", "ssp"} <= set(known)
 
     # It shows the *running* policy: after a hot change through the API, the new parameters.
@@ -113,7 +113,7 @@ async def test_policy_get_shows_the_running_policy_and_a_wrong_token_is_refused(
     assert parse_policy_get(out)[:2] == ("ssp", {"staleness": 5, "weight": None, "patience": 10.0})
     code, out, err = await hetd("policy", "get", "--admin-url", c.admin_url, "--json")
     assert code == 0, err
-    assert json.loads(out) == {**c.engine.policy.describe(), "known": policy_names()}
+    assert json.loads(out) == {**c.engine.host.policy.describe(), "known": policy_names()}
 
     # A wrong token (or the worker's token, or none): exit 1, nothing on stdout, a clear reason
     # on stderr — and the token itself is never echoed.
@@ -132,7 +132,7 @@ async def test_policy_get_shows_the_running_policy_and_a_wrong_token_is_refused(
     # The daemon shrugged all that off: alive, same policy, and the right token still works.
     assert (await healthz(c))["ok"] is True
     assert c.daemon._engine_task is not None and not c.daemon._engine_task.done()
-    assert c.engine.policy.describe() == {
+    assert c.engine.host.policy.describe() == {
         "name": "ssp",
         "params": {"staleness": 5, "weight": None, "patience": 10.0},
     }
@@ -210,7 +210,7 @@ async def test_timer_checkpoints_on_its_own_and_keeps_only_the_newest(
 
     # Stop training; once the version stands still the timer has nothing new to keep.
     await stop_processes(c.procs)
-    await c.wait_for(lambda: not c.engine.facts, 10, "the worker to leave")
+    await c.wait_for(lambda: not c.engine.members.facts, 10, "the worker to leave")
     final_version = c.engine.store.version
     await asyncio.sleep(2.5 * interval)  # one last timed write of the final version at most
     written = ck.written

@@ -119,8 +119,8 @@ async def test_each_bad_frame_gets_its_error_and_nothing_is_applied(cluster) -> 
         assert closing.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
         # 1009 when the close frame arrives before the reset of the half-sent frame, else 1006.
         assert ws.close_code in (1009, 1006)
-        await c.wait_for(lambda: bool(c.engine.departures), 10, "the session to end")
-        assert "cap (1009)" in c.engine.departures[-1][2]
+        await c.wait_for(lambda: bool(c.engine.members.departures), 10, "the session to end")
+        assert "cap (1009)" in c.engine.members.departures[-1][2]
         assert c.engine.store.version == version + 1
 
         # The daemon is still up: a new session joins and gets parameters.
@@ -140,7 +140,7 @@ async def test_push_before_hello_is_refused(raw_asp: Cluster) -> None:
         err = await recv(ws, "error")
         assert err["code"] == "no_hello"
         assert c.engine.store.version == 0  # no test on this daemon pushes anything it applies
-        assert not c.engine.facts
+        assert not c.engine.members.facts
 
 
 @pytest.mark.parametrize("offered", [["int9"], []])
@@ -162,7 +162,7 @@ async def test_refused_pushes_do_not_stall_bsp(cluster) -> None:  # type: ignore
     await c.spawn(1.0, 0.01)
     bad = await c.spawn(1.0, 0.01, "--emulate-bad-pushes", "0.25")
     await c.wait_for(lambda: c.engine.store.version >= 40, 90, "40 BSP rounds past refused pushes")
-    assert len(c.engine.facts) == 2 and not c.engine.departures
+    assert len(c.engine.members.facts) == 2 and not c.engine.members.departures
     await stop_processes([bad])
     assert bad.stderr is not None
     log = (await bad.stderr.read()).decode()
@@ -187,13 +187,13 @@ async def test_a_publish_that_cannot_be_encoded_drops_the_session_not_the_worker
         return real(*args, **kwargs)
 
     downlink.frames = flaky  # type: ignore[method-assign]
-    await c.wait_for(lambda: bool(c.engine.departures), 30, "the session to be dropped")
-    wid = c.engine.departures[-1][1]
-    assert "could not encode parameters" in c.engine.departures[-1][2]
+    await c.wait_for(lambda: bool(c.engine.members.departures), 30, "the session to be dropped")
+    wid = c.engine.members.departures[-1][1]
+    assert "could not encode parameters" in c.engine.members.departures[-1][2]
     version = c.engine.store.version
     await c.wait_for(
-        lambda: wid in c.engine.facts and c.engine.store.version >= version + 10,
+        lambda: wid in c.engine.members.facts and c.engine.store.version >= version + 10,
         60,
         "the worker back as itself and 10 more updates",
     )
-    assert len(c.engine.departures) == 1
+    assert len(c.engine.members.departures) == 1

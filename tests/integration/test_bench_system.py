@@ -116,15 +116,15 @@ async def test_every_push_of_the_no_compute_sender_is_applied(tmp_path: Path) ->
         # Every push was acked as applied, and the model moved by exactly that many versions.
         assert report.applied == report.pushes
         assert engine.store.version - v0 == report.pushes
-        assert engine.updates_applied == report.pushes
+        assert engine.applier.updates_applied == report.pushes
         assert tally.updates > 0 and tally.rates()["updates_per_s"] > 0
         # The same figures are live for operators: /v1/status and /metrics.
-        await engine.call(engine.tick)
-        status = await engine.call(engine.status)
+        await engine.queue.call(engine.tick)
+        status = await engine.queue.call(engine.status)
         assert status["throughput"]["updates_per_s"] > 0
         assert status["engine_latency"]["p99_ms"] is not None
         metrics = Metrics(engine)
-        await engine.call(metrics.sample)
+        await engine.queue.call(metrics.sample)
         text = metrics.render().decode()
         assert "hetd_updates_per_second" in text
         assert 'hetd_engine_latency_seconds{quantile="0.99"}' in text

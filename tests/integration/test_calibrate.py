@@ -66,11 +66,11 @@ def test_an_apply_cost_longer_than_a_step_serialises_pushes() -> None:
     steps get at most one update per 50 ms through, however fast they push."""
     apply_s = 0.05
     sc = digits()
-    free = run_sim(sc, PolicySpec("asp")).engine.updates_applied
+    free = run_sim(sc, PolicySpec("asp")).engine.applier.updates_applied
     busy = CostProfile(apply_s={"grad": apply_s, "delta": apply_s})
     run = run_sim(sc, PolicySpec("asp"), costs=busy)
     bound = sc.budget_s / apply_s
-    applied = run.engine.updates_applied
+    applied = run.engine.applier.updates_applied
     assert applied <= bound + 1
     assert applied >= 0.8 * bound  # the daemon was the bottleneck all along
     assert free > 4 * bound  # without the cost the workers set the pace
@@ -86,10 +86,10 @@ def test_a_busy_daemon_combines_its_batch_into_one_optimizer_step() -> None:
     their weighted sum, however many; with nothing queued every update is its own step."""
     sc = digits(optimizer="adam", lr=0.001)
     free = run_sim(sc, PolicySpec("asp"))
-    assert _adam_steps(free) == free.engine.updates_applied
+    assert _adam_steps(free) == free.engine.applier.updates_applied
     busy = CostProfile(apply_s={"grad": 0.02, "delta": 0.02})
     run = run_sim(sc, PolicySpec("asp"), costs=busy)
-    applied = run.engine.updates_applied
+    applied = run.engine.applier.updates_applied
     assert _adam_steps(run) <= run.engine.meters.publishes < applied  # several updates per publish
     assert _adam_steps(run) < 0.75 * applied
     again = run_sim(sc, PolicySpec("asp"), costs=busy)

@@ -20,17 +20,17 @@ async def test_a_model_over_the_frame_cap_trains_in_chunks_both_ways(cluster) ->
     assert frame > 8 * CAP, "the test needs frames well over the cap"
     for slowdown in (1, 2):
         await c.spawn(slowdown, 0.02, "--max-frame-bytes", str(CAP))
-    await c.wait_for(lambda: len(c.engine.facts) == 2, 60, "2 workers to join")
+    await c.wait_for(lambda: len(c.engine.members.facts) == 2, 60, "2 workers to join")
 
     def trained() -> bool:
-        acc = c.engine.evals[-1][2] if c.engine.evals else 0.0
+        acc = c.engine.evaluations.evals[-1][2] if c.engine.evaluations.evals else 0.0
         # both workers pushed (on a loaded machine the slower one may still be compiling when
         # the other alone has made 30 updates)
-        both = all(c.engine.stats[w].pushes > 0 for w in c.engine.facts)
-        return c.engine.updates_applied >= 30 and acc > 0.8 and both
+        both = all(c.engine.members.stats[w].pushes > 0 for w in c.engine.members.facts)
+        return c.engine.applier.updates_applied >= 30 and acc > 0.8 and both
 
     await c.wait_for(trained, 120, "30 updates, accuracy > 0.8 and a push of each worker")
-    stats = [c.engine.stats[w] for w in c.engine.facts]
+    stats = [c.engine.members.stats[w] for w in c.engine.members.facts]
     # every push (each ~38 KB, sent as chunks) was whole: applied exactly once, none refused
     assert sum(s.applied for s in stats) >= 30
     assert all(s.refused == 0 and s.duplicates == 0 for s in stats)
@@ -38,9 +38,12 @@ async def test_a_model_over_the_frame_cap_trains_in_chunks_both_ways(cluster) ->
     # one version per applied update (under asp nothing is buffered); the figures if it fails
     applied = {
         w: (s.pushes, s.applied, s.dropped, s.refused, s.duplicates)
-        for w, s in c.engine.stats.items()
+        for w, s in c.engine.members.stats.items()
     }
-    assert c.engine.updates_applied == c.engine.store.version, (c.engine.store.version, applied)
+    assert c.engine.applier.updates_applied == c.engine.store.version, (
+        c.engine.store.version,
+        applied,
+    )
 
 
 async def test_a_chunked_message_over_the_model_bound_is_refused_and_the_session_goes_on(
@@ -77,4 +80,4 @@ async def test_a_chunked_message_over_the_model_bound_is_refused_and_the_session
             msg = wire.decode((await ws.receive(timeout=20)).data, CAP)
             if msg.type == "chunk" and msg["seq"] == 0:
                 break
-    assert len(c.engine.facts) <= 1
+    assert len(c.engine.members.facts) <= 1

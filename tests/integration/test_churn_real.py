@@ -83,26 +83,28 @@ def test_a_crash_a_join_and_a_clean_leave_lose_no_update(tmp_path: Path) -> None
 
     result = run_real(sc, PolicySpec("bsp"), 0, sc.lr, lambda t: None, observe=observe)
     (engine,) = seen
-    names = {wid: f.name for wid, f in [*engine.facts.items(), *engine.departed.items()]}
+    names = {
+        wid: f.name for wid, f in [*engine.members.facts.items(), *engine.members.departed.items()]
+    }
     gone: dict[str, list[str]] = {}  # name -> why it left, in order (the daemon's stop last)
-    for _, wid, reason in engine.departures:
+    for _, wid, reason in engine.members.departures:
         gone.setdefault(names.get(wid, "?"), []).append(reason)
     # the crashed worker said nothing; the stopped one said bye at its event; the others stayed
     # to the end (each left once, after those two), where the bench stops them (SIGTERM) before
     # the daemon: they say bye too
     assert gone["w1"] == ["connection closed"], gone
     assert gone["w2"] == gone["w0"] == gone["w3"] == [STOPPED], gone
-    order = [names.get(wid) for _, wid, _ in engine.departures]
+    order = [names.get(wid) for _, wid, _ in engine.members.departures]
     assert order[:2] == ["w1", "w2"] and sorted(order[2:]) == ["w0", "w3"], order
     # the joiner joined and trained under BSP with the steady worker, after the crash
     late = next(wid for wid, name in names.items() if name == "w3")
-    assert engine.departed[late].samples > 0
+    assert engine.members.departed[late].samples > 0
     # every push answered once: per worker, the answered ids run without a gap or a repeat
     for wid in {w for w, _, _ in acks}:
         ids = [i for w, i, status in acks if w == wid and status != "duplicate"]
         assert ids == list(range(ids[0], ids[0] + len(ids))), (names.get(wid), ids)
     # nothing applied twice or lost between the answers and the store: the t = 0 restart
     # moves the version once without an update
-    assert engine.updates_applied == engine.store.version - 1
+    assert engine.applier.updates_applied == engine.store.version - 1
     assert result.final_accuracy > result.curve[0][1]
     assert set(result.idle_fraction) >= {"0", "3"}

@@ -63,7 +63,7 @@ def check_churn(sc: Scenario, run: SimRun, label: str) -> None:
         assert sorted(w.answered) == sorted(w.delivered), (label, w.index)
         assert len(set(w.answered)) == len(w.answered), (label, w.index)
     assert sum(len(w.delivered) for w in run.workers) == run.pushes
-    assert engine.updates_applied == engine.store.version, label
+    assert engine.applier.updates_applied == engine.store.version, label
     # no stall: after the first leave, the version never waits longer than the policy's own
     # rhythm before it (a round of local steps for diloco) plus one heartbeat timeout and the
     # tick that notices it, to the end of the budget
@@ -74,14 +74,14 @@ def check_churn(sc: Scenario, run: SimRun, label: str) -> None:
     gaps = [b - a for a, b in zip([early[-1], *times], times, strict=False)]
     assert max(gaps) <= rhythm + TIMEOUT_S + sc.tick_s + 1e-9, (label, max(gaps), rhythm)
     # the crashed worker was dropped by the heartbeat timeout, the clean one by its bye
-    reasons = {engine.departed[wid].name: why for _, wid, why in engine.departures}
+    reasons = {engine.members.departed[wid].name: why for _, wid, why in engine.members.departures}
     assert reasons.get("w2") == "heartbeat timeout", (label, reasons)
     assert reasons.get("w3") == "stopped (SIGTERM)", (label, reasons)
     # training went on, and every worker still there at the end took part
     assert result.final_accuracy > result.curve[0][1] + 0.3, (label, result.curve)
-    names = sorted(f.name for f in engine.facts.values())
+    names = sorted(f.name for f in engine.members.facts.values())
     assert names == ["w0", "w1", "w4", "w5"], (label, names)
-    assert all(f.samples > 0 for f in engine.facts.values()), label
+    assert all(f.samples > 0 for f in engine.members.facts.values()), label
     # a profiling policy: the early joiner came while it still profiled (auto's stages are those
     # of the policy it swaps in, which starts from the timings auto has, without a profile)
     if result.stages and label != "auto":

@@ -22,7 +22,7 @@ BASE_STEP = 0.05  # s per 32 samples of the asp3 workers' emulated steps (x1; x2
 
 
 def clocks(engine) -> list[int]:  # type: ignore[no-untyped-def]
-    return [f.clock for f in engine.facts.values()]
+    return [f.clock for f in engine.members.facts.values()]
 
 
 async def test_ssp_bounds_the_clock_gap_and_learns_digits(cluster) -> None:  # type: ignore[no-untyped-def]
@@ -31,14 +31,14 @@ async def test_ssp_bounds_the_clock_gap_and_learns_digits(cluster) -> None:  # t
     c = await cluster("ssp", {"staleness": 3, "patience": None})
     for slowdown in (1, 2, 4):
         await c.spawn(slowdown)
-    await c.wait_for(lambda: len(c.engine.facts) == 3, 60, "3 workers to join")
+    await c.wait_for(lambda: len(c.engine.members.facts) == 3, 60, "3 workers to join")
     gaps: list[int] = []
 
     def progressed() -> bool:
         cl = clocks(c.engine)
         if cl:
             gaps.append(max(cl) - min(cl))
-        acc = c.engine.evals[-1][2] if c.engine.evals else 0.0
+        acc = c.engine.evaluations.evals[-1][2] if c.engine.evaluations.evals else 0.0
         return min(cl, default=0) >= 40 and acc > 0.9
 
     await c.wait_for(progressed, 90, "40 rounds and accuracy > 0.9")
@@ -49,13 +49,13 @@ async def test_ssp_bounds_the_clock_gap_and_learns_digits(cluster) -> None:  # t
     assert c.engine.meters.max_release_gap >= 1, (
         "the fast worker never ran ahead: the test proves nothing"
     )
-    assert c.engine.evals[-1][2] > 0.9
+    assert c.engine.evaluations.evals[-1][2] > 0.9
 
 
 async def test_bsp_moves_in_lockstep_and_a_killed_worker_does_not_stall_it(cluster) -> None:  # type: ignore[no-untyped-def]
     c = await cluster("bsp")
     procs = [await c.spawn(slowdown) for slowdown in (1, 2, 4)]
-    await c.wait_for(lambda: len(c.engine.facts) == 3, 60, "3 workers to join")
+    await c.wait_for(lambda: len(c.engine.members.facts) == 3, 60, "3 workers to join")
     spread: list[int] = []
 
     def rounds() -> bool:
@@ -77,13 +77,13 @@ async def test_bsp_moves_in_lockstep_and_a_killed_worker_does_not_stall_it(clust
     timeout = c.daemon.cfg.server.heartbeat_timeout_s
     await c.wait_for(lambda: c.engine.store.version >= version + 5, timeout + 10, "progress")
     assert time.monotonic() - killed_at <= timeout + 2
-    assert len(c.engine.facts) == 2
+    assert len(c.engine.members.facts) == 2
 
 
 async def test_a_users_own_model_plugs_in_on_both_sides(cluster) -> None:  # type: ignore[no-untyped-def]
     c = await cluster("asp", model="tests.unit.test_models:tiny_linear")
     await c.spawn(1, 0.01, "--model", "tests.unit.test_models:tiny_linear")  # the operator's word
-    await c.wait_for(lambda: c.engine.updates_applied >= 20, 60, "20 updates")
+    await c.wait_for(lambda: c.engine.applier.updates_applied >= 20, 60, "20 updates")
     # The daemon holds the plug-in's parameters and the worker pushed updates of that shape.
     assert len(c.engine.store.shapes) == 2
     assert c.engine.store.n_params == 64 * 10 + 10
@@ -119,8 +119,10 @@ async def test_the_profiles_link_is_the_link_not_the_daemons_join_work(cluster) 
 
     c.engine.join = slow_join
     await c.spawn(1.0, 0.001, "--emulate-latency", "0.005")
-    await c.wait_for(lambda: any(f.profile for f in c.engine.facts.values()), 60, "a profile")
-    (profile,) = [f.profile for f in c.engine.facts.values()]
+    await c.wait_for(
+        lambda: any(f.profile for f in c.engine.members.facts.values()), 60, "a profile"
+    )
+    (profile,) = [f.profile for f in c.engine.members.facts.values()]
     assert profile is not None
     for key in ("push_s", "pull_s"):
         assert 0.005 <= profile[key] < 0.1, profile
@@ -139,10 +141,10 @@ async def asp3() -> AsyncIterator[Cluster]:
     async with clusters() as make:
         c = await make("asp")
         await c.spawn(1, BASE_STEP)
-        await c.wait_for(lambda: len(c.engine.facts) == 1, 90, "the x1 worker to join")
+        await c.wait_for(lambda: len(c.engine.members.facts) == 1, 90, "the x1 worker to join")
         for slowdown in (2, 4):
             await c.spawn(slowdown, BASE_STEP)
-        await c.wait_for(lambda: len(c.engine.facts) == 3, 60, "3 workers to join")
+        await c.wait_for(lambda: len(c.engine.members.facts) == 3, 60, "3 workers to join")
         yield c
 
 
@@ -152,7 +154,7 @@ async def test_asp_lets_the_fast_worker_run(asp3: Cluster) -> None:
     by_name: dict[str, int] = {}
 
     def ahead() -> bool:
-        by_name.update({f.name: f.clock for f in c.engine.facts.values()})
+        by_name.update({f.name: f.clock for f in c.engine.members.facts.values()})
         fast = next(v for k, v in by_name.items() if k.endswith("x1"))
         slow = next(v for k, v in by_name.items() if k.endswith("x4"))
         return slow >= 15 and fast >= slow + 5
@@ -166,7 +168,7 @@ async def test_asp_lets_the_fast_worker_run(asp3: Cluster) -> None:
 @SHARED
 async def test_wrong_token_is_refused(asp3: Cluster) -> None:
     c = asp3
-    joined = sorted(c.engine.facts)
+    joined = sorted(c.engine.members.facts)
     async with aiohttp.ClientSession() as http:
         for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": WORKER_TOKEN}):
             with pytest.raises(aiohttp.WSServerHandshakeError) as err:
@@ -176,16 +178,18 @@ async def test_wrong_token_is_refused(asp3: Cluster) -> None:
     assert await proc.wait() == 2
     assert proc.stderr is not None
     assert b"401" in await proc.stderr.read()
-    assert sorted(c.engine.facts) == joined  # nobody joined with a wrong token
+    assert sorted(c.engine.members.facts) == joined  # nobody joined with a wrong token
 
 
 @SHARED
 async def test_joining_workers_are_profiled(asp3: Cluster) -> None:
     c = asp3
     await c.wait_for(
-        lambda: all(f.profile for f in c.engine.facts.values()), 60, "every worker's profile"
+        lambda: all(f.profile for f in c.engine.members.facts.values()),
+        60,
+        "every worker's profile",
     )
-    by_slowdown = {f.name.split("-x")[1]: f.profile for f in c.engine.facts.values()}
+    by_slowdown = {f.name.split("-x")[1]: f.profile for f in c.engine.members.facts.values()}
     fast, slow = by_slowdown["1"], by_slowdown["4"]
     assert fast is not None and slow is not None
     assert set(fast) == {"sample_s", "push_s", "pull_s", "compress_s"}

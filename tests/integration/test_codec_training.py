@@ -20,13 +20,13 @@ async def test_lossy_codecs_both_ways_beat_0_9_on_digits(
     await c.spawn(1, 0.01)
     # The second worker emulates a 10 MB/s link: on loopback, it stands for a remote worker.
     await c.spawn(2, 0.01, "--emulate-bandwidth", "10MB/s")
-    await c.wait_for(lambda: len(c.engine.facts) == 2, 60, "2 workers to join")
+    await c.wait_for(lambda: len(c.engine.members.facts) == 2, 60, "2 workers to join")
     # Both workers must have pushed: under load one may still be compiling when the other alone
     # has trained past 0.9 (ssp no longer waits for a joiner that has not pushed yet).
     await c.wait_for(
         lambda: (
-            bool(c.engine.evals)
-            and c.engine.evals[-1][2] > 0.9
+            bool(c.engine.evaluations.evals)
+            and c.engine.evaluations.evals[-1][2] > 0.9
             and all(row["pushes"] > 10 for row in c.engine.workers())
         ),
         150,

@@ -129,7 +129,7 @@ async def test_dashboard_over_http_login_cookie_live_stream_and_swap(shared: Clu
             )
             assert doc["policy"]["params"]["staleness"] == 2
             assert any(e["kind"] == "swap" and "-> ssp" in e["text"] for e in doc["events"])
-        assert c.engine.policy.name == "ssp"
+        assert c.engine.host.policy.name == "ssp"
 
         async with http.post(c.admin_url + "/logout", allow_redirects=False) as resp:
             assert resp.status == 303
@@ -259,6 +259,6 @@ async def test_dashboard_in_headless_chromium(shared: Cluster, tmp_path: Path) -
         assert not fit["outside"], (name, fit["box"], fit["outside"])
         assert fit["page"][0] <= fit["page"][1], (name, fit["page"])  # no sideways scrolling
     assert len(seen["stressed"]["params"]) == 30
-    assert c.engine.policy.name == "dssp"
+    assert c.engine.host.policy.name == "dssp"
     shot = tmp_path / "dashboard.png"
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000

@@ -21,11 +21,11 @@ def test_diloco_trains_in_whole_outer_rounds_through_nesterov() -> None:
     r, engine = run.result, run.engine
     assert r.curve[-1][1] > r.curve[0][1] + 0.3  # it learns
     # balance="steps": B/N each, the fastest H steps and the slow-downs 2 and 4 fewer
-    steps = sorted(p.local_steps for p in engine.plans.values())
+    steps = sorted(p.local_steps for p in engine.members.plans.values())
     assert steps[-1] == 5 and steps[0] < steps[-1]
-    assert {p.batch_size for p in engine.plans.values()} == {sc.global_batch // 4}
+    assert {p.batch_size for p in engine.members.plans.values()} == {sc.global_batch // 4}
     # one version per outer round, each the mean of the four workers' deltas
-    assert r.pushes // 4 <= engine.updates_applied <= r.pushes // 4 + 1
+    assert r.pushes // 4 <= engine.applier.updates_applied <= r.pushes // 4 + 1
     assert r.bytes_to_target is None or 0 < r.bytes_to_target <= r.bytes_up + r.bytes_down
 
 
@@ -38,9 +38,9 @@ def test_diloco_async_gives_slow_workers_fewer_local_steps() -> None:
     run = run_sim(sc, PolicySpec("diloco_async", (("H", 8),)), seed=0)
     r, engine = run.result, run.engine
     assert r.curve[-1][1] > r.curve[0][1] + 0.3
-    steps = sorted(p.local_steps for p in engine.plans.values())
+    steps = sorted(p.local_steps for p in engine.members.plans.values())
     assert steps[-1] == 8 and steps[0] < steps[-1]  # slow-downs 1, 1, 2, 4: H, H, ~H/2, ~H/4
-    assert engine.updates_applied == r.pushes  # every delta applied on arrival
+    assert engine.applier.updates_applied == r.pushes  # every delta applied on arrival
     assert max(r.idle_fraction.values()) < 0.2  # nobody is held
 
 
@@ -50,10 +50,10 @@ def test_quorum_around_diloco_loses_no_push() -> None:
     run = run_sim(sc, spec, seed=0)
     r, engine = run.result, run.engine
     assert r.curve[-1][1] > r.curve[0][1] + 0.3
-    st = engine.policy_state
+    st = engine.host.state
     assert st.closed >= 3
-    applied = sum(s.applied + s.buffered for s in engine.stats.values())
-    assert applied == r.pushes and sum(s.dropped for s in engine.stats.values()) == 0
+    applied = sum(s.applied + s.buffered for s in engine.members.stats.values())
+    assert applied == r.pushes and sum(s.dropped for s in engine.members.stats.values()) == 0
 
 
 def test_diloco_int8_pulls_the_outer_step_in_int8() -> None:

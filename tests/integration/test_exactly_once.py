@@ -73,8 +73,8 @@ def test_the_same_push_three_times_then_after_a_resume_is_applied_once() -> None
     for _ in range(3):
         push(e, w.worker_id, 5)
     assert acks(peer) == [(5, "applied"), (5, "duplicate"), (5, "duplicate")]
-    assert e.store.version == 1 and e.facts[w.worker_id].clock == 1
-    st = e.stats[w.worker_id]
+    assert e.store.version == 1 and e.members.facts[w.worker_id].clock == 1
+    st = e.members.stats[w.worker_id]
     assert (st.pushes, st.applied, st.duplicates) == (1, 1, 2)
     e.leave(w.worker_id, "connection lost")
     again = FakePeer()
@@ -142,7 +142,7 @@ async def test_a_repeated_push_frame_is_applied_once_across_a_reconnect(cluster)
         assert statuses == ["applied", "duplicate", "duplicate"]
         assert c.engine.store.version == version + 1
         await ws.close()
-        await c.wait_for(lambda: wid not in c.engine.facts, 10, "the session to end")
+        await c.wait_for(lambda: wid not in c.engine.members.facts, 10, "the session to end")
 
         ws = await http.ws_connect(c.url + "/v1/ws", headers=AUTH)
         await ws.send_bytes(hello({"worker_id": wid, "secret": welcome.get("secret")}))
@@ -151,7 +151,7 @@ async def test_a_repeated_push_frame_is_applied_once_across_a_reconnect(cluster)
         ack = await recv(ws, "ack")
         assert (ack.id, ack["status"]) == (5, "duplicate")
         assert c.engine.store.version == version + 1
-        assert c.engine.stats[wid].duplicates == 1  # counters restart with the session
+        assert c.engine.members.stats[wid].duplicates == 1  # counters restart with the session
         await ws.close()
 
 
@@ -180,11 +180,11 @@ async def test_a_real_worker_sends_unanswered_pushes_again_and_none_is_applied_t
     monkeypatch.setattr(sessions.Outbox, "send", send)
     await c.spawn(1.0, 0.01, "--max-retries", "20")
     await c.wait_for(lambda: c.engine.store.version >= 5, 60, "5 updates")
-    (wid,) = c.engine.facts
+    (wid,) = c.engine.members.facts
     first = max(answered) + 2  # a push still to come
     lose_ack.add(first)
     await c.wait_for(lambda: answered.get(first) == ["applied", "duplicate"], 60, "the resend")
-    assert wid in c.engine.facts  # the same worker, resumed
+    assert wid in c.engine.members.facts  # the same worker, resumed
 
     lost: list[int] = []
     real_push = c.engine.push
@@ -192,7 +192,7 @@ async def test_a_real_worker_sends_unanswered_pushes_again_and_none_is_applied_t
     def push(p: PushIn) -> None:
         if not lost and p.id > max(answered):
             lost.append(p.id)  # the engine never sees it: the connection drops with it
-            peer = c.engine.entries[p.worker].peer
+            peer = c.engine.members.entries[p.worker].peer
             assert peer is not None
             peer.close("injected: the connection drops with a push")
             return
@@ -202,10 +202,10 @@ async def test_a_real_worker_sends_unanswered_pushes_again_and_none_is_applied_t
     await c.wait_for(lambda: bool(lost) and answered.get(lost[0]) == ["applied"], 60, "push again")
     version = c.engine.store.version
     await c.wait_for(lambda: c.engine.store.version >= version + 5, 60, "5 more updates")
-    assert set(c.engine.facts) == {wid}
+    assert set(c.engine.members.facts) == {wid}
     assert all(p.returncode is None for p in c.procs)
     # every push id was answered once (a duplicate aside) and ids only grew, across reconnects
     for pid, statuses in answered.items():
         assert [s for s in statuses if s != "duplicate"] == ["applied"], (pid, statuses)
     assert sorted(answered) == list(answered)
-    assert c.engine.updates_applied == c.engine.store.version == len(answered)
+    assert c.engine.applier.updates_applied == c.engine.store.version == len(answered)

@@ -78,7 +78,7 @@ async def test_export_round_trips_bit_identical_through_orbax_and_msgpack(
     await c.spawn(1.0, 0.01)
     await c.wait_for(lambda: c.engine.store.version >= 5, 120, "5 applied updates")
     await stop_processes(c.procs)
-    await c.wait_for(lambda: not c.engine.facts, 30, "the worker to leave")
+    await c.wait_for(lambda: not c.engine.members.facts, 30, "the worker to leave")
     snap = c.engine.store.snapshot()
 
     out = tmp_path / "exports" / "model"  # --out names a directory under the export root

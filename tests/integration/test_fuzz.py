@@ -301,8 +301,8 @@ async def test_hostile_frames_get_errors_and_change_nothing(cluster) -> None:  #
         assert rows[fuzz_id]["applied"] == 0, rows[fuzz_id]
         real = [r for wid, r in rows.items() if wid != fuzz_id]
         assert len(real) == 2
-        assert c.engine.updates_applied == sum(r["applied"] for r in real)
-        assert c.engine.store.version == c.engine.updates_applied
+        assert c.engine.applier.updates_applied == sum(r["applied"] for r in real)
+        assert c.engine.store.version == c.engine.applier.updates_applied
 
         # A frame over the cap cannot be read: the connection closes with a reason.
         with contextlib.suppress(ConnectionError):
@@ -310,7 +310,9 @@ async def test_hostile_frames_get_errors_and_change_nothing(cluster) -> None:  #
         assert await _next_error(ws) is None
         assert ws.close_code in (1009, 1006)
         await c.wait_for(
-            lambda: any("cap (1009)" in d[2] for d in c.engine.departures), 10, "the fuzzer to go"
+            lambda: any("cap (1009)" in d[2] for d in c.engine.members.departures),
+            10,
+            "the fuzzer to go",
         )
 
     # The daemon still serves the real workers and its health check.
@@ -320,5 +322,5 @@ async def test_hostile_frames_get_errors_and_change_nothing(cluster) -> None:  #
         assert resp.status == 200
     rows = c.engine.workers()
     assert len(rows) == 2 and all(r["pushes"] > 0 for r in rows)
-    assert c.engine.updates_applied == sum(r["applied"] for r in rows)
+    assert c.engine.applier.updates_applied == sum(r["applied"] for r in rows)
     assert not any(p.returncode is not None for p in c.procs), "a real worker died"

@@ -295,9 +295,9 @@ async def test_a_workers_long_strings_are_cut_in_the_log_the_engine_and_the_dash
         await ws.receive(timeout=20)  # closed
         await ws.close()
         await front.wait_for(
-            lambda: any(w == wid for _, w, _ in front.engine.departures), 20, "the bye"
+            lambda: any(w == wid for _, w, _ in front.engine.members.departures), 20, "the bye"
         )
-        reason = next(r for _, w, r in front.engine.departures if w == wid)
+        reason = next(r for _, w, r in front.engine.members.departures if w == wid)
         assert reason.startswith("rrr") and len(reason) <= 220, len(reason)
         # the dashboard shows the leave, cut too
         deadline = asyncio.get_running_loop().time() + 30

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 async def test_hello_then_leave_connections_leave_nothing_behind(cluster) -> None:  # type: ignore[no-untyped-def]
     c = await cluster("asp")
-    before = len((await c.engine.call(c.engine.state)).workers)
+    before = len((await c.engine.queue.call(c.engine.state)).workers)
 
     async def hello_then_leave(http: aiohttp.ClientSession) -> int:
         async with http.ws_connect(c.url + "/v1/ws", headers=AUTH, max_msg_size=0) as ws:
@@ -29,9 +29,9 @@ async def test_hello_then_leave_connections_leave_nothing_behind(cluster) -> Non
         for _ in range(10):  # 200 connections, 20 at a time
             ids += await asyncio.gather(*(hello_then_leave(http) for _ in range(20)))
     assert len(set(ids)) == 200  # each was a worker, welcomed with its own id
-    await c.wait_for(lambda: not c.engine.entries, 60, "the flood's sessions to end")
-    state = await c.engine.call(c.engine.state)
-    assert len(state.workers) == before and not c.engine.departed
+    await c.wait_for(lambda: not c.engine.members.entries, 60, "the flood's sessions to end")
+    state = await c.engine.queue.call(c.engine.state)
+    assert len(state.workers) == before and not c.engine.members.departed
 
 
 async def test_big_frames_are_decoded_within_the_budget(cluster) -> None:  # type: ignore[no-untyped-def]

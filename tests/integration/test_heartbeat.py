@@ -28,18 +28,18 @@ TIMEOUT_S = 1.5
 
 def wid_named(c: Cluster, name: str) -> int:
     """The engine's id for the active worker called ``name``."""
-    return next(wid for wid, f in c.engine.facts.items() if f.name == name)
+    return next(wid for wid, f in c.engine.members.facts.items() if f.name == name)
 
 
 def departures_of(c: Cluster, wid: int, since: int = 0) -> list[str]:
     """The reasons recorded for each departure of worker ``wid`` after the first ``since``
     departures of all workers, oldest first."""
-    return [reason for _, w, reason in list(c.engine.departures)[since:] if w == wid]
+    return [reason for _, w, reason in list(c.engine.members.departures)[since:] if w == wid]
 
 
 def in_lockstep_from(c: Cluster, rounds: int) -> bool:
     """Both workers are in and the slower one has pushed ``rounds`` times."""
-    clocks = [f.clock for f in c.engine.facts.values()]
+    clocks = [f.clock for f in c.engine.members.facts.values()]
     return len(clocks) == 2 and min(clocks) >= rounds
 
 
@@ -66,14 +66,14 @@ async def test_silent_worker_is_evicted_and_rejoins() -> None:
         await c.wait_for(lambda: in_lockstep_from(c, 5), 60, "2 workers and 5 BSP rounds")
         wid = wid_named(c, frozen_name)
         healthy = wid_named(c, "w0-x1")
-        since = len(c.engine.departures)
+        since = len(c.engine.members.departures)
 
         os.kill(frozen.pid, signal.SIGSTOP)
         frozen_at = time.monotonic()
         versions: list[int] = []  # the store's version while the frozen worker still counts
 
         def evicted() -> bool:
-            if wid in c.engine.facts:
+            if wid in c.engine.members.facts:
                 versions.append(c.engine.store.version)
                 return False
             return True
@@ -86,35 +86,35 @@ async def test_silent_worker_is_evicted_and_rejoins() -> None:
         reasons = departures_of(c, wid, since)
         assert len(reasons) == 1, reasons
         assert "heartbeat" in reasons[0] and "timeout" in reasons[0], reasons
-        assert healthy in c.engine.facts and not departures_of(c, healthy, since)
-        assert list(c.engine.facts) == [healthy]
+        assert healthy in c.engine.members.facts and not departures_of(c, healthy, since)
+        assert list(c.engine.members.facts) == [healthy]
         # While it was in, the frozen worker held the barrier: at most the round in flight closed.
         assert versions and max(versions) - min(versions) <= 1, versions
 
         # Without it BSP moves on with the remaining worker alone.
         version = c.engine.store.version
-        clock = c.engine.facts[healthy].clock
+        clock = c.engine.members.facts[healthy].clock
         await c.wait_for(
             lambda: c.engine.store.version >= version + 10, 10, "10 versions without it"
         )
-        assert c.engine.facts[healthy].clock >= clock + 10
-        assert wid not in c.engine.facts
+        assert c.engine.members.facts[healthy].clock >= clock + 10
+        assert wid not in c.engine.members.facts
 
         # Thawed, it finds its connection closed, reconnects with backoff and resumes its id.
         os.kill(frozen.pid, signal.SIGCONT)
-        await c.wait_for(lambda: wid in c.engine.facts, 15, "the thawed worker to rejoin")
-        assert c.engine.facts[wid].name == frozen_name
+        await c.wait_for(lambda: wid in c.engine.members.facts, 15, "the thawed worker to rejoin")
+        assert c.engine.members.facts[wid].name == frozen_name
         assert frozen.returncode is None, "the thawed worker exited instead of reconnecting"
         await c.wait_for(
-            lambda: c.engine.stats[wid].pushes >= 5,  # the stats rejoining started afresh
+            lambda: c.engine.members.stats[wid].pushes >= 5,  # the stats rejoining started afresh
             15,
             "5 pushes from the rejoined worker",
         )
         # Back in lockstep with both, and nobody was evicted again.
-        assert sorted(c.engine.facts) == sorted([wid, healthy])
+        assert sorted(c.engine.members.facts) == sorted([wid, healthy])
         assert departures_of(c, wid, since) == reasons
         assert not departures_of(c, healthy, since)
-        clocks = [f.clock for f in c.engine.facts.values()]
+        clocks = [f.clock for f in c.engine.members.facts.values()]
         assert max(clocks) - min(clocks) <= 1, clocks
     finally:
         # Never leave a stopped process behind: a stopped worker cannot act on SIGTERM.
@@ -139,19 +139,23 @@ async def test_a_worker_building_its_trainer_is_not_evicted() -> None:
     heard: dict[int, set[float]] = {}  # per worker: the daemon's last_seen values before it pushed
 
     def pushed() -> bool:
-        for wid, st in list(c.engine.stats.items()):
+        for wid, st in list(c.engine.members.stats.items()):
             if st.pushes == 0:
                 heard.setdefault(wid, set()).add(st.last_seen)
-        return any(st.pushes >= 3 for st in c.engine.stats.values()) and bool(c.engine.facts)
+        return any(st.pushes >= 3 for st in c.engine.members.stats.values()) and bool(
+            c.engine.members.facts
+        )
 
     try:
         with no_compile_cache():  # it compiles its step itself, not from the session's cache
             await c.spawn(1)
         await c.wait_for(pushed, 60, "3 pushes")
-        assert not c.engine.departures, list(c.engine.departures)
+        assert not c.engine.members.departures, list(c.engine.members.departures)
         # Joining is one sign of life; without heartbeats during the build, a pull is at most the
         # only other before the first push (~10 heartbeats in a quiet machine's build).
-        assert list(heard) == list(c.engine.facts) and len(next(iter(heard.values()))) >= 4, heard
+        assert (
+            list(heard) == list(c.engine.members.facts) and len(next(iter(heard.values()))) >= 4
+        ), heard
     finally:
         await stop_processes(c.procs)
         await daemon.stop()
@@ -167,12 +171,15 @@ async def test_a_worker_stopped_before_it_trains_still_says_bye() -> None:
     try:
         with no_compile_cache():  # it compiles its step itself: seconds in which it has not pushed
             await c.spawn(1)
-        await c.wait_for(lambda: bool(c.engine.facts), 60, "the join")
-        wid = next(iter(c.engine.facts))
-        early = c.engine.stats[wid].pushes == 0
+        await c.wait_for(lambda: bool(c.engine.members.facts), 60, "the join")
+        wid = next(iter(c.engine.members.facts))
+        early = c.engine.members.stats[wid].pushes == 0
         c.procs[0].send_signal(signal.SIGTERM)
         await c.wait_for(lambda: bool(departures_of(c, wid)), 30, "the departure")
-        assert departures_of(c, wid) == ["stopped (SIGTERM)"], (early, list(c.engine.departures))
+        assert departures_of(c, wid) == ["stopped (SIGTERM)"], (
+            early,
+            list(c.engine.members.departures),
+        )
         assert await c.procs[0].wait() == 128 + signal.SIGTERM or not early
     finally:
         await stop_processes(c.procs)

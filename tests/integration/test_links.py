@@ -128,7 +128,7 @@ def test_sweep_refuses_a_broad_name() -> None:
 
 
 def _bytes_in(daemon: Daemon, wid: int) -> int:
-    return daemon.engine.stats[wid].bytes_in
+    return daemon.engine.members.stats[wid].bytes_in
 
 
 async def _wait(what: str, ok: Callable[[], bool], procs: list[Process], timeout: float) -> None:
@@ -181,19 +181,20 @@ async def test_shaped_link_measured_and_a_cut_is_seen_by_heartbeats_only() -> No
         try:
 
             def wid(name: str) -> int:
-                return next(w for w, f in engine.facts.items() if f.name == name)
+                return next(w for w, f in engine.members.facts.items() if f.name == name)
 
             def rounds(n: int) -> Callable[[], bool]:
                 return lambda: (
-                    len(engine.facts) == 2 and min(f.clock for f in engine.facts.values()) >= n
+                    len(engine.members.facts) == 2
+                    and min(f.clock for f in engine.members.facts.values()) >= n
                 )
 
             await _wait("2 workers, 2 rounds", rounds(2), procs, 120)
             w0, w1 = wid("w0"), wid("w1")
-            t0, b0, clock0 = time.monotonic(), _bytes_in(daemon, w0), engine.facts[w0].clock
+            t0, b0, clock0 = time.monotonic(), _bytes_in(daemon, w0), engine.members.facts[w0].clock
             await _wait("4 more rounds", rounds(clock0 + 4), procs, 60)
             took, moved = time.monotonic() - t0, _bytes_in(daemon, w0) - b0
-            facts = engine.facts[w0]
+            facts = engine.members.facts[w0]
             assert facts.push_bytes is not None and facts.push_bytes > 1e6
             # Four pushes arrived in the window; at most the first was on the wire before it.
             assert moved <= RATE * took + facts.push_bytes, (moved, took)
@@ -201,27 +202,27 @@ async def test_shaped_link_measured_and_a_cut_is_seen_by_heartbeats_only() -> No
                 facts.link_bps
             )
 
-            since = len(engine.departures)
+            since = len(engine.members.departures)
             run.down(1)
             cut_at = time.monotonic()
-            await _wait("w1 evicted", lambda: w1 not in engine.facts, procs, TIMEOUT_S + 10)
-            reasons = [r for _, w, r in list(engine.departures)[since:] if w == w1]
+            await _wait("w1 evicted", lambda: w1 not in engine.members.facts, procs, TIMEOUT_S + 10)
+            reasons = [r for _, w, r in list(engine.members.departures)[since:] if w == w1]
             assert len(reasons) == 1 and "heartbeat" in reasons[0], reasons  # heartbeats alone
             version = engine.store.version
             await _wait(
                 "BSP goes on with w0", lambda: engine.store.version >= version + 2, procs, 30
             )
             await asyncio.sleep(max(0.0, CUT_S - (time.monotonic() - cut_at)))
-            assert w1 not in engine.facts  # nothing gets through a cut link
+            assert w1 not in engine.members.facts  # nothing gets through a cut link
             run.up(1)
-            await _wait("w1 back under its id", lambda: w1 in engine.facts, procs, 60)
-            assert engine.facts[w1].name == "w1"
+            await _wait("w1 back under its id", lambda: w1 in engine.members.facts, procs, 60)
+            assert engine.members.facts[w1].name == "w1"
             version = engine.store.version
             await _wait(
                 "3 rounds with both", lambda: engine.store.version >= version + 3, procs, 60
             )
-            assert sorted(engine.facts) == sorted([w0, w1])
-            assert engine.updates_applied == engine.store.version
+            assert sorted(engine.members.facts) == sorted([w0, w1])
+            assert engine.applier.updates_applied == engine.store.version
             answered = sorted(i for w, i, st in acks if w == w1 and st != "duplicate")
             assert answered == list(range(answered[0], answered[-1] + 1)), answered
         finally:

@@ -74,12 +74,12 @@ async def _scenario() -> None:
                     await fast.send_bytes(bytes(fast_push.frame(2 * i + j, held)))
                     held = await _next_params(fast)
             await asyncio.sleep(1.0)  # every release written or dropped
-            version = await engine.call(lambda: engine.store.version)
+            version = await engine.queue.call(lambda: engine.store.version)
             assert version >= 16 + 8  # every push applied
             # the frame being written to the slow reader, and the current one (no queue)
             live = _live_frames(frame_bytes)
             assert 1 <= live <= 2, live
-            stats = await engine.call(lambda: dict(engine.stats))
+            stats = await engine.queue.call(lambda: dict(engine.members.stats))
             slow_id = next(w for w, st in stats.items() if st.pushes == 8)
             # The slow reader reads again: what it gets ends with the newest parameters in full.
             got = []
@@ -92,10 +92,10 @@ async def _scenario() -> None:
                 if msg.type == "params":
                     got.append((int(msg["version"]), bool(msg["full"])))
             assert got and got[-1][1], got
-            newest = await engine.call(lambda: engine.store.version)
+            newest = await engine.queue.call(lambda: engine.store.version)
             assert got[-1][0] == newest, (got, newest)
             assert len(got) < 8, got  # dropped frames were never sent
-            facts = await engine.call(lambda: engine.facts[slow_id])
+            facts = await engine.queue.call(lambda: engine.members.facts[slow_id])
             assert facts.version == newest  # what the engine thinks it holds, it holds
             await slow.close()
             await fast.close()

@@ -54,10 +54,12 @@ async def test_a_swap_to_diloco_rebuilds_the_outer_optimizer_and_checkpoints_it(
         assert reply["name"] == "diloco"
         status = await _call(http, c.admin_url + "/v1/status", "GET")
         assert status["outer_optimizer"] == NESTEROV
-        version, evals = c.engine.store.version, len(c.engine.evals)
+        version, evals = c.engine.store.version, len(c.engine.evaluations.evals)
         await c.wait_for(lambda: c.engine.store.version >= version + 6, 60, "6 diloco rounds")
-        await c.wait_for(lambda: len(c.engine.evals) > evals, 30, "an evaluation after the swap")
-        _, loss, accuracy = c.engine.evals[-1][:3]
+        await c.wait_for(
+            lambda: len(c.engine.evaluations.evals) > evals, 30, "an evaluation after the swap"
+        )
+        _, loss, accuracy = c.engine.evaluations.evals[-1][:3]
         assert math.isfinite(loss) and accuracy > 0.5  # digits: chance is 0.1
 
         # The checkpoint holds the Nesterov state and says which optimizer it belongs to.
@@ -71,7 +73,7 @@ async def test_a_swap_to_diloco_rebuilds_the_outer_optimizer_and_checkpoints_it(
         fresh = build_engine(make_config("asp", global_batch=64))
         assert fresh.store.outer_spec == PLAIN
         checkpoint.restore_engine(fresh, saved)
-        assert fresh.store.outer_spec == NESTEROV and fresh.policy.name == "diloco"
+        assert fresh.store.outer_spec == NESTEROV and fresh.host.policy.name == "diloco"
         _, restored, _ = fresh.store.state()
         moved = _momentum_norm(restored)
         assert moved > 0 and math.isclose(moved, _momentum_norm(saved["opt_state"]), rel_tol=1e-6)

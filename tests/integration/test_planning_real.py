@@ -42,12 +42,13 @@ def ledger(c: Cluster) -> dict[str, Any]:
     """What was answered, read on the engine task (between two events)."""
     e = c.engine
     return {
-        "updates_applied": e.updates_applied,
+        "updates_applied": e.applier.updates_applied,
         "version": e.store.version,
         "workers": {
-            wid: (s.pushes, s.applied + s.buffered + s.dropped) for wid, s in e.stats.items()
+            wid: (s.pushes, s.applied + s.buffered + s.dropped)
+            for wid, s in e.members.stats.items()
         },
-        "state": e.policy_state,
+        "state": e.host.state,
     }
 
 
@@ -55,15 +56,15 @@ async def test_auto_in_a_real_daemon_gets_forecasts_and_loses_nothing() -> None:
     async with auto_cluster(plan_every_s=2.0) as c:
         for slowdown in (1, 3):
             await c.spawn(slowdown)
-        await c.wait_for(lambda: len(c.engine.facts) == 2, 90, "2 workers to join")
+        await c.wait_for(lambda: len(c.engine.members.facts) == 2, 90, "2 workers to join")
         planning = c.daemon.planning
         assert planning is not None
 
         def planned() -> bool:
-            return planning.rounds >= 2 and c.engine.policy_state.last is not None
+            return planning.rounds >= 2 and c.engine.host.state.last is not None
 
         await c.wait_for(planned, 90, "two planning rounds and auto to weigh a forecast")
-        got = await c.engine.call(lambda: ledger(c))
+        got = await c.engine.queue.call(lambda: ledger(c))
         # nothing lost: each push counted was answered once, each applied update one version
         assert got["updates_applied"] == got["version"] > 0
         for wid, (pushes, answered) in got["workers"].items():

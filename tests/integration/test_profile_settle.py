@@ -43,7 +43,7 @@ async def test_a_swapped_in_policy_times_a_worker_by_its_pushes_not_its_loaded_j
     c = await cluster("bsp", profile_steps=3)
     engine = c.engine
     seen: list[tuple[float, float]] = []
-    engine.policy = _observed(engine.policy, seen)
+    engine.host.policy = _observed(engine.host.policy, seen)
     proc = await spawn_worker(
         c.url,
         "--name",
@@ -62,12 +62,12 @@ async def test_a_swapped_in_policy_times_a_worker_by_its_pushes_not_its_loaded_j
     )
     c.procs.append(proc)
     await c.wait_for(
-        lambda: any(f.profile and f.samples for f in engine.facts.values()),
+        lambda: any(f.profile and f.samples for f in engine.members.facts.values()),
         120.0,
         "the worker's profile and first push",
     )
-    (wid,) = engine.facts
-    joined = engine.facts[wid].profile
+    (wid,) = engine.members.facts
+    joined = engine.members.facts[wid].profile
     assert joined is not None
     assert proc.stdin is not None
     proc.stdin.write(f"{time.time()!r}\n".encode())  # the load is gone: x1 from now on
@@ -80,11 +80,11 @@ async def test_a_swapped_in_policy_times_a_worker_by_its_pushes_not_its_loaded_j
 
     def swap() -> float:
         engine.swap_policy("adsp", {})
-        profile = engine.policy_state.tracks[wid].profile
+        profile = engine.host.state.tracks[wid].profile
         assert profile is not None and profile.source == "measured"
         return float(profile.sample_s)
 
-    planned = await engine.call(swap)
+    planned = await engine.queue.call(swap)
     truth = statistics.median(x for t, x in seen[-4:])
     assert joined["sample_s"] >= 4 * truth, (joined, truth)  # the join really read it slow
     assert truth / 2 <= planned <= 2 * truth, (planned, truth, joined)

@@ -178,7 +178,7 @@ async def test_two_ray_pservers_survive_a_kill_and_a_node_removal_and_end_with_t
         assert link.addrs == addrs  # both came back where the workers send their parts
         assert link.parts.lost == 0 and store.version == 2 * STEPS  # none lost, none twice
         await daemon.checkpoint()
-        position = daemon.engine.decisions.position  # type: ignore[union-attr]
+        position = daemon.engine.store.decisions.position  # type: ignore[union-attr]
         await until(lambda: link.durable == [position] * 2, "both saved the checkpoint", WAIT)
         head = dict(store.snapshot().tensors)
         dirs = [tmp_path / "state" / "pservers" / f"slice{s}" for s in range(2)]

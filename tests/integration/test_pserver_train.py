@@ -70,7 +70,7 @@ async def test_two_workers_train_through_two_local_pservers_which_end_with_the_h
         parts = daemon.describe()["decisions"]["parts"]
         assert parts == {"decided": 2 * STEPS, "dropped": 0, "waiting": 0}
         await daemon.checkpoint()
-        position = daemon.engine.decisions.position  # type: ignore[union-attr]
+        position = daemon.engine.store.decisions.position  # type: ignore[union-attr]
         await until(lambda: link.durable == [position] * 2, "both saved the checkpoint")
         head = dict(daemon.engine.store.snapshot().tensors)
         saved = _saved_slices(tmp_path)
@@ -119,7 +119,7 @@ async def test_a_pserver_killed_while_workers_train_comes_back_at_its_address_an
         assert link.addrs == addrs  # it came back where the workers send its parts
         assert link.parts.lost == 0 and store.version == 2 * steps  # none lost, none twice
         await daemon.checkpoint()
-        position = daemon.engine.decisions.position  # type: ignore[union-attr]
+        position = daemon.engine.store.decisions.position  # type: ignore[union-attr]
         await until(lambda: link.durable == [position] * 2, "both saved the checkpoint")
         head = dict(store.snapshot().tensors)
         saved = _saved_slices(tmp_path)

@@ -30,17 +30,17 @@ async def test_worker_reconnects_after_daemon_restart() -> None:
     second: Daemon | None = None
     try:
         proc = await c.spawn(1.0, 0.02, "--max-retries", "20")
-        await c.wait_for(lambda: first.engine.updates_applied >= 10, 60, "10 updates")
+        await c.wait_for(lambda: first.engine.applier.updates_applied >= 10, 60, "10 updates")
         await first.stop()
 
         second = Daemon(cfg)
         await second.start()
         c.daemon, c.engine = second, second.engine
         await c.wait_for(
-            lambda: second.engine.updates_applied >= 10, 60, "10 updates after restart"
+            lambda: second.engine.applier.updates_applied >= 10, 60, "10 updates after restart"
         )
         assert proc.returncode is None, "the worker exited instead of reconnecting"
-        assert len(second.engine.facts) == 1
+        assert len(second.engine.members.facts) == 1
     finally:
         await stop_processes(c.procs)
         if second is not None:

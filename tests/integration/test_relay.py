@@ -110,7 +110,7 @@ async def test_relay_forwards_between_neighbours_and_drops_what_has_no_route(clu
 
         # a stage's worker leaves: its neighbour's frames are dropped with an error, no crash
         await s1.close()
-        await c.wait_for(lambda: w1 not in c.engine.facts, 20, "stage 1's session to end")
+        await c.wait_for(lambda: w1 not in c.engine.members.facts, 20, "stage 1's session to end")
         await s0.send_bytes(small)
         err = await _next(s0, "error")
         assert err["code"] == "route_down" and f"worker {w1}" in err["message"]
@@ -165,7 +165,7 @@ async def test_relay_forwards_between_neighbours_and_drops_what_has_no_route(clu
         await _next(s3, "step")
         hung = await _next(s3, "abort")
         assert hung["dissolve"] is True and "not complete" in hung["reason"]
-        assert driver.timeouts == 1 and driver.members == () and c.engine.replicas == {}
+        assert driver.timeouts == 1 and driver.members == () and c.engine.pipelines.view == {}
         assert c.engine.store.version == version
         await s3.close()
 
@@ -176,17 +176,17 @@ async def test_relay_forwards_between_neighbours_and_drops_what_has_no_route(clu
             ReplicaShape((w0, wa), (0, 1, 2), 8, 1),
             ReplicaShape((wb, wc), (0, 1, 2), 8, 2),
         )
-        await c.engine.call(partial(driver.regroup, shapes))
-        assert c.engine.replicas == {w0: (w0, wa), wb: (wb, wc)}
+        await c.engine.queue.call(partial(driver.regroup, shapes))
+        assert c.engine.pipelines.view == {w0: (w0, wa), wb: (wb, wc)}
         got = {w: await _next(ws, "stage") for w, ws in ((wa, sa), (wc, sc))}
         assert (got[wa]["replica"], got[wc]["replica"]) == (0, 1)
         assert (await _next(sb, "step"))["micro_batches"] == 2
         ours = {(k[0], w) for k, w in relay.routes.items() if k[0] in (0, 1)}  # 3: the test's
         assert ours == {(0, w0), (0, wa), (1, wb), (1, wc)}
-        await c.engine.call(partial(driver.regroup, ()))
+        await c.engine.queue.call(partial(driver.regroup, ()))
         for ws in (s0, sa, sb, sc):
             assert (await _next(ws, "abort"))["dissolve"] is True
-        assert c.engine.replicas == {} and all(k[0] == 3 for k in relay.routes)
+        assert c.engine.pipelines.view == {} and all(k[0] == 3 for k in relay.routes)
         for ws in (sa, sb, sc):
             await ws.close()
         await s0.close()

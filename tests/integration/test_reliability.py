@@ -189,7 +189,7 @@ async def test_a_departed_id_is_not_taken_over_with_the_token_alone(raw_asp: Clu
         await ws.send_bytes(wire.encode("push", 2, **push_fields(zeros, c.engine.store.version)))
         await recv(ws, "ack")
         await ws.close()
-        await c.wait_for(lambda: wid in c.engine.departed, 10, "the worker to leave")
+        await c.wait_for(lambda: wid in c.engine.members.departed, 10, "the worker to leave")
         for resume in ({"worker_id": wid}, {"worker_id": wid, "secret": "guess"}):
             thief = await http.ws_connect(c.url + "/v1/ws", headers=AUTH)
             await thief.send_bytes(
@@ -198,7 +198,7 @@ async def test_a_departed_id_is_not_taken_over_with_the_token_alone(raw_asp: Clu
             other = await recv(thief, "welcome")
             assert other["worker_id"] != wid and other["secret"] != secret
             await thief.close()
-        assert wid in c.engine.departed
+        assert wid in c.engine.members.departed
         ws = await http.ws_connect(c.url + "/v1/ws", headers=AUTH)
         await ws.send_bytes(
             wire.encode(
@@ -230,14 +230,16 @@ async def test_a_hot_swap_is_all_or_nothing(cluster) -> None:  # type: ignore[no
     c = await cluster("ashl", {"switch_loss": 10.0}, batch_size=16)
     for slowdown in (1, 1.5, 2):
         await c.spawn(slowdown, 0.01)
-    await c.wait_for(lambda: c.engine.stage == "SHL" and len(c.engine.facts) == 3, 90, "SHL")
+    await c.wait_for(
+        lambda: c.engine.host.stage == "SHL" and len(c.engine.members.facts) == 3, 90, "SHL"
+    )
     await stop_processes(c.procs[-1:])
-    await c.wait_for(lambda: len(c.engine.departed) == 1, 30, "one worker to leave")
+    await c.wait_for(lambda: len(c.engine.members.departed) == 1, 30, "one worker to leave")
     admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
     def snapshot() -> tuple[Any, ...]:
         e = c.engine
-        return (e.policy.describe(), e.policy_state, e.stage, dict(e.plans))
+        return (e.host.policy.describe(), e.host.state, e.host.stage, dict(e.members.plans))
 
     def lineage(state: Any) -> tuple[Any, ...]:
         # The two workers still train, and every event (a push, a tick) gives ashl a new state
@@ -270,9 +272,9 @@ async def test_a_hot_swap_is_all_or_nothing(cluster) -> None:  # type: ignore[no
             c.admin_url + "/v1/policy", json={"name": "asp"}, headers=admin
         ) as resp:
             assert resp.status == 200, await resp.text()
-        assert c.engine.policy.name == "asp" and c.engine.stage == "main"
-        for wid, plan in c.engine.plans.items():
-            codec = c.engine.facts[wid].codec
+        assert c.engine.host.policy.name == "asp" and c.engine.host.stage == "main"
+        for wid, plan in c.engine.members.plans.items():
+            codec = c.engine.members.facts[wid].codec
             assert plan == Plan(batch_size=16, codec=codec, stage="main"), (wid, plan)
         version = c.engine.store.version
         await c.wait_for(lambda: c.engine.store.version >= version + 10, 60, "asp to train on")
@@ -307,7 +309,7 @@ async def test_a_policy_change_is_checkpointed_at_once(cluster, tmp_path) -> Non
     again = Daemon(c.daemon.cfg)
     try:
         await again.start()
-        assert again.engine.policy.describe() == {
+        assert again.engine.host.policy.describe() == {
             "name": "dssp",
             "params": {"s_lo": 2, "r_max": 5, "weight": None},
         }
@@ -335,7 +337,7 @@ async def test_swaps_between_hps_and_bsp_never_strand_a_worker(cluster) -> None:
         for name in ("bsp", "hps", "bsp", "hps", "lbbsp"):
             if name != "hps":  # leaving hps: some plan pipelines
                 await c.wait_for(
-                    lambda: any(p.pipeline for p in c.engine.plans.values()),
+                    lambda: any(p.pipeline for p in c.engine.members.plans.values()),
                     60,
                     "pipelined plans before the swap",
                 )

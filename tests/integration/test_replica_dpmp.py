@@ -22,26 +22,26 @@ async def test_dpmp_forms_a_replica_of_the_memory_poor_worker_and_trains(cluster
     await c.spawn(1.0, 0.01)
     await c.spawn(1.0, 0.01)
     await c.spawn(1.0, 0.01, "--emulate-memory", POOR)
-    await c.wait_for(lambda: len(c.engine.entries) == 3, 120, "3 workers to join")
-    poor = next(w for w, e in c.engine.entries.items() if e.facts.name.startswith("w2"))
+    await c.wait_for(lambda: len(c.engine.members.entries) == 3, 120, "3 workers to join")
+    poor = next(w for w, e in c.engine.members.entries.items() if e.facts.name.startswith("w2"))
     driver = c.daemon.replicas
     assert driver is not None
 
     def paired() -> bool:
-        return any(poor in members for members in c.engine.replicas.values())
+        return any(poor in members for members in c.engine.pipelines.view.values())
 
     await c.wait_for(paired, 90, "the memory-poor worker in a pipeline replica")
-    members = next(m for m in c.engine.replicas.values() if poor in m)
-    assert members[1] not in c.engine.facts  # a later stage: the policy sees its replica
+    members = next(m for m in c.engine.pipelines.view.values() if poor in m)
+    assert members[1] not in c.engine.members.facts  # a later stage: the policy sees its replica
 
     def trained() -> bool:
-        acc = c.engine.evals[-1][2] if c.engine.evals else 0.0
+        acc = c.engine.evaluations.evals[-1][2] if c.engine.evaluations.evals else 0.0
         return driver.assembled >= 5 and acc > 0.7
 
     await c.wait_for(trained, 180, "5 assembled replica steps and accuracy > 0.7")
-    assert c.engine.policy_state.pipelines != ()
+    assert c.engine.host.state.pipelines != ()
 
     def only_replica_steps() -> bool:  # it never trained as a data-parallel worker
-        return c.engine.stats[poor].pushes == driver.assembled_by.get(poor, 0)
+        return c.engine.members.stats[poor].pushes == driver.assembled_by.get(poor, 0)
 
     await c.wait_for(only_replica_steps, 30, "the poor worker's pushes to be replica steps")

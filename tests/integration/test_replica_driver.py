@@ -28,8 +28,8 @@ pytestmark = pytest.mark.slow
 async def test_a_replica_trains_beside_dp_and_falls_back_when_a_stage_dies(cluster) -> None:  # type: ignore[no-untyped-def]
     c = await cluster("asp", model="hetd.zoo.blocks:mlp_model")
     procs = [await c.spawn(1.0, 0.01) for _ in range(3)]
-    await c.wait_for(lambda: len(c.engine.facts) == 3, 120, "3 workers to join")
-    by_name = {f.name.split("-")[0]: w for w, f in c.engine.facts.items()}
+    await c.wait_for(lambda: len(c.engine.members.facts) == 3, 120, "3 workers to join")
+    by_name = {f.name.split("-")[0]: w for w, f in c.engine.members.facts.items()}
     w0, w1 = by_name["w0"], by_name["w1"]
     driver = c.daemon.replicas
     assert driver is not None
@@ -64,10 +64,14 @@ async def test_a_replica_trains_beside_dp_and_falls_back_when_a_stage_dies(clust
             assert r.status == 200 and (await r.json())["members"] == [w0, w1]
         # counted from here: the members' data-parallel pushes before the replica formed are
         # theirs (under load a member may push several while the request is under way)
-        a0, p1, s0 = c.engine.stats[w0].applied, c.engine.stats[w1].pushes, driver.assembled
+        a0, p1, s0 = (
+            c.engine.members.stats[w0].applied,
+            c.engine.members.stats[w1].pushes,
+            driver.assembled,
+        )
 
     def trained() -> bool:  # digits to the demo's target, with the replica's steps in it
-        acc = c.engine.evals[-1][2] if c.engine.evals else 0.0
+        acc = c.engine.evaluations.evals[-1][2] if c.engine.evaluations.evals else 0.0
         return driver.assembled >= 10 and acc >= DemoOptions().target
 
     await c.wait_for(
@@ -75,8 +79,8 @@ async def test_a_replica_trains_beside_dp_and_falls_back_when_a_stage_dies(clust
     )
     assert driver.aborted == 0, driver.dropped
     # staged, the two run replica steps only (one data-parallel push may have been under way)
-    assert c.engine.stats[w0].applied - a0 - (driver.assembled - s0) in (0, 1)
-    assert c.engine.stats[w1].pushes - p1 in (0, 1)
+    assert c.engine.members.stats[w0].applied - a0 - (driver.assembled - s0) in (0, 1)
+    assert c.engine.members.stats[w1].pushes - p1 in (0, 1)
 
     # step 1's two slices: disjoint, covering, and the whole model's gradient on its samples
     first = {w: m for w, m in slices if m["step"] == 1}
@@ -107,10 +111,12 @@ async def test_a_replica_trains_beside_dp_and_falls_back_when_a_stage_dies(clust
     procs[1].kill()  # stage 1 dies mid-run
     await c.wait_for(lambda: not driver.members, 60, "the replica to dissolve")
     assert driver.aborted == 1
-    assembled, applied = driver.assembled, c.engine.stats[w0].applied
+    assembled, applied = driver.assembled, c.engine.members.stats[w0].applied
     # stage 0 goes back to data-parallel steps: its own pushes are applied again
     await c.wait_for(
-        lambda: c.engine.stats[w0].applied >= applied + 5, 90, "stage 0's data-parallel pushes"
+        lambda: c.engine.members.stats[w0].applied >= applied + 5,
+        90,
+        "stage 0's data-parallel pushes",
     )
     assert driver.assembled == assembled  # the lost step was never applied, nor any part of it
     assert c.daemon.relay.routes == {}
@@ -122,4 +128,4 @@ async def test_a_replica_trains_beside_dp_and_falls_back_when_a_stage_dies(clust
     assert f"hetd_replica_steps_assembled {float(assembled)}" in text
     assert "hetd_replica_steps_aborted 1.0" in text
     assert "hetd_relay_frames " in text and "hetd_relay_dropped " in text
-    assert c.engine.updates_applied == c.engine.store.version
+    assert c.engine.applier.updates_applied == c.engine.store.version

@@ -16,9 +16,12 @@ async def test_worker_with_half_the_memory_gets_the_smaller_batch(cluster) -> No
     )
     await c.spawn(1.0, 0.02, "--emulate-memory", str(100_000_000))
     await c.spawn(1.0, 0.02, "--emulate-memory", str(25_000_000))
-    await c.wait_for(lambda: len(c.engine.facts) == 2, 60, "2 workers to join")
+    await c.wait_for(lambda: len(c.engine.members.facts) == 2, 60, "2 workers to join")
     await c.wait_for(lambda: c.engine.view().min_clock() >= 8, 60, "8 rounds")
-    batches = {c.engine.facts[w].free_mem: c.engine.plans[w].batch_size for w in c.engine.facts}
+    batches = {
+        c.engine.members.facts[w].free_mem: c.engine.members.plans[w].batch_size
+        for w in c.engine.members.facts
+    }
     assert batches[25_000_000] <= 20
     assert batches[25_000_000] < batches[100_000_000]
     assert sum(batches.values()) == 64
@@ -29,16 +32,19 @@ async def mean_idle(cluster, pipeline: bool) -> float:  # type: ignore[no-untype
     # One worker, so that only its own push and reply can make it wait (two would also wait for
     # each other at the round barrier, which pipelining does not hide).
     await c.spawn(1.0, 0.03, "--emulate-bandwidth", "2MB/s")
-    await c.wait_for(lambda: len(c.engine.facts) == 1, 60, "the worker to join")
+    await c.wait_for(lambda: len(c.engine.members.facts) == 1, 60, "the worker to join")
     # Past start-up (compilation, the first plan) before measuring.
     await c.wait_for(lambda: c.engine.view().min_clock() >= 8, 60, "8 rounds")
-    start = {w: (c.engine.stats[w].worker_idle_s, c.engine.stats[w].pushes) for w in c.engine.facts}
+    start = {
+        w: (c.engine.members.stats[w].worker_idle_s, c.engine.members.stats[w].pushes)
+        for w in c.engine.members.facts
+    }
     await c.wait_for(lambda: c.engine.view().min_clock() >= 40, 90, "40 rounds")
     idle = pushes = 0.0
     for w, (i0, p0) in start.items():
-        idle += c.engine.stats[w].worker_idle_s - i0
-        pushes += c.engine.stats[w].pushes - p0
-    assert all(bool(c.engine.plans[w].pipeline) == pipeline for w in c.engine.facts)
+        idle += c.engine.members.stats[w].worker_idle_s - i0
+        pushes += c.engine.members.stats[w].pushes - p0
+    assert all(bool(c.engine.members.plans[w].pipeline) == pipeline for w in c.engine.members.facts)
     await stop_processes(c.procs)
     await c.daemon.stop()
     return idle / pushes

@@ -99,7 +99,7 @@ async def test_shared_memory_both_ways_and_nothing_left() -> None:
                 refused = await _reply_to(raw, 70 + i)
                 assert refused.type == "error", (list(forged)[i], refused)
                 assert f"push_ref {70 + i}" in refused["message"], refused
-            assert daemon.engine.updates_applied == 0  # nothing of them was applied
+            assert daemon.engine.applier.updates_applied == 0  # nothing of them was applied
             await raw.send_bytes(wire.encode("push_ref", 77, **ref.fields()))  # the real one
             assert (await _reply_to(raw, 77))["status"] == "applied"
             # ... and the parameters it made come as a reference to the daemon's ring.

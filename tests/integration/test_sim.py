@@ -80,7 +80,7 @@ def test_time_charged_follows_the_scenario() -> None:
     assert profile[1] - profile[0] == pytest.approx(3 * step)
     assert compute[1] - compute[0] == pytest.approx(step)
     assert push[1] - push[0] == pytest.approx(link, rel=0.01)
-    (facts,) = run.engine.facts.values()
+    (facts,) = run.engine.members.facts.values()
     assert facts.profile is not None and facts.profile["sample_s"] == pytest.approx(step / 32)
     per_step = spans[5][0] - spans[2][0]
     assert per_step == pytest.approx(step + 2 * link, rel=0.01)
@@ -152,11 +152,13 @@ def test_ssp_in_the_sim_releases_exactly_by_its_rule(monkeypatch: pytest.MonkeyP
 def test_bsp_in_the_sim_moves_in_lockstep() -> None:
     run = run_sim(digits_s1(budget_s=2.0), PolicySpec("bsp"))
     engine = run.engine
-    clocks = [f.clock for f in engine.facts.values()]
+    clocks = [f.clock for f in engine.members.facts.values()]
     assert max(clocks) - min(clocks) <= 1
     assert engine.meters.max_release_gap == 0
-    assert all(s.buffered == s.pushes and s.applied == 0 for s in engine.stats.values())
-    assert engine.updates_applied == min(clocks) == engine.store.version  # one version per round
+    assert all(s.buffered == s.pushes and s.applied == 0 for s in engine.members.stats.values())
+    assert (
+        engine.applier.updates_applied == min(clocks) == engine.store.version
+    )  # one version per round
     assert run.result.staleness_mean == 0.0
     # the fast workers wait for the slowest (x4) most of the time
     idle = run.result.idle_fraction
@@ -169,7 +171,7 @@ def test_a_pipelined_worker_is_not_idle_while_it_computes() -> None:
     reports it with each push), so the x4 worker, which computes all the time, is barely idle;
     it was counted idle ~80 % of the run."""
     run = run_sim(digits_s1(budget_s=2.0), PolicySpec("hps"))
-    assert any(p.pipeline for p in run.engine.plans.values()), "nothing pipelined"
+    assert any(p.pipeline for p in run.engine.members.plans.values()), "nothing pipelined"
     assert max(run.result.idle_fraction.values()) < 0.3, run.result.idle_fraction
 
 
@@ -191,7 +193,7 @@ def test_a_pipelined_worker_computes_while_its_push_makes_the_round_trip() -> No
 
     plain = run_sim(sc, PolicySpec("hps", (("pipeline", False),)), costs=costs)
     piped = run_sim(sc, PolicySpec("hps"), costs=costs)
-    assert any(p.pipeline for p in piped.engine.plans.values())
+    assert any(p.pipeline for p in piped.engine.members.plans.values())
     assert period(plain) > step + exchange  # compute, then the whole round trip
     assert period(piped) == pytest.approx(step, rel=0.05)  # the round trip (< a step) hidden
     # the device's idle time is the wait: a real worker reports it with each push
@@ -261,7 +263,10 @@ def test_a_hundred_workers_get_through_fifteen_virtual_seconds() -> None:
     print(f"\n100 workers, 15 virtual s, ssp: {run.pushes} pushes in {wall:.1f} s real time")
     assert run.virtual_s == sc.budget_s == 15.0
     assert run.result.curve[-1][0] == 15.0
-    assert len(run.engine.facts) == 100 and min(f.clock for f in run.engine.facts.values()) > 50
+    assert (
+        len(run.engine.members.facts) == 100
+        and min(f.clock for f in run.engine.members.facts.values()) > 50
+    )
     assert run.result.final_accuracy > 0.9
 
 

@@ -44,7 +44,7 @@ def recorder(monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 def forecasts(run: SimRun) -> tuple[Forecast, ...]:
-    seen: tuple[Forecast, ...] = run.engine.policy_state[1]
+    seen: tuple[Forecast, ...] = run.engine.host.state[1]
     return seen
 
 

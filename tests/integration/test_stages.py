@@ -24,13 +24,18 @@ async def test_ashl_moves_through_its_stages_and_keeps_learning(cluster) -> None
     c = await cluster("ashl", {"switch_loss": 0.5, "profile_pushes": 3})
     await c.spawn(1.0, 0.01)
     await c.spawn(2.0, 0.01)
-    await c.wait_for(lambda: len(c.engine.facts) == 2, 60, "2 workers to join")
-    await c.wait_for(lambda: c.engine.stage == "AHL", 60, "the AHL stage")
-    ahl_at = len(c.engine.evals)
-    await c.wait_for(lambda: c.engine.stage == "SHL", 90, "the SHL stage")
-    shl_at = len(c.engine.evals)
-    before = {w: (c.engine.stats[w].bytes_in, c.engine.stats[w].pushes) for w in c.engine.facts}
-    await c.wait_for(lambda: len(c.engine.evals) >= shl_at + 6, 60, "6 evaluations in SHL")
+    await c.wait_for(lambda: len(c.engine.members.facts) == 2, 60, "2 workers to join")
+    await c.wait_for(lambda: c.engine.host.stage == "AHL", 60, "the AHL stage")
+    ahl_at = len(c.engine.evaluations.evals)
+    await c.wait_for(lambda: c.engine.host.stage == "SHL", 90, "the SHL stage")
+    shl_at = len(c.engine.evaluations.evals)
+    before = {
+        w: (c.engine.members.stats[w].bytes_in, c.engine.members.stats[w].pushes)
+        for w in c.engine.members.facts
+    }
+    await c.wait_for(
+        lambda: len(c.engine.evaluations.evals) >= shl_at + 6, 60, "6 evaluations in SHL"
+    )
 
     assert _transitions(c) == ["profile", "AHL", "SHL"]
     # The engine logs each switch with its time, and status shows them to operators.
@@ -39,10 +44,10 @@ async def test_ashl_moves_through_its_stages_and_keeps_learning(cluster) -> None
     assert 0 < switches[-2]["at_s"] < switches[-1]["at_s"], switches
     state = c.engine.status()["policy_state"]
     assert state["switch_reason"] in ("threshold", "plateau")
-    plans = {w: c.engine.plans[w] for w in c.engine.facts}
+    plans = {w: c.engine.members.plans[w] for w in c.engine.members.facts}
     assert all(p.local_steps >= 1 and 0 < p.topk <= 1 for p in plans.values()), plans
     assert all(p.stage == "SHL" for p in plans.values()), plans
-    accs = [a for _, _, a in c.engine.evals]
+    accs = [a for _, _, a in c.engine.evaluations.evals]
     at_ahl = max(accs[: ahl_at + 1])
     at_shl = max(accs[ahl_at : shl_at + 1])
     final = max(accs[-3:])
@@ -54,13 +59,15 @@ async def test_ashl_moves_through_its_stages_and_keeps_learning(cluster) -> None
     slowest = min(plans, key=lambda w: plans[w].topk)
     assert plans[slowest].topk <= 0.25 + 1e-9, plans
     b0, p0 = before[slowest]
-    st = c.engine.stats[slowest]
+    st = c.engine.members.stats[slowest]
     assert st.pushes > p0
     assert (st.bytes_in - b0) / (st.pushes - p0) < 0.75 * dense, st
     # Operators see each worker's H, rho and share, and when each stage began, in /metrics.
     m = Metrics(c.engine)
     m.sample()
-    sampled = {w: c.engine.plans[w].to_wire() for w in c.engine.facts}  # no await in between
+    sampled = {
+        w: c.engine.members.plans[w].to_wire() for w in c.engine.members.facts
+    }  # no await in between
     fams = {f.name: f for f in text_string_to_metric_families(m.render().decode())}
     for family, field in (
         ("hetd_worker_local_steps", "local_steps"),
@@ -77,10 +84,10 @@ async def test_adsp_equalises_commit_counts(cluster) -> None:  # type: ignore[no
     c = await cluster("adsp", {"period_steps": 10, "profile_pushes": 3})
     await c.spawn(1.0, 0.01)
     await c.spawn(3.0, 0.01)
-    await c.wait_for(lambda: len(c.engine.facts) == 2, 60, "2 workers to join")
-    await c.wait_for(lambda: c.engine.stage == "ADSP", 60, "the ADSP stage")
+    await c.wait_for(lambda: len(c.engine.members.facts) == 2, 60, "2 workers to join")
+    await c.wait_for(lambda: c.engine.host.stage == "ADSP", 60, "the ADSP stage")
     # Commits count from the stage's start: so do the samples each worker computes from here.
-    at_stage = {w: f.samples for w, f in c.engine.facts.items()}
+    at_stage = {w: f.samples for w, f in c.engine.members.facts.items()}
 
     def commits() -> dict[int, int]:
         rows = c.engine.status()["policy_state"]["workers"]
@@ -88,10 +95,10 @@ async def test_adsp_equalises_commit_counts(cluster) -> None:  # type: ignore[no
 
     await c.wait_for(lambda: min(commits().values(), default=0) >= 40, 120, "40 commits each")
     counts = commits()
-    by_name = {f.name: w for w, f in c.engine.facts.items()}
+    by_name = {f.name: w for w, f in c.engine.members.facts.items()}
     fast = next(w for n, w in by_name.items() if n.endswith("-x1"))
     slow = next(w for n, w in by_name.items() if n.endswith("-x3"))
-    done = {w: c.engine.facts[w].samples - at_stage[w] for w in (fast, slow)}
+    done = {w: c.engine.members.facts[w].samples - at_stage[w] for w in (fast, slow)}
     # Without quotas each push is one step and the faster worker commits as much more often as it
     # computes more. ADSP spends the fast worker's extra speed on local steps instead: relative to
     # the work each one actually did (on a loaded machine the slow one may be starved for seconds,
@@ -99,4 +106,4 @@ async def test_adsp_equalises_commit_counts(cluster) -> None:  # type: ignore[no
     # commits less often per sample than the slow one.
     per_commit = {w: done[w] / counts[w] for w in (fast, slow)}
     assert per_commit[fast] > per_commit[slow], (counts, done)
-    assert c.engine.evals[-1][2] > c.engine.evals[0][2]
+    assert c.engine.evaluations.evals[-1][2] > c.engine.evaluations.evals[0][2]

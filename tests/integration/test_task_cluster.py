@@ -69,10 +69,10 @@ async def test_a_task_trains_to_its_target_and_comes_out_in_its_own_structure(
 
     # schedules advance once per applied update: the optimizer's own count says so
     await stop_processes(c.procs)
-    await c.wait_for(lambda: not c.engine.facts, 30, "the workers to leave")
+    await c.wait_for(lambda: not c.engine.members.facts, 30, "the workers to leave")
     _, opt_state, version = c.engine.store.state()
     counts = [int(leaf) for leaf in _count_leaves(opt_state)]
-    assert counts and all(n == c.engine.updates_applied for n in counts), (counts, version)
+    assert counts and all(n == c.engine.applier.updates_applied for n in counts), (counts, version)
 
     # hetd export writes the user's tree: a list of two weights and a 0-d bias
     code, _, err = await hetd_cli("export", "--out", "out", "--admin-url", c.admin_url)
@@ -128,7 +128,7 @@ async def test_a_worker_whose_data_fails_exits_and_the_daemon_goes_on(cluster: A
     assert code == 2 and "train_data failed: OSError: the data disk went away" in err, err
     good = await _worker(c.url, LINREG)
     c.procs.append(good)
-    await c.wait_for(lambda: c.engine.updates_applied >= 5, 120, "a good worker's updates")
+    await c.wait_for(lambda: c.engine.applier.updates_applied >= 5, 120, "a good worker's updates")
     assert [w["shard"] for w in c.engine.workers()] == [[0, 1]]  # alone: all of the data
 
 
@@ -145,7 +145,11 @@ async def test_nan_metrics_show_as_null_and_training_goes_on(cluster: Any) -> No
         del os.environ["HETD_TEST_TASK_VARIANT"]
         importlib.reload(linreg)
     c.procs.append(await _worker(c.url, "tests.tasks.linreg:task", variant="nan_eval"))
-    await c.wait_for(lambda: c.engine.updates_applied >= 5 and bool(c.engine.evals), 120, "updates")
+    await c.wait_for(
+        lambda: c.engine.applier.updates_applied >= 5 and bool(c.engine.evaluations.evals),
+        120,
+        "updates",
+    )
     code, out, err = await hetd_cli("status", "--json", "--admin-url", c.admin_url)
     assert code == 0, err
     status = json.loads(out)

@@ -111,7 +111,7 @@ async def test_workers_and_admin_over_tls(
     assert "certificate was not accepted" in err and "--ca" in err, err
     assert "Traceback" not in err, err
 
-    await c.wait_for(lambda: c.engine.updates_applied >= 5, 30, "5 updates over wss://")
+    await c.wait_for(lambda: c.engine.applier.updates_applied >= 5, 30, "5 updates over wss://")
     assert await asyncio.wait_for(right.wait(), 30) == 0
     assert not c.daemon._stopped
 

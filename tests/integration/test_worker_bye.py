@@ -71,18 +71,18 @@ async def test_a_bye_the_daemon_reads_late_is_a_leave_with_its_last_push(
         )
         (wid,) = c.engine.members.active
         for _ in range(5):  # the daemon writes to it before it reads again: new parameters
-            c.engine.submit(cmd.Resend(wid))
+            c.engine.queue.submit(cmd.Resend(wid))
             await asyncio.sleep(0.05)
         transport = requests[-1].transport
         if transport is not None:
             transport.resume_reading()
-        await until(lambda: bool(c.engine.departures), "the worker to leave")
+        await until(lambda: bool(c.engine.members.departures), "the worker to leave")
         await asyncio.wait_for(proc.wait(), 60)
         await asyncio.wait_for(reader, 60)
     finally:
         reader.cancel()
     text = "".join(log)
-    ((_, _, reason),) = c.engine.departures
+    ((_, _, reason),) = c.engine.members.departures
     assert reason == "max steps reached", (reason, text[-3000:])
-    assert c.engine.updates_applied == STEPS  # the push sent before the bye too
+    assert c.engine.applier.updates_applied == STEPS  # the push sent before the bye too
     assert proc.returncode == 0 and f"done after {STEPS} pushes" in text, text[-3000:]

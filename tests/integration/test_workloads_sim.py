@@ -31,7 +31,7 @@ TINY_LM = {
 def test_a_transformer_reaches_a_loss_target_between_evaluations() -> None:
     sc = from_mapping(TINY_LM)
     run = run_sim(sc, PolicySpec("asp", ()), seed=0)
-    r, evals = run.result, run.engine.evals
+    r, evals = run.result, run.engine.evaluations.evals
     assert evals[0][1] > math.log(256) - 0.5  # starts near 8 bits per byte
     assert evals[-1][1] < sc.target_loss  # it learned the text
     assert r.tta_s is not None

@@ -75,7 +75,7 @@ def trained_engine() -> Engine:
         stage="shl",
     )
     assert e.join(hello(1, "fast"), FakePeer()) == 1  # the fast one is back: active again, clock 12
-    assert e.facts[1].clock == 12 and set(e.departed) == {2}
+    assert e.members.facts[1].clock == 12 and set(e.members.departed) == {2}
     return e
 
 
@@ -98,18 +98,18 @@ def test_engine_state_round_trips_through_the_file_format() -> None:
     assert type(o2) is type(o1)
     for a, b in zip(leaves(o1), leaves(o2), strict=True):
         np.testing.assert_array_equal(a, b)
-    assert fresh.policy.describe() == {
+    assert fresh.host.policy.describe() == {
         "name": "ssp",
         "params": {"staleness": 5, "weight": None, "patience": 10.0},
     }
-    assert fresh.stage == "shl" and fresh.updates_applied == 5
+    assert fresh.host.stage == "shl" and fresh.applier.updates_applied == 5
     # Both the active and the departed worker can resume, with their clocks; new ids come after.
-    assert {w: (f.name, f.clock) for w, f in fresh.departed.items()} == {
+    assert {w: (f.name, f.clock) for w, f in fresh.members.departed.items()} == {
         1: ("fast", 12),
         2: ("slow", 7),
     }
-    assert not fresh.facts and fresh.state().next_id == 3
-    assert fresh.buffered() == 1
+    assert not fresh.members.facts and fresh.state().next_id == 3
+    assert fresh.applier.buffered() == 1
     ((kind, sums),) = fresh.applier.buffers[4].take(normalize=True)
     assert kind == "grad"
     np.testing.assert_allclose(sums["dense/w"], 2.0)
@@ -202,7 +202,7 @@ def test_an_unknown_saved_policy_keeps_the_configured_one(
     fresh = make_engine()
     with caplog.at_level(logging.WARNING, "hetd.server.checkpoint"):
         checkpoint.restore_engine(fresh, state)
-    assert fresh.store.version == 5 and fresh.policy.name == "ssp"
+    assert fresh.store.version == 5 and fresh.host.policy.name == "ssp"
     assert "gone-plugin" in caplog.text
 
 
@@ -210,11 +210,13 @@ def test_a_returning_worker_gets_its_clock_back_never_below_the_slowest() -> Non
     e = make_engine()
     know(e, {4: ("w", 9), 5: ("v", 2)}, next_id=6)
     assert e.join(hello(4), FakePeer()) == 4
-    assert e.facts[4].clock == 9  # alone: exactly its saved clock
+    assert e.members.facts[4].clock == 9  # alone: exactly its saved clock
     assert e.join(hello(5), FakePeer()) == 5
-    assert e.facts[5].clock == 9  # behind the active minimum: starts there, holds nobody back
+    assert (
+        e.members.facts[5].clock == 9
+    )  # behind the active minimum: starts there, holds nobody back
     new = e.join(hello(None), FakePeer())
-    assert new == 6 and e.facts[new].clock == 9  # a new worker: the engine's own rule
+    assert new == 6 and e.members.facts[new].clock == 9  # a new worker: the engine's own rule
     assert e.join(hello(77), FakePeer()) == 7  # an unknown id is a new worker
 
 
@@ -257,12 +259,12 @@ if "test-counting" not in policy_names():
 
 def test_a_serialisable_policy_state_is_restored() -> None:
     e = make_engine()
-    e.policy = make_policy("test-counting")
-    e.policy_state = Counts(np.array([4, 5, 6]), 7)
+    e.host.policy = make_policy("test-counting")
+    e.host.state = Counts(np.array([4, 5, 6]), 7)
     fresh = make_engine()
     checkpoint.restore_engine(
         fresh, checkpoint.decode(checkpoint.encode(checkpoint.engine_state(e)))
     )
-    assert fresh.policy.name == "test-counting"
-    assert isinstance(fresh.policy_state, Counts) and fresh.policy_state.rounds == 7
-    np.testing.assert_array_equal(fresh.policy_state.seen, [4, 5, 6])
+    assert fresh.host.policy.name == "test-counting"
+    assert isinstance(fresh.host.state, Counts) and fresh.host.state.rounds == 7
+    np.testing.assert_array_equal(fresh.host.state.seen, [4, 5, 6])

@@ -97,7 +97,7 @@ def test_deferred_keeps_the_grid_and_evaluates_it_as_live_would() -> None:
     live, live_clock = engine(count.wrap(make_policy("asp")))
     deferred, clock = engine(make_policy("asp"))
     kept = KeptSnapshots()
-    deferred.keep_evals(kept)
+    deferred.evaluations.keep(kept, deferred.host.policy)
     for k in range(1, 5):
         for e, c in ((live, live_clock), (deferred, clock)):
             e.store.restore(
@@ -107,10 +107,10 @@ def test_deferred_keeps_the_grid_and_evaluates_it_as_live_would() -> None:
             )
             c.t += 2.0
             e.tick()
-    assert not deferred.evals and len(kept) == 4  # nothing evaluated during the run
+    assert not deferred.evaluations.evals and len(kept) == 4  # nothing evaluated during the run
     assert count.evals == 4  # the live engine's policy saw each evaluation
     got = [(t - deferred.started_at, loss, acc) for t, loss, acc in kept.evaluate(total)]
-    assert got == live.evals
+    assert got == live.evaluations.evals
 
 
 def test_a_policy_that_reads_evals_is_evaluated_live() -> None:
@@ -123,10 +123,10 @@ def test_a_policy_that_reads_evals_is_evaluated_live() -> None:
     count = Counting()
     e, clock = engine(count.wrap(ashl))
     with pytest.raises(ValueError, match="reads Eval events"):
-        e.keep_evals(KeptSnapshots())
+        e.evaluations.keep(KeptSnapshots(), e.host.policy)
     clock.t += 2.0
     e.tick()
-    assert count.evals == 1 and len(e.evals) == 1
+    assert count.evals == 1 and len(e.evaluations.evals) == 1
 
 
 def test_the_real_benchs_recorder_keeps_what_the_policy_reads() -> None:

@@ -48,7 +48,7 @@ def test_a_memory_poor_worker_released_for_a_whole_model_step_leaves_out_of_memo
     poor = [w for w in run.workers if w.spec.memory is not None]
     assert poor and all(w.gone is not None and w.steps == 0 for w in poor)
     for w in poor:
-        assert w.wid not in run.engine.facts  # it left: lbbsp goes on with the others
+        assert w.wid not in run.engine.members.facts  # it left: lbbsp goes on with the others
     fit = [w for w in run.workers if w.spec.memory is None]
     assert all(w.gone is None and w.steps > 5 for w in fit)
     assert OUT_OF_MEMORY.startswith("out of memory")
@@ -59,12 +59,12 @@ def test_dpmp_runs_the_memory_poor_workers_as_a_pipeline_replica_in_the_simulato
     run = run_sim(from_mapping(TINY), PolicySpec("dpmp"), seed=0)
     poor = {w.wid for w in run.workers if w.spec.memory is not None}
     assert all(w.gone is None for w in run.workers)  # nobody was asked for a step it cannot hold
-    assert [frozenset(m) for m in run.engine.replicas.values()] == [frozenset(poor)]
-    head = next(iter(run.engine.replicas))
-    stats = run.engine.stats[head]
+    assert [frozenset(m) for m in run.engine.pipelines.view.values()] == [frozenset(poor)]
+    head = next(iter(run.engine.pipelines.view))
+    stats = run.engine.members.stats[head]
     assert stats.pushes >= 5  # the replica's assembled steps, as its head's pushes
     later = (poor - {head}).pop()
-    assert run.engine.stats[later].pushes == 0  # a later stage pushes nothing of its own
+    assert run.engine.members.stats[later].pushes == 0  # a later stage pushes nothing of its own
     assert run.result.final_accuracy > 0.3
 
 

@@ -47,10 +47,10 @@ def _engine_with_a_replica_runner() -> tuple[Engine, FakeClock, list[tuple[Repli
 
     def regroup(shapes: tuple[ReplicaShape, ...]) -> None:
         formed.append(shapes)
-        for head in list(engine.replicas):
-            if not shapes or shapes[0].members != engine.replicas[head]:
+        for head in list(engine.pipelines.view):
+            if not shapes or shapes[0].members != engine.pipelines.view[head]:
                 engine.dissolve_replica(head, "regrouped")
-        if shapes and shapes[0].members[0] not in engine.replicas:
+        if shapes and shapes[0].members[0] not in engine.pipelines.view:
             engine.form_replica(shapes[0].members)
 
     engine.pipelines.regroup_to = regroup
@@ -86,29 +86,29 @@ def test_dpmp_pairs_the_memory_poor_worker_and_runs_rounds_over_replicas() -> No
     assert ids["poor"] in shape.members and len(shape.members) == 2
     head = shape.members[0]
     other = next(w for w in (ids["a"], ids["b"]) if w not in shape.members)
-    assert engine.replicas == {head: shape.members}
-    assert set(engine.facts) == {head, other}  # the poor worker's stage is not in the view
-    state = engine.policy_state
+    assert engine.pipelines.view == {head: shape.members}
+    assert set(engine.members.facts) == {head, other}  # the poor worker's stage is not in the view
+    state = engine.host.state
     assert set(state.working) == {head, other}
     version = engine.store.version
     for _ in range(3):  # rounds: one push of the replica, one of the data-parallel worker
         push(head, shape.micro * shape.micro_batches)
         assert engine.store.version == version  # the round waits for the other
-        push(other, engine.plans[other].batch_size)
+        push(other, engine.members.plans[other].batch_size)
         version += 1
         assert engine.store.version == version
     assert steps == [head] * 3  # each round released the replica's next step once
-    assert engine.policy.describe()["name"] == "dpmp"
+    assert engine.host.policy.describe()["name"] == "dpmp"
 
     asked = len(formed)
     engine.leave(ids["poor"], "killed")  # the stage dies: data parallel again, no stall
-    assert engine.replicas == {}
+    assert engine.pipelines.view == {}
     push(head)  # the replica's round ends without the replica's step; the next one is planned
     push(other)
     assert engine.store.version > version
     assert all(ids["poor"] not in s.members for shapes in formed[asked:] for s in shapes)
-    assert engine.policy_state.pipelines == ()
-    assert set(engine.policy_state.working) == {ids["a"], ids["b"]}
+    assert engine.host.state.pipelines == ()
+    assert set(engine.host.state.working) == {ids["a"], ids["b"]}
 
 
 def test_a_worker_that_runs_no_stages_is_never_put_in_a_replica() -> None:
@@ -127,7 +127,7 @@ def test_a_worker_that_runs_no_stages_is_never_put_in_a_replica() -> None:
             base = engine.store.version
             engine.push(PushIn(w, pid, base, "grad", grads, 32, 1, 0.1, None, None, 1))
     assert all(s == () for s in formed)  # no replica asked for
-    assert set(engine.policy_state.working) == {ids["a"], ids["b"]}  # the poor one idles
+    assert set(engine.host.state.working) == {ids["a"], ids["b"]}  # the poor one idles
     assert engine.store.version >= 2
     with pytest.raises(ValueError, match="stages"):
         engine.form_replica([ids["a"], ids["poor"]])
@@ -161,7 +161,7 @@ def test_a_replica_its_driver_gave_up_on_neither_stalls_the_round_nor_runs_as_dp
     (shape,) = formed[-1]
     members = shape.members
     other = next(w for w in (ids["a"], ids["b"]) if w not in members)
-    assert engine.replicas == {members[0]: members}
+    assert engine.pipelines.view == {members[0]: members}
     engine.dissolve_replica(members[0], "step 1 was not complete")  # the driver gave up
     sent = {w: len(peers[w].frames) for w in members}
     for w in members:  # the workers drop their slices and ask for parameters
@@ -170,8 +170,8 @@ def test_a_replica_its_driver_gave_up_on_neither_stalls_the_round_nor_runs_as_dp
     push(other)  # the round's only running participant: it ends the round
     assert engine.store.version == version + 1, "the round waits for a replica that is gone"
     assert {w: len(peers[w].frames) for w in members} == sent  # nobody ran as data parallel
-    assert engine.replicas == {members[0]: members}  # the next round formed it again
-    assert set(engine.policy_state.working) == {members[0], other}
+    assert engine.pipelines.view == {members[0]: members}  # the next round formed it again
+    assert set(engine.host.state.working) == {members[0], other}
 
 
 def test_on_a_model_that_is_not_block_structured_shares_follow_measured_speed() -> None:
@@ -193,13 +193,13 @@ def test_on_a_model_that_is_not_block_structured_shares_follow_measured_speed() 
         for name, wid in ids.items():
             pid += 1
             clock.t += 0.01
-            b = engine.plans[wid].batch_size
+            b = engine.members.plans[wid].batch_size
             grads = {k: np.full(s, 1e-3, np.float32) for k, s in shapes.items()}
             base = engine.store.version
             engine.push(
                 PushIn(wid, pid, base, "grad", grads, b, 1, b * sample_s[name], None, None, 1)
             )
-    batch = {name: engine.plans[wid].batch_size for name, wid in ids.items()}
+    batch = {name: engine.members.plans[wid].batch_size for name, wid in ids.items()}
     assert sum(batch.values()) == 256
     assert batch["fast"] > batch["mid"] > batch["slow"], batch
     finish = [batch[n] * sample_s[n] for n in batch]
@@ -224,21 +224,21 @@ def test_a_worker_planned_out_while_slow_keeps_a_probe_share_and_gets_work_back(
     def round_(sample_s: dict[str, float]) -> None:
         nonlocal pid
         for name, wid in ids.items():
-            if wid not in engine.policy_state.working:
+            if wid not in engine.host.state.working:
                 continue
             pid += 1
             clock.t += 0.01
-            b = engine.plans[wid].batch_size
+            b = engine.members.plans[wid].batch_size
             grads = {k: np.full(s, 1e-3, np.float32) for k, s in shapes.items()}
             base = engine.store.version
             engine.push(
                 PushIn(wid, pid, base, "grad", grads, b, 1, b * sample_s[name], None, None, 1)
             )
-        shares.append(engine.plans[ids["straggler"]].batch_size)
+        shares.append(engine.members.plans[ids["straggler"]].batch_size)
 
     for _ in range(4):  # 100x slower than the others: no share worth its time
         round_({"a": 1e-4, "b": 1e-4, "straggler": 1e-2})
-    assert ids["straggler"] in engine.policy_state.working  # still pushing: a probe share
+    assert ids["straggler"] in engine.host.state.working  # still pushing: a probe share
     assert 0 < shares[-1] <= PROBE
     for _ in range(10):  # as fast as the others again (its measured speed is smoothed)
         round_({"a": 1e-4, "b": 1e-4, "straggler": 1e-4})
@@ -263,10 +263,10 @@ def test_shares_follow_measured_pushes_over_the_profile_taken_at_the_join() -> N
         for name, wid in ids.items():
             pid += 1
             clock.t += 0.01
-            b = engine.plans[wid].batch_size
+            b = engine.members.plans[wid].batch_size
             s = 1e-4 if name == "a" else 4e-4
             grads = {k: np.full(v, 1e-3, np.float32) for k, v in shapes.items()}
             base = engine.store.version
             engine.push(PushIn(wid, pid, base, "grad", grads, b, 1, b * s, None, None, 1))
-    share = {name: engine.plans[wid].batch_size for name, wid in ids.items()}
+    share = {name: engine.members.plans[wid].batch_size for name, wid in ids.items()}
     assert share["a"] >= 3 * share["b"], share  # 4:1 by speed, within the split's rounding

@@ -112,12 +112,12 @@ class Harness:
             self.ids[name] = e.join(hello(name, resume, secret), self.peers[name])
         elif verb == "push":
             wid = self.ids[name]
-            base = int(rest[1]) if rest[:1] == ["base"] else e.facts[wid].version
+            base = int(rest[1]) if rest[:1] == ["base"] else e.members.facts[wid].version
             grads = {k: np.full(s, 0.5, np.float32) for k, s in SHAPES.items()}
             self.pushes += 1
             e.push(PushIn(wid, self.pushes, base, "grad", grads, 8, 1, 0.1, None, None, 100))
         elif verb == "pull":
-            e.pull(self.ids[name], e.facts[self.ids[name]].version)
+            e.pull(self.ids[name], e.members.facts[self.ids[name]].version)
         elif verb == "leave":
             e.leave(self.ids[name], "bye")
         elif verb == "tick":
@@ -257,7 +257,9 @@ def test_a_join_is_welcomed_with_the_plan_shard_and_setup_and_asked_for_a_profil
     assert welcome.plan.batch_size == 8 and welcome.setup == setup
     assert profile.spec() == {"steps": 3, "batch_size": 8}
     h.engine.profile_result(2, {"sample_s": 0.01, "push_s": -1.0, "bogus": 3.0})
-    assert h.engine.facts[2].profile == {"sample_s": 0.01}  # negative and unknown keys dropped
+    assert h.engine.members.facts[2].profile == {
+        "sample_s": 0.01
+    }  # negative and unknown keys dropped
 
 
 def test_a_departed_worker_keeps_its_entry_out_of_the_view() -> None:
@@ -267,10 +269,12 @@ def test_a_departed_worker_keeps_its_entry_out_of_the_view() -> None:
     h.run("push b")
     h.run("leave b")
     e = h.engine
-    assert set(e.facts) == set(e.entries) == set(e.plans) == {1}
-    assert set(e.departed) == {2} and e.departed[2].clock == 1
-    assert set(e.stats) == {1, 2} and e.stats[2].pushes == 1  # its counters stay counted
-    assert e.view().workers == {1: e.facts[1]}
+    assert set(e.members.facts) == set(e.members.entries) == set(e.members.plans) == {1}
+    assert set(e.members.departed) == {2} and e.members.departed[2].clock == 1
+    assert (
+        set(e.members.stats) == {1, 2} and e.members.stats[2].pushes == 1
+    )  # its counters stay counted
+    assert e.view().workers == {1: e.members.facts[1]}
     assert [row["worker"] for row in e.workers()] == [1] and e.status()["workers"] == 1
 
 
@@ -281,7 +285,7 @@ def test_bye_all_says_bye_and_lets_everyone_leave() -> None:
     h.engine.bye_all("daemon stopping")
     for name in "ab":
         assert h.peers[name].got[-2:] == ["bye: daemon stopping", "closed: daemon stopping"]
-    assert not h.engine.facts and set(h.engine.departed) == {1, 2}
+    assert not h.engine.members.facts and set(h.engine.members.departed) == {1, 2}
 
 
 def test_state_and_restore_round_trip_in_memory() -> None:
@@ -300,8 +304,11 @@ def test_state_and_restore_round_trip_in_memory() -> None:
     fresh = Harness.of(make_policy("asp"))
     fresh.engine.restore(st)
     e = fresh.engine
-    assert (e.store.version, e.updates_applied, e.policy.name) == (2, 2, "bsp")
-    assert not e.facts and {w: f.clock for w, f in e.departed.items()} == {1: 2, 2: 1}
+    assert (e.store.version, e.applier.updates_applied, e.host.policy.name) == (2, 2, "bsp")
+    assert not e.members.facts and {w: f.clock for w, f in e.members.departed.items()} == {
+        1: 2,
+        2: 1,
+    }
     for k, v in h.engine.store.snapshot().tensors.items():
         np.testing.assert_array_equal(e.store.snapshot().tensors[k], v)
     assert fresh.run("join x") == {"x": ["welcome 3", "params v2"]}  # new ids after the saved
@@ -314,7 +321,7 @@ def test_restore_refuses_parameters_of_another_model_before_changing_anything() 
     bad = EngineState(**{**{f: getattr(st, f) for f in st.__slots__}, "params": other})
     with pytest.raises(ValueError, match="do not match"):
         h.engine.restore(bad)
-    assert h.engine.stage == "main" and h.engine.policy.name == "asp"
+    assert h.engine.host.stage == "main" and h.engine.host.policy.name == "asp"
 
 
 def test_decode_hello_reads_what_the_engine_needs() -> None:
@@ -351,18 +358,23 @@ def test_decode_hello_reads_what_the_engine_needs() -> None:
 
 
 def test_evaluations_keep_to_their_grid_from_the_anchor() -> None:
-    """At a fixed rate from ``anchor_evals``: a tick that comes late (ticks are 0.25 s apart) does
+    """At a fixed rate from ``evaluations.anchor``: a tick that comes late (ticks are 0.25 s apart) does
     not move the later points, and a point missed entirely is skipped, not caught up."""
     config = dataclasses.replace(CONFIG, eval_interval_s=0.5, eval_inline=True)
     h = Harness.of(make_policy("asp"), config)
     h.engine.evaluations.evaluator = lambda snap: (0.0, 0.5)
     h.clock.t = 10.0
-    h.engine.anchor_evals(10.0)
+    h.engine.evaluations.anchor(10.0)
     for t in (10.3, 10.6, 10.9, 11.05, 12.3, 12.4, 12.55):
         h.clock.t = t
         h.engine.tick()
     started = h.engine.started_at
-    assert [round(t + started, 2) for t, _, _ in h.engine.evals] == [10.6, 11.05, 12.3, 12.55]
+    assert [round(t + started, 2) for t, _, _ in h.engine.evaluations.evals] == [
+        10.6,
+        11.05,
+        12.3,
+        12.55,
+    ]
 
 
 def test_a_worker_link_is_the_fastest_of_its_recent_pushes() -> None:

@@ -48,7 +48,7 @@ FORECAST = Forecast(
 
 
 def forecasts(h: Harness) -> list[Forecast]:
-    return [e for e in h.engine.policy_state[1] if isinstance(e, Forecast)]
+    return [e for e in h.engine.host.state[1] if isinstance(e, Forecast)]
 
 
 def test_a_policy_that_reads_forecasts_gets_one_and_its_decisions_are_carried_out() -> None:
@@ -58,15 +58,15 @@ def test_a_policy_that_reads_forecasts_gets_one_and_its_decisions_are_carried_ou
     h.engine.handle(cmd.Forecast(FORECAST))
     assert forecasts(h) == [FORECAST]
     assert h.peers["a"].got == ["plan batch 7"]  # asp's staleness 5 + 2
-    assert h.engine.plans[h.ids["a"]].batch_size == 7
+    assert h.engine.members.plans[h.ids["a"]].batch_size == 7
 
 
 def test_any_other_policy_never_hears_of_a_forecast() -> None:
     h = Harness.of(recording(reads=False))
     h.run("join a")
-    before = h.engine.policy_state
+    before = h.engine.host.state
     h.engine.handle(cmd.Forecast(FORECAST))
-    assert h.engine.policy_state is before
+    assert h.engine.host.state is before
     assert forecasts(h) == []
 
 
@@ -74,9 +74,9 @@ def test_a_forecast_made_for_a_policy_swapped_out_meanwhile_is_dropped() -> None
     h = Harness.of(recording(reads=True))
     h.run("join a")
     h.engine.swap_policy("asp")
-    state = h.engine.policy_state
+    state = h.engine.host.state
     h.engine.handle(cmd.Forecast(FORECAST))  # asp's update would not know what to do with it
-    assert h.engine.policy_state is state and h.engine.policy.name == "asp"
+    assert h.engine.host.state is state and h.engine.host.policy.name == "asp"
 
 
 def test_the_planner_on_the_engine_view_reaches_the_policy() -> None:

@@ -17,7 +17,6 @@ from hetd.core.applier import Applier
 from hetd.core.decisions import LogMismatch
 from hetd.core.entries import EngineConfig
 from hetd.core.execute import Executor
-from hetd.core.forward import Forward
 from hetd.core.guard import UpdateGuard
 from hetd.core.intake import Intake
 from hetd.core.members import Members
@@ -478,22 +477,6 @@ async def test_the_command_queue_runs_what_is_queued_in_one_batch_and_survives_a
     await asyncio.sleep(0)
     await q.run_batch(lambda c: c.answer() if isinstance(c, cmd.Call) else None)
     assert await done == 42
-
-
-def test_forward_reads_and_writes_through_the_path() -> None:
-    class Part:
-        value = 1
-
-    class Whole:
-        value: Forward[int] = Forward("part.value")
-
-        def __init__(self) -> None:
-            self.part = Part()
-
-    w = Whole()
-    assert w.value == 1
-    w.value = 5
-    assert w.part.value == 5 and isinstance(Whole.value, Forward)
 
 
 def test_members_terms_refuse_before_anything_changes_and_resuming_needs_the_secret() -> None:

@@ -35,7 +35,7 @@ def test_an_inline_evaluation_is_timed_at_its_snapshot() -> None:
     e, clock = engine(inline=True)
     clock.t += 3.0
     e.tick()
-    assert [t for t, _, _ in e.evals] == [3.0]
+    assert [t for t, _, _ in e.evaluations.evals] == [3.0]
     assert clock.t - e.started_at == 3.0 + EVAL_S
 
 
@@ -44,12 +44,12 @@ async def test_a_threaded_evaluation_is_timed_at_its_snapshot() -> None:
     task = asyncio.create_task(e.run())
     try:
         clock.t += 3.0
-        await e.call(e.tick)
+        await e.queue.call(e.tick)
         for _ in range(200):
-            if e.evals:
+            if e.evaluations.evals:
                 break
             await asyncio.sleep(0.01)
-        assert [t for t, _, _ in e.evals[:1]] == [3.0]
+        assert [t for t, _, _ in e.evaluations.evals[:1]] == [3.0]
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

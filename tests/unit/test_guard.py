@@ -60,15 +60,15 @@ def test_a_poisoned_push_is_refused_with_its_id_and_changes_nothing() -> None:
     w = Worker(e)
     for i in range(25):
         assert isinstance(w.push(0.01 * (1 + i % 3)), Ack)
-    before, version, clock = snapshot(e), e.store.version, e.facts[w.wid].clock
+    before, version, clock = snapshot(e), e.store.version, e.members.facts[w.wid].clock
     reply = w.push(1e30)  # finite, and it would destroy the model
     assert isinstance(reply, ErrorReply), reply
     assert (reply.code, reply.id) == ("out_of_range", w.next_id)
     assert "norm" in reply.text
-    assert e.store.version == version and e.facts[w.wid].clock == clock
+    assert e.store.version == version and e.members.facts[w.wid].clock == clock
     for k, v in snapshot(e).items():
         np.testing.assert_array_equal(v, before[k])
-    assert e.stats[w.wid].refused == 1 and e.stats[w.wid].pushes == 25
+    assert e.members.stats[w.wid].refused == 1 and e.members.stats[w.wid].pushes == 25
     assert reply.encode() == wire.error_frame(reply.code, reply.text, reply.id)
     assert isinstance(w.push(0.02), Ack)  # the worker carries on
 
@@ -87,7 +87,7 @@ def test_the_bound_is_k_times_the_median_per_kind() -> None:
     assert isinstance(w.push(5.0 * 90, "delta"), Ack)
     assert isinstance(w.push(5.0 * 150, "delta"), ErrorReply)
     assert isinstance(w.push(0.01 * 90, "grad"), Ack)
-    assert e.stats[w.wid].refused == 2
+    assert e.members.stats[w.wid].refused == 2
 
 
 def test_warm_up_accepts_large_steps_but_never_an_overflowing_one() -> None:

@@ -70,11 +70,11 @@ def test_resuming_a_departed_id_needs_its_secret() -> None:
     for bad in (None, "", "guess", w.secret[:-1] + "x", 12345):
         thief, _ = join(e, hello(w.worker_id, bad))
         assert thief.worker_id != w.worker_id, bad  # a new worker, with a clock of its own
-        assert e.facts[thief.worker_id].clock == 0 and thief.secret != w.secret
+        assert e.members.facts[thief.worker_id].clock == 0 and thief.secret != w.secret
         e.leave(thief.worker_id, "done")
-    assert w.worker_id in e.departed and e.departed[w.worker_id].clock == 4
+    assert w.worker_id in e.members.departed and e.members.departed[w.worker_id].clock == 4
     back, _ = join(e, hello(w.worker_id, w.secret))
-    assert back.worker_id == w.worker_id and e.facts[w.worker_id].clock == 4
+    assert back.worker_id == w.worker_id and e.members.facts[w.worker_id].clock == 4
     assert back.secret == w.secret  # it keeps its secret
 
 
@@ -88,12 +88,12 @@ def test_an_active_id_is_taken_over_only_with_its_secret() -> None:
     back, new_peer = join(e, hello(w.worker_id, w.secret))
     assert back.worker_id == w.worker_id
     assert old_peer.closed is not None and new_peer.closed is None
-    assert e.entries[w.worker_id].peer is new_peer
+    assert e.members.entries[w.worker_id].peer is new_peer
     # the old session's own leave, arriving late, does not end the new one
     e.leave(w.worker_id, "connection closed", peer=old_peer)
-    assert w.worker_id in e.facts and new_peer.closed is None
+    assert w.worker_id in e.members.facts and new_peer.closed is None
     e.leave(w.worker_id, "connection closed", peer=new_peer)
-    assert w.worker_id not in e.facts
+    assert w.worker_id not in e.members.facts
 
 
 def test_secrets_survive_a_checkpoint() -> None:
@@ -107,7 +107,7 @@ def test_secrets_survive_a_checkpoint() -> None:
     thief, _ = join(fresh, hello(w.worker_id, None))
     assert thief.worker_id != w.worker_id
     back, _ = join(fresh, hello(w.worker_id, w.secret))
-    assert back.worker_id == w.worker_id and fresh.facts[w.worker_id].clock == 3
+    assert back.worker_id == w.worker_id and fresh.members.facts[w.worker_id].clock == 3
 
 
 def test_a_checkpoint_without_secrets_resumes_nobody() -> None:

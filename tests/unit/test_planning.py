@@ -46,8 +46,8 @@ def cpu_steps(step: float) -> Callable[[], float]:
 
 async def settled(h: Harness) -> list[Forecast]:
     """The forecasts the policy got, once the engine took what was queued."""
-    await h.engine.call(lambda: None)
-    return [e for e in h.engine.policy_state[1] if isinstance(e, Forecast)]
+    await h.engine.queue.call(lambda: None)
+    return [e for e in h.engine.host.state[1] if isinstance(e, Forecast)]
 
 
 async def test_a_round_hands_the_policy_a_forecast_of_its_candidates() -> None:
@@ -106,7 +106,7 @@ async def test_a_failing_round_is_logged_and_the_next_one_runs(
         assert "a planning round failed" in caplog.text
         assert "must look like key=value" in caplog.text
         # the engine went on: it still answers and the policy still runs
-        assert await h.engine.call(lambda: h.engine.policy.name) == "recording"
+        assert await h.engine.queue.call(lambda: h.engine.host.policy.name) == "recording"
 
 
 async def test_the_first_round_comes_early_then_every_interval() -> None:

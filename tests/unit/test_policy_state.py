@@ -12,6 +12,7 @@ import optax
 import pytest
 
 from hetd.core import Engine, EngineConfig
+from hetd.core.commands import EvalDone
 from hetd.core.store import Store
 from hetd.protocol.messages import JoinIn, PushIn
 from hetd.server import checkpoint
@@ -52,12 +53,12 @@ def drive(e: Engine, clock: FakeClock) -> None:
             clock.t += 0.05 * (i + 1)
             n += 1
             tensors = {k: np.full(s, 1e-3, np.float32) for k, s in SHAPES.items()}
-            kind = "delta" if e.plans[wid].push_kind == "delta" else "grad"
+            kind = "delta" if e.members.plans[wid].push_kind == "delta" else "grad"
             loss = 2.0 / (1 + r)
             e.push(PushIn(wid, n, e.store.version, kind, tensors, 8, 1, 0.05, loss, None, 1))
         e.tick()
         if r % 3 == 2:
-            e.record_eval(2.0 / (1 + r), 0.5)
+            e.handle(EvalDone((2.0 / (1 + r), 0.5)))
     e.leave(ids[-1], "gone")
 
 
@@ -73,26 +74,26 @@ def test_a_policy_state_round_trips_through_a_checkpoint(name: str) -> None:
     fresh = make_engine(name, later)
     checkpoint.restore_engine(fresh, checkpoint.decode(data))
     dt = later.t - clock.t
-    assert fresh.policy.describe() == e.policy.describe()
-    assert type(fresh.policy_state) is type(e.policy_state)
-    assert fresh.policy_state == shift_times(e.policy_state, dt)
-    assert fresh.stage == e.stage
+    assert fresh.host.policy.describe() == e.host.policy.describe()
+    assert type(fresh.host.state) is type(e.host.state)
+    assert fresh.host.state == shift_times(e.host.state, dt)
+    assert fresh.host.stage == e.host.stage
 
 
 def test_ashl_resumes_in_its_stage_with_times_relative_to_the_checkpoint() -> None:
     clock = FakeClock()
     e = make_engine("ashl", clock)
     drive(e, clock)
-    st = e.policy_state
-    assert st.stage == "SHL" and e.stage == "SHL" and st.plans
+    st = e.host.state
+    assert st.stage == "SHL" and e.host.stage == "SHL" and st.plans
     later = FakeClock()
     later.t = 7.0
     fresh = make_engine("ashl", later)
     checkpoint.restore_engine(
         fresh, checkpoint.decode(checkpoint.encode(checkpoint.engine_state(e)))
     )
-    got = fresh.policy_state
-    assert got.stage == "SHL" and fresh.stage == "SHL"
+    got = fresh.host.state
+    assert got.stage == "SHL" and fresh.host.stage == "SHL"
     assert got.plans == st.plans and got.commits == st.commits and got.switch == st.switch
     # each time is as long before the restore as it was before the checkpoint
     for (s1, t1), (s2, t2) in zip(st.transitions, got.transitions, strict=True):
@@ -104,14 +105,14 @@ def test_ashl_resumes_in_its_stage_with_times_relative_to_the_checkpoint() -> No
     wid = fresh.join(JoinIn(1, "new", {}, ("none",)), FakePeer())
     fresh.profile_result(wid, {"sample_s": 1e-3, "push_s": 0.01, "pull_s": 0.01})
     fresh.tick()
-    assert fresh.policy_state.stage == "SHL" and fresh.plans[wid].stage == "SHL"
+    assert fresh.host.state.stage == "SHL" and fresh.members.plans[wid].stage == "SHL"
 
 
 def test_adsp_resumes_its_period_relative_to_the_checkpoint() -> None:
     clock = FakeClock()
     e = make_engine("adsp", clock)
     drive(e, clock)
-    st = e.policy_state
+    st = e.host.state
     assert st.stage == "ADSP"
     later = FakeClock()
     later.t = 3.0
@@ -119,7 +120,7 @@ def test_adsp_resumes_its_period_relative_to_the_checkpoint() -> None:
     checkpoint.restore_engine(
         fresh, checkpoint.decode(checkpoint.encode(checkpoint.engine_state(e)))
     )
-    got = fresh.policy_state
+    got = fresh.host.state
     assert got.stage == "ADSP" and got.search == st.search and got.quota == st.quota
     assert math.isclose(clock.t - st.period_start, later.t - got.period_start)
     for w, t in st.last_push.items():

@@ -191,8 +191,8 @@ def _run(policy: str, optimizers: Optimizers, pushes: int, seed: int) -> Run:
             engine.swap_policy("ssp")  # the round in progress is flushed first
         if asynchronous and count == pushes * 2 // 3:
             st = engine.state()  # a checkpoint: the store's steps run, then the entry
-            assert engine.checkpoint_ref is not None
-            run.checkpoint = (engine.checkpoint_ref, st.version, dict(st.params))
+            assert engine.applier.checkpoint_ref is not None
+            run.checkpoint = (engine.applier.checkpoint_ref, st.version, dict(st.params))
         if rng.random() < 0.4:  # the daemon's batches end at times of their own
             engine.publish_batch()
     engine.publish_batch()
@@ -297,10 +297,10 @@ def test_a_restore_is_logged_and_slices_load_their_checkpoint():
     load the slice they saved at that checkpoint."""
     run = _run("asp", OPTIMIZERS["sgd"], pushes=12, seed=1)
     engine = run.engine
-    log = engine.decisions
+    log = engine.store.decisions
     assert isinstance(log, DecisionLog)
     st = engine.state()  # a checkpoint at the end
-    ref = engine.checkpoint_ref
+    ref = engine.applier.checkpoint_ref
     assert ref is not None
     engine.restore(st, ref=ref)
     last = log.since(0)[-1]

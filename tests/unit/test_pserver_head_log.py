@@ -77,7 +77,7 @@ def test_off_by_default_the_engine_keeps_no_log_and_the_checkpoint_no_place(
     tmp_path: Path,
 ) -> None:
     engine = build_engine(_config(tmp_path))
-    assert engine.decisions is None
+    assert engine.store.decisions is None
     assert "decisions" not in checkpoint.engine_state(engine)
 
 
@@ -96,14 +96,14 @@ def _train(
 def test_a_restart_goes_on_from_the_logs_place_and_a_slice_follows_it(tmp_path: Path) -> None:
     cfg = _config(tmp_path, log=True)
     engine, head = build_head(cfg, FakeClock())
-    log = engine.decisions
+    log = engine.store.decisions
     assert isinstance(log, DecisionLog) and head.optimizer is not None
     peers = {engine.join(_hello(f"w{i}"), p): p for i, p in enumerate([FakePeer(), FakePeer()])}
     pids = dict.fromkeys(peers, 0)
     pushes = _train(engine, peers, pids, 6, seed=1)
     state = checkpoint.engine_state(engine)
     place = json.loads(state["decisions"])
-    ref = engine.checkpoint_ref
+    ref = engine.applier.checkpoint_ref
     assert ref is not None and place["ref"] == ref and place["position"] == log.position
     assert place["version"] == state["version"] == 6
     assert dict(place["last_pid"]) == pids  # each worker's last logged push
@@ -115,7 +115,7 @@ def test_a_restart_goes_on_from_the_logs_place_and_a_slice_follows_it(tmp_path: 
     found = checkpoint.load_newest(Path(cfg.store.dir))
     assert found is not None and found[0].path == written.path
     checkpoint.restore_engine(again, found[1])
-    relog = again.decisions
+    relog = again.store.decisions
     assert isinstance(relog, DecisionLog)
     after = relog.since(relog.first - 1)
     assert relog.first == place["position"] + 1  # the log goes on from the checkpoint's place
@@ -181,7 +181,7 @@ async def test_the_daemon_keeps_the_log_and_resumes_it_from_its_checkpoint(
     await again.start()
     try:
         assert again.resumed_from is not None and again.resumed_from.seq == first.seq + 1
-        log = again.engine.decisions
+        log = again.engine.store.decisions
         assert isinstance(log, DecisionLog)
         kept = log.since(log.first - 1)
         assert isinstance(kept[-1].entry, RestoreEntry)
@@ -201,7 +201,7 @@ def test_a_malformed_log_place_is_a_checkpoint_error(tmp_path: Path) -> None:
     # a checkpoint written without a log resumes a daemon that keeps one at position 0
     fresh = build_engine(cfg)
     checkpoint.restore_engine(fresh, {k: v for k, v in state.items() if k != "decisions"})
-    log = fresh.decisions
+    log = fresh.store.decisions
     assert isinstance(log, DecisionLog) and log.first == 1
     last = log.since(0)[-1]
     assert isinstance(last.entry, RestoreEntry) and last.version == state["version"]

@@ -56,7 +56,7 @@ async def test_the_daemon_restarts_a_killed_pserver_which_saves_the_next_checkpo
         assert [slot.directory for slot in procs.slots] == dirs
         await until(lambda: sorted(link.connected) == [0, 1], "both pservers connected")
         first = await daemon.checkpoint()
-        p1 = daemon.engine.decisions.position  # type: ignore[union-attr]
+        p1 = daemon.engine.store.decisions.position  # type: ignore[union-attr]
         await until(lambda: link.durable == [p1, p1], "both saved the first checkpoint")
 
         before = daemon.describe()["decisions"]["processes"]
@@ -71,7 +71,7 @@ async def test_the_daemon_restarts_a_killed_pserver_which_saves_the_next_checkpo
         await until(lambda: 1 in link.connected, "the restarted pserver reconnected")
 
         second = await daemon.checkpoint()
-        p2 = daemon.engine.decisions.position  # type: ignore[union-attr]
+        p2 = daemon.engine.store.decisions.position  # type: ignore[union-attr]
         assert p2 > p1 and second.seq > first.seq
         await until(lambda: link.durable == [p2, p2], "both saved the second checkpoint")
         for d in dirs:  # each slice saved at both checkpoints, the restarted one too

@@ -65,7 +65,7 @@ async def test_a_push_is_decided_once_every_pserver_holds_its_part_and_dropped_i
     head: tuple[HeadLink, Engine],
 ) -> None:
     hl, engine = head
-    log = engine.decisions
+    log = engine.store.decisions
     assert isinstance(log, DecisionLog)
     fields = {"name": "w", "device": {"platform": "cpu"}, "codecs": ["none"]}
     peer = FakePeer()

@@ -242,7 +242,7 @@ async def test_the_daemon_serves_its_log_to_pserver_processes_and_forgets_what_t
             pushers.append(Pusher(dirs[s]))
             await pushers[s].connect(procs[s])  # listening: its welcome came
         first = await daemon.checkpoint()
-        position = daemon.engine.decisions.position  # type: ignore[union-attr]
+        position = daemon.engine.store.decisions.position  # type: ignore[union-attr]
         for _ in range(1200):
             if link_.durable == [position, position]:
                 break

@@ -51,7 +51,7 @@ def test_a_replica_is_one_participant_of_a_bsp_round() -> None:
     for w in (a, b, c):
         engine.pull(w, None)
     engine.form_replica([a, b])
-    assert set(engine.facts) == {a, c} and engine.replicas == {a: (a, b)}
+    assert set(engine.members.facts) == {a, c} and engine.pipelines.view == {a: (a, b)}
     assert engine.workers()[1]["replica"] == [a, 1]
     _push(engine, b, 1)  # stage 1's data-parallel step, ended after it became a stage
     assert _acks(peers[b])[-1] == "dropped" and engine.store.version == 0
@@ -73,7 +73,9 @@ def test_a_member_that_leaves_dissolves_the_replica_and_the_rest_rejoin(gone: st
     with pytest.raises(ValueError, match="in a replica already"):
         engine.form_replica([c, b])
     engine.leave(a if gone == "head" else b, "killed")
-    assert engine.replicas == {} and set(engine.facts) == ({b, c} if gone == "head" else {a, c})
+    assert engine.pipelines.view == {} and set(engine.members.facts) == (
+        {b, c} if gone == "head" else {a, c}
+    )
     survivor = b if gone == "head" else a
     _push(engine, survivor, 1)
     _push(engine, c, 1)
@@ -87,7 +89,7 @@ def test_a_swap_to_bsp_counts_the_replica_once() -> None:
     _push(engine, a, 1)
     assert steps == [a]  # asp releases the replica at once
     engine.swap_policy("bsp")
-    assert set(engine.facts) == {a, c}
+    assert set(engine.members.facts) == {a, c}
     _push(engine, a, 2)
     _push(engine, c, 2)
     assert steps == [a, a] and engine.store.version == 2
@@ -127,7 +129,7 @@ def test_a_dissolved_replicas_head_does_not_keep_the_replicas_timings() -> None:
     engine.form_replica([a, b])
     grads = {k: np.full(s, 0.5, np.float32) for k, s in SHAPES.items()}
     engine.push(PushIn(a, 1, 0, "grad", grads, 8, 1, 30.0, None, None, 100))  # 30 s: compiles
-    assert engine.entries[a].facts.sample_s == 30.0 / 8
+    assert engine.members.entries[a].facts.sample_s == 30.0 / 8
     engine.dissolve_replica(a, "regrouped")
-    facts = engine.facts[a]
+    facts = engine.members.facts[a]
     assert facts.sample_s is None and facts.compute_s is None

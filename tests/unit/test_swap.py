@@ -11,6 +11,7 @@ import optax
 import pytest
 
 from hetd.core import Engine, EngineConfig
+from hetd.core.commands import EvalDone
 from hetd.core.store import Store
 from hetd.protocol.messages import JoinIn, PlanUpdate, PushIn
 from policies import ClusterView, Plan, Policy, PolicyError, make_policy, policy_names, register
@@ -62,11 +63,11 @@ def ashl_in_shl() -> tuple[Engine, dict[int, FakePeer]]:
         tensors = {k: np.full(s, 0.01, np.float32) for k, s in SHAPES.items()}
         e.push(PushIn(wid, n, e.store.version, "delta", tensors, 8, 2, 0.1, None, None, 1))
     clock.t += 1
-    e.record_eval(1.0, 0.5)  # below switch_loss: AHL -> SHL
+    e.handle(EvalDone((1.0, 0.5)))  # below switch_loss: AHL -> SHL
     e.leave(max(peers), "gone")
-    assert e.stage == "SHL" and len(e.facts) == 2 and len(e.departed) == 1
-    assert all(p.codec == "topk" and p.local_steps >= 1 for p in e.plans.values())
-    assert all(p.data_share is not None and p.lr_scale != 1.0 for p in e.plans.values())
+    assert e.host.stage == "SHL" and len(e.members.facts) == 2 and len(e.members.departed) == 1
+    assert all(p.codec == "topk" and p.local_steps >= 1 for p in e.members.plans.values())
+    assert all(p.data_share is not None and p.lr_scale != 1.0 for p in e.members.plans.values())
     return e, peers
 
 
@@ -75,20 +76,20 @@ def test_a_swap_to_asp_puts_every_plan_back_to_its_defaults() -> None:
     for p in peers.values():
         p.replies.clear()
     e.swap_policy("asp")
-    assert e.policy.name == "asp" and e.stage == "main"
-    for wid, plan in e.plans.items():
+    assert e.host.policy.name == "asp" and e.host.stage == "main"
+    for wid, plan in e.members.plans.items():
         assert plan == Plan(batch_size=16, codec="none", stage="main"), (wid, plan)
-        assert e.facts[wid].batch_size == 16
+        assert e.members.facts[wid].batch_size == 16
         updates = [r for r in peers[wid].replies if isinstance(r, PlanUpdate)]
         assert [u.plan for u in updates] == [plan]  # told once, the whole new plan
-    assert [at_stage for _, at_stage in e.stages][-1] == "main"
+    assert [at_stage for _, at_stage in e.host.stages][-1] == "main"
 
 
 def test_a_swap_to_ashl_again_starts_it_over_from_its_own_plans() -> None:
     e, _ = ashl_in_shl()
     e.swap_policy("ashl", {"staleness": 2})
-    assert e.stage in ("profile", "AHL")  # its init's stage, announced by its first decisions
-    assert all(p.codec == "none" and p.topk == 1.0 for p in e.plans.values())
+    assert e.host.stage in ("profile", "AHL")  # its init's stage, announced by its first decisions
+    assert all(p.codec == "none" and p.topk == 1.0 for p in e.members.plans.values())
 
 
 @pytest.mark.parametrize(
@@ -103,13 +104,27 @@ def test_a_swap_to_ashl_again_starts_it_over_from_its_own_plans() -> None:
 )
 def test_a_refused_swap_changes_nothing(name: str, params: dict[str, Any] | None) -> None:
     e, peers = ashl_in_shl()
-    before = (e.policy, e.policy_state, e.stage, dict(e.plans), dict(e.facts), e.store.version)
+    before = (
+        e.host.policy,
+        e.host.state,
+        e.host.stage,
+        dict(e.members.plans),
+        dict(e.members.facts),
+        e.store.version,
+    )
     sent = {wid: len(p.replies) for wid, p in peers.items()}
     with pytest.raises(PolicyError):
         e.swap_policy(name, params)
-    after = (e.policy, e.policy_state, e.stage, dict(e.plans), dict(e.facts), e.store.version)
+    after = (
+        e.host.policy,
+        e.host.state,
+        e.host.stage,
+        dict(e.members.plans),
+        dict(e.members.facts),
+        e.store.version,
+    )
     assert after == before
-    assert e.policy_state is before[1]
+    assert e.host.state is before[1]
     assert {wid: len(p.replies) for wid, p in peers.items()} == sent  # nothing sent to anyone
 
 
@@ -129,9 +144,9 @@ def test_a_swap_starts_every_worker_on_the_same_round() -> None:
     for n in range(1, 6):
         push(wf, n)
     push(ws, 1)
-    assert e.facts[wf].clock - e.facts[ws].clock == 4
+    assert e.members.facts[wf].clock - e.members.facts[ws].clock == 4
     e.swap_policy("bsp")
-    assert e.facts[wf].clock == e.facts[ws].clock
+    assert e.members.facts[wf].clock == e.members.facts[ws].clock
     version, sent = e.store.version, (len(fast.frames), len(slow.frames))
     push(wf, 6)
     push(ws, 2)
