@@ -187,12 +187,19 @@ def probed(specs: Sequence[ReplicaSpec]) -> list[ReplicaSpec]:
 
 
 def measure(st: DpmpPolicyState, push: Push) -> DpmpPolicyState:
-    """A running pipeline replica's step, timed: its head's push carries the step's wall time."""
+    """A running pipeline replica's step, timed: its head's push carries the step's wall time
+    from the driver's release to the last part; the round waits from its start to the push, and
+    a released round's step is timed so. (In real mode the head's work around a replica step,
+    cutting and encoding the stages' slices before, decoding and checking the parts after,
+    took 20-100 ms beyond the driver's wall, and the round waited on the replica for it.)"""
     shape = next((p for p in st.pipelines if p.members[0] == push.worker), None)
     if shape is None or push.samples < 1 or not push.compute_s > 0:
         return st
+    wall = push.compute_s
+    if st.started is not None and push.worker in st.working and push.worker not in st.pushed:
+        wall = max(wall, push.now - st.started)
     key = _key(shape)
-    kept = (*st.measured.get(key, ())[-(KEPT - 1) :], (push.compute_s, push.samples))
+    kept = (*st.measured.get(key, ())[-(KEPT - 1) :], (wall, push.samples))
     return replace(st, measured={**st.measured, key: kept})
 
 

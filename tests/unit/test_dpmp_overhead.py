@@ -100,3 +100,15 @@ def test_a_worker_spec_without_fixed_work_costs_as_before() -> None:
     more = replica_cost(BLOCKS, [dataclasses.replace(w, step_s=0.05)], (0, 4), 32, 4)
     assert more.fill_s == pytest.approx(plain.fill_s + 0.05)
     assert more.per_sample_s == plain.per_sample_s
+
+
+def test_a_replicas_step_is_timed_as_the_round_waits_for_it() -> None:
+    """The round waits from its start to the replica's push, which comes after the driver's
+    wall (release to last part) by the head's work around the step: the step is timed so,
+    except a push of a round it was not released at the start of."""
+    st = DpmpPolicyState(pipelines=(SHAPE,), working=(1, 2), started=10.0)
+    st = measure(st, Push(10.35, 2, 0, "grad", 128, 1, 0.3, None))
+    assert list(st.measured.values()) == [((pytest.approx(0.35), 128),)]
+    again = dataclasses.replace(st, pushed=frozenset({2}))  # pushed this round already
+    again = measure(again, Push(12.0, 2, 0, "grad", 128, 1, 0.3, None))
+    assert next(iter(again.measured.values()))[-1] == (0.3, 128)
