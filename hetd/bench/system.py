@@ -276,7 +276,8 @@ async def hetd_cell(
         Job("hetd", url, codec=codec, shapes=shapes, cap=cap, frame_cap=chunk, seed=i, shm=shm)
         for i in range(k)
     ]
-    await pool.start(jobs)
+    # (a big model: each sender first takes its full parameters, seconds per 100 MB here)
+    await pool.start(jobs, timeout=60.0 + 3.0 * n_params(shapes) / 1e6)
     # Windows open once a step was published: the daemon compiles its steps in a thread while it
     # starts (seconds for 10M parameters under load), which is start-up, not throughput.
     await _until(lambda: any(f.version > 0 for f in engine.facts.values()), 300.0, "a first step")
