@@ -33,9 +33,10 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_PROCS) --dist loadfile --durations=30
 
 # The unit tests without those marked slow (they train models for seconds; `make test` runs them):
-# the loop to run while editing.
+# the loop to run while editing. In TEST_PROCS processes too: most of it is JAX compiling, one core
+# each.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" tests/unit
+	$(BIN)/python -m pytest -q -n $(TEST_PROCS) --dist loadfile -m "not slow" tests/unit
 
 # The suite beside two busy processes: tests must assert what holds on a loaded machine (CI may
 # share its cores), not timings that hold on a quiet one.

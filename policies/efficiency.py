@@ -39,7 +39,7 @@ class AppliedPush(Protocol):
 class Efficiency:
     """What an applied sample is worth, relative to a fresh one in a small synchronous step [D].
 
-    A push of ``samples`` samples counts ``samples × ρ_τ × ρ_H × E``:
+    A push of ``samples`` samples counts ``samples × ρ_τ × ρ_H × E × S``:
 
     * ``ρ_τ = 1 / (1 + kappa_staleness · τ)``: a gradient computed ``τ`` updates ago;
     * ``ρ_H = 1 / (1 + kappa_local · (H − 1))``: a delta of ``H`` local steps (one step: 1);
@@ -47,7 +47,13 @@ class Efficiency:
       ``M`` samples each (its samples over its local steps: an aggregate of deltas is ``H``
       steps of the summed batch, not one step of everything) against one of ``M0 = base_batch``,
       with ``φ = noise_scale`` the gradient noise scale in samples; ``noise_scale=None`` leaves
-      it out (``E = 1``).
+      it out (``E = 1``);
+    * ``S = (M0 / M) ** batch_exponent``: the same update size ``M`` against ``M0`` without a
+      noise scale, for an optimizer that normalizes its steps (Adam): at a fixed learning rate
+      each step moves the model about as far whatever its batch, and only its signal grows with
+      ``M`` (as ``√M`` where the noise dominates: the square-root scaling rule of Adam), so a
+      sample of an update of ``M`` samples is worth ``M^(-1/2)`` (``batch_exponent`` 0.5,
+      :data:`ADAM`); 0 leaves it out.
 
     With ``weighted`` the count is also multiplied by the push's ``weight``: how much of a step it
     made against an even share (1 for a push applied with ``1/N`` of N workers, or inside a mean
@@ -72,10 +78,11 @@ class Efficiency:
     kappa_local: float = 0.05
     noise_scale: float | None = None  # φ, samples
     base_batch: int = 32  # M0, samples
+    batch_exponent: float = 0.0  # of (M0 / M): an update's size counted without a noise scale
     weighted: bool = False  # count each sample times its push's weight (its step's share)
 
     def __post_init__(self) -> None:
-        for name in ("kappa_staleness", "kappa_local"):
+        for name in ("kappa_staleness", "kappa_local", "batch_exponent"):
             v = getattr(self, name)
             if not (isinstance(v, int | float) and v >= 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
@@ -88,14 +95,18 @@ class Efficiency:
             raise ValueError(f"base_batch must be >= 1 sample, got {self.base_batch!r}")
 
     def factor(self, staleness: int, steps: int, update_samples: int) -> float:
-        """The worth of one applied sample of a push with these facts: in (0, 1] for updates of
-        at most ``base_batch`` samples, above 1 only for smaller ones when ``noise_scale`` is set."""
+        """The worth of one applied sample of a push with these facts: 1 for a fresh gradient
+        of ``base_batch`` samples, in (0, 1] for any push without ``noise_scale`` and
+        ``batch_exponent``; with either, above 1 for updates of fewer than ``base_batch`` samples
+        per step and below it for larger ones."""
         rho_t = 1.0 / (1.0 + self.kappa_staleness * max(0, staleness))
         rho_h = 1.0 / (1.0 + self.kappa_local * max(0, steps - 1))
         e = 1.0
+        per_step = max(1.0, update_samples / max(1, steps))
         if self.noise_scale is not None:
-            per_step = max(1.0, update_samples / max(1, steps))
             e = (self.noise_scale + self.base_batch) / (self.noise_scale + per_step)
+        if self.batch_exponent:
+            e *= (self.base_batch / per_step) ** self.batch_exponent
         return rho_t * rho_h * e
 
     def worth(self, push: AppliedPush) -> float:
@@ -115,29 +126,35 @@ PLAIN = frozenset({"sgd", "momentum", "nesterov", "delayed_nesterov"})
 # one step) — asp (staleness about 3) 0.99, ashl on S1 1.07 and on S4 (tens of local steps over
 # slow links) 1.0.
 PLAIN_SGD = (0.02, 0.002)  # kappa_staleness, kappa_local
-# Adam's model [D]: staleness costs as the class default says, local steps little, and a push
-# counts by its weight. Fitted on two six- and three-worker Adam clusters of our own, not
-# packaged (simulator, 3 seeds: the samples lbbsp needed over each policy's, asp 0.68 and 0.83,
-# ashl 0.81 and 0.83, adsp 0.57 and 0.74; this model 0.70 and 0.85, 0.76 and 0.84, 0.62 and
-# 0.77, where the class defaults gave ashl 0.44 and 0.45); on peer_adam, not fitted, it gives
-# ashl 0.89, adsp 0.73, asp 0.79 against 0.74, 0.72 and 0.66 measured (the defaults: 0.61, 0.62,
-# 0.79). Its local steps are the workers' own Adam steps; its weight, the share ashl applies a
-# fast worker's delta at, moves the daemon's Adam as it moves SGD (ashl needed fewer samples than
-# adsp on all three, which applies every commit at 1/N).
-ADAM = (0.1, 0.01)  # kappa_staleness, kappa_local
+# Adam's model [D]: each update a step of about the learning rate whatever its batch, so a sample
+# of an update of M samples is worth M^(-1/2) (the square-root rule: only the step's signal grows
+# with M), and a gradient computed tau such steps ago is discounted at 0.8 a step; a local step
+# costs nothing. Why: hps (pipelined lbbsp: every round one to two versions stale) needed 1.9x
+# lbbsp's samples on peer_adam (sim, 3 seeds; without pipelining exactly lbbsp's), 2.1x with
+# Adam's b1 = 0 (so not its momentum), where asp, three times as stale in updates of a quarter
+# the samples, needed 1.5x: a per-update discount of staleness alone cannot order the two, the
+# update's size must count. Fitted on the samples lbbsp needed over each policy's (sim, 3 seeds)
+# on peer_adam and two Adam clusters of our own (six workers of slow-downs 1-6, three of 1-3):
+# asp 0.66, 0.68, 0.83; ashl 0.74, 0.81, 0.83; adsp 0.72, 0.57, 0.74; hps 0.52 (peer_adam);
+# this model at the first forecast gives 0.73, 0.66, 0.93; 0.74, 0.65, 0.85; 0.59, 0.50, 0.67;
+# 0.56, where the model before it (staleness 0.1 a version, no size term) gave hps 0.90 and
+# the squared log error summed over the ten was 0.38 against 0.14.
+ADAM = (0.8, 0.0, 0.5)  # kappa_staleness, kappa_local, batch_exponent
 
 
 def for_optimizer(spec: str | None) -> Efficiency:
     """The efficiency model for training with the optimizer ``spec`` (``name[:options]``; the
     workers' for local steps, which is the daemon's family unless set apart): plain SGD and its
-    momentum forms barely discount staleness and local steps, an adaptive optimizer (Adam)
-    discounts staleness as the class default and local steps little (:data:`ADAM`), both count
-    a push by its weight; a name not known (or none) keeps the class defaults. [D]"""
+    momentum forms barely discount staleness and local steps; under an adaptive optimizer (Adam)
+    a sample of a large update is worth less and staleness costs far more (:data:`ADAM`); both
+    count a push by its weight; a name not known (or none) keeps the class defaults. [D]"""
     name = (spec or "").partition(":")[0].strip().lower()
     if name in PLAIN:
         return Efficiency(kappa_staleness=PLAIN_SGD[0], kappa_local=PLAIN_SGD[1], weighted=True)
     if name in ADAPTIVE:
-        return Efficiency(kappa_staleness=ADAM[0], kappa_local=ADAM[1], weighted=True)
+        return Efficiency(
+            kappa_staleness=ADAM[0], kappa_local=ADAM[1], batch_exponent=ADAM[2], weighted=True
+        )
     return Efficiency()
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -29,7 +30,7 @@ import platform
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -40,6 +41,16 @@ import numpy as np
 from hetd.bench.system_limit import BareServer, measure_startup
 from hetd.bench.system_options import PARTS, add_options
 from hetd.bench.system_peers import Job, PeerPool, Report, Shapes
+from hetd.bench.system_pservers import (
+    BACKENDS,
+    Served,
+    Variant,
+    pserver_cpu_s,
+    start_served,
+    stop_served,
+    variants,
+)
+from hetd.bench.system_targets import judge, targets_md
 from hetd.core.rates import MB, LatencyRecorder
 from hetd.protocol import shm, wire
 
@@ -80,6 +91,10 @@ class SystemOptions:
     # the senders' paths, each a row: "ws" (websocket frames) and "shm" (shared memory, which
     # the daemon offers same-host workers; --no-shm leaves it out)
     transports: tuple[str, ...] = ("ws", "shm")
+    # the pservers axis: 1, the daemon alone (today's); S >= 2, a daemon with S pserver
+    # processes, started by each of pserver_backends ("local", "ray")
+    pservers: tuple[int, ...] = (1,)
+    pserver_backends: tuple[str, ...] = ("local",)
 
 
 def synthetic_shapes(n: int) -> Shapes:
@@ -105,11 +120,16 @@ def _frame_cap(n: int) -> int:
     return max(64 * 1024 * 1024, 4 * n + (1 << 20))
 
 
-def make_daemon(shapes: Shapes, codec: str) -> Daemon:
-    """A real daemon (ASP, SGD) for a synthetic model, workers on a free loopback port."""
+def make_daemon(
+    shapes: Shapes, codec: str, servers: int = 1, backend: str = "local", state_dir: str = ""
+) -> Daemon:
+    """A real daemon (ASP, SGD) for a synthetic model, workers on a free loopback port;
+    ``servers`` >= 2: with that many pserver processes started by ``backend`` ("local" or "ray"),
+    their slices under ``state_dir`` (the daemon's state directory, no timed checkpoints)."""
     from hetd import config as config_mod
     from hetd.core.assemble import EngineSpec, Optimizers, assemble
     from hetd.core.entries import EngineConfig
+    from hetd.server.build import Head
     from hetd.server.daemon import Daemon
 
     cap = wire.DEFAULT_MAX_FRAME  # the default: bigger messages go in chunks
@@ -128,12 +148,24 @@ def make_daemon(shapes: Shapes, codec: str) -> Daemon:
         max_pending=4096,
         max_pending_per_address=4096,
     )
+    decisions = None
+    if servers > 1:
+        if not state_dir:
+            raise ValueError("a daemon with pservers needs a state directory")
+        from hetd.pserver.log import DecisionLog
+
+        decisions = DecisionLog()
+        cfg = config_mod.replace(cfg, "store", dir=state_dir, interval_s=0.0)
+        cfg = config_mod.replace(
+            cfg, "pservers", log=True, servers=servers, port=0, backend=backend
+        )
     rng = np.random.default_rng(0)
     params = {p: rng.standard_normal(s, dtype=np.float32) * np.float32(0.01) for p, s in shapes}
+    optimizers = Optimizers("sgd", 0.01)
     spec = EngineSpec(
         params=params,
         policy="asp",
-        optimizers=Optimizers("sgd", 0.01),
+        optimizers=optimizers,
         welcome={  # what a worker would build from; the no-compute senders ignore it
             "model": {"spec": "synthetic", "kwargs": {"params": n_params(shapes)}},
             "dataset": {"spec": "none", "kwargs": {}, "seed": 0},
@@ -143,7 +175,8 @@ def make_daemon(shapes: Shapes, codec: str) -> Daemon:
             codec=codec, profile_steps=0, heartbeat_s=2.0, heartbeat_timeout_s=60.0
         ),
     )
-    return Daemon(cfg, assemble(spec).engine())
+    head = Head(optimizers.specs()[0], params) if decisions is not None else None
+    return Daemon(cfg, assemble(spec).engine(decisions=decisions), head)
 
 
 class Tally(NamedTuple):
@@ -155,6 +188,7 @@ class Tally(NamedTuple):
     bytes_out: int = 0
     cpu_s: float = 0.0  # CPU of this process (every thread), s
     publishes: int = 0  # hetd: batches the engine published (updates / publishes: batch size)
+    ps_cpu_s: float = 0.0  # CPU of the daemon's pserver processes, s (none: 0)
     rss_peak: int = 0  # bytes: this process's largest resident set seen in the window(s)
 
     def __add__(self, other: tuple[Any, ...]) -> Tally:
@@ -170,12 +204,17 @@ class Tally(NamedTuple):
             "mb_out_per_s": self.bytes_out / dt / MB,
             "cpu_ms_per_update": self.cpu_s / max(1, self.updates) * 1e3,
             "updates_per_publish": self.updates / max(1, self.publishes),
+            "ps_cpu_ms_per_update": self.ps_cpu_s / max(1, self.updates) * 1e3,
         }
 
 
-async def _measure(counters: Any, seconds: float) -> Tally:
+async def _measure(
+    counters: Any, seconds: float, other_cpu: Callable[[], float] = lambda: 0.0
+) -> Tally:
     """Sample ``counters() -> (updates, bytes in, bytes out, publishes)`` around a window of
-    ``seconds``; the wall and process CPU time are read at the same moments."""
+    ``seconds``; the wall and process CPU time (and ``other_cpu()``, other processes' CPU
+    seconds) are read at the same moments."""
+    s0 = other_cpu()
     t0, c0, (u0, i0, o0, p0) = time.monotonic(), time.process_time(), counters()
     peak = rss_bytes()
     end = t0 + seconds
@@ -183,7 +222,7 @@ async def _measure(counters: Any, seconds: float) -> Tally:
         await asyncio.sleep(min(0.05, left))
         peak = max(peak, rss_bytes())
     t1, c1, (u1, i1, o1, p1) = time.monotonic(), time.process_time(), counters()
-    return Tally(t1 - t0, u1 - u0, i1 - i0, o1 - o0, c1 - c0, p1 - p0, peak)
+    return Tally(t1 - t0, u1 - u0, i1 - i0, o1 - o0, c1 - c0, p1 - p0, other_cpu() - s0, peak)
 
 
 def rss_bytes() -> int:
@@ -237,14 +276,16 @@ async def hetd_cell(
         Job("hetd", url, codec=codec, shapes=shapes, cap=cap, frame_cap=chunk, seed=i, shm=shm)
         for i in range(k)
     ]
-    await pool.start(jobs)
+    # (a big model: each sender first takes its full parameters, seconds per 100 MB here)
+    await pool.start(jobs, timeout=60.0 + 3.0 * n_params(shapes) / 1e6)
     # Windows open once a step was published: the daemon compiles its steps in a thread while it
     # starts (seconds for 10M parameters under load), which is start-up, not throughput.
     await _until(
         lambda: any(f.version > 0 for f in engine.members.facts.values()), 300.0, "a first step"
     )
     await asyncio.sleep(opts.warmup_s)
-    tally = await _measure(_engine_counters(engine), seconds or opts.seconds)
+    ps_cpu = partial(pserver_cpu_s, daemon)
+    tally = await _measure(_engine_counters(engine), seconds or opts.seconds, ps_cpu)
     reports = await pool.stop(k)
     _check_reports(reports, f"hetd {n_params(shapes)} {codec} x{k}")
     if any(r.extra.get("shm") != shm for r in reports):
@@ -312,13 +353,9 @@ async def run_throughput(pool: PeerPool, opts: SystemOptions) -> list[dict[str, 
         for size in opts.params:
             shapes = synthetic_shapes(size)
             for codec in opts.codecs:
-                daemon = make_daemon(shapes, codec)
-                await daemon.start()
-                try:
+                async with _serving(shapes, codec, opts) as served:
                     for k in opts.senders:
-                        rows += await _one_cell(daemon, server, pool, shapes, codec, k, opts)
-                finally:
-                    await daemon.stop(final_checkpoint=False)
+                        rows += await _one_cell(served, server, pool, shapes, codec, k, opts)
     finally:
         await server.stop()
     return rows
@@ -334,20 +371,32 @@ async def run_big(pool: PeerPool, opts: SystemOptions) -> list[dict[str, Any]]:
     await server.start()
     try:
         for codec in BIG_CODECS:
-            daemon = make_daemon(shapes, codec)
-            await daemon.start()
-            try:
+            async with _serving(shapes, codec, opts) as served:
                 seconds = max(opts.seconds, BIG_SECONDS * min(1.0, opts.big_params / BIG_PARAMS))
-                rows += await _one_cell(daemon, server, pool, shapes, codec, 1, opts, 1, seconds)
-            finally:
-                await daemon.stop(final_checkpoint=False)
+                rows += await _one_cell(served, server, pool, shapes, codec, 1, opts, 1, seconds)
     finally:
         await server.stop()
     return rows
 
 
+@contextlib.asynccontextmanager
+async def _serving(shapes: Shapes, codec: str, opts: SystemOptions) -> AsyncIterator[list[Served]]:
+    """A started daemon per variant of the ``--pservers`` axis (all alive at once, so that their
+    windows alternate), stopped at the end."""
+    served: list[Served] = []
+    try:
+        for v in variants(opts.pservers, opts.pserver_backends):
+            if v.servers > 1:
+                _say(opts, f"  starting a daemon with {v.servers} pservers ({v.backend}) ...")
+            served.append(await start_served(shapes, codec, v))
+        yield served
+    finally:
+        for one in reversed(served):
+            await stop_served(one)
+
+
 async def _one_cell(
-    daemon: Daemon,
+    served: Sequence[Served],
     server: BareServer,
     pool: PeerPool,
     shapes: Shapes,
@@ -357,20 +406,24 @@ async def _one_cell(
     rounds: int = ROUNDS,
     seconds: float | None = None,
 ) -> list[dict[str, Any]]:
-    # hetd (each transport) and the limit alternate, ROUNDS windows each, so that load from other
-    # processes (the machine is shared) falls on all alike; the limit copies the first hetd
-    # window's sizes.
+    # hetd (each transport, each variant of the pservers axis) and the limit alternate, ROUNDS
+    # windows each, so that load from other processes (the machine is shared) falls on all
+    # alike; the limit copies the first hetd window's sizes.
     window = (seconds or opts.seconds) / rounds
     cap = _frame_cap(n_params(shapes))  # the bare exchange sends every message whole
-    tallies = {t: Tally() for t in opts.transports}
+    runs = [(t, one) for t in opts.transports for one in served]
+    tallies = {(t, one.variant): Tally() for t, one in runs}
+    pushes_s: dict[tuple[str, Variant], list[float]] = {(t, one.variant): [] for t, one in runs}
     limit_tally = Tally()
     push, replies = 0, (0, 0)
     for _ in range(rounds):
-        for transport in opts.transports:
+        for transport, one in runs:
             tally, reports = await hetd_cell(
-                daemon, pool, shapes, codec, k, opts, window, shm=transport == "shm"
+                one.daemon, pool, shapes, codec, k, opts, window, shm=transport == "shm"
             )
-            tallies[transport] += tally
+            tallies[(transport, one.variant)] += tally
+            for r in reports:
+                pushes_s[(transport, one.variant)] += r.extra.get("push_s", [])
             if not push:
                 push = max(r.push_frame_bytes for r in reports)
                 frames = sum(r.params_frames for r in reports)
@@ -378,28 +431,39 @@ async def _one_cell(
                 replies = (max(r.ack_bytes for r in reports), params_bytes)
         limit_tally += await limit_cell(server, pool, k, push, replies, cap, opts, window)
     return [
-        _row(shapes, codec, k, t, tallies[t], limit_tally, push, replies[1], opts)
-        for t in opts.transports
+        _row(
+            (shapes, codec, k),
+            (t, one.variant),
+            tallies[(t, one.variant)],
+            limit_tally,
+            (push, replies[1]),
+            pushes_s[(t, one.variant)],
+            opts,
+        )
+        for t, one in runs
     ]
 
 
 def _row(
-    shapes: Shapes,
-    codec: str,
-    k: int,
-    transport: str,
+    cell: tuple[Shapes, str, int],
+    run: tuple[str, Variant],
     hetd_tally: Tally,
     limit_tally: Tally,
-    push: int,
-    params_bytes: int,
+    frames: tuple[int, int],
+    pushes_s: Sequence[float],
     opts: SystemOptions,
 ) -> dict[str, Any]:
+    """One row: cell (shapes, codec, senders) x run (transport, pservers variant)."""
+    (shapes, codec, k), (transport, variant) = cell, run
     got, limit = hetd_tally.rates(), limit_tally.rates()
+    lat = np.asarray(pushes_s, dtype=np.float64) * 1e3
     row = {
         "params": n_params(shapes),
         "codec": codec,
         "workers": k,
         "transport": transport,
+        "pservers": variant.servers,
+        "pserver_backend": variant.backend,
         "updates_per_s": round(got["updates_per_s"], 2),
         "mb_in_per_s": round(got["mb_in_per_s"], 2),
         "mb_out_per_s": round(got["mb_out_per_s"], 2),
@@ -407,20 +471,29 @@ def _row(
         "fraction_of_limit": round(got["updates_per_s"] / max(1e-9, limit["updates_per_s"]), 3),
         "limit_mb_in_per_s": round(limit["mb_in_per_s"], 2),
         "limit_mb_out_per_s": round(limit["mb_out_per_s"], 2),
-        "push_frame_bytes": push,
-        "params_frame_bytes": params_bytes,
+        "push_frame_bytes": frames[0],
+        "params_frame_bytes": frames[1],
         "server_cpu_ms_per_update": round(got["cpu_ms_per_update"], 3),
         "limit_server_cpu_ms_per_update": round(limit["cpu_ms_per_update"], 3),
+        "pserver_cpu_ms_per_update": round(got["ps_cpu_ms_per_update"], 3),
+        "push_p50_ms": round(float(np.quantile(lat, 0.5)), 2) if lat.size else 0.0,
+        "push_p90_ms": round(float(np.quantile(lat, 0.9)), 2) if lat.size else 0.0,
         "updates_per_publish": round(got["updates_per_publish"], 2),
         "rss_mb": round(hetd_tally.rss_peak / MB),
     }
+    pservers = (
+        ""
+        if variant.servers == 1
+        else f" + pservers {row['pserver_cpu_ms_per_update']:.2f} ms/update"
+    )
     _say(
         opts,
-        f"  {row['params']:>10,} {codec:<5} x{k} {transport:<3}: "
+        f"  {row['params']:>10,} {codec:<5} x{k} {transport:<3} S={variant.label():<7}: "
         f"{row['updates_per_s']:8.1f} updates/s, "
         f"limit {row['limit_updates_per_s']:8.1f} -> {row['fraction_of_limit']:.2f}; server CPU "
         f"{row['server_cpu_ms_per_update']:.2f} vs {row['limit_server_cpu_ms_per_update']:.2f} "
-        f"ms/update; {row['updates_per_publish']:.1f} updates/publish",
+        f"ms/update{pservers}; push p50 {row['push_p50_ms']:.1f} ms; "
+        f"{row['updates_per_publish']:.1f} updates/publish",
     )
     return row
 
@@ -514,6 +587,9 @@ async def run_system(opts: SystemOptions) -> dict[str, Any]:
                 _say(opts, "throughput (hetd vs the bare websocket limit):")
             grid = await run_throughput(pool, opts) if "throughput" in opts.parts else []
             doc["throughput"] = grid + big
+            verdicts = judge(doc["throughput"])
+            if verdicts:
+                doc["targets"] = verdicts
         if "latency" in opts.parts and opts.latency_workers:
             _say(opts, f"engine latency with {opts.latency_workers} connected workers ...")
             doc["engine_latency"] = await run_latency(pool, opts)
@@ -548,6 +624,11 @@ ROW_EXTRA = (
     "updates_per_publish",
     "rss_mb",
     "transport",  # "ws" or "shm" (rows from before it: ws)
+    "pservers",  # S: 1, the daemon alone (rows from before it: 1)
+    "pserver_backend",  # "none" at S = 1, else "local" or "ray"
+    "pserver_cpu_ms_per_update",  # the pserver processes' CPU per update (S = 1: 0)
+    "push_p50_ms",  # a sender's push to its ack
+    "push_p90_ms",
 )
 LATENCY_KEYS: dict[str, tuple[type, ...]] = {"connected": (int,), "p50_ms": _NUM, "p99_ms": _NUM}
 STARTUP_KEYS: dict[str, tuple[type, ...]] = {"workers": (int,), "seconds_to_first_update": _NUM}
@@ -573,7 +654,7 @@ def check_system(doc: Any) -> None:
     parts ran, and ``setup``."""
     if not isinstance(doc, dict):
         raise ValueError("system.json must be an object")
-    allowed = {"setup", "throughput", "engine_latency", "startup"}
+    allowed = {"setup", "throughput", "engine_latency", "startup", "targets"}
     unknown = sorted(set(doc) - allowed)
     if unknown or "throughput" not in doc or "setup" not in doc:
         raise ValueError(f"system.json keys must be {sorted(allowed)} (throughput, setup required)")
@@ -586,6 +667,9 @@ def check_system(doc: Any) -> None:
             raise ValueError(f"throughput[{i}] has unknown keys {extra}")
         if row["codec"] not in CODECS or row["params"] <= 0 or row["workers"] <= 0:
             raise ValueError(f"throughput[{i}]: bad codec, params or workers")
+        servers = row.get("pservers", 1)
+        if isinstance(servers, bool) or not isinstance(servers, int) or servers < 1:
+            raise ValueError(f"throughput[{i}].pservers must be an int >= 1, got {servers!r}")
     if "engine_latency" in doc:
         _check_record(doc["engine_latency"], LATENCY_KEYS, "engine_latency")
     if "startup" in doc:
@@ -608,25 +692,31 @@ def system_md(doc: dict[str, Any]) -> str:
     ]
     if doc["throughput"]:
         lines += [
-            "| params | codec | senders | path | updates/s | MB/s in | MB/s out | limit updates/s "
-            "| fraction of limit | push frame | params frame | CPU ms/update (bare) "
-            "| updates/publish | RSS |",
-            "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| params | codec | senders | path | S | updates/s | MB/s in | MB/s out "
+            "| limit updates/s | fraction of limit | push frame | params frame "
+            "| CPU ms/update (bare) | pservers' CPU ms/update | push p50 ms | updates/publish "
+            "| RSS |",
+            "|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in doc["throughput"]:
             cpu = r.get("server_cpu_ms_per_update")
             bare = r.get("limit_server_cpu_ms_per_update")
             rss = r.get("rss_mb")
+            servers = r.get("pservers", 1)
+            variant = "1" if servers == 1 else f"{servers} {r.get('pserver_backend', '')}"
+            ps_cpu = r.get("pserver_cpu_ms_per_update") if servers > 1 else None
             lines.append(
                 f"| {r['params']:,} | {r['codec']} | {r['workers']} | {r.get('transport', 'ws')} "
-                f"| {r['updates_per_s']:.1f} "
+                f"| {variant} | {r['updates_per_s']:.1f} "
                 f"| {r['mb_in_per_s']:.1f} | {r['mb_out_per_s']:.1f} "
                 f"| {r['limit_updates_per_s']:.1f} | {r['fraction_of_limit']:.2f} "
                 f"| {r.get('push_frame_bytes', 0):,} B | {r.get('params_frame_bytes', 0):,} B "
                 f"| {'' if cpu is None else f'{cpu:.2f}'} ({'' if bare is None else f'{bare:.2f}'}) "
+                f"| {'' if ps_cpu is None else f'{ps_cpu:.2f}'} | {r.get('push_p50_ms', '')} "
                 f"| {r.get('updates_per_publish', '')} | {'' if rss is None else f'{rss:,} MB'} |"
             )
         lines.append("")
+    lines += targets_md(doc.get("targets", []))
     lat = doc.get("engine_latency")
     if lat:
         lines += [
@@ -705,7 +795,18 @@ def options_from(args: argparse.Namespace) -> SystemOptions:
         transports=("ws",)
         if getattr(args, "no_shm", False) or not shm.available()
         else ("ws", "shm"),
+        pservers=_ints(args.pservers, "--pservers") if getattr(args, "pservers", None) else (1,),
+        pserver_backends=_backends(getattr(args, "pserver_backends", None) or "local"),
     )
+
+
+def _backends(text: str) -> tuple[str, ...]:
+    names = tuple(b.strip() for b in text.split(",") if b.strip())
+    if not names or set(names) - set(BACKENDS):
+        raise ValueError(
+            f"--pserver-backends must name some of {', '.join(BACKENDS)}, got {text!r}"
+        )
+    return names
 
 
 def run_main(opts: SystemOptions) -> int:

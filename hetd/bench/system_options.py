@@ -39,6 +39,19 @@ def add_options(p: argparse.ArgumentParser) -> None:
         "shared memory the daemon offers same-host workers)",
     )
     g.add_argument(
+        "--pservers",
+        default=None,
+        help="the pservers axis, e.g. 1,2: 1 is the daemon alone; S >= 2 a daemon with S pserver "
+        "processes, the senders sending each its part of every push; every S of a cell runs side "
+        "by side, windows alternated, and the pservers' targets are printed (default 1)",
+    )
+    g.add_argument(
+        "--pserver-backends",
+        default=None,
+        help="who starts the pservers at S >= 2, among local,ray (default local; ray needs "
+        "pip install 'hetd[ray]' and starts a Ray instance on this host)",
+    )
+    g.add_argument(
         "--latency-workers",
         type=int,
         default=256,

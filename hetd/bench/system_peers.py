@@ -39,6 +39,7 @@ import aiohttp
 import msgpack
 import numpy as np
 
+from hetd.bench.system_parts import PartFrames, PartsLinks
 from hetd.codecs import registry as codecs
 from hetd.protocol import shm, wire
 from hetd.protocol.params import params_envelope
@@ -226,6 +227,9 @@ async def _run_hetd(job: Job, conn: Connection, http: aiohttp.ClientSession) -> 
         watcher: asyncio.Task[None] | None = None
         request = 0
         push = PushFrame(tensors)
+        parts: PartsLinks | None = None  # the pservers' connections, when the welcome names them
+        sent: dict[int, float] = {}  # request id -> when its push went out
+        latencies: list[float] = []  # s from a push's sending to its ack
         chunked_version: int | None = None  # the params message coming in chunks
         chunked_bytes = 0
         version: int | None
@@ -256,6 +260,12 @@ async def _run_hetd(job: Job, conn: Connection, http: aiohttp.ClientSession) -> 
                 link = _Shm(msg["segment"])
                 await ws.send_bytes(link.ready())
                 continue
+            elif msg is not None and msg.type == "welcome" and msg.get("pservers") is not None:
+                parts = PartsLinks(
+                    PartFrames(msg["pservers"], msg["worker_id"], bytes(push.frame(0, 0)))
+                )
+                await parts.open()
+                continue
             if version is not None:
                 if watcher is None:  # the first parameters: joined and released
                     report.connected = 1
@@ -267,8 +277,11 @@ async def _run_hetd(job: Job, conn: Connection, http: aiohttp.ClientSession) -> 
                 if stop.is_set():
                     break
                 request += 1
+                if parts is not None:  # the parts first: the push is decided once they are in
+                    await parts.send(request)
                 out = push.frame(request, version)
                 report.push_frame_bytes = len(out)
+                sent[request] = time.perf_counter()
                 if link is not None:
                     await ws.send_bytes(link.push(out, request))
                 elif len(out) <= job.frame_cap:
@@ -280,6 +293,9 @@ async def _run_hetd(job: Job, conn: Connection, http: aiohttp.ClientSession) -> 
             elif msg is not None and msg.type == "ack":
                 report.ack_bytes = len(frame.data)
                 report.applied += msg["status"] == "applied"
+                began = sent.pop(msg.id, None)
+                if began is not None:
+                    latencies.append(time.perf_counter() - began)
             elif msg is not None and msg.type == "error":
                 report.error = f"{msg['code']}: {msg['message']}"
                 break
@@ -300,6 +316,11 @@ async def _run_hetd(job: Job, conn: Connection, http: aiohttp.ClientSession) -> 
         if link is not None:
             link.close()
         report.extra["shm"] = link is not None
+        report.extra["push_s"] = latencies
+        if parts is not None:
+            await parts.close()
+            report.extra["parts_held"] = parts.held
+            report.error = report.error or parts.error
     return report
 
 

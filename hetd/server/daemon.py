@@ -72,12 +72,17 @@ class Daemon:
     engine stopped — each step bounded by ``[server] stop_timeout_s``.
     """
 
-    def __init__(self, cfg: config_mod.Config, engine: Engine | None = None) -> None:
+    def __init__(
+        self, cfg: config_mod.Config, engine: Engine | None = None, head: Head | None = None
+    ) -> None:
+        """``engine``: one built already (else ``build`` makes it from ``cfg``); ``head``: what
+        pservers need of a given engine (its optimizer spec and initial parameters)."""
         config_mod.check_serving(cfg)  # before anything is built: a refused start changes nothing
         self.cfg = cfg
         # [server] tls_cert / tls_key: both endpoints serve TLS (wss://, https://); None: plain
         self.ssl_context: ssl.SSLContext | None = config_mod.server_ssl_context(cfg.server)
         self._engine = engine
+        self._head = head
         self.pservers: HeadLink | None = None  # the pservers' link ([pservers] servers)
         self.pserver_procs: PserverProcesses | None = None  # [pservers] backend "local", "ray"
         self.checkpointer: checkpoint.Checkpointer | None = None  # made by build (imports flax)
@@ -189,7 +194,7 @@ class Daemon:
         """Build the engine (a thread: the sockets keep answering), resume, start it."""
         began = time.monotonic()
         try:
-            head: Head | None = None
+            head = self._head
             if self._engine is None:
                 built, head = await asyncio.to_thread(build_head, self.cfg)
                 self._engine = built

@@ -302,7 +302,9 @@ def budget_run(
     }
     best = candidates(blocks, workers, sc.batch)[0]
     options = structure_options(blocks, workers, sc.batch, best)
-    built = {o.groups: evaluate(blocks, workers, sc.batch, o.groups) for o in options}
+    built = {
+        o.groups: evaluate(blocks, workers, sc.batch, o.groups, kept=best.shapes) for o in options
+    }
     full = options[0].costs[0]
     cfg = LyapunovConfig(v=v, budgets=(budget_fraction * full,))
     state, top, fastest = LyapunovState(), 0.0, 0.0

@@ -83,7 +83,7 @@ def plan_round(
     option, lyap = choose(options, state.lyapunov, cfg.lyapunov)
     chosen = structure if option.groups == structure.groups else None
     if chosen is None:
-        chosen = evaluate(blocks, workers, total, option.groups)
+        chosen = evaluate(blocks, workers, total, option.groups, kept=structure.shapes)
         assert chosen is not None  # a subset of a feasible structure is feasible
     # A replica keeps its generation while its members, order, cuts and micro-batch stay, even
     # through rounds the budget leaves it out; anything else is a new generation.

@@ -8,7 +8,11 @@ for a batch ``b`` run as micro-batches of ``m`` is linear, ``T(b) = a + c·b``:
   (forward + backward of its blocks) and each stage worker's uplink and downlink as their own
   pseudo-stages (a middle stage's uplink carries its forward output *and* its backward input
   gradient, both relayed by the head);
-* ``T(M) = Σu + (M−1)·max u + Σlat + max pushpull``, so ``c = max u / m`` and ``a`` is the rest.
+* ``T(M) = Σu + (M−1)·max u + Σlat + max pushpull``, so ``c = max u / m`` and ``a`` is the rest;
+  a data-parallel replica's pull and push include its worker's fixed work per step
+  (``WorkerSpec.step_s``: the head's and the host's handling of the step's frames, measured by
+  the policy on data-parallel steps). A pipeline's is not added: its stages' speeds are
+  calibrated on its measured steps, which carry its own.
 
 :mod:`policies.dpmp.search` finds the cuts and order of a group under each stage's memory;
 :func:`split_batch` shares a global batch across replicas so that they finish together, in whole
@@ -57,6 +61,7 @@ class WorkerSpec:
     price: float = 1.0  # cost per busy second
     block_s: tuple[float, ...] | None = None  # s per sample per block (an exact profile)
     stages: bool = True  # it can run a pipeline stage (a worker that did not say so cannot)
+    step_s: float = 0.0  # s of fixed work per data-parallel step beyond compute and links
 
     def taus(self, blocks: Sequence[Block]) -> list[float]:
         """s per sample of each block: the exact profile, else ``sample_s`` by FLOP share."""
@@ -189,7 +194,8 @@ def replica_cost(
             links += [up, down]
         mems.append(mem)
         slices.append(params)
-        pushpull = max(pushpull, 2 * w.lat_s + params / w.bw_up + params / w.bw_down)
+        fixed = w.step_s if n == 1 else 0.0  # a pipeline's steps calibrate its stages
+        pushpull = max(pushpull, fixed + 2 * w.lat_s + params / w.bw_up + params / w.bw_down)
     lat = sum(2 * (group[s].lat_s + group[s + 1].lat_s) for s in range(n - 1))
     units = tuple(computes + links)
     period = max(units)

@@ -18,6 +18,10 @@ one; the others run data parallel when they can hold the model, and are idle whe
 :func:`decide` keeps the current structure unless a candidate predicts ``τ_new + switch/H ≤
 keep·τ_cur`` (``keep = 0.75``: a predicted gain of at least 1/0.75) and ``R`` rounds have passed
 since the last change; a structure whose members are no longer all present is replaced at once.
+The structure kept includes its pipeline replicas' shapes (order, cuts, micro-batch): re-cut or
+re-sized on every change of the measured speeds, a replica would compile new kernels on its next
+step (seconds on a CPU, the whole synchronous round waiting), so a new shape of the same groups
+needs the same gain.
 """
 
 from __future__ import annotations
@@ -31,13 +35,19 @@ from policies.dpmp.costs import (
     ReplicaCost,
     Split,
     WorkerSpec,
+    fits,
     memory_poor,
     micro_batch,
+    replica_cost,
     split_batch,
 )
 from policies.dpmp.search import best_partition
 
 Groups = tuple[tuple[int, ...], ...]  # replica members (stage order not implied), sorted
+# A pipeline replica's shape: (members in stage order, cuts, micro-batch). A new shape costs its
+# stages a compile of their kernels on their first step (seconds on a CPU), and a synchronous
+# round waits for it.
+Shape = tuple[tuple[int, ...], tuple[int, ...], int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +66,11 @@ class Structure:
     def groups(self) -> Groups:
         """The member sets, order-free (what identifies a structure for hysteresis)."""
         return tuple(sorted(tuple(sorted(r.members)) for r in self.replicas))
+
+    @property
+    def shapes(self) -> tuple[Shape, ...]:
+        """The pipeline replicas' shapes, sorted (data-parallel replicas compile nothing new)."""
+        return tuple(sorted((r.members, r.cuts, r.micro) for r in self.replicas if r.stages > 1))
 
     def describe(self) -> str:
         parts = []
@@ -76,30 +91,54 @@ def evaluate(
     total: int,
     groups: Groups,
     memo: Memo | None = None,
+    kept: Sequence[Shape] = (),
 ) -> Structure | None:
     """The structure made of ``groups`` (each a replica; its best order and cuts), the others
     idle; None when a group fits no order and cuts, or nobody works. ``memo`` keeps each
-    (group, micro-batch)'s partition across calls on the same facts."""
+    (group, micro-batch)'s partition across calls on the same facts. A group with a shape in
+    ``kept`` keeps that order, those cuts and that micro-batch while they fit its memory (its
+    stages hold their compiled kernels), costed at the workers' speeds now."""
     if not groups:
         return None
     speed = {w: 1.0 / spec.sample_s for w, spec in workers.items()}
     whole = sum(speed[w] for g in groups for w in g)
+    shapes = {tuple(sorted(members)): (members, cuts, m) for members, cuts, m in kept}
     replicas = []
     for g in groups:
-        share = total * sum(speed[w] for w in g) / whole
-        m = micro_batch(share, len(g))
-        if memo is not None and (g, m) in memo:
-            cost = memo[(g, m)]
-        else:
-            cost = best_partition(blocks, [workers[w] for w in g], m)
-            if memo is not None:
-                memo[(g, m)] = cost
+        cost = _kept_cost(blocks, workers, shapes.get(g))
+        if cost is None:
+            share = total * sum(speed[w] for w in g) / whole
+            m = micro_batch(share, len(g))
+            if memo is not None and (g, m) in memo:
+                cost = memo[(g, m)]
+            else:
+                cost = best_partition(blocks, [workers[w] for w in g], m)
+                if memo is not None:
+                    memo[(g, m)] = cost
         if cost is None:
             return None
         replicas.append(cost)
     busy = {w for g in groups for w in g}
     idle = tuple(sorted(w for w in workers if w not in busy))
     return Structure(tuple(replicas), idle, split_batch(total, replicas))
+
+
+def _kept_cost(
+    blocks: Sequence[Block], workers: Mapping[int, WorkerSpec], shape: Shape | None
+) -> ReplicaCost | None:
+    """The cost of a kept ``shape`` at the workers' speeds now; None when there is none, it no
+    longer fits the workers' memory, or it no longer matches the model."""
+    if shape is None:
+        return None
+    members, cuts, m = shape
+    if any(w not in workers for w in members):
+        return None
+    group = [workers[w] for w in members]
+    try:
+        cost = replica_cost(blocks, group, cuts, m)
+    except ValueError:  # cuts of another model
+        return None
+    return cost if fits(cost, group) else None
 
 
 def _partitions(pool: Sequence[int]) -> Iterator[list[tuple[int, ...]]]:
@@ -184,6 +223,7 @@ class GroupState:
     current: Groups | None = None
     changed_at: int | None = None  # round of the last change
     pool: frozenset[int] = frozenset()  # the workers the current structure was chosen among
+    shapes: tuple[Shape, ...] = ()  # the current structure's pipeline shapes
 
 
 def decide(
@@ -204,19 +244,28 @@ def decide(
         raise ValueError("no feasible structure: no worker or group can hold the model")
     best = cands[0]
     present = frozenset(workers)
+
+    def chosen(why: str) -> tuple[Structure, GroupState, str]:
+        # the groups that stay keep their shapes (their stages hold the compiled kernels)
+        s = evaluate(blocks, workers, total, best.groups, kept=state.shapes) or best
+        return s, GroupState(s.groups, round_, present, s.shapes), why
+
     if state.current is None:
-        return best, GroupState(best.groups, round_, present), "start"
+        return chosen("start")
     current = None
     if all(w in present for g in state.current for w in g):
-        current = evaluate(blocks, workers, total, state.current)
+        current = evaluate(blocks, workers, total, state.current, kept=state.shapes)
     if current is None:
-        return best, GroupState(best.groups, round_, present), "forced"
+        return chosen("forced")
     if present - state.pool:
-        return best, GroupState(best.groups, round_, present), "joined"
-    if best.groups == current.groups:
-        return current, replace(state, pool=present), "keep"
+        return chosen("joined")
+    kept = replace(state, pool=present, shapes=current.shapes)
+    if (best.groups, best.shapes) == (current.groups, current.shapes):
+        return current, kept, "keep"
+    # Another structure, or the same groups in other shapes (cuts, micro-batch: new compiles):
+    # both only for the gain the hysteresis asks, after its period.
     waited = state.changed_at is None or round_ - state.changed_at >= cfg.period
     gain = best.tau + cfg.switch_s / max(1, cfg.horizon) <= cfg.keep * current.tau
     if waited and gain:
-        return best, GroupState(best.groups, round_, present), "regroup"
-    return current, replace(state, pool=present), "keep"
+        return best, GroupState(best.groups, round_, present, best.shapes), "regroup"
+    return current, kept, "keep"

@@ -166,5 +166,5 @@ def structure_options(
 
         worst = max(range(len(current.replicas)), key=dear)
         keep = tuple(tuple(sorted(r.members)) for i, r in enumerate(current.replicas) if i != worst)
-        current = evaluate(blocks, workers, total, keep)
+        current = evaluate(blocks, workers, total, keep, kept=structure.shapes)
     return out

@@ -54,6 +54,8 @@ from policies.types import (
 
 PROBE = 4  # samples per round for a data-parallel worker the plan left without work
 KEPT = 6  # a replica's measured steps kept (the median of all but its first calibrates its stages)
+OVERHEADS = 12  # data-parallel steps whose fixed work is kept (their median is the figure)
+MIN_OVERHEADS = 3  # ... before it is used
 DEFAULT_SAMPLE_S = 1e-3  # s per sample of a worker nobody has measured yet (only shares matter)
 
 ShapeKey = tuple[tuple[int, ...], tuple[int, ...], int]  # a replica's (members, cuts, micro)
@@ -79,6 +81,8 @@ class DpmpPolicyState:
     measured: Mapping[ShapeKey, tuple[tuple[float, int], ...]] = field(default_factory=dict)
     speeds: Mapping[int, float] = field(default_factory=dict)  # s/sample of stage-only workers
     cut: bool = False  # the structure was planned with the model's blocks (not as one block)
+    # the last data-parallel steps' fixed work (s): release to push less compute and transfers
+    overheads: tuple[float, ...] = ()
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -99,6 +103,7 @@ class DpmpPolicyState:
             "structure": self.structure,
             "queues": list(self.ctl.lyapunov.queues),
             "stage_speeds": {str(w): v for w, v in sorted(self.speeds.items())},
+            "step_overhead_s": step_overhead(self),
         }
 
 
@@ -117,11 +122,14 @@ def own_speed(view: ClusterView, f: WorkerFacts) -> float | None:
 
 
 def worker_specs(
-    view: ClusterView, price: float, speeds: Mapping[int, float] | None = None
+    view: ClusterView,
+    price: float,
+    speeds: Mapping[int, float] | None = None,
+    step_s: float = 0.0,
 ) -> dict[int, WorkerSpec]:
     """What the planner knows of every worker: the view's and the replicas' later stages'.
     ``speeds``: s/sample of workers known only by their replica's steps (used when the worker
-    has not timed itself)."""
+    has not timed itself); ``step_s``: the fixed work of a step (:func:`step_overhead`)."""
     facts: dict[int, WorkerFacts] = {**view.workers, **view.stage_workers}
     known_speeds = speeds or {}
 
@@ -148,6 +156,7 @@ def worker_specs(
             bw_down=link,
             price=price,
             stages=f.stages,
+            step_s=step_s,
         )
     return specs
 
@@ -178,13 +187,55 @@ def probed(specs: Sequence[ReplicaSpec]) -> list[ReplicaSpec]:
 
 
 def measure(st: DpmpPolicyState, push: Push) -> DpmpPolicyState:
-    """A running pipeline replica's step, timed: its head's push carries the step's wall time."""
+    """A running pipeline replica's step, timed: its head's push carries the step's wall time
+    from the driver's release to the last part; the round waits from its start to the push, and
+    a released round's step is timed so. (In real mode the head's work around a replica step,
+    cutting and encoding the stages' slices before, decoding and checking the parts after,
+    took 20-100 ms beyond the driver's wall, and the round waited on the replica for it.)"""
     shape = next((p for p in st.pipelines if p.members[0] == push.worker), None)
     if shape is None or push.samples < 1 or not push.compute_s > 0:
         return st
+    wall = push.compute_s
+    if st.started is not None and push.worker in st.working and push.worker not in st.pushed:
+        wall = max(wall, push.now - st.started)
     key = _key(shape)
-    kept = (*st.measured.get(key, ())[-(KEPT - 1) :], (push.compute_s, push.samples))
+    kept = (*st.measured.get(key, ())[-(KEPT - 1) :], (wall, push.samples))
     return replace(st, measured={**st.measured, key: kept})
+
+
+def overhead(
+    st: DpmpPolicyState, push: Push, view: ClusterView, blocks: Sequence[Block], price: float
+) -> DpmpPolicyState:
+    """A data-parallel step of this round, timed from the round's release to its push: what it
+    took beyond its own compute and the transfers of the whole model both ways (the planner's
+    prediction of it) is fixed work per step, the head's and the host's handling of its frames.
+    A pipeline replica's measured steps carry the same work; without this figure the stage-speed
+    calibration reads it as compute of the replica while the data-parallel workers' predictions
+    leave it out, and the split gives them too much of the batch."""
+    if (
+        st.started is None
+        or push.worker not in st.working
+        or push.worker in st.pushed
+        or any(p.members[0] == push.worker for p in st.pipelines)
+        or push.samples < 1
+        or not push.compute_s > 0
+    ):
+        return st
+    spec = worker_specs(view, price, st.speeds).get(push.worker)
+    if spec is None:
+        return st
+    params = sum(b.param_bytes for b in blocks)
+    links = params / spec.bw_up + params / spec.bw_down + 2 * spec.lat_s
+    extra = max(0.0, push.now - st.started - push.compute_s - links)
+    return replace(st, overheads=(*st.overheads[-(OVERHEADS - 1) :], extra))
+
+
+def step_overhead(st: DpmpPolicyState) -> float:
+    """The fixed work of a step (s): the median of the last data-parallel steps' (0 before
+    :data:`MIN_OVERHEADS` of them)."""
+    if len(st.overheads) < MIN_OVERHEADS:
+        return 0.0
+    return statistics.median(st.overheads)
 
 
 def calibrated(
@@ -204,7 +255,7 @@ def calibrated(
         guessed = frozenset(w for w in p.members if own_speed(view, facts[w]) is None)
         if not guessed:
             continue
-        specs = worker_specs(view, price, speeds)
+        specs = worker_specs(view, price, speeds, step_overhead(st))
         group = [specs[w] for w in p.members]
         found: dict[int, list[float]] = {}
         for wall, samples in steps:
@@ -213,6 +264,12 @@ def calibrated(
                 found.setdefault(w, []).append(v)
         speeds.update({w: statistics.median(vs) for w, vs in found.items()})
     return speeds
+
+
+def _blocks(view: ClusterView) -> list[Block]:
+    """The model's blocks; a model that cannot be cut is one block (data parallel only)."""
+    blocks = [Block(f"b{j:02d}", p, a, fl) for j, (p, a, fl) in enumerate(view.blocks)]
+    return blocks or [Block("model", whole_model_bytes(view), 0.0, 1.0)]
 
 
 def _dp_round(view: ClusterView) -> tuple[list[int], dict[int, int]]:
@@ -251,10 +308,8 @@ def dpmp(
     def plan(view: ClusterView, st: DpmpPolicyState) -> tuple[list[Decision], DpmpPolicyState]:
         """Start a round: structure, shares, releases."""
         ctl = st.ctl
-        blocks = [Block(f"b{j:02d}", p, a, fl) for j, (p, a, fl) in enumerate(view.blocks)]
-        whole = not blocks  # a model that cannot be cut: one block, data parallel only
-        if whole:
-            blocks = [Block("model", whole_model_bytes(view), 0.0, 1.0)]
+        whole = not view.blocks  # a model that cannot be cut: one block, data parallel only
+        blocks = _blocks(view)
         shapes: list[ReplicaShape] = []
         specs: Sequence[ReplicaSpec] = ()
         speeds = calibrated(view, blocks, price, st)
@@ -264,7 +319,11 @@ def dpmp(
             ctl = replace(ctl, groups=GroupState())
         try:
             planned, ctl = plan_round(
-                blocks, worker_specs(view, price, speeds), view.global_batch, ctl, cfg
+                blocks,
+                worker_specs(view, price, speeds, step_overhead(st)),
+                view.global_batch,
+                ctl,
+                cfg,
             )
             specs, tau, reason = planned.replicas, planned.tau, planned.reason
         except ValueError as exc:
@@ -352,6 +411,7 @@ def dpmp(
         if isinstance(event, Push):
             out.append(Buffer(float(event.samples)))
             st = measure(st, event)
+            st = overhead(st, event, view, _blocks(view), price)
             if event.worker in st.working:
                 st = replace(st, pushed=st.pushed | {event.worker})
         elif isinstance(event, Leave) and event.worker in st.working:

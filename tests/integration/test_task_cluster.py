@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -184,8 +185,23 @@ async def _serve_refused(*args: str) -> str:
         (f"{TASKS / 'not_scalar.py'}:task", "loss must return a scalar"),
     ],
 )
-async def test_hetd_serve_refuses_a_bad_task_in_one_line(spec: str, says: str) -> None:
-    err = await _serve_refused("--task", spec)
+def test_hetd_serve_refuses_a_bad_task_in_one_line(
+    spec: str, says: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``hetd serve``'s own entry point in this process (its parser, config, daemon start and
+    error handling: all but the interpreter's exit, which the model check below runs as a real
+    process): exit status 2 and the reason as the last ``hetd:`` line, no traceback."""
+    from hetd.cli.main import main
+
+    monkeypatch.setenv("HETD_WORKER_TOKEN", WORKER_TOKEN)
+    levels = {name: logging.getLogger(name).level for name in ("", "hetd", "absl")}
+    try:
+        code = main(["serve", "--task", spec, "--port", "0", "--admin-port", "-1"])
+    finally:  # hetd's logging set-up, undone for the tests after this one
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err[-2000:]
     lines = [line for line in err.splitlines() if line.startswith("hetd:")]
     assert lines and says in lines[-1], err[-2000:]
 

@@ -552,7 +552,8 @@ def test_codec_bench_writes_one_record_per_codec_and_size(tmp_path: Any) -> None
     assert path.name == "codecs.json"
     assert [r["codec"] for r in records] == list(bench_codecs.SPECS)
     for r in records:
-        assert r["n"] == 2_000 and r["encode_gbps"] > 0 and r["memcpy_gbps"] > 0
+        # rates in GB/s to 3 decimals: 8 KB that took over 16 ms (a loaded machine) reads 0.0
+        assert r["n"] == 2_000 and r["encode_gbps"] >= 0 and r["memcpy_gbps"] >= 0
         assert 0 < r["ratio"] <= 1.0 and 0 <= r["rel_error"] <= 1.0
     by = {r["codec"]: r for r in records}
     assert by["none"]["rel_error"] == 0 and by["int8"]["ratio"] < 0.26 < by["bf16"]["ratio"]

@@ -265,3 +265,27 @@ def test_under_sgd_ashl_is_counted_by_its_weights_above_adsp_on_a_spread_cluster
     assert got[False]["adsp"].goodput > got[False]["ashl"].goodput
     assert got[True]["ashl"].goodput > 1.15 * got[True]["adsp"].goodput
     assert got[True]["adsp"].goodput == pytest.approx(got[False]["adsp"].goodput)
+
+
+def test_under_adam_a_pipelined_round_is_worth_far_less_than_a_fresh_one() -> None:
+    # peer_adam's cluster (slow-downs 1, 1, 2, 4, free links, 32 samples a worker): hps, lbbsp
+    # with every round one to two versions stale, needed 1.9x lbbsp's samples to the target
+    # (simulator, 3 seeds; 2.1x with Adam's b1 = 0), asp, three times as stale in updates of a
+    # quarter the samples, 1.5x. Staleness counted per update alone rated hps at 0.9 of lbbsp.
+    base = view_of(SPREAD)
+    workers = {
+        i: dataclasses.replace(f, link_bps=1e9, push_bytes=814_000.0)
+        for i, f in base.workers.items()
+    }
+    view = dataclasses.replace(base, workers=workers)
+    adam = PlannerConfig(default_batch=BATCH, efficiency=for_optimizer("adam"))
+    preds = plan(view, parse_candidates("lbbsp,hps,asp"), adam, lambda: 0.0)
+    eff = {p.name: p.efficiency for p in preds.forecast.predictions}
+    hps, asp = eff["hps"] / eff["lbbsp"], eff["asp"] / eff["lbbsp"]
+    assert hps < 0.7
+    assert hps < asp < 0.9
+    # under SGD staleness stays nearly free: hps is worth about a fresh round
+    sgd = PlannerConfig(default_batch=BATCH, efficiency=for_optimizer("sgd"))
+    preds = plan(view, parse_candidates("lbbsp,hps"), sgd, lambda: 0.0)
+    eff = {p.name: p.efficiency for p in preds.forecast.predictions}
+    assert eff["hps"] / eff["lbbsp"] > 0.9

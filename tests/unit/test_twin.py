@@ -240,6 +240,13 @@ def test_efficiency_discounts_stale_and_local_work_only() -> None:
     assert pollux.factor(0, 1, 32) == 1.0 and pollux.factor(0, 1, 224) == pytest.approx(0.4)
     # an aggregate of 10-step deltas over 224 samples a step is 10 steps of 224, not one of 2240
     assert pollux.factor(0, 10, 2240) == pytest.approx(0.4 / (1 + 0.05 * 9))
+    # Adam's size term: a sample of an update of M samples is worth (M0 / M)^alpha, per step
+    sized = Efficiency(0.0, 0.0, batch_exponent=0.5, base_batch=32)
+    assert sized.factor(0, 1, 128) == pytest.approx(0.5)
+    assert sized.factor(0, 1, 8) == pytest.approx(2.0)
+    assert sized.factor(0, 4, 128) == 1.0  # four local steps of 32
+    with pytest.raises(ValueError, match="batch_exponent"):
+        Efficiency(batch_exponent=-0.5)
     bsp = run_twin(view_of(S), "bsp", config=FREE)
     asp = run_twin(view_of(S), "asp", config=FREE)
     assert bsp.effective_samples_per_s(eff) == pytest.approx(bsp.applied_samples_per_s)
