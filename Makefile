@@ -24,9 +24,9 @@ demo: $(STAMP)
 	$(BIN)/hetd demo --out demo-out
 
 # The suite in two processes (pytest-xdist, a file's tests together in one, in order): most tests
-# wait on sockets and worker processes, so two keep both cores busy (16 min against 27 in one on
-# this 2-core machine when it is quiet; TEST_PROCS=0 for one). The tests assert what holds on a
-# loaded machine, two processes' load included.
+# wait on sockets and worker processes, so two keep both cores busy (19 min in CI against 27 in one
+# on this 2-core machine; TEST_PROCS=0 for one). The tests assert what holds on a loaded machine,
+# two processes' load included.
 TEST_PROCS ?= 2
 
 test: $(STAMP)

@@ -47,6 +47,7 @@ from hetd.bench.system_pservers import (
     Variant,
     pserver_cpu_s,
     start_served,
+    state_dir,
     stop_served,
     variants,
 )
@@ -379,6 +380,14 @@ async def run_big(pool: PeerPool, opts: SystemOptions) -> list[dict[str, Any]]:
     return rows
 
 
+async def serve(shapes: Shapes, codec: str, v: Variant) -> Served:
+    """A started daemon of variant ``v`` for the synthetic model, its pservers connected."""
+    state = state_dir(v)
+    served = Served(v, make_daemon(shapes, codec, v.servers, v.backend, str(state or "")), state)
+    await start_served(served)
+    return served
+
+
 @contextlib.asynccontextmanager
 async def _serving(shapes: Shapes, codec: str, opts: SystemOptions) -> AsyncIterator[list[Served]]:
     """A started daemon per variant of the ``--pservers`` axis (all alive at once, so that their
@@ -388,7 +397,7 @@ async def _serving(shapes: Shapes, codec: str, opts: SystemOptions) -> AsyncIter
         for v in variants(opts.pservers, opts.pserver_backends):
             if v.servers > 1:
                 _say(opts, f"  starting a daemon with {v.servers} pservers ({v.backend}) ...")
-            served.append(await start_served(shapes, codec, v))
+            served.append(await serve(shapes, codec, v))
         yield served
     finally:
         for one in reversed(served):

@@ -6,8 +6,8 @@ applies every update itself; ``Variant(S, backend)`` with S >= 2 is a daemon who
 senders sending each pserver its part of every push (:mod:`hetd.bench.system_parts`). Every
 variant of a cell runs side by side, windows alternated, against the same senders.
 
-:func:`start_served` starts one (its pservers connected before it returns), :func:`stop_served`
-stops it and removes its state directory; :func:`pserver_cpu_s` reads the CPU its pserver
+:func:`start_served` starts one made by :func:`hetd.bench.system.serve` (its pservers connected
+before it returns), :func:`stop_served` stops it and removes its state directory; :func:`pserver_cpu_s` reads the CPU its pserver
 processes used so far, so a row can say what the pservers cost per update beside the head.
 """
 
@@ -60,19 +60,18 @@ class Served:
     state: Path | None
 
 
-async def start_served(
-    shapes: tuple[tuple[str, tuple[int, ...]], ...], codec: str, v: Variant
-) -> Served:
-    """A daemon of variant ``v`` for the synthetic model, started, its pservers connected."""
-    from hetd.bench.system import make_daemon
+def state_dir(v: Variant) -> Path | None:
+    """A new state directory for a daemon of variant ``v`` (its pservers' slices), or None."""
+    return Path(tempfile.mkdtemp(prefix="hetd-bench-ps-")) if v.servers > 1 else None
 
-    state = Path(tempfile.mkdtemp(prefix="hetd-bench-ps-")) if v.servers > 1 else None
-    if v.backend == "ray":
+
+async def start_served(served: Served) -> None:
+    """Start the daemon; return once its pservers are connected (stopped again if it fails)."""
+    if served.variant.backend == "ray":
         from hetd.server.pserver_ray import connect, load_ray
 
         connect(load_ray())  # a Ray instance on this host, kept for the rest of the run
-    daemon = make_daemon(shapes, codec, v.servers, v.backend, str(state or ""))
-    served = Served(v, daemon, state)
+    daemon = served.daemon
     try:
         await daemon.start()
         if daemon.pservers is not None:
@@ -80,7 +79,6 @@ async def start_served(
     except BaseException:
         await stop_served(served)
         raise
-    return served
 
 
 async def stop_served(served: Served) -> None:

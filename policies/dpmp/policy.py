@@ -54,7 +54,7 @@ from policies.types import (
 
 PROBE = 4  # samples per round for a data-parallel worker the plan left without work
 KEPT = 6  # a replica's measured steps kept (the median of all but its first calibrates its stages)
-OVERHEADS = 12  # data-parallel steps whose fixed work is kept (their median is the figure)
+OVERHEADS = 12  # data-parallel steps whose fixed work is kept (the least is the figure)
 MIN_OVERHEADS = 3  # ... before it is used
 DEFAULT_SAMPLE_S = 1e-3  # s per sample of a worker nobody has measured yet (only shares matter)
 
@@ -72,6 +72,7 @@ class DpmpPolicyState:
     ctl: DpmpState = field(default_factory=DpmpState)
     working: tuple[int, ...] = ()  # the round's replicas (heads and data-parallel workers)
     pushed: frozenset[int] = frozenset()  # ... that pushed this round
+    released: frozenset[int] = frozenset()  # ... released at its start (their steps are timed)
     pipelines: tuple[ReplicaShape, ...] = ()  # the pipeline replicas the plan runs
     started: float | None = None  # when the round began (None: no round yet)
     tau: float = 0.0  # s, the round's predicted time
@@ -189,14 +190,14 @@ def probed(specs: Sequence[ReplicaSpec]) -> list[ReplicaSpec]:
 def measure(st: DpmpPolicyState, push: Push) -> DpmpPolicyState:
     """A running pipeline replica's step, timed: its head's push carries the step's wall time
     from the driver's release to the last part; the round waits from its start to the push, and
-    a released round's step is timed so. (In real mode the head's work around a replica step,
+    a step released at the round's start is timed so. (In real mode the head's work around a replica step,
     cutting and encoding the stages' slices before, decoding and checking the parts after,
     took 20-100 ms beyond the driver's wall, and the round waited on the replica for it.)"""
     shape = next((p for p in st.pipelines if p.members[0] == push.worker), None)
     if shape is None or push.samples < 1 or not push.compute_s > 0:
         return st
     wall = push.compute_s
-    if st.started is not None and push.worker in st.working and push.worker not in st.pushed:
+    if st.started is not None and push.worker in st.released - st.pushed:
         wall = max(wall, push.now - st.started)
     key = _key(shape)
     kept = (*st.measured.get(key, ())[-(KEPT - 1) :], (wall, push.samples))
@@ -206,7 +207,7 @@ def measure(st: DpmpPolicyState, push: Push) -> DpmpPolicyState:
 def overhead(
     st: DpmpPolicyState, push: Push, view: ClusterView, blocks: Sequence[Block], price: float
 ) -> DpmpPolicyState:
-    """A data-parallel step of this round, timed from the round's release to its push: what it
+    """A data-parallel step released at the round's start, timed from then to its push: what it
     took beyond its own compute and the transfers of the whole model both ways (the planner's
     prediction of it) is fixed work per step, the head's and the host's handling of its frames.
     A pipeline replica's measured steps carry the same work; without this figure the stage-speed
@@ -214,8 +215,7 @@ def overhead(
     leave it out, and the split gives them too much of the batch."""
     if (
         st.started is None
-        or push.worker not in st.working
-        or push.worker in st.pushed
+        or push.worker not in st.released - st.pushed  # released later: a join, a pull
         or any(p.members[0] == push.worker for p in st.pipelines)
         or push.samples < 1
         or not push.compute_s > 0
@@ -231,11 +231,14 @@ def overhead(
 
 
 def step_overhead(st: DpmpPolicyState) -> float:
-    """The fixed work of a step (s): the median of the last data-parallel steps' (0 before
-    :data:`MIN_OVERHEADS` of them)."""
+    """The fixed work of a step (s): the least of the last data-parallel steps' (0 before
+    :data:`MIN_OVERHEADS` of them). A floor, not a median: what else a step meets (its worker's
+    profile or compile after a join, a straggling moment) only adds to it, and a figure read too
+    high would give the pipelines the data-parallel workers' shares, and with no share a worker
+    pushes no step that could correct it."""
     if len(st.overheads) < MIN_OVERHEADS:
         return 0.0
-    return statistics.median(st.overheads)
+    return min(st.overheads)
 
 
 def calibrated(
@@ -382,6 +385,7 @@ def dpmp(
             measured={k: v for k, v in st.measured.items() if k in {_key(p) for p in shapes}},
             working=tuple(working),
             pushed=frozenset(),
+            released=frozenset(d.worker for d in out if isinstance(d, Release)),
             pipelines=tuple(shapes),
             started=view.now,
             tau=tau,

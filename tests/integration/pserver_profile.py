@@ -27,7 +27,7 @@ from pathlib import Path
 
 from hetd.bench import system as bench
 from hetd.bench.system_peers import Job, PeerPool
-from hetd.bench.system_pservers import Variant, pserver_cpu_s, start_served, stop_served
+from hetd.bench.system_pservers import Variant, pserver_cpu_s, stop_served
 
 RATE = 100  # py-spy samples per second
 # (file fragment) -> stage; the first match from the innermost frame out wins
@@ -99,7 +99,7 @@ async def one(
 ) -> dict[str, object]:
     shapes = bench.synthetic_shapes(params)
     backend = "local" if servers > 1 else "none"
-    served = await start_served(shapes, "int8", Variant(servers, backend))
+    served = await bench.serve(shapes, "int8", Variant(servers, backend))
     daemon, pool = served.daemon, PeerPool(senders)
     url = f"ws://127.0.0.1:{daemon.port}/v1/ws"
     cap, chunk = bench._frame_cap(params), daemon.cfg.server.max_frame_bytes

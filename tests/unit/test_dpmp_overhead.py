@@ -53,12 +53,14 @@ def _dp_rounds(st: DpmpPolicyState, n: int) -> DpmpPolicyState:
     push arrives the model's transfers and :data:`FIXED_S` later."""
     for r in range(n):
         start = 10.0 * r
-        st = dataclasses.replace(st, started=start, working=(1, 2), pushed=frozenset())
+        st = dataclasses.replace(
+            st, started=start, working=(1, 2), pushed=frozenset(), released=frozenset({1, 2})
+        )
         took = 0.16 + 2 * PARAMS / 1e8 + FIXED_S
         st = overhead(st, Push(start + took, 1, 0, "grad", 160, 1, 0.16, None), VIEW, BLOCKS, 1.0)
         st = dataclasses.replace(st, pushed=frozenset({1}))
-        # a second push of the round (not released at its start) and the replica's head: neither
-        # is a data-parallel step of the round
+        # a second push of the round and the replica's head: neither is a data-parallel step
+        # released at the round's start
         st = overhead(st, Push(start + 5.0, 1, 0, "grad", 160, 1, 0.16, None), VIEW, BLOCKS, 1.0)
         st = overhead(st, Push(start + 5.0, 2, 0, "grad", 128, 1, 0.3, None), VIEW, BLOCKS, 1.0)
     return st
@@ -107,8 +109,30 @@ def test_a_replicas_step_is_timed_as_the_round_waits_for_it() -> None:
     wall (release to last part) by the head's work around the step: the step is timed so,
     except a push of a round it was not released at the start of."""
     st = DpmpPolicyState(pipelines=(SHAPE,), working=(1, 2), started=10.0)
-    st = measure(st, Push(10.35, 2, 0, "grad", 128, 1, 0.3, None))
+    late = measure(st, Push(10.35, 2, 0, "grad", 128, 1, 0.3, None))  # released later
+    assert list(late.measured.values()) == [((0.3, 128),)]
+    st = measure(
+        dataclasses.replace(st, released=frozenset({1, 2})),
+        Push(10.35, 2, 0, "grad", 128, 1, 0.3, None),
+    )
     assert list(st.measured.values()) == [((pytest.approx(0.35), 128),)]
     again = dataclasses.replace(st, pushed=frozenset({2}))  # pushed this round already
     again = measure(again, Push(12.0, 2, 0, "grad", 128, 1, 0.3, None))
     assert next(iter(again.measured.values()))[-1] == (0.3, 128)
+
+
+def test_a_step_released_after_the_rounds_start_is_not_timed_from_it() -> None:
+    """A worker that joined (or pulled) after the round began was released then: its push's
+    distance from the round's start is not its step's work."""
+    st = DpmpPolicyState(pipelines=(SHAPE,), working=(1, 2), started=0.0, released=frozenset({2}))
+    took = 0.16 + 2 * PARAMS / 1e8
+    st = overhead(st, Push(0.6 + took, 1, 0, "grad", 160, 1, 0.16, None), VIEW, BLOCKS, 1.0)
+    assert st.overheads == ()
+
+
+def test_the_figure_is_the_floor_of_the_steps_not_their_median() -> None:
+    """A step after a join carries the worker's profile or compile too: the figure is what every
+    step takes, the least of them."""
+    st = _dp_rounds(DpmpPolicyState(pipelines=(SHAPE,)), MIN_OVERHEADS)
+    st = dataclasses.replace(st, overheads=(0.5, 0.26, *st.overheads))
+    assert step_overhead(st) == pytest.approx(FIXED_S)

@@ -48,15 +48,24 @@ def _steps(bound: Bound, spec: str) -> TaskSteps:
     return TaskSteps(bound, 8, parse_optimizer(spec).build(), jax.devices()[0])
 
 
+@pytest.fixture(scope="module")
+def sgd_steps(setup: Any) -> TaskSteps:
+    """One SGD trainer for the gradient tests (a gradient keeps no state between calls): its
+    kernels compiled once, as a worker's are, whatever the batch."""
+    return _steps(setup[0], "sgd:lr=0.1")
+
+
 # One size per path of a micro-batch of 8: a part of one (1), whole ones only (40: five), whole
 # ones and a part (13, in the fast target); 7 and 8 ran the first two paths again. 1 and 40 in
 # `make test`.
 @pytest.mark.parametrize("b", [*(pytest.param(b, marks=pytest.mark.slow) for b in (1, 40)), 13])
-def test_micro_batched_gradient_equals_the_whole_batch(setup: Any, b: int) -> None:
+def test_micro_batched_gradient_equals_the_whole_batch(
+    setup: Any, sgd_steps: TaskSteps, b: int
+) -> None:
     bound, model, params = setup
-    got = _steps(bound, "sgd:lr=0.1").gradient(params, _stream(bound), b, KEY)
+    got = sgd_steps.gradient(params, _stream(bound), b, KEY)
     x, y = _sampler(bound).next(b)
-    loss, want = jax.value_and_grad(model.loss)(params, x, y)
+    loss, want = jax.jit(jax.value_and_grad(model.loss))(params, x, y)  # the whole batch at once
     assert got.kind == "grad" and got.samples == b and got.steps == 1
     assert got.loss == pytest.approx(float(loss), rel=1e-5)
     for k in want:
