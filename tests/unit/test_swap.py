@@ -104,26 +104,23 @@ def test_a_swap_to_ashl_again_starts_it_over_from_its_own_plans() -> None:
 )
 def test_a_refused_swap_changes_nothing(name: str, params: dict[str, Any] | None) -> None:
     e, peers = ashl_in_shl()
-    before = (
-        e.host.policy,
-        e.host.state,
-        e.host.stage,
-        dict(e.members.plans),
-        dict(e.members.facts),
-        e.store.version,
-    )
+
+    def seen() -> tuple[Any, ...]:
+        m = e.members
+        return (
+            e.host.policy,
+            e.host.state,
+            e.host.stage,
+            dict(m.plans),
+            dict(m.facts),
+            e.store.version,
+        )
+
+    before = seen()
     sent = {wid: len(p.replies) for wid, p in peers.items()}
     with pytest.raises(PolicyError):
         e.swap_policy(name, params)
-    after = (
-        e.host.policy,
-        e.host.state,
-        e.host.stage,
-        dict(e.members.plans),
-        dict(e.members.facts),
-        e.store.version,
-    )
-    assert after == before
+    assert seen() == before
     assert e.host.state is before[1]
     assert {wid: len(p.replies) for wid, p in peers.items()} == sent  # nothing sent to anyone
 
