@@ -70,6 +70,13 @@ async def run_worker(
     finally:
         if state.parts is not None:
             await state.parts.close()
+        if state.pulls is not None:
+            log.info(
+                "releases pulled from the pservers: %d (%d no longer held, asked again)",
+                state.pulls.pulled,
+                state.pulls.gone,
+            )
+            state.pulls.close()
         for task in (ticker, stopper):
             if task is not None:
                 task.cancel()

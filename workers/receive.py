@@ -18,6 +18,7 @@ from hetd.protocol.frames import (
     Act,
     Chunk,
     Params,
+    ParamsAt,
     ParamsRef,
     Pull,
     ShmOffer,
@@ -33,7 +34,7 @@ from hetd.protocol.messages import (
     ShardUpdate,
     Welcome,
 )
-from hetd.protocol.params import apply_params, hash_matches
+from hetd.protocol.params import Held, apply_params, hash_matches
 from hetd.zoo.task import Bound, TaskError
 from workers.errors import FatalError
 from workers.imports import Allowed, ImportRefused
@@ -41,6 +42,7 @@ from workers.inbox import Inbox
 from workers.loop import Core, TaskMismatch, Trainer
 from workers.parts import PartsError, PartsSender
 from workers.prepare import prepared
+from workers.pulls import Puller, SliceMismatch
 from workers.push import send
 from workers.shm import ShmLink
 from workers.stage import StageHost, handle, new_params
@@ -150,6 +152,14 @@ async def read(
                     inbox.deliver(held)
                     if state.stage_host is not None:
                         await new_params(state.stage_host, held, partial(send, ws, opts=opts))
+            elif isinstance(msg, ParamsAt):  # a full release, pulled from the pservers
+                pulled = await pull(msg, opts, state)
+                if pulled is None:
+                    await ws.send_bytes(Pull(None).encode())
+                else:
+                    inbox.deliver(pulled)
+                    if state.stage_host is not None:
+                        await new_params(state.stage_host, pulled, partial(send, ws, opts=opts))
             elif isinstance(msg, StageOrder | StepOrder | Abort | Act):
                 dataset = state.trainer.data if state.trainer is not None else None
                 if state.stage_host is None and dataset is not None:
@@ -201,6 +211,44 @@ async def read(
         raise
 
 
+async def pull(msg: ParamsAt, opts: WorkerOptions, state: WorkerState) -> Held | None:
+    """The release ``msg`` names, from the pservers, checked; None: ask the daemon again (a
+    pserver no longer holds it, or a slice was not what the daemon named)."""
+    if state.pulls is None:  # (a daemon names positions only to a worker it gave pservers)
+        raise FatalError("the daemon sent params_at without naming its pservers")
+    try:
+        got = await state.pulls.fetch(msg)
+    except SliceMismatch as exc:
+        state.hash_mismatches += 1  # never train on parameters known to be wrong
+        log.warning(
+            "params hash mismatch: %s is not what the daemon published for version %d "
+            "(hash_mismatches=%d); pulling again",
+            exc,
+            msg.version,
+            state.hash_mismatches,
+        )
+        state.hash_checked = False
+        return None
+    if got is None:
+        log.info(
+            "release %d at position %d no longer held: pulling again", msg.version, msg.position
+        )
+        return None
+    held, size = got
+    delay = opts.emulation.transfer_seconds(size)
+    if delay:  # the emulated link carries the slices too
+        await asyncio.sleep(delay)
+    if not state.hash_checked and msg.hash is not None:
+        state.hash_checked = True
+        log.info(
+            "params hash verified: version %d, %d slices (hash_mismatches=%d)",
+            msg.version,
+            len(msg.slices),
+            state.hash_mismatches,
+        )
+    return held
+
+
 def unreadable(exc: wire.ProtocolError) -> str:
     """Why the worker leaves when a daemon's frame does not decode here."""
     return (
@@ -236,8 +284,11 @@ def welcome(
         try:
             if state.parts is None:
                 state.parts = PartsSender(pservers)
+                state.pulls = Puller(pservers)
             else:
                 state.parts.update(pservers)
+                if state.pulls is not None:
+                    state.pulls.update(pservers)
         except PartsError as exc:  # the daemon's own field: retrying will not help
             raise FatalError(str(exc)) from None
     state.model_setup = dict(setup["model"])

@@ -24,6 +24,7 @@ from workers.stage import StageHost
 if TYPE_CHECKING:  # the inbox imports this module
     from workers.inbox import Inbox
     from workers.parts import PartsSender
+    from workers.pulls import Puller
 
 log = logging.getLogger("hetd.worker")
 
@@ -89,6 +90,7 @@ class WorkerState:
     stage_host: StageHost | None = None  # the pipeline stage the daemon assigned, if any
     stopping: bool = False  # asked to stop (SIGTERM): no new session, no new step
     parts: PartsSender | None = None  # the daemon's pservers (its welcome names them), if any
+    pulls: Puller | None = None  # full releases pulled from those pservers
     inbox: Inbox | None = None  # the session's, while its training loop runs (a stop ends it)
 
     def next_push_id(self) -> int:

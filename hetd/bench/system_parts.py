@@ -10,6 +10,11 @@ the sender what sending its bytes costs, as the push itself does.
 Each pserver's connection is read in the background: every part is answered ``held`` (it is in
 the pserver's write-ahead file); anything else is an error the sender reports. The sender needs
 no retry: a push is decided, and the next one sent, only once every pserver holds its part.
+
+A full release that names a log position (``params_at``) is pulled as a real worker pulls it
+(``workers.pulls``): one ``pull`` frame to each pserver over a connection of its own, each
+``slice`` read whole; as with a ``params`` frame, the sender reads the frames' envelopes, not
+their tensors (:class:`PullLinks`).
 """
 
 from __future__ import annotations
@@ -96,6 +101,51 @@ class PartsLinks:
         for task in self._readers:
             task.cancel()
         for writer in self._writers:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+
+class PullLinks:
+    """The sender's pull connections to the pservers: a release's slices read, their bytes
+    counted."""
+
+    def __init__(self, addrs: list[tuple[str, int]]) -> None:
+        self.addrs = addrs
+        self._streams: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def open(self) -> None:
+        """Connect to every pserver."""
+        for host, port in self.addrs:
+            self._streams.append(await asyncio.open_connection(host, port))
+
+    async def fetch(self, position: int, version: int) -> int | None:
+        """Every slice of the release at ``position``: the bytes read, or None when a pserver
+        no longer holds it (the sender asks the daemon again)."""
+        frame = pslink.pack("pull", position=position, version=version)
+        for _, writer in self._streams:
+            writer.write(frame)
+        sizes = await asyncio.gather(*(self._read(reader) for reader, _ in self._streams))
+        if any(n is None for n in sizes):
+            return None
+        return sum(n for n in sizes if n is not None)
+
+    @staticmethod
+    async def _read(reader: asyncio.StreamReader) -> int | None:
+        n = int.from_bytes(await reader.readexactly(4), "big")
+        body = await reader.readexactly(n)
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=4096)
+        unpacker.feed(body[:64])
+        unpacker.read_map_header()
+        kind = unpacker.unpack(), unpacker.unpack()
+        if kind == ("t", "slice"):
+            return n
+        if kind == ("t", "gone"):
+            return None
+        raise pslink.FrameError(f"a pserver answered a pull with {pslink.unpack(body)!r}")
+
+    async def close(self) -> None:
+        for _, writer in self._streams:
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()

@@ -39,7 +39,7 @@ import aiohttp
 import msgpack
 import numpy as np
 
-from hetd.bench.system_parts import PartFrames, PartsLinks
+from hetd.bench.system_parts import PartFrames, PartsLinks, PullLinks
 from hetd.codecs import registry as codecs
 from hetd.protocol import shm, wire
 from hetd.protocol.params import params_envelope
@@ -228,6 +228,7 @@ async def _run_hetd(job: Job, conn: Connection, http: aiohttp.ClientSession) -> 
         request = 0
         push = PushFrame(tensors)
         parts: PartsLinks | None = None  # the pservers' connections, when the welcome names them
+        pulls: PullLinks | None = None  # and the ones full releases are pulled over
         sent: dict[int, float] = {}  # request id -> when its push went out
         latencies: list[float] = []  # s from a push's sending to its ack
         chunked_version: int | None = None  # the params message coming in chunks
@@ -254,6 +255,13 @@ async def _run_hetd(job: Job, conn: Connection, http: aiohttp.ClientSession) -> 
             msg = wire.decode(frame.data, job.cap) if version is None else None
             if msg is not None and msg.type == "params":
                 version = msg["version"]
+            elif msg is not None and msg.type == "params_at" and pulls is not None:
+                size_or_none = await pulls.fetch(msg["position"], msg["version"])
+                if size_or_none is None:  # no longer held: the newest, named again
+                    await ws.send_bytes(wire.encode("pull", 0))
+                    continue
+                version, size = msg["version"], size_or_none
+                report.extra["pulled"] = report.extra.get("pulled", 0) + 1
             elif msg is not None and msg.type == "params_ref" and link is not None:
                 version, size = msg["version"], link.params(msg)
             elif msg is not None and msg.type == "shm_offer" and job.shm and link is None:
@@ -265,6 +273,8 @@ async def _run_hetd(job: Job, conn: Connection, http: aiohttp.ClientSession) -> 
                     PartFrames(msg["pservers"], msg["worker_id"], bytes(push.frame(0, 0)))
                 )
                 await parts.open()
+                pulls = PullLinks(parts.frames.addrs)
+                await pulls.open()
                 continue
             if version is not None:
                 if watcher is None:  # the first parameters: joined and released
@@ -317,6 +327,8 @@ async def _run_hetd(job: Job, conn: Connection, http: aiohttp.ClientSession) -> 
             link.close()
         report.extra["shm"] = link is not None
         report.extra["push_s"] = latencies
+        if pulls is not None:
+            await pulls.close()
         if parts is not None:
             await parts.close()
             report.extra["parts_held"] = parts.held

@@ -103,6 +103,7 @@ class WorkerEntry:
     same_host: bool = False  # on loopback, emulating no slower link: parameters in full are cheaper
     hashes: bool = False  # its hello named "hash": its full frames carry the parameters' hash
     reshard: bool = False  # its hello named "reshard": it takes "shard" messages
+    pulls: bool = False  # its hello named "pulls": a full release may name a log position instead
     shard: tuple[int, int] = (0, 1)  # (index, count) it was last told
     # how its big frames travel: "ws" (its websocket) or "shm" (the same host's shared memory)
     transport: str = "ws"

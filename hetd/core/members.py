@@ -169,6 +169,7 @@ class Members:
             secret=secret or secrets.token_urlsafe(32),
         )
         entry.reshard = "reshard" in hello.features
+        entry.pulls = "pulls" in hello.features
         self.active[wid] = entry
         self.view_facts[wid] = facts
         return entry

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from hetd.codecs.registry import spec_name as codec_name
 from hetd.core.downlink import Downlink, Outgoing
@@ -18,7 +18,7 @@ from hetd.core.entries import EngineConfig, WorkerEntry
 from hetd.core.members import Members
 from hetd.core.peers import FrameSink, Peer
 from hetd.core.rates import Meters
-from hetd.core.store import Store
+from hetd.core.store import Snapshot, Store
 
 log = logging.getLogger("hetd.core.engine")  # one logger for the engine and its parts
 
@@ -44,6 +44,10 @@ class Publisher:
         self.pending: dict[int, None] = {}  # workers released, not yet sent parameters (ordered)
         self.deferred = False  # releases wait for the batch's publish
         store.hashes = config.param_hashes  # a snapshot's frame carries its hash (or not)
+        # With pservers (set by the server once they serve pulls): the ``params_at`` frame that
+        # names where the pservers hold a snapshot, sent in place of a full frame to a worker
+        # whose hello named "pulls" and whose frames travel over its socket. None: no pulls.
+        self.pointer: Callable[[Snapshot], bytes] | None = None
 
     def defer(self, on: bool = True) -> None:
         """Publish in batches (or not any more): releases wait for :meth:`publish`, and the store
@@ -125,6 +129,8 @@ class Publisher:
         if not wants:
             return {}
         snap = self.store.snapshot()
+        if self.pointer is not None and any(self._pulls(w[0]) for w in wants):
+            self.pointer(snap)  # (its slices' hashes are worked out here, off the loop)
         made: dict[tuple[str, int, int | None, bool], Outgoing] = {}
         out = {}
         for wid, codec, held, ref, link, hashes in wants:
@@ -177,7 +183,12 @@ class Publisher:
         self.members.update(entry, version=release.version)
         entry.held_ref = release.ref
         entry.stats.releases += 1
-        for frame in release.frames:
+        frames = release.frames
+        if release.full and self.pointer is not None and self._pulls(wid):
+            store = self.store
+            if store.version == release.version and not store.pending:  # (snapshot: cached)
+                frames = [self.pointer(store.snapshot())]
+        for frame in frames:
             entry.stats.bytes_out += len(frame)
             self.meters.bytes_out += len(frame)
             entry.peer.send_params(frame, full=release.full)
@@ -191,6 +202,11 @@ class Publisher:
             self.meters.bytes_out += len(empty)
             entry.peer.send_params(empty, full=False)
         entry.joined_pushes = 0
+
+    def _pulls(self, wid: int) -> bool:
+        """Whether worker ``wid`` pulls a full release from the pservers (see :attr:`pointer`)."""
+        entry = self.members.active.get(wid)
+        return entry is not None and entry.pulls and entry.transport != "shm"
 
     @staticmethod
     def params_codec(entry: WorkerEntry) -> str:

@@ -77,6 +77,29 @@ class ParamsRef(MessageBase):
 
 
 @dataclass(frozen=True, slots=True)
+class ParamsAt(MessageBase):
+    """A full release of ``version`` held by the pservers at log ``position``: the worker fetches
+    each pserver's slice there (:mod:`hetd.protocol.pslink`'s ``pull``) and checks it against
+    ``slices`` (one :func:`hetd.protocol.params.param_hash` per pserver, over its parts' keys),
+    then the joined whole against ``hash``."""
+
+    type: ClassVar[str] = "params_at"
+    version: int
+    position: int
+    slices: tuple[str, ...]
+    hash: str | None = None
+
+    def fields(self) -> dict[str, Any]:
+        """The release's wire fields."""
+        return {
+            "version": self.version,
+            "position": self.position,
+            "slices": list(self.slices),
+            **_some(hash=self.hash),
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class ShmOffer(MessageBase):
     """The daemon's ring, offered to a same-host worker whose hello named ``shm``."""
 
@@ -371,6 +394,7 @@ Pipeline = StageOrder | StepOrder | Abort | Act | Gact
 Typed = (
     Reply
     | Params
+    | ParamsAt
     | ParamsRef
     | ShmOffer
     | Pipeline
@@ -412,6 +436,13 @@ def _params(m: wire.Message, b: Mapping[str, Any]) -> Params:
         None if plan is None else Plan.from_wire(plan),
         b.get("hash"),
     )
+
+
+def _params_at(m: wire.Message, b: Mapping[str, Any]) -> ParamsAt:
+    slices = b["slices"]
+    if not all(isinstance(h, str) for h in slices):
+        raise TypeError("params_at: slices must be strings")
+    return ParamsAt(int(b["version"]), int(b["position"]), tuple(slices), b.get("hash"))
 
 
 def _stage(m: wire.Message, b: Mapping[str, Any]) -> StageOrder:
@@ -472,6 +503,7 @@ def _push(m: wire.Message, b: Mapping[str, Any]) -> Push:
 
 _READERS: dict[str, Any] = {
     "params": _params,
+    "params_at": _params_at,
     "params_ref": lambda m, b: ParamsRef(int(b["version"]), _ref(b)),
     "shm_offer": lambda m, b: ShmOffer(str(b["segment"])),
     "stage": _stage,

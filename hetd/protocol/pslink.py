@@ -1,5 +1,6 @@
 """The pservers' frames as both ends write them: what a worker needs to send a push's parts to a
-pserver, with nothing of the core (the pserver's side, :mod:`hetd.pserver.link`, builds on it).
+pserver and to pull a slice from one, with nothing of the core (the pserver's side,
+:mod:`hetd.pserver.link`, builds on it).
 
 One frame is a 4-byte big-endian length and a msgpack map with a string ``"t"`` (its type). A
 part's name inside a slice is its tensor's path, or for a block of rows the path and the rows
@@ -10,6 +11,7 @@ scale after them (:func:`tensor_entry`).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import Any
 
 import msgpack
@@ -61,3 +63,71 @@ def tensor_entry(values: np.ndarray, scale: float | None = None) -> list[Any]:
         return ["int8", list(q.shape), q.tobytes(), float(scale)]  # C order
     arr = np.asarray(values, np.float32)  # (tobytes() writes C order, a 0-d array too)
     return ["float32", list(arr.shape), arr.tobytes()]
+
+
+# --- pulls: a release's slice, fetched at a log position --------------------------------------
+
+
+def slice_frame(
+    position: int, version: int, tensors: Mapping[str, np.ndarray]
+) -> list[bytes | memoryview]:
+    """A ``slice {position, version, tensors}`` frame (float32 tensors) as segments to write in
+    order: the tensors' bytes are not copied (each must be C-contiguous float32), so a pserver
+    writes the release it keeps straight to the socket."""
+    packer = msgpack.Packer(use_bin_type=True)
+    head = bytearray(packer.pack_map_header(4))
+    for key, value in (("t", "slice"), ("position", position), ("version", version)):
+        head += packer.pack(key) + packer.pack(value)
+    head += packer.pack("tensors") + packer.pack_map_header(len(tensors))
+    segments: list[bytes | memoryview] = [b"", bytes(head)]
+    size = len(head)
+    for key, arr in tensors.items():
+        if arr.dtype != np.float32 or not arr.flags.c_contiguous:
+            raise ValueError(f"slice_frame takes C-contiguous float32 tensors, not {key!r}")
+        data = arr.reshape(-1).data.cast("B")
+        entry = packer.pack(key) + packer.pack_array_header(3) + packer.pack("float32")
+        entry += packer.pack(list(arr.shape)) + _bin_header(data.nbytes)
+        segments.append(entry)
+        segments.append(data)
+        size += len(entry) + data.nbytes
+    if size > MAX_FRAME:
+        raise ValueError(f"a slice of {size} bytes is over the frame limit of {MAX_FRAME}")
+    segments[0] = size.to_bytes(4, "big")
+    return segments
+
+
+def read_slice(
+    msg: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]
+) -> dict[str, np.ndarray]:
+    """A ``slice`` frame's tensors: float32 of exactly ``shapes`` (the pserver's parts), as
+    read-only views of the frame's bytes; :class:`FrameError` for anything else."""
+    raw = msg.get("tensors")
+    if not isinstance(raw, dict) or set(raw) != set(shapes):
+        raise FrameError("a slice's tensors are not the pserver's parts")
+    out = {}
+    for key, item in raw.items():
+        if not isinstance(item, list) or len(item) != 3 or item[0] != "float32":
+            raise FrameError(f"slice tensor {key!r} is not a float32 entry")
+        shape, data = item[1], item[2]
+        if not isinstance(shape, list) or tuple(shape) != tuple(shapes[key]):
+            raise FrameError(f"slice tensor {key!r} has shape {shape!r}, not {shapes[key]}")
+        if not isinstance(data, bytes) or len(data) != 4 * _count(shapes[key]):
+            raise FrameError(f"slice tensor {key!r}: its bytes do not match its shape")
+        out[key] = np.frombuffer(data, np.float32).reshape(shapes[key])
+    return out
+
+
+def _bin_header(n: int) -> bytes:
+    """msgpack's header of a ``bin`` of ``n`` bytes (the bytes follow it)."""
+    if n < 1 << 8:
+        return b"\xc4" + n.to_bytes(1, "big")
+    if n < 1 << 16:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -108,6 +108,14 @@ SCHEMA: Final[dict[str, dict[str, tuple[tuple[type, ...], bool]]]] = {
         "plan": (_OPT_MAP, False),
         "hash": (_OPT_STR, False),  # full frames: the version's hash (protocol.params)
     },
+    # with pservers, to a worker whose hello named "pulls": a full release of ``version`` that
+    # stands at log ``position``; the worker fetches each pserver's slice there (protocol.pslink)
+    "params_at": {
+        "version": ((int,), True),
+        "position": ((int,), True),
+        "slices": ((list,), True),  # each pserver's slice hash, in pserver order
+        "hash": (_OPT_STR, False),  # the whole version's hash (protocol.params)
+    },
     "ack": {
         "version": ((int,), True),
         "status": ((str,), True),
@@ -130,8 +138,10 @@ ACK_STATUSES: Final = ("applied", "buffered", "dropped", "duplicate")
 # stages (``stage``/``step``/``abort``, ``act``/``gact``): only such a worker is put in a replica;
 # "reshard": it takes a ``shard`` message (its part of a Task's data, cut again when workers come
 # and go); "pservers": it sends each push's parts to the pservers the welcome names (a daemon
-# that runs pservers welcomes no other worker).
-WORKER_FEATURES: Final = ("hash", "stages", "reshard", "pservers")
+# that runs pservers welcomes no other worker); "pulls": it takes a ``params_at`` (a release that
+# names a log position: it fetches each slice from its pserver, checks each slice's hash and the
+# whole's).
+WORKER_FEATURES: Final = ("hash", "stages", "reshard", "pservers", "pulls")
 PUSH_KINDS: Final = ("grad", "delta")
 
 

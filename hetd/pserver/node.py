@@ -37,6 +37,8 @@ from hetd.pserver.slice import LogMismatch, SliceSaved, SliceState
 
 log = logging.getLogger("hetd.pserver")
 
+KEEP = 4  # releases a node keeps for pulls (see :class:`~hetd.pserver.slice.SliceState`)
+
 
 class NodeError(RuntimeError):
     """The node cannot start or go on (no slice to start from, a saved slice it cannot find)."""
@@ -142,6 +144,7 @@ class Node:
             version=version,
             position=position,
             load=self._load,
+            keep=KEEP,
         )
 
     def _resume(self, state: SliceSaved) -> SliceState:

@@ -20,6 +20,12 @@ without logging it) is freed.
 After each record the slice checks that its store counts the version the head wrote; a
 difference means the two disagree about what was applied, and stops the slice
 (:class:`LogMismatch`) rather than let it serve another model.
+
+**Releases kept for pulls** (``keep`` > 0, a pserver process's slice): the parameters change only
+where the store runs its queued steps, so after each record that leaves no step queued and a new
+version (or a restore) the slice keeps that version's tensors (read-only host arrays, one copy)
+with the position it began at; the newest ``keep`` are kept. :meth:`SliceState.release_at` gives
+the version and tensors in force at a position: those of the newest kept release at or before it.
 """
 
 from __future__ import annotations
@@ -87,11 +93,13 @@ class SliceState:
         version: int = 0,
         position: int = 0,
         load: Loader | None = None,
+        keep: int = 0,
     ) -> None:
         """``params``: this pserver's slice (:func:`hetd.pserver.partition.split`'s
         ``[server]``); ``tx``, ``outer``, ``combine``, ``step_each``: as the single store has
         them; ``version``, ``position``: where the log stands for these parameters; ``load``:
-        reads a saved slice for a restore entry (None: only those saved here)."""
+        reads a saved slice for a restore entry (None: only those saved here); ``keep``: the
+        releases kept for pulls (0: none)."""
         self.shapes = pmap.slice_shapes(server)
         got = {k: tuple(np.shape(v)) for k, v in params.items()}
         if got != self.shapes:
@@ -109,6 +117,10 @@ class SliceState:
         self._done: dict[int, int] = {}  # worker -> the last push id an entry consumed
         self._queue: deque[Record] = deque()  # records offered, not yet carried out
         self._offered = position  # the last position offered
+        self.keep = keep
+        # (the position it began at, version, tensors), oldest first: what pulls are served from
+        self.kept: deque[tuple[int, int, Mapping[str, np.ndarray]]] = deque()
+        self._capture(fresh=True)
 
     # --- inputs ------------------------------------------------------------------------------
 
@@ -155,7 +167,32 @@ class SliceState:
                     f"{r.position}; the log says {r.version}"
                 )
             self.position = r.position
+            self._capture(fresh=isinstance(r.entry, RestoreEntry))
         return self.position
+
+    def _capture(self, fresh: bool = False) -> None:
+        """Keep the parameters in force from this position when they are a new version
+        (``fresh``: a restore, after which nothing kept before holds)."""
+        if not self.keep or self.store.pending:
+            return
+        if fresh:
+            self.kept.clear()
+        elif self.kept and self.kept[-1][1] == self.store.version:
+            return
+        snap = self.store.snapshot()  # read-only host arrays, one copy per version
+        self.kept.append((self.position, snap.version, snap.tensors))
+        while len(self.kept) > self.keep:
+            self.kept.popleft()
+
+    def release_at(self, position: int) -> tuple[int, Mapping[str, np.ndarray]] | None:
+        """The version and tensors in force at ``position`` (at most the slice's own); None when
+        that release is no longer kept (or ``position`` is not reached yet)."""
+        if position > self.position:
+            return None
+        for began, version, tensors in reversed(self.kept):
+            if began <= position:
+                return version, tensors
+        return None
 
     def waiting_for(self) -> tuple[int, int] | None:
         """The push (worker, pid) whose part the next record waits for; None if none."""
@@ -251,12 +288,14 @@ class SliceState:
         position; offer it the log from there (``DecisionLog.since(saved.position)``)."""
         s = cls(pmap, server, saved.params, tx, position=saved.position, **kwargs)
         s._restore(saved)
+        s._capture(fresh=True)
         return s
 
     def restore(self, saved: SliceSaved) -> None:
         """Load ``saved`` (its optimizer state in this slice's structure) as this slice's state;
         the position stays."""
         self._restore(saved)
+        self._capture(fresh=True)
 
     def _saved(self, ref: str) -> SliceSaved:
         if ref in self.saved:

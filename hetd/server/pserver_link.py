@@ -12,7 +12,8 @@ far the log may forget (the daemon's checkpointer asks it).
 **The data path.** Each hello names the address the pserver takes push parts on; once all S
 have said hello, :attr:`HeadLink.ready` is set and the workers' welcome carries the map and the
 addresses (``pservers``: the engine's welcome setup gains that key): a worker sends each part to
-its pserver and its push to the head as before. A pserver reports each part it holds (``have``);
+its pserver and its push to the head as before, and pulls its full releases from the pservers
+(:mod:`hetd.server.pserver_pulls`). A pserver reports each part it holds (``have``);
 the head hands a push to the engine only once every pserver holds its part
 (:class:`~hetd.server.pserver_parts.PartsWait`), and drops one whose parts do not all come in
 time. :func:`serving` finds the link of an engine (the workers' sessions ask it).
@@ -39,6 +40,7 @@ from hetd.pserver import link
 from hetd.pserver.log import DecisionLog, to_dict
 from hetd.pserver.partition import PartitionMap, split
 from hetd.server.pserver_parts import PartsWait
+from hetd.server.pserver_pulls import Pointers
 
 log = logging.getLogger("hetd.server.pserver_link")
 
@@ -117,6 +119,8 @@ class HeadLink:
         }
         if not self.ready.is_set():
             log.info("every pserver takes parts: workers are welcomed with the map")
+            # full releases name a log position from now on: the workers pull them from here
+            self.engine.publisher.pointer = Pointers(self.setup.pmap, self.log)
         self.ready.set()
 
     def floor(self) -> int:

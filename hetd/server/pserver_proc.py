@@ -10,8 +10,13 @@ tensors the head sent). Then two streams run on one event loop, so the node has 
 * pushers' connections on its own port (written to ``<dir>/port`` once it listens, and taken
   again when it restarts on that directory, so that its address stays the one workers were
   given): ``part`` frames, answered ``held`` once the part is in the parts file, and reported
-  to the head (``have``: the head decides a push only once every pserver holds its part), and
-  ``fetch`` frames, answered with the slice's tensors once it stands at the position asked.
+  to the head (``have``: the head decides a push only once every pserver holds its part),
+  ``fetch`` frames, answered with the slice's tensors once it stands at the position asked, and
+  ``pull`` frames (a worker fetching a release the head named by its position), answered with
+  the release in force at that position once the slice has carried the log out that far
+  (``slice``, written from the tensors the slice keeps, without a copy), or ``gone`` when that
+  release is no longer kept (the slice keeps its newest few) or the version differs (another
+  head life): the worker then asks the head for the newest parameters.
 
 Its hello names that address (``parts``), which the head hands its workers in their welcome; on
 each new connection to the head it reports every part it holds for entries still to come.
@@ -33,6 +38,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hetd.protocol import pslink
 from hetd.pserver import disk, link
 from hetd.pserver.log import from_dict
 from hetd.pserver.node import Node, NodeError, Setup
@@ -197,6 +203,8 @@ class Pserver:
             if new:
                 await self._report(node.advance())
                 self.advanced.set()
+        elif msg["t"] == "pull":
+            await self._pull(msg, writer)
         elif msg["t"] == "fetch":
             want = link.field(msg, "position", int)
             while self.node is node and node.position < want:
@@ -212,6 +220,22 @@ class Pserver:
             )
         else:
             raise link.LinkError(f"unknown frame {msg['t']!r}")
+
+    async def _pull(self, msg: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        """A release at the position asked (waiting until the slice gets there), or ``gone``."""
+        want = link.field(msg, "position", int)
+        version = link.field(msg, "version", int)
+        node = self.node
+        assert node is not None
+        while self.node is node and node.position < want:
+            self.advanced.clear()
+            await self.advanced.wait()
+        found = node.slice.release_at(want) if self.node is node else None
+        if found is None or found[0] != version:
+            await link.send(writer, "gone", position=node.position)
+            return
+        writer.writelines(pslink.slice_frame(want, version, found[1]))
+        await writer.drain()
 
 
 async def _listen(ps: Pserver, directory: Path, listen: tuple[str, int]) -> asyncio.Server:

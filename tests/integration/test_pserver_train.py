@@ -1,11 +1,13 @@
 """Real training through the pservers' data path: a daemon with two local pservers, two real
-``hetd-worker`` processes that send each push's parts to the pservers and the push to the head;
-every push is decided only once both pservers hold its part, both follow every decision, and
-their slices saved at the daemon's checkpoint join to the head's parameters bit for bit."""
+``hetd-worker`` processes that send each push's parts to the pservers and the push to the head,
+and pull every full release from the pservers (the head names its log position); every push is
+decided only once both pservers hold its part, both follow every decision, and their slices
+saved at the daemon's checkpoint join to the head's parameters bit for bit."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ from hetd import config as config_mod
 from hetd.pserver import disk
 from hetd.pserver.partition import join
 from hetd.server.daemon import Daemon
-from tests.conftest import make_config, start_worker, until
+from tests.conftest import make_config, spawn_worker, until
 
 WAIT = 240.0  # s: generous, every process imports JAX on a shared 2-core machine
 STEPS = 8  # pushes per worker
@@ -35,6 +37,28 @@ def _saved_slices(state: Path) -> list[Any]:
     """Each pserver's newest saved slice under ``state`` (the two of :func:`_two_local_pservers`)."""
     dirs = [state / "state" / "pservers" / f"slice{s}" for s in range(2)]
     return [disk.load(disk.listing(d)[0]).slice for d in dirs]
+
+
+async def _pulled(worker: asyncio.subprocess.Process) -> tuple[int, str]:
+    """The releases a finished worker pulled from the pservers (its log says so as it ends),
+    and its log; fails when it pulled none or a slice did not match its hash."""
+    assert worker.stderr is not None
+    text = (await worker.stderr.read()).decode()
+    assert worker.returncode == 0, text[-2000:]
+    found = re.search(r"releases pulled from the pservers: (\d+)", text)
+    assert found is not None, text[-2000:]
+    assert "params hash mismatch" not in text, text[-2000:]
+    return int(found.group(1)), text
+
+
+async def _worker(port: int, steps: int, shm: bool = False) -> asyncio.subprocess.Process:
+    """A real ``hetd-worker`` (verbose: its log on ``stderr``) making ``steps`` pushes; without
+    ``shm`` its releases come over its socket: it pulls them from the pservers."""
+    return await spawn_worker(
+        f"ws://127.0.0.1:{port}",
+        *("--steps", str(steps), "--max-retries", "3", "-v"),
+        *(() if shm else ("--no-shm",)),
+    )
 
 
 async def _stop(daemon: Daemon, workers: list[asyncio.subprocess.Process]) -> None:
@@ -58,12 +82,15 @@ async def test_two_workers_train_through_two_local_pservers_which_end_with_the_h
         await until(link.ready.is_set, "both pservers said where they take parts")
         welcome = daemon.engine.config.welcome["pservers"]
         assert len(welcome["addrs"]) == 2 and welcome["map"] == link.setup.pmap.to_dict()
-        workers = [await start_worker(port, STEPS) for _ in range(2)]
+        # one worker pulls its releases from the pservers; the other, on shared memory, takes
+        # them from the head's ring after its first
+        workers = [await _worker(port, STEPS), await _worker(port, STEPS, shm=True)]
         for w in workers:
             await asyncio.wait_for(w.wait(), WAIT)
-        for w in workers:
-            assert w.returncode == 0, (await w.stderr.read()).decode()[-2000:]  # type: ignore[union-attr]
-
+        pulled, text = await _pulled(workers[0])
+        assert pulled >= STEPS and "params hash verified" in text  # every release, checked
+        pulled, text = await _pulled(workers[1])
+        assert pulled <= 1 and "shared memory on" in text
         # Every push was decided with both parts in (asp applies each): none lost, none waits.
         assert link.parts.decided == 2 * STEPS and link.parts.lost == 0
         assert link.parts.waiting() == 0 and daemon.engine.store.version == 2 * STEPS
@@ -103,7 +130,7 @@ async def test_a_pserver_killed_while_workers_train_comes_back_at_its_address_an
         assert link is not None and procs is not None
         await until(link.ready.is_set, "both pservers said where they take parts")
         addrs = list(link.addrs)
-        workers = [await start_worker(port, steps) for _ in range(2)]
+        workers = [await _worker(port, steps) for _ in range(2)]
         store = daemon.engine.store
         await until(lambda: store.version >= 4, "training under way")
         proc = procs.slots[1].proc
@@ -113,8 +140,9 @@ async def test_a_pserver_killed_while_workers_train_comes_back_at_its_address_an
         await until(lambda: procs.slots[1].restarts == 1, "the pserver restarted")
         for w in workers:
             await asyncio.wait_for(w.wait(), WAIT)
-        for w in workers:
-            assert w.returncode == 0, (await w.stderr.read()).decode()[-2000:]  # type: ignore[union-attr]
+        for w in workers:  # pulls went on across the restart: waited for, or asked again
+            pulled, _ = await _pulled(w)
+            assert pulled >= steps
         assert at_kill < 2 * steps - 2  # pushes came after the kill: they waited for it
         assert link.addrs == addrs  # it came back where the workers send its parts
         assert link.parts.lost == 0 and store.version == 2 * steps  # none lost, none twice

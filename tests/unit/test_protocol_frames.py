@@ -18,6 +18,7 @@ from hetd.protocol.frames import (
     Heartbeat,
     Hello,
     Params,
+    ParamsAt,
     ParamsRef,
     ProfileResult,
     Pull,
@@ -39,6 +40,8 @@ def test_every_message_reads_back_as_the_record_that_encoded_it() -> None:
         Params(3, True, {"w": TENSOR}, hash="00ff00ff00ff00ff"),
         Params(4, False, {}, base=3, plan=Plan(batch_size=16)),
         ParamsRef(5, REF),
+        ParamsAt(6, 41, ("00ff00ff00ff00ff", "0f0f0f0f0f0f0f0f"), "ffff0000ffff0000"),
+        ParamsAt(6, 41, ("00ff00ff00ff00ff",)),
         ShmOffer("hetd-dl-0123456789ab"),
         StageOrder(2, 1, 0, 2, (0, 3), 8, 2, None, 11),
         StepOrder(2, 1, 9, 4, 3, 8, 0, 5),
@@ -108,3 +111,13 @@ def test_a_nested_field_missing_or_of_the_wrong_kind_is_a_protocol_error() -> No
         with pytest.raises(wire.ProtocolError) as err:
             frames.read(msg)
         assert err.value.code == "malformed"
+
+
+def test_a_params_at_whose_slice_hashes_are_not_strings_is_malformed() -> None:
+    for slices in ([1, 2], [None], [b"00ff"]):
+        msg = wire.decode(wire.encode("params_at", 0, version=3, position=9, slices=slices))
+        with pytest.raises(wire.ProtocolError) as err:
+            frames.read(msg)
+        assert err.value.code == "malformed"
+    with pytest.raises(wire.ProtocolError):  # every field checked at the top, as for params
+        frames.decode(wire.encode("params_at", 0, version=3, slices=[]))

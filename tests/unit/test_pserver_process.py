@@ -11,6 +11,10 @@ flight; the parts meant for it meanwhile wait, as a worker keeps what was not an
 sent once it is back, with a few it had already reported held (answered as repeats). At the end
 each pserver serves its slice at the engine's last position (``fetch``); joined, they are the
 store's parameters, and the restarted pserver resumed from a saved slice, not from position 0.
+The same release pulled as a worker pulls it (``workers.pulls``: named by the head's
+``params_at``, each slice checked against its hash, the whole against the version's) is the
+store's parameters too; a release the pservers no longer keep, or a hash that is not the
+slice's, is refused.
 """
 
 from __future__ import annotations
@@ -29,14 +33,17 @@ from hetd.core.assemble import EngineSpec, Optimizers, assemble
 from hetd.core.entries import EngineConfig
 from hetd.core.ingest import decode_hello
 from hetd.core.store import Int8
-from hetd.protocol import wire
+from hetd.protocol import frames, wire
+from hetd.protocol.frames import ParamsAt
 from hetd.protocol.messages import Ack, PushIn
 from hetd.pserver import disk, link
 from hetd.pserver.log import DecisionLog
 from hetd.pserver.partition import join, partition, split
 from hetd.server.pserver_link import HeadLink, LinkSetup
+from hetd.server.pserver_pulls import Pointers
 from tests.conftest import FakeClock, FakePeer
 from tests.unit.test_pserver_engine import BLOCK, PARAMS
+from workers.pulls import Puller, SliceMismatch
 
 S = 2
 PUSHES = 30
@@ -144,6 +151,7 @@ async def test_two_pserver_processes_one_killed_and_restarted_end_with_the_store
             await pushers[s].connect(procs[s])
         peers = [FakePeer(), FakePeer()]
         wids = [engine.join(_hello(f"w{i}"), p) for i, p in enumerate(peers)]
+        first_release: tuple[int, int] | None = None  # (version, position) of the first publish
         waiting: list[tuple[int, int, Any]] = []  # parts for pserver 1 while it is down
         sent1: list[tuple[int, int, Any]] = []  # every part pserver 1 was sent
         for n in range(PUSHES):
@@ -166,6 +174,8 @@ async def test_two_pserver_processes_one_killed_and_restarted_end_with_the_store
             assert isinstance(peers[i].replies[-1], Ack)
             if n % 3 == 2:
                 engine.publish_batch()
+                if first_release is None:
+                    first_release = (engine.store.version, log.position)
             if n % 5 == 4:
                 engine.state()  # a checkpoint entry: each pserver saves its slice there
             if n == KILL_AT - 1:
@@ -201,6 +211,31 @@ async def test_two_pserver_processes_one_killed_and_restarted_end_with_the_store
         assert all(joined[k].tobytes() == end[k].tobytes() for k in end)
         assert sum(int(np.sum(end[k] != PARAMS[k])) for k in end) > 0
         assert min(head.durable) >= 10  # both reported saved slices past the first checkpoints
+
+        named = frames.decode(Pointers(pmap, log)(engine.store.snapshot()))
+        assert isinstance(named, ParamsAt) and named.position == log.position
+        addrs = [["127.0.0.1", int((d / "port").read_text())] for d in dirs]
+        puller = Puller({"map": pmap.to_dict(), "addrs": addrs})
+        try:
+            pulled = await puller.fetch(named)
+            assert pulled is not None
+            held, size = pulled
+            assert held.version == engine.store.version and size > 4 * sum(
+                v.size for v in end.values()
+            )
+            assert all(held.tensors[k].tobytes() == end[k].tobytes() for k in end)
+            assert first_release is not None  # many versions back: no longer kept, asked again
+            assert await puller.fetch(ParamsAt(*first_release, named.slices)) is None
+            assert (
+                await puller.fetch(ParamsAt(named.version - 1, named.position, named.slices))
+                is None
+            )
+            assert puller.gone == 2
+            wrong = ParamsAt(named.version, named.position, (named.slices[1], named.slices[0]))
+            with pytest.raises(SliceMismatch, match="pserver 0's slice"):
+                await puller.fetch(wrong)
+        finally:
+            puller.close()
         assert all(p.returncode is None for p in procs)  # none gave up
     finally:
         for pusher in pushers:

@@ -60,6 +60,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "bye": {"reason": "shutdown"},
     "shm_offer": {"segment": "hetd-dl-0000abcd0123456789ab"},
     "shm_ready": {"nonce": "ab" * 16, "segment": "hetd-up-0000abcd0123456789ab"},
+    "params_at": {"version": 3, "position": 9, "slices": ["00ff00ff00ff00ff"], "hash": None},
     "params_ref": {
         "version": 3,
         "segment": "hetd-dl-0000abcd0123456789ab",
