@@ -14,8 +14,11 @@ head's side and the pserver's side speak it over TCP on loopback (:mod:`hetd.ser
   ``records {items}`` (:func:`hetd.pserver.log.to_dict` values, in position order), or ``error
   {message}``;
 * pusher -> pserver: ``part {worker, pid, tensors}`` (answered ``held {worker, pid, new}`` once the
-  part is in the write-ahead file) and ``fetch {position}`` (answered ``slice {position, version,
-  tensors}`` once the slice stands at or past that position); either may be answered ``error``.
+  part is in the write-ahead file), ``fetch {position}`` (answered ``slice {position, version,
+  tensors}`` once the slice stands at or past that position) and ``pull {position, version}`` (a
+  worker's pull of a release the head named: answered ``slice`` with the release in force at
+  exactly that position once the slice got there, or ``gone {position}`` when it no longer keeps
+  it or its version differs); any may be answered ``error``.
 
 Everything read is checked as strictly as the workers' wire: a frame over the size limit, a
 value of the wrong type, a tensor whose bytes do not match its dtype and shape raise

@@ -234,7 +234,8 @@ class Pserver:
         if found is None or found[0] != version:
             await link.send(writer, "gone", position=node.position)
             return
-        writer.writelines(pslink.slice_frame(want, version, found[1]))
+        for segment in pslink.slice_frame(want, version, found[1]):
+            writer.write(segment)  # (writelines would join them: one more copy of the slice)
         await writer.drain()
 
 

@@ -48,6 +48,7 @@ STAGES: tuple[tuple[str, str], ...] = (
     ("protocol/wire.py", "wire (pack/unpack)"),
     ("protocol/aligned.py", "wire (aligned decode)"),
     ("server/pserver_link.py", "head: pservers' link (log, haves)"),
+    ("server/pserver_pulls.py", "head: params_at (slice hashes)"),
     ("server/pserver_parts.py", "head: parts wait"),
     ("hetd/pserver/", "head: decision log"),
     ("server/sessions.py", "sessions"),
