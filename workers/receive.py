@@ -43,7 +43,7 @@ from workers.parts import PartsError, PartsSender
 from workers.prepare import prepared
 from workers.push import send
 from workers.shm import ShmLink
-from workers.stage import StageHost, handle, new_params
+from workers.stage import Outbox, StageHost, handle, new_params
 from workers.state import HELLO_ID, MAX_REFUSED, WorkerOptions, WorkerState
 
 log = logging.getLogger("hetd.worker")
@@ -59,6 +59,8 @@ async def read(
 ) -> None:
     """Read every frame the daemon sends; hand parameters to the compute loop."""
     parts = wire.Reassembler(wire.MAX_MESSAGE)  # what the daemon sends over the cap, in chunks
+    # pipeline frames cross the emulated link in flight (the outbox's), not in the send
+    outbox = Outbox(partial(send, ws, opts=opts, link=False), opts.emulation)
     try:
         async for frame in ws:
             if frame.type == aiohttp.WSMsgType.PING:
@@ -149,7 +151,7 @@ async def read(
                 else:
                     inbox.deliver(held)
                     if state.stage_host is not None:
-                        await new_params(state.stage_host, held, partial(send, ws, opts=opts))
+                        await new_params(state.stage_host, held, outbox)
             elif isinstance(msg, StageOrder | StepOrder | Abort | Act):
                 dataset = state.trainer.data if state.trainer is not None else None
                 if state.stage_host is None and dataset is not None:
@@ -163,8 +165,7 @@ async def read(
                     )
                 if state.stage_host is not None:
                     was_staged, inbox.staged = inbox.staged, True  # no data-parallel step now
-                    answer = partial(send, ws, opts=opts)
-                    await handle(state.stage_host, msg, inbox.params, answer)
+                    await handle(state.stage_host, msg, inbox.params, outbox)
                     if state.stage_host.assignment is None:  # dissolved (or never assigned)
                         if was_staged:  # a stage holds its blocks' slice: pull the whole set
                             inbox.params = None
@@ -199,6 +200,8 @@ async def read(
         inbox.closed = exc
         inbox.changed.set()
         raise
+    finally:
+        await outbox.close()
 
 
 def unreadable(exc: wire.ProtocolError) -> str:
