@@ -102,11 +102,12 @@ async def send(
     frame: Frame,
     opts: WorkerOptions,
     ref: bytes | None = None,
+    link: bool = True,
 ) -> None:
     """Send a push, first waiting out the emulated link's transfer time; over the frame cap, in
     ``chunk`` messages (the daemon joins them); ``ref``: its ``push_ref`` (the push itself is
-    in shared memory)."""
-    delay = opts.emulation.transfer_seconds(frame_size(frame))
+    in shared memory); ``link`` False: the caller emulated the link (:class:`workers.stage.Outbox`)."""
+    delay = opts.emulation.transfer_seconds(frame_size(frame)) if link else 0.0
     if delay:
         await asyncio.sleep(delay)
     if ref is not None:

@@ -45,7 +45,7 @@ from workers.prepare import prepared
 from workers.pulls import Puller, SliceMismatch
 from workers.push import send
 from workers.shm import ShmLink
-from workers.stage import StageHost, handle, new_params
+from workers.stage import Outbox, StageHost, handle, new_params
 from workers.state import HELLO_ID, MAX_REFUSED, WorkerOptions, WorkerState
 
 log = logging.getLogger("hetd.worker")
@@ -61,6 +61,8 @@ async def read(
 ) -> None:
     """Read every frame the daemon sends; hand parameters to the compute loop."""
     parts = wire.Reassembler(wire.MAX_MESSAGE)  # what the daemon sends over the cap, in chunks
+    # pipeline frames cross the emulated link in flight (the outbox's), not in the send
+    outbox = Outbox(partial(send, ws, opts=opts, link=False), opts.emulation)
     try:
         async for frame in ws:
             if frame.type == aiohttp.WSMsgType.PING:
@@ -151,7 +153,7 @@ async def read(
                 else:
                     inbox.deliver(held)
                     if state.stage_host is not None:
-                        await new_params(state.stage_host, held, partial(send, ws, opts=opts))
+                        await new_params(state.stage_host, held, outbox)
             elif isinstance(msg, ParamsAt):  # a full release, pulled from the pservers
                 pulled = await pull(msg, opts, state)
                 if pulled is None:
@@ -159,7 +161,7 @@ async def read(
                 else:
                     inbox.deliver(pulled)
                     if state.stage_host is not None:
-                        await new_params(state.stage_host, pulled, partial(send, ws, opts=opts))
+                        await new_params(state.stage_host, pulled, outbox)
             elif isinstance(msg, StageOrder | StepOrder | Abort | Act):
                 dataset = state.trainer.data if state.trainer is not None else None
                 if state.stage_host is None and dataset is not None:
@@ -173,8 +175,7 @@ async def read(
                     )
                 if state.stage_host is not None:
                     was_staged, inbox.staged = inbox.staged, True  # no data-parallel step now
-                    answer = partial(send, ws, opts=opts)
-                    await handle(state.stage_host, msg, inbox.params, answer)
+                    await handle(state.stage_host, msg, inbox.params, outbox)
                     if state.stage_host.assignment is None:  # dissolved (or never assigned)
                         if was_staged:  # a stage holds its blocks' slice: pull the whole set
                             inbox.params = None
@@ -209,6 +210,8 @@ async def read(
         inbox.closed = exc
         inbox.changed.set()
         raise
+    finally:
+        await outbox.close()
 
 
 async def pull(msg: ParamsAt, opts: WorkerOptions, state: WorkerState) -> Held | None:

@@ -9,19 +9,31 @@ labels from the same sample indices of the training set (every worker loads the 
 so no sample travels.
 
 With an :class:`~workers.emulate.Emulation` a stage works at the emulated device's pace: each
-frame it sends leaves once the emulated time of the work before it has passed (the stage's share
+frame it sends is due once the emulated time of the work before it has passed (the stage's share
 of the model's compute, a third for a forward and two for a backward,
-:meth:`~workers.emulate.Emulation.stage_seconds`; the host's own compute is a floor), and an
-activation or gradient that arrives waits out the emulated link, as a pushed frame does when it
-leaves (:func:`workers.push.send`).
+:meth:`~workers.emulate.Emulation.stage_seconds`; the host's own compute is a floor). The
+emulated link carries every frame both ways as a real one would, with its latency in flight:
+an arriving activation or gradient is ready once it has crossed the worker's downlink (its
+bytes over the bandwidth after the frames before it, then the latency), and the work it starts
+is timed from then, while the frames after it keep arriving; the :class:`Outbox` puts each frame
+it sends on the uplink when due, and sends it once it has crossed (the uplink busy for its bytes,
+the latency overlapping the next frames').
+
+A new stage shape compiles ahead: on its ``stage`` message the worker compiles the stage's
+kernels for the assigned micro-batch in a thread (running them once on zeros) while the
+parameters and the step come in, and the step waits only for what is left of it. A worker keeps
+the stages it built, so a return to a shape it ran before compiles nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
+import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +45,7 @@ from hetd.protocol.frames import Abort, Act, Gact, Pipeline, Pull, Push, StageOr
 from hetd.protocol.params import Held
 from hetd.zoo.blocks import blocks_for
 from hetd.zoo.data import Dataset
-from hetd.zoo.stages import Stage, StageRunner, prefix
+from hetd.zoo.stages import Stage, StageRunner, input_shapes, prefix
 from workers.emulate import Emulation
 
 log = logging.getLogger("hetd.worker.stage")
@@ -108,6 +120,11 @@ class StageHost:
         self.step: _Step | None = None
         self.pushed = 0  # slices pushed
         self.dropped = 0  # steps given up (aborted, or their base no longer held)
+        self.stages: dict[tuple[int, int, int, int], Stage] = {}  # (lo, hi, stage, of) -> built
+        self.warmed: set[tuple[int, int, int, int, int]] = set()  # ... and micro, compiled
+        self.compile_s: float | None = None  # s the last compile ahead took
+        self._warming: threading.Thread | None = None
+        self.in_free = 0.0  # time.perf_counter() when the emulated downlink is free again
 
     def assign(self, msg: StageOrder) -> None:
         """Take a ``stage`` message: build the stage (reused when its blocks did not change)."""
@@ -120,13 +137,27 @@ class StageHost:
         if hi > len(bm.blocks):
             raise StageError(f"stage blocks [{lo}, {hi}) beyond the model's {len(bm.blocks)}")
         key = (lo, hi, msg.stage, msg.of)
-        old = self.stage
-        if old is None or (old.lo, old.hi, old.index, old.of) != key:
-            self.stage = Stage(bm, lo, hi, msg.stage, msg.of)
+        self.wait_warm()  # one compile at a time: the last shape's is done before this one's
+        stage = self.stages.get(key)
+        if stage is None:
+            stage = self.stages[key] = Stage(bm, lo, hi, msg.stage, msg.of)
+        self.stage = stage
         if self.shapes is not None:
             self.share = stage_share(self.shapes, lo, hi)
         self.assignment = msg
         self.step = None
+        if (*key, msg.micro) not in self.warmed and self.shapes is not None:
+            self.warmed.add((*key, msg.micro))
+            example = tuple(self.data.x_train.shape[1:])
+            h = input_shapes(bm, example)[lo]
+            y = np.asarray(self.data.y_train[np.arange(msg.micro) % len(self.data.y_train)])
+            self._warming = threading.Thread(
+                target=self._warm,
+                args=(stage, dict(self.shapes), h, y),
+                name=f"compile stage {msg.stage} [{lo}, {hi})",
+                daemon=True,  # nothing to hand back: a worker that leaves need not wait for it
+            )
+            self._warming.start()
         log.info(
             "stage %d of %d in replica %d gen %d: blocks [%d, %d)",
             msg.stage,
@@ -136,6 +167,61 @@ class StageHost:
             lo,
             hi,
         )
+
+    def _warm(
+        self,
+        stage: Stage,
+        shapes: Mapping[str, Sequence[int]],
+        h: tuple[int, ...],
+        y: np.ndarray,
+    ) -> None:
+        """Compile ``stage``'s kernels for micro-batches of ``len(y)`` samples: run each once
+        on zeros of the shapes a step gives them (its slice, its input, the gradient of its
+        output), which fills the kernels' caches as the step's own first calls would."""
+        began = time.perf_counter()
+        try:
+            p: dict[str, Any] = {
+                k: np.zeros(tuple(v), np.float32) for k, v in stage.slice(shapes).items()
+            }
+            x = np.zeros((len(y), *h), np.float32)
+            if stage.is_last:
+                _, g_p, _ = stage.loss_grad(p, x, y, 1.0 / len(y))
+            else:
+                out, vjp = stage.forward(p, x)
+                g_p, _ = stage.backward(vjp, np.zeros(out.shape, np.float32))
+            np.asarray(next(iter(stage.add(g_p, g_p).values())))  # waits for the work
+        except Exception:  # the step compiles what is missing, as it did before
+            log.exception("stage %d: compile ahead failed", stage.index)
+            return
+        self.compile_s = time.perf_counter() - began
+        log.info(
+            "stage %d [%d, %d) compiled ahead for micro-batches of %d in %.2f s",
+            stage.index,
+            stage.lo,
+            stage.hi,
+            len(y),
+            self.compile_s,
+        )
+
+    def wait_warm(self) -> None:
+        """Wait for the compile ahead under way, if one is (a step's first kernels would
+        compile the same again beside it)."""
+        t = self._warming
+        if t is not None:
+            t.join()
+            self._warming = None
+
+    def arrive(self, nbytes: int) -> float:
+        """A frame of ``nbytes`` reached this worker now: the time.perf_counter() it has
+        crossed the emulated downlink (after the frames before it, then the link's latency;
+        now without an emulation)."""
+        now = time.perf_counter()
+        emu = self.emulation
+        if emu is None:
+            return now
+        start = max(now, self.in_free)
+        self.in_free = start + _wire_s(emu, nbytes)
+        return self.in_free + emu.latency_s
 
     def _ours(self, msg: StepOrder | Abort | Act, step: bool = True) -> bool:
         a = self.assignment
@@ -192,6 +278,7 @@ class StageHost:
 
         a = self.assignment
         assert a is not None  # set with the stage
+        self.wait_warm()
         s.runner = StageRunner(
             stage,
             held.tensors,
@@ -203,8 +290,9 @@ class StageHost:
         s.started = time.perf_counter()
         return self._timed(s.runner.start)
 
-    def offer(self, msg: Act) -> list[Timed]:
-        """An ``act`` or ``gact`` arrived through the relay; the frames to send."""
+    def offer(self, msg: Act, ready: float = 0.0) -> list[Timed]:
+        """An ``act`` or ``gact`` arrived through the relay, there at time.perf_counter()
+        ``ready`` (:meth:`arrive`); the frames to send."""
         s = self.step
         if s is None or s.runner is None or not self._ours(msg):
             raise StageError(
@@ -214,7 +302,7 @@ class StageHost:
         array = codecs.decode_tensor(msg.tensor, f"{msg.type}[{msg.mb}]")
         runner = s.runner
         try:
-            return self._timed(lambda: runner.offer(msg.type, msg.mb, array))
+            return self._timed(lambda: runner.offer(msg.type, msg.mb, array), ready)
         except StageError:
             raise
         except Exception as exc:  # a wrong shape or a message for the wrong side: the runner
@@ -238,10 +326,12 @@ class StageHost:
             )
         return self.assignment is None
 
-    def _timed(self, work: Callable[[], list[tuple[str, int, np.ndarray]]]) -> list[Timed]:
-        """Run ``work`` (the runner's next tasks) and time the frames it sends: each may leave
-        once the emulated time of the tasks up to the one that made it has passed since the
-        work began (at once without an emulation)."""
+    def _timed(
+        self, work: Callable[[], list[tuple[str, int, np.ndarray]]], ready: float = 0.0
+    ) -> list[Timed]:
+        """Run ``work`` (the runner's next tasks, whose input is there at ``ready``) and time
+        the frames it sends: each may leave once the emulated time of the tasks up to the one
+        that made it has passed since the work began (at once without an emulation)."""
         s = self.step
         assert s is not None and s.runner is not None  # called while running a step
         runner = s.runner
@@ -249,8 +339,8 @@ class StageHost:
         began = time.perf_counter()
         out = work()
         real = time.perf_counter() - began
-        # the emulated device starts this work once it finished the last (its frames' times)
-        t0 = max(began, self.free_at)
+        # the emulated device starts this work once its input is in and it finished the last
+        t0 = max(began, self.free_at, ready)
         stage = self.stage
         assert stage is not None  # set with the assignment
         due = [t0] * len(out)
@@ -308,17 +398,66 @@ class StageHost:
         ).encode()
 
 
-async def handle(
-    host: StageHost,
-    msg: Pipeline,
-    held: Held | None,
-    send: Callable[[bytes], Awaitable[None]],
-) -> None:
-    """Give ``host`` one pipeline message (the compute off the event loop) and send what it
-    answers, each frame when it is due (the emulated device's pace); a step whose base version is
-    not held asks the daemon for its parameters. A message the host cannot act on is logged and
-    forgotten (the daemon aborts what it cannot finish). An activation or gradient first waits
-    out the emulated link it came over."""
+class Outbox:
+    """A worker's pipeline frames on their way to the daemon, each on the emulated uplink from
+    the time it is due (:meth:`StageHost._timed`): the link is busy for its bytes over the
+    bandwidth after the frames before it, and the frame is sent once its latency has passed as
+    well; the latency is in flight, so the next frame's does not wait for it. Owned by the
+    connection's reader (:func:`workers.receive.read`), which closes it."""
+
+    def __init__(self, send: Callable[[bytes], Awaitable[None]], emulation: Emulation) -> None:
+        """``send``: the connection's, with no link emulation of its own."""
+        self._send = send
+        self.emulation = emulation
+        self._queue: deque[Timed] = deque()
+        self._free = 0.0  # time.perf_counter() when the emulated uplink is free again
+        self._task: asyncio.Task[None] | None = None
+
+    def put(self, frames: Sequence[Timed]) -> list[float]:
+        """Send ``frames`` (each with the time it is due), in order, once each has crossed;
+        the time.perf_counter() each is sent at."""
+        emu = self.emulation
+        at = []
+        for due, frame in frames:
+            start = max(due, self._free)
+            self._free = start + _wire_s(emu, len(frame))
+            at.append(self._free + emu.latency_s)
+            self._queue.append((at[-1], frame))
+        if self._queue and (self._task is None or self._task.done()):
+            self._task = asyncio.get_running_loop().create_task(self._drain())
+            self._task.add_done_callback(_logged)
+        return at
+
+    async def _drain(self) -> None:
+        while self._queue:
+            at, frame = self._queue[0]
+            wait = at - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            self._queue.popleft()
+            await self._send(frame)
+
+    async def close(self) -> None:
+        """Stop sending (the connection is gone): what is still queued is dropped."""
+        self._queue.clear()
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+def _logged(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.info("pipeline frames not sent: %s", exc)  # the connection ended; the reader says why
+
+
+async def handle(host: StageHost, msg: Pipeline, held: Held | None, out: Outbox) -> None:
+    """Give ``host`` one pipeline message (the compute off the event loop) and put what it
+    answers in ``out``; a step whose base version is not held asks the daemon for its
+    parameters. A message the host cannot act on is logged and forgotten (the daemon aborts
+    what it cannot finish). An activation or gradient is worked on at once, its emulated work
+    timed from when it has crossed the emulated link (:meth:`StageHost.arrive`)."""
     try:
         if isinstance(msg, StageOrder):
             await asyncio.to_thread(host.assign, msg)
@@ -329,34 +468,27 @@ async def handle(
             host.abort(msg)
             frames = []
         else:
-            if host.emulation is not None:
-                delay = host.emulation.transfer_seconds(_tensor_bytes(msg.tensor))
-                if delay > 0:
-                    await asyncio.sleep(delay)
-            frames = await asyncio.to_thread(host.offer, msg)
+            ready = host.arrive(_tensor_bytes(msg.tensor))
+            frames = await asyncio.to_thread(host.offer, msg, ready)
     except (StageError, codecs.CodecError) as exc:
         log.warning("%s refused: %s", msg.type, exc)
         return
-    await _send_due(frames, send)
+    out.put(frames)
     wanted = host.waiting_for()
     if isinstance(msg, StepOrder) and wanted is not None:
-        await send(Pull(None).encode())
+        out.put([(time.perf_counter(), Pull(None).encode())])
 
 
-async def new_params(host: StageHost, held: Held, send: Callable[[bytes], Awaitable[None]]) -> None:
+async def new_params(host: StageHost, held: Held, out: Outbox) -> None:
     """Parameters arrived: start the step that waited for their version."""
     if host.waiting_for() is None:
         return
-    await _send_due(await asyncio.to_thread(host.params, held), send)
+    out.put(await asyncio.to_thread(host.params, held))
 
 
-async def _send_due(frames: Sequence[Timed], send: Callable[[bytes], Awaitable[None]]) -> None:
-    """Send each frame once its time has come."""
-    for at, frame in frames:
-        wait = at - time.perf_counter()
-        if wait > 0:
-            await asyncio.sleep(wait)
-        await send(frame)
+def _wire_s(emu: Emulation, nbytes: int) -> float:
+    """Seconds ``nbytes`` hold the emulated link (its bandwidth; its latency is in flight)."""
+    return 0.0 if emu.bandwidth is None else nbytes / emu.bandwidth
 
 
 def _tensor_bytes(tensor: Any) -> int:

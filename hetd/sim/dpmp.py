@@ -12,7 +12,8 @@ reduction" figure for a scenario:
   cap (the planner's: ``S − s`` or more to hide the relay's round trip);
 * :func:`round_time` is the BSP round of a structure: every replica pulls its slices, runs its
   share, pushes; the round ends with the last replica (rounds are sequential, as the engine's
-  flush makes them);
+  flush makes them); a pipeline shape's first round also takes its slowest member's compile
+  (``Scenario.compile_s``, as the engine's simulator charges a shape's first step);
 * :func:`compare` gives, per scenario, BSP (equal shares over the workers that can hold the
   model), DP-only with equal-finish shares (LB-BSP) and the best DP+MP structure, each as the
   median simulated round over ``rounds`` rounds whose worker speeds jitter by ``±jitter``, next to
@@ -33,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from policies.dpmp.costs import RHO, Block, ReplicaCost, WorkerSpec, need_full, stage_order
-from policies.dpmp.groups import Structure, candidates, evaluate
+from policies.dpmp.groups import Shape, Structure, candidates, evaluate
 from policies.dpmp.lyapunov import LyapunovConfig, LyapunovState, choose, observe, structure_options
 
 
@@ -131,13 +132,31 @@ def step_time(
 
 
 def round_time(
-    blocks: Sequence[Block], workers: Mapping[int, WorkerSpec], structure: Structure
+    blocks: Sequence[Block],
+    workers: Mapping[int, WorkerSpec],
+    structure: Structure,
+    compiled: set[tuple[int, Shape]] | None = None,
 ) -> float:
-    """The BSP round of ``structure``: its slowest replica."""
+    """The BSP round of ``structure``: its slowest replica. With ``compiled`` (the
+    (worker, pipeline shape) pairs compiled so far, updated here), a pipeline replica whose
+    member runs its shape for the first time takes that member's ``compile_s`` longer, as
+    the engine's simulator charges its first step (:mod:`hetd.sim.replicas`)."""
     return max(
-        replica_round(blocks, workers, r, b)
+        replica_round(blocks, workers, r, b) + _compile(workers, r, compiled)
         for r, b in zip(structure.replicas, structure.split.sizes, strict=True)
     )
+
+
+def _compile(
+    workers: Mapping[int, WorkerSpec], r: ReplicaCost, compiled: set[tuple[int, Shape]] | None
+) -> float:
+    """Seconds replica ``r``'s stages compile before its step (0 for data parallel)."""
+    if compiled is None or len(r.members) < 2:
+        return 0.0
+    shape = (tuple(r.members), tuple(r.cuts), r.micro)
+    fresh = [w for w in r.members if (w, shape) not in compiled]
+    compiled.update((w, shape) for w in fresh)
+    return max((workers[w].compile_s or 0.0 for w in fresh), default=0.0)
 
 
 # --- scenarios -----------------------------------------------------------------------------------
@@ -162,6 +181,7 @@ class Scenario:
     t0: float = 1e-3
     lat_s: float = 2e-3
     poor_fraction: float = 0.6  # a memory-poor worker's usable memory, of the whole model's need
+    compile_s: float = 1.0  # s a worker takes to compile a pipeline stage shape new to it
 
     def specs(self, blocks: Sequence[Block]) -> dict[int, WorkerSpec]:
         full = need_full(blocks, 32)
@@ -173,6 +193,7 @@ class Scenario:
                 bw_up=bw,
                 bw_down=bw,
                 lat_s=self.lat_s,
+                compile_s=self.compile_s,
             )
             for i, (slow, poor, bw) in enumerate(self.workers)
         }
@@ -258,11 +279,12 @@ def compare(
     bsp = dataclasses.replace(dp, split=dataclasses.replace(dp.split, sizes=bsp_sizes))
     rng = random.Random(seed)
     times: dict[str, list[float]] = {"bsp": [], "lbbsp": [], "dpmp": []}
+    compiled: set[tuple[int, Shape]] = set()  # the first round compiles the pipelines' stages
     for _ in range(rounds):
         now = _jittered(workers, rng, jitter)
         times["bsp"].append(round_time(blocks, now, bsp))
         times["lbbsp"].append(round_time(blocks, now, dp))
-        times["dpmp"].append(round_time(blocks, now, best))
+        times["dpmp"].append(round_time(blocks, now, best, compiled))
     med = {k: statistics.median(v[from_round:]) for k, v in times.items()}
     return Figures(sc.name, med["bsp"], med["lbbsp"], med["dpmp"], best.tau, best.describe())
 
@@ -309,12 +331,13 @@ def budget_run(
     cfg = LyapunovConfig(v=v, budgets=(budget_fraction * full,))
     state, top, fastest = LyapunovState(), 0.0, 0.0
     rng = random.Random(seed)
+    compiled: set[tuple[int, Shape]] = set()  # a shape's first round compiles its stages
     for _ in range(rounds):
         option, state = choose(options, state, cfg)
         structure = built[option.groups]
         assert structure is not None
         now = _jittered(workers, rng, jitter)
-        tau = round_time(blocks, now, structure)
+        tau = round_time(blocks, now, structure, compiled)
         fastest += round_time(blocks, now, best)
         busy = [w for r in structure.replicas for w in r.members]
         state = observe(state, cfg, tau, [tau * sum(workers[w].price for w in busy)])

@@ -10,7 +10,9 @@ released at once. A released head reaches :meth:`SimReplicas.released` (the engi
 A step is charged as :func:`hetd.sim.dpmp.step_time` charges it: every stage pulls its slice
 over its own link, the stages run the micro-batches in their 1F1B order at their workers'
 slow-downs (the scenario's, at the step's start), activations and their gradients are relayed
-through the head's links, every stage pushes its slice. Its update is the whole model's gradient
+through the head's links, every stage pushes its slice. A stage shape a worker has not run before
+compiles first: the step takes the slowest such member's ``compile_s`` (the scenario's worker key,
+what its profile reports) longer. Its update is the whole model's gradient
 of the step's samples (the head's data, as stage 0 reads its inputs and the last stage its
 labels from the same rows), which is what the assembled parts of a pipeline step add up to; it
 is computed lazily with the workers' steps and handed to the engine as one push of the head,
@@ -80,6 +82,9 @@ class SimReplicas:
             Block(f"b{j:02d}", p, a, f) for j, (p, a, f) in enumerate(engine.pipelines.blocks)
         ]
         self.running: dict[int, _Running] = {}  # head -> replica
+        # (worker, blocks lo, hi, stage, of, micro) of every stage a worker compiled: a worker
+        # keeps its compiled stages, so a return to one costs nothing
+        self.compiled: set[tuple[int, int, int, int, int, int]] = set()
         self.assembled = 0  # steps pushed
         self.aborted = 0  # steps given up (their replica dissolved first)
         engine.pipelines.regroup_to = self.regroup
@@ -174,12 +179,27 @@ class SimReplicas:
         self._start(work)
         specs = [self._spec(w, now) for w in group if w is not None]
         took = step_time(self.blocks, specs, r.cuts, r.micro, r.micro_batches, r.inflight)
+        took += self._compile(r, group)
         for w in group:
             if w is not None:  # busy from now to the step's end
                 w.idle_total += max(0.0, now - w.idle_from)
                 w.idle_from = now + took
         done = partial(self._done, head, r, r.step, work, snap.version, samples, took)
         self.heap.schedule(now + took, ev.Later(done))
+
+    def _compile(self, r: _Running, group: Sequence[EmuWorker | None]) -> float:
+        """Seconds the step waits for its stages' compiles: the slowest member's
+        ``compile_s`` (the scenario's) among those that never compiled their stage of this
+        shape; a step of the stages' shape that follows costs nothing more."""
+        n, wait = len(r.members), 0.0
+        for s, w in enumerate(group):
+            if w is None:
+                continue
+            key = (w.wid, r.cuts[s], r.cuts[s + 1], s, n, r.micro)
+            if key not in self.compiled:
+                self.compiled.add(key)
+                wait = max(wait, w.spec.compile_s or 0.0)
+        return wait
 
     def _spec(self, w: EmuWorker, now: float) -> WorkerSpec:
         """The planner's spec of worker ``w`` as it runs now: the scenario's speed (one straggle

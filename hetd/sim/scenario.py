@@ -60,6 +60,9 @@ class WorkerSpec:
     bandwidth: float = 1e9  # bytes/s of its link, both directions (inf: free)
     latency_s: float = 0.0  # s added to every transfer
     memory: int | None = None  # bytes reported as the device's free memory
+    # s its profile reports for compiling a new pipeline stage shape (None: reports none, and a
+    # stage compiles in no time)
+    compile_s: float | None = None
     stragglers: Stragglers = field(default_factory=Stragglers)
     name: str = ""  # what a leave may call it by ("": by its index only)
 
@@ -305,6 +308,7 @@ _WORKER: dict[str, tuple[Check, str, Check, str]] = {
     "bandwidth": (_num, "number", lambda v: v > 0, "> 0 bytes/s (inf: free)"),
     "latency_s": (_num, "number", lambda v: 0 <= v < INF, ">= 0"),
     "memory": (_int, "int", lambda v: v >= 0, ">= 0 bytes"),
+    "compile_s": (_num, "number", lambda v: 0 <= v < INF, ">= 0 s"),
     "stragglers": (lambda v: isinstance(v, Mapping), "table", lambda v: True, ""),
     "count": (_int, "int", lambda v: v >= 1, ">= 1"),
     "name": (

@@ -143,6 +143,18 @@ def block_costs(
     return out
 
 
+def input_shapes(bm: BlockModel, example: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The per-sample shape of each block's input for examples shaped ``example`` (the last
+    entry: the model's output), by shape inference only (no parameters made, nothing run)."""
+    h = jax.ShapeDtypeStruct((1, *example), jnp.float32)  # type: ignore[no-untyped-call]
+    out = [tuple(example)]
+    for _, module in bm.blocks:
+        nxt, _ = jax.eval_shape(lambda x, m=module: m.init_with_output(jax.random.PRNGKey(0), x), h)
+        out.append(tuple(nxt.shape[1:]))
+        h = jax.ShapeDtypeStruct((1, *nxt.shape[1:]), nxt.dtype)  # type: ignore[no-untyped-call]
+    return out
+
+
 @dataclass
 class Stage:
     """Blocks ``[lo, hi)`` of ``bm`` as one pipeline stage (``of`` stages in all)."""

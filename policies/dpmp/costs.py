@@ -62,6 +62,7 @@ class WorkerSpec:
     block_s: tuple[float, ...] | None = None  # s per sample per block (an exact profile)
     stages: bool = True  # it can run a pipeline stage (a worker that did not say so cannot)
     step_s: float = 0.0  # s of fixed work per data-parallel step beyond compute and links
+    compile_s: float | None = None  # s to compile a new stage shape's kernels (None: not measured)
 
     def taus(self, blocks: Sequence[Block]) -> list[float]:
         """s per sample of each block: the exact profile, else ``sample_s`` by FLOP share."""

@@ -214,7 +214,7 @@ class GroupConfig:
 
     period: int = 50  # R
     keep: float = 0.75
-    switch_s: float = 1.0  # s a regroup costs (new compiles, slice moves)
+    switch_s: float = 1.0  # s a regroup costs at least (new compiles, slice moves)
     horizon: int = 50  # H, rounds over which that cost is amortised
 
 
@@ -224,6 +224,25 @@ class GroupState:
     changed_at: int | None = None  # round of the last change
     pool: frozenset[int] = frozenset()  # the workers the current structure was chosen among
     shapes: tuple[Shape, ...] = ()  # the current structure's pipeline shapes
+
+
+def switch_cost(
+    workers: Mapping[int, WorkerSpec],
+    new: Sequence[Shape],
+    old: Sequence[Shape],
+    cfg: GroupConfig,
+) -> float:
+    """Seconds a move to pipeline shapes ``new`` from ``old`` costs: the slowest compile
+    (:attr:`WorkerSpec.compile_s`, as measured) of a member of a shape not running now, whose
+    stages compile before it steps; ``cfg.switch_s`` at least (a regroup also moves slices and
+    runs a round without the new replicas)."""
+    fresh = [w for shape in new if shape not in old for w in shape[0]]
+    measured = [
+        c
+        for w in fresh
+        if (spec := workers.get(w)) is not None and (c := spec.compile_s) is not None
+    ]
+    return max([cfg.switch_s, *measured])
 
 
 def decide(
@@ -265,7 +284,8 @@ def decide(
     # Another structure, or the same groups in other shapes (cuts, micro-batch: new compiles):
     # both only for the gain the hysteresis asks, after its period.
     waited = state.changed_at is None or round_ - state.changed_at >= cfg.period
-    gain = best.tau + cfg.switch_s / max(1, cfg.horizon) <= cfg.keep * current.tau
+    cost = switch_cost(workers, best.shapes, current.shapes, cfg)
+    gain = best.tau + cost / max(1, cfg.horizon) <= cfg.keep * current.tau
     if waited and gain:
         return best, GroupState(best.groups, round_, present, best.shapes), "regroup"
     return current, kept, "keep"

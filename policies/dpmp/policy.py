@@ -12,6 +12,13 @@ realised round time and cost (busy workers × ``price`` × seconds) go back to t
 Lyapunov queues; the structure changes only with the hysteresis of :mod:`policies.dpmp.groups`
 (``period``, ``keep``), at once when a member is lost.
 
+A pipeline shape that has pushed no step yet is *warming*: its stages compile their kernels on
+(or, with ``hetd-worker``, ahead of) its first step, seconds on a CPU, and the rounds go on
+without it until that step's push comes in (buffered into the round then under way); from the
+next round on it is one of the working replicas. What the compile took (the first step less
+the median of the next ones) is each member's ``compile_s``, which the hysteresis charges to a
+move to new shapes (:func:`policies.dpmp.groups.switch_cost`).
+
 What a worker is, for the planner: seconds per sample from its pushes (else from its profile;
 else, for a worker only pipeline stages have timed, from its replica's measured steps,
 :mod:`policies.dpmp.calibrate`; the median of the others while none of these is known), its
@@ -71,6 +78,7 @@ class DpmpPolicyState:
 
     ctl: DpmpState = field(default_factory=DpmpState)
     working: tuple[int, ...] = ()  # the round's replicas (heads and data-parallel workers)
+    warming: tuple[int, ...] = ()  # heads of new pipeline shapes on their first step (not waited)
     pushed: frozenset[int] = frozenset()  # ... that pushed this round
     released: frozenset[int] = frozenset()  # ... released at its start (their steps are timed)
     pipelines: tuple[ReplicaShape, ...] = ()  # the pipeline replicas the plan runs
@@ -84,11 +92,14 @@ class DpmpPolicyState:
     cut: bool = False  # the structure was planned with the model's blocks (not as one block)
     # the last data-parallel steps' fixed work (s): release to push less compute and transfers
     overheads: tuple[float, ...] = ()
+    firsts: Mapping[ShapeKey, float] = field(default_factory=dict)  # s, a new shape's first step
+    compiles: Mapping[int, float] = field(default_factory=dict)  # s, a worker's last stage compile
 
     def describe(self) -> dict[str, Any]:
         return {
             "round": self.ctl.round,
             "working": list(self.working),
+            "warming": list(self.warming),
             "pushed": sorted(self.pushed),
             "pipelines": [
                 {
@@ -105,6 +116,7 @@ class DpmpPolicyState:
             "queues": list(self.ctl.lyapunov.queues),
             "stage_speeds": {str(w): v for w, v in sorted(self.speeds.items())},
             "step_overhead_s": step_overhead(self),
+            "compile_s": {str(w): v for w, v in sorted(self.compiles.items())},
         }
 
 
@@ -127,10 +139,13 @@ def worker_specs(
     price: float,
     speeds: Mapping[int, float] | None = None,
     step_s: float = 0.0,
+    compiles: Mapping[int, float] | None = None,
 ) -> dict[int, WorkerSpec]:
     """What the planner knows of every worker: the view's and the replicas' later stages'.
     ``speeds``: s/sample of workers known only by their replica's steps (used when the worker
-    has not timed itself); ``step_s``: the fixed work of a step (:func:`step_overhead`)."""
+    has not timed itself); ``step_s``: the fixed work of a step (:func:`step_overhead`);
+    ``compiles``: s a new stage shape's compile took the workers that ran one
+    (:func:`compile_times`)."""
     facts: dict[int, WorkerFacts] = {**view.workers, **view.stage_workers}
     known_speeds = speeds or {}
 
@@ -158,6 +173,7 @@ def worker_specs(
             price=price,
             stages=f.stages,
             step_s=step_s,
+            compile_s=(compiles or {}).get(wid),
         )
     return specs
 
@@ -201,7 +217,26 @@ def measure(st: DpmpPolicyState, push: Push) -> DpmpPolicyState:
         wall = max(wall, push.now - st.started)
     key = _key(shape)
     kept = (*st.measured.get(key, ())[-(KEPT - 1) :], (wall, push.samples))
-    return replace(st, measured={**st.measured, key: kept})
+    firsts = st.firsts if key in st.measured else {**st.firsts, key: wall}
+    return replace(st, measured={**st.measured, key: kept}, firsts=firsts)
+
+
+def compile_times(st: DpmpPolicyState) -> DpmpPolicyState:
+    """What a new pipeline shape's compile took, once the shape has stepped again: its first
+    step (the stages compile on it) less the median of the later ones, for every member (the
+    slowest member's compile is the step's). The planner charges it to a move to new shapes
+    (:func:`policies.dpmp.groups.switch_cost`)."""
+    compiles, firsts = dict(st.compiles), dict(st.firsts)
+    for p in st.pipelines:
+        key = _key(p)
+        later = st.measured.get(key, ())[1:]
+        first = firsts.get(key)
+        if first is None or not later:
+            continue
+        took = max(0.0, first - statistics.median(w for w, _ in later))
+        compiles.update(dict.fromkeys(p.members, took))
+        del firsts[key]
+    return replace(st, compiles=compiles, firsts=firsts)
 
 
 def overhead(
@@ -310,6 +345,7 @@ def dpmp(
 
     def plan(view: ClusterView, st: DpmpPolicyState) -> tuple[list[Decision], DpmpPolicyState]:
         """Start a round: structure, shares, releases."""
+        st = compile_times(st)
         ctl = st.ctl
         whole = not view.blocks  # a model that cannot be cut: one block, data parallel only
         blocks = _blocks(view)
@@ -323,7 +359,7 @@ def dpmp(
         try:
             planned, ctl = plan_round(
                 blocks,
-                worker_specs(view, price, speeds, step_overhead(st)),
+                worker_specs(view, price, speeds, step_overhead(st), st.compiles),
                 view.global_batch,
                 ctl,
                 cfg,
@@ -335,6 +371,7 @@ def dpmp(
                 return [], replace(st, ctl=ctl, working=(), started=None, reason=wait)
             tau, reason = 0.0, f"data parallel: {exc}"
         working: list[int] = []
+        warming: list[int] = []
         batches: dict[int, int] = {}
         for spec in probed(specs):
             if spec.batch <= 0:
@@ -343,16 +380,19 @@ def dpmp(
                 working.append(spec.members[0])
                 batches[spec.members[0]] = spec.batch
             else:
-                shapes.append(
-                    ReplicaShape(
-                        spec.members,
-                        spec.cuts,
-                        spec.micro,
-                        max(1, round(spec.batch / spec.micro)),
-                        spec.inflight,
-                    )
+                shape = ReplicaShape(
+                    spec.members,
+                    spec.cuts,
+                    spec.micro,
+                    max(1, round(spec.batch / spec.micro)),
+                    spec.inflight,
                 )
-                working.append(spec.members[0])
+                shapes.append(shape)
+                # A shape with no step pushed yet runs its first one (its stages compile) outside
+                # the round: no round waits on a compile.
+                (working if _key(shape) in st.measured else warming).append(spec.members[0])
+        if not working:  # nothing else to run: the round waits for the replicas' first steps
+            working, warming = warming, []
         if not working:
             working, batches = _dp_round(view)
             shapes = []
@@ -383,7 +423,9 @@ def dpmp(
             cut=not whole,
             speeds=speeds,
             measured={k: v for k, v in st.measured.items() if k in {_key(p) for p in shapes}},
+            firsts={k: v for k, v in st.firsts.items() if k in {_key(p) for p in shapes}},
             working=tuple(working),
+            warming=tuple(warming),
             pushed=frozenset(),
             released=frozenset(d.worker for d in out if isinstance(d, Release)),
             pipelines=tuple(shapes),
@@ -435,7 +477,9 @@ def dpmp(
             out.append(Flush(normalize=True))
         if st.started is not None and present:
             took = max(0.0, view.now - st.started)
-            busy = len(present) + sum(len(p.members) - 1 for p in st.pipelines)
+            busy = len(present) + sum(
+                len(p.members) - (p.members[0] in present) for p in st.pipelines
+            )
             st = replace(st, ctl=end_round(st.ctl, cfg, took, [took * price * busy]))
         decisions, st = plan(view, st)
         return out + decisions, st

@@ -89,15 +89,22 @@ def test_dpmp_pairs_the_memory_poor_worker_and_runs_rounds_over_replicas() -> No
     assert engine.pipelines.view == {head: shape.members}
     assert set(engine.members.facts) == {head, other}  # the poor worker's stage is not in the view
     state = engine.host.state
-    assert set(state.working) == {head, other}
+    # the replica's first step (its stages compile) runs outside the round: no round waits on it
+    assert set(state.working) == {other} and state.warming == (head,)
     version = engine.store.version
+    push(head, shape.micro * shape.micro_batches)  # its first step: buffered, ends nothing
+    assert engine.store.version == version
+    push(other, engine.members.plans[other].batch_size)
+    version += 1
+    assert engine.store.version == version
+    assert set(engine.host.state.working) == {head, other} and engine.host.state.warming == ()
     for _ in range(3):  # rounds: one push of the replica, one of the data-parallel worker
         push(head, shape.micro * shape.micro_batches)
         assert engine.store.version == version  # the round waits for the other
         push(other, engine.members.plans[other].batch_size)
         version += 1
         assert engine.store.version == version
-    assert steps == [head] * 3  # each round released the replica's next step once
+    assert steps == [head] * 4  # each round released the replica's next step once
     assert engine.host.policy.describe()["name"] == "dpmp"
 
     asked = len(formed)
@@ -171,7 +178,8 @@ def test_a_replica_its_driver_gave_up_on_neither_stalls_the_round_nor_runs_as_dp
     assert engine.store.version == version + 1, "the round waits for a replica that is gone"
     assert {w: len(peers[w].frames) for w in members} == sent  # nobody ran as data parallel
     assert engine.pipelines.view == {members[0]: members}  # the next round formed it again
-    assert set(engine.host.state.working) == {members[0], other}
+    state = engine.host.state  # ... on its first step, outside the round
+    assert set(state.working) == {other} and state.warming == (members[0],)
 
 
 def test_on_a_model_that_is_not_block_structured_shares_follow_measured_speed() -> None:
