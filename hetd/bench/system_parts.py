@@ -106,6 +106,9 @@ class PartsLinks:
                 await writer.wait_closed()
 
 
+READ_BYTES = 1 << 20  # a slice is read this much at a time
+
+
 class PullLinks:
     """The sender's pull connections to the pservers: a release's slices read, their bytes
     counted."""
@@ -132,17 +135,27 @@ class PullLinks:
 
     @staticmethod
     async def _read(reader: asyncio.StreamReader) -> int | None:
+        """One answer: its envelope read, the rest of its bytes read and let go (a slice of a
+        big model is not held whole: a sender's memory stays what it was without pservers)."""
         n = int.from_bytes(await reader.readexactly(4), "big")
-        body = await reader.readexactly(n)
+        head = await reader.readexactly(min(n, 64))
         unpacker = msgpack.Unpacker(raw=False, max_buffer_size=4096)
-        unpacker.feed(body[:64])
+        unpacker.feed(head)
         unpacker.read_map_header()
         kind = unpacker.unpack(), unpacker.unpack()
-        if kind == ("t", "slice"):
-            return n
         if kind == ("t", "gone"):
+            await reader.readexactly(n - len(head))
             return None
-        raise pslink.FrameError(f"a pserver answered a pull with {pslink.unpack(body)!r}")
+        if kind != ("t", "slice"):
+            body = head + await reader.readexactly(n - len(head))
+            raise pslink.FrameError(f"a pserver answered a pull with {pslink.unpack(body)!r}")
+        left = n - len(head)
+        while left:
+            got = await reader.read(min(left, READ_BYTES))
+            if not got:
+                raise asyncio.IncompleteReadError(b"", left)
+            left -= len(got)
+        return n
 
     async def close(self) -> None:
         for _, writer in self._streams:

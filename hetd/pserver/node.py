@@ -37,7 +37,7 @@ from hetd.pserver.slice import LogMismatch, SliceSaved, SliceState
 
 log = logging.getLogger("hetd.pserver")
 
-KEEP = 4  # releases a node keeps for pulls (see :class:`~hetd.pserver.slice.SliceState`)
+KEEP = 3  # releases a node keeps for pulls (see :class:`~hetd.pserver.slice.SliceState`)
 
 
 class NodeError(RuntimeError):

@@ -26,6 +26,8 @@ where the store runs its queued steps, so after each record that leaves no step 
 version (or a restore) the slice keeps that version's tensors (read-only host arrays, one copy)
 with the position it began at; the newest ``keep`` are kept. :meth:`SliceState.release_at` gives
 the version and tensors in force at a position: those of the newest kept release at or before it.
+The store packs each version into the memory of one that is no longer kept (:class:`Buffers`):
+fresh memory each version would cost its pages' faults, as much as the copy itself.
 """
 
 from __future__ import annotations
@@ -76,6 +78,31 @@ class SliceSaved:
 Loader = Callable[[str], SliceSaved]  # a checkpoint's name -> this slice of it
 
 
+class Buffers:
+    """Where a slice that keeps releases has its store pack each snapshot
+    (:class:`hetd.core.peers.FrameSink`): the memory of a release no longer kept, given back
+    with :meth:`give`, or fresh memory when there is none."""
+
+    def __init__(self, spare: int = 1) -> None:
+        self.spare = spare
+        self.free: list[np.ndarray] = []
+        self.last: tuple[int, np.ndarray] | None = None  # (version, buffer) packed last
+
+    def reserve(self, nbytes: int) -> np.ndarray | None:
+        for i, buf in enumerate(self.free):
+            if buf.nbytes == nbytes:
+                return self.free.pop(i)
+        return np.empty(nbytes, np.uint8)
+
+    def commit(self, buf: np.ndarray, frame: memoryview, version: int) -> None:
+        self.last = (version, buf)
+
+    def give(self, buf: np.ndarray) -> None:
+        """``buf`` is read by nothing any more."""
+        if len(self.free) < self.spare:
+            self.free.append(buf)
+
+
 class SliceState:
     """One pserver's slice of the model, replaying the head's log. One writer."""
 
@@ -120,6 +147,9 @@ class SliceState:
         self.keep = keep
         # (the position it began at, version, tensors), oldest first: what pulls are served from
         self.kept: deque[tuple[int, int, Mapping[str, np.ndarray]]] = deque()
+        self._buffers: deque[np.ndarray | None] = deque()  # the kept releases' memory
+        self._sink = Buffers() if keep else None
+        self.store.frame_sink = self._sink
         self._capture(fresh=True)
 
     # --- inputs ------------------------------------------------------------------------------
@@ -175,14 +205,22 @@ class SliceState:
         (``fresh``: a restore, after which nothing kept before holds)."""
         if not self.keep or self.store.pending:
             return
-        if fresh:
+        if fresh:  # (their memory is left to the collector: the store may still read the last)
             self.kept.clear()
+            self._buffers.clear()
         elif self.kept and self.kept[-1][1] == self.store.version:
             return
         snap = self.store.snapshot()  # read-only host arrays, one copy per version
+        last = self._sink.last if self._sink is not None else None
         self.kept.append((self.position, snap.version, snap.tensors))
-        while len(self.kept) > self.keep:
+        self._buffers.append(last[1] if last is not None and last[0] == snap.version else None)
+        if self._sink is not None:
+            self._sink.last = None
+        while len(self.kept) > self.keep:  # (never the store's own snapshot: the newest)
             self.kept.popleft()
+            buf = self._buffers.popleft()
+            if buf is not None and self._sink is not None:
+                self._sink.give(buf)
 
     def release_at(self, position: int) -> tuple[int, Mapping[str, np.ndarray]] | None:
         """The version and tensors in force at ``position`` (at most the slice's own); None when
