@@ -8,10 +8,11 @@ against its hash, joins the slices by the partition map (whole tensors, or block
 in order) and checks the whole against the version's hash, as for a full ``params`` frame.
 
 A pserver keeps the newest few releases; one it no longer holds (or another version at that
-position: the daemon restarted) is answered ``gone``, and so is a pserver that stays unreachable
-past :data:`PULL_TIMEOUT_S`: :meth:`Puller.fetch` then returns None and the worker asks the
-daemon for the newest parameters again (a ``pull``), which names a newer position. A pserver
-that is restarting is waited for: it comes back at the address the worker holds.
+position: the daemon restarted) is answered ``gone``. That, an answer that is not the slice
+asked for, or a pserver unreachable past :data:`PULL_TIMEOUT_S` make :meth:`Puller.fetch` return
+None, and the worker asks the daemon for the newest parameters again (a ``pull``), which names a
+newer position. A pserver that is restarting is waited for: it comes back at the address the
+worker holds.
 """
 
 from __future__ import annotations
@@ -108,7 +109,11 @@ class _Conn:
             except TimeoutError:
                 self.close()
                 return None
-            except (OSError, asyncio.IncompleteReadError, pslink.FrameError) as exc:
+            except pslink.FrameError as exc:  # not a slice of this release: asking again here
+                self.close()  # would get the same; the daemon names a newer one
+                log.warning("pserver %d: a pull at position %d: %s", self.server, position, exc)
+                return None
+            except (OSError, asyncio.IncompleteReadError) as exc:
                 self.close()
                 if time.monotonic() + delay > deadline:
                     log.info("pserver %d: no slice at position %d: %s", self.server, position, exc)
