@@ -52,6 +52,7 @@ from policies.types import (
     Policy,
     Push,
     Regroup,
+    RestartOptimizer,
     SetPlan,
     SetStage,
     Tick,
@@ -64,10 +65,16 @@ HISTORY = 8  # switches kept in the state, for status pages
 SWITCH_ROUNDS = 2
 # The policy run before the first forecast [D]: no barrier, every push applied as it comes, so no
 # worker waits on one whose speed nobody knows yet (lbbsp's first round gives every worker the
-# same batch and holds the fast ones for the slowest). Not under an adaptive optimizer: on a
-# four-worker Adam cluster 0.15 s of asp before lbbsp cost lbbsp 0.17-0.66 s of its time to the
-# target (3 seeds; under SGD the same warm-up cost nothing), docs/policies.md §15.
+# same batch and holds the fast ones for the slowest).
 WARMUP = "asp"
+# The default warm-up under an adaptive optimizer (Adam) [D]: ashl, whose profiling stage trains
+# asynchronously while it times the workers, so where the first forecast keeps ashl (the best
+# fixed policy on most Adam clusters we measured) nothing is switched. Where it moves on, the
+# switch restarts the daemon's optimizer: Adam's moments averaged over the warm-up's small, stale
+# steps (its bias correction weighs every step alike for the first thousand) would scale the
+# next policy's larger updates down for the rest of the run (peer_adam, 7 seeds: lbbsp after a
+# warm-up 1.05x lbbsp alone, after a warm-up and a restart 0.83x), docs/policies.md §15.
+WARMUP_ADAPTIVE = "ashl"
 
 
 def _empty() -> Mapping[Any, Any]:
@@ -202,11 +209,11 @@ def adaptive(optimizer: str | None) -> bool:
 
 
 def _warmup(
-    warmup: str, allowed: frozenset[Key], start: Key
+    warmup: str, allowed: frozenset[Key], start: Key, default: bool = False
 ) -> tuple[str, tuple[tuple[str, Any], ...]] | None:
     """The warm-up candidate as (name, params), or None: none asked for (``""``), the start
-    policy itself, or the default (:data:`WARMUP`) where it is not a candidate. Raises
-    ValueError for another policy that is not a candidate."""
+    policy itself, or a ``default`` (:data:`WARMUP`, :data:`WARMUP_ADAPTIVE`) where it is not a
+    candidate. Raises ValueError for another policy that is not a candidate."""
     if not isinstance(warmup, str):
         raise ValueError(f"warmup must name a candidate or be empty, got {warmup!r}")
     if not warmup.strip():
@@ -216,7 +223,7 @@ def _warmup(
         raise ValueError(f"warmup must name one policy, got {warmup!r}")
     key = key_of(*parsed[0])
     if key not in allowed:
-        if warmup == WARMUP:
+        if default:
             return None
         raise ValueError(f"warmup {warmup!r} must be one of the candidates (or empty)")
     return None if key == start else parsed[0]
@@ -250,8 +257,10 @@ def auto(
     against a prediction at least ``dwell_checks`` times (from one forecast to the next). The
     start policy is a default, not a choice: no dwell holds it, and the first forecast may move
     auto off it. Until that first forecast auto runs ``warmup`` (asp: no barrier, so no worker
-    waits on one the twin cannot time yet; ``""`` or the start policy: none; the default is
-    skipped when asp is not a candidate or the view's optimizer is adaptive), and the first forecast weighs the best candidate
+    waits on one the twin cannot time yet; under an adaptive optimizer the default is ashl,
+    whose profiling stage trains asynchronously, and a switch off it restarts the daemon's
+    optimizer; ``""`` or the start policy: none; a default that is not a candidate is
+    skipped), and the first forecast weighs the best candidate
     against ``start``, not against the warm-up: auto goes to the best when it beats ``start`` by
     the margin, else to ``start``. Without a forecast in ``warmup_s`` seconds, ``start``. Candidates that need an outer optimizer of their own (the DiLoCo family)
     cannot be switched to here: the engine sets that optimizer on its own swap."""
@@ -270,7 +279,9 @@ def auto(
     if not isinstance(dwell_checks, int) or isinstance(dwell_checks, bool) or dwell_checks < 0:
         raise ValueError(f"dwell_checks must be an int >= 0, got {dwell_checks!r}")
     allowed = frozenset(key_of(n, p) for n, p in cands)
-    warm = _warmup(warmup, allowed, first_key)
+    warm = _warmup(warmup, allowed, first_key, default=warmup == WARMUP)
+    # the default's form under an adaptive optimizer (the view's, known at init)
+    warm_adaptive = _warmup(WARMUP_ADAPTIVE, allowed, first_key, True) if warmup == WARMUP else warm
     if isinstance(warmup_s, bool) or not isinstance(warmup_s, int | float) or not warmup_s >= 0:
         raise ValueError(f"warmup_s must be >= 0 (seconds), got {warmup_s!r}")
     built: dict[tuple[str, str], Policy] = {}  # memo of a pure function: name, params -> Policy
@@ -281,9 +292,14 @@ def auto(
             built[k] = make_policy(name, dict(params))
         return built[k]
 
+    def warmup_of(view: ClusterView) -> tuple[str, tuple[tuple[str, Any], ...]] | None:
+        """The warm-up for the view's optimizer family (the default differs under Adam)."""
+        return warm_adaptive if adaptive(view.optimizer) else warm
+
     def init(view: ClusterView) -> AutoState:
-        warming = warm is not None and not (warmup == WARMUP and adaptive(view.optimizer))
-        name, params = warm if warm is not None and warming else first[0]
+        warm_policy = warmup_of(view)
+        warming = warm_policy is not None
+        name, params = warm_policy if warm_policy is not None else first[0]
         inner = policy_of(name, params).init(view)
         base = MappingProxyType({w: f.batch_size for w, f in view.workers.items()})
         return AutoState(name, params, inner, view.now, base_batch=base, warming=warming)
@@ -315,7 +331,9 @@ def auto(
     def start_policy(
         name: str, params: tuple[tuple[str, Any], ...], st: AutoState, view: ClusterView, now: float
     ) -> tuple[list[Decision], Any, dict[int, int]]:
-        """The new policy's state and the switch's decisions; raises what it raises."""
+        """The new policy's state and the switch's decisions; raises what it raises. A switch
+        that ends the warm-up under an adaptive optimizer restarts the daemon's optimizer
+        (:data:`WARMUP_ADAPTIVE` says why)."""
         top = view.max_clock()
         offsets = {w: top - f.clock for w, f in view.workers.items() if top != f.clock}
         base = {w: st.base_batch.get(w, f.batch_size) for w, f in view.workers.items()}
@@ -331,6 +349,8 @@ def auto(
         out: list[Decision] = []
         if view.buffered:
             out.append(Flush(normalize=True))
+        if st.warming and adaptive(view.optimizer):
+            out.append(RestartOptimizer())
         if view.replicas:
             out.append(Regroup(()))
         out.append(SetStage("main"))

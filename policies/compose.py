@@ -25,6 +25,7 @@ from policies.types import (
     PushDecision,
     Regroup,
     Release,
+    RestartOptimizer,
     Scale,
     SetPlan,
     SetStage,
@@ -68,9 +69,10 @@ class Resolved:
 
     plans: tuple[SetStage | SetPlan | Regroup, ...] = ()  # in the order decided
     scale: float = 1.0  # the product of every Scale: multiplies the push decision's weight
-    # Flushes and releases in the order decided, with at most one push decision (the first) in
-    # its place; the engine ignores the push decision when the event carries no push.
-    actions: tuple[PushDecision | Flush | Release, ...] = ()
+    # Flushes, releases and optimizer restarts in the order decided, with at most one push
+    # decision (the first) in its place; the engine ignores the push decision when the event
+    # carries no push.
+    actions: tuple[PushDecision | Flush | Release | RestartOptimizer, ...] = ()
 
     @property
     def push(self) -> PushDecision | None:
@@ -88,11 +90,12 @@ def resolve(decisions: Iterable[Decision]) -> Resolved:
     * ``SetStage``, ``SetPlan`` and ``Regroup`` come first, in order; a ``SetPlan`` naming a field a plan does
       not have, or a value of the wrong kind, raises ValueError (a policy bug);
     * the first ``Apply``/``Buffer``/``Drop`` decides the push; later ones are ignored;
-    * ``Flush`` and ``Release`` are kept in order, the push decision in its place among them.
+    * ``Flush``, ``Release`` and ``RestartOptimizer`` are kept in order, the push decision in
+      its place among them.
     """
     scale = 1.0
     plans: list[SetStage | SetPlan | Regroup] = []
-    actions: list[PushDecision | Flush | Release] = []
+    actions: list[PushDecision | Flush | Release | RestartOptimizer] = []
     decided = False
     for d in decisions:
         if isinstance(d, Scale):
@@ -106,7 +109,7 @@ def resolve(decisions: Iterable[Decision]) -> Resolved:
             if not decided:
                 decided = True
                 actions.append(d)
-        elif isinstance(d, Flush | Release):
+        elif isinstance(d, Flush | Release | RestartOptimizer):
             actions.append(d)
         else:
             raise TypeError(f"not a decision: {d!r}")

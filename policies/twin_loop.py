@@ -47,6 +47,7 @@ from policies.types import (
     PushKind,
     Regroup,
     Release,
+    RestartOptimizer,
     SetStage,
     Tick,
     WorkerFacts,
@@ -307,6 +308,8 @@ class _Run:
             elif isinstance(a, Release):
                 if self._release(a.worker, t):
                     released.append(a.worker)
+            elif isinstance(a, RestartOptimizer):
+                pass  # the twin counts samples; no optimizer state to restart
             elif push is not None:
                 decided = True
                 updates += self._decide_push(a, push, t)

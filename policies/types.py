@@ -247,6 +247,13 @@ class SetStage:
 
 
 @dataclass(frozen=True, slots=True)
+class RestartOptimizer:
+    """Start the daemon's gradient optimizer afresh (its moments and step count), after what is
+    queued: for a policy whose updates differ in size or staleness from those the moments were
+    built on (an adaptive optimizer scales each step by them). Changes nothing under plain SGD."""
+
+
+@dataclass(frozen=True, slots=True)
 class ReplicaShape:
     """One pipeline replica: workers in stage order, stage ``s`` holding blocks
     ``[cuts[s], cuts[s+1])``, steps of ``micro_batches`` micro-batches of ``micro`` samples,
@@ -268,7 +275,18 @@ class Regroup:
     replicas: tuple[ReplicaShape, ...]
 
 
-Decision = Apply | Buffer | Flush | Drop | Scale | Release | SetPlan | SetStage | Regroup
+Decision = (
+    Apply
+    | Buffer
+    | Flush
+    | Drop
+    | Scale
+    | Release
+    | SetPlan
+    | SetStage
+    | Regroup
+    | RestartOptimizer
+)
 PushDecision = Apply | Buffer | Drop  # what may become of the current push
 
 

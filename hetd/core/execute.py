@@ -34,6 +34,7 @@ from policies.types import (
     PushDecision,
     Regroup,
     Release,
+    RestartOptimizer,
     SetStage,
 )
 
@@ -94,6 +95,9 @@ class Executor:
                 self.applier.flush(a)
             elif isinstance(a, Release):
                 events += self.release(a.worker)
+            elif isinstance(a, RestartOptimizer):
+                self.store.restart_optimizer()
+                log.info("optimizer restarted (policy %s)", self.host.policy.name)
             elif push is not None:
                 self.decide(a, push, r.scale)
         if push is not None and r.push is None:

@@ -285,6 +285,17 @@ class Store:
                 self.decisions.set_outer(canonical)
             return True
 
+    def restart_optimizer(self) -> None:
+        """Start the gradients' optimizer afresh (its moments and step count, as at the start),
+        keeping the parameters and the version: the queued steps run first, under the old
+        state. What a policy asks for when the updates from here on differ in size from those
+        the moments were built on (:class:`policies.types.RestartOptimizer`)."""
+        with self._lock:
+            self.flush()
+            if self.decisions is not None:
+                self.decisions.restart()
+            self._opt_state = self._tx.init(self._params)
+
     @property
     def n_params(self) -> int:
         """Number of scalar parameters."""

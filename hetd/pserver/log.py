@@ -18,6 +18,7 @@ kinds, and what the single store does for each:
 * :class:`StepEntry` — ``Store.flush``: the queued steps run now (with the store's ``combine``,
   the steps queued between two of these are summed per kind, so all pservers must cut the same);
 * :class:`OuterEntry` — ``Store.set_outer``: deltas go through another outer optimizer;
+* :class:`RestartEntry` — ``Store.restart_optimizer``: the gradients' optimizer starts afresh;
 * :class:`CheckpointEntry` — each pserver saves its slice as it stands at this position (the
   queued steps run first, as they do when the single store's state is checkpointed);
 * :class:`RestoreEntry` — each pserver loads its slice of a checkpoint, at its version.
@@ -95,6 +96,11 @@ class OuterEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class RestartEntry:
+    """Start the gradients' optimizer afresh (its moments and step count) from here on."""
+
+
+@dataclass(frozen=True, slots=True)
 class CheckpointEntry:
     """Save the slice as it stands here, under the name ``ref``."""
 
@@ -117,6 +123,7 @@ Entry = (
     | DropEntry
     | StepEntry
     | OuterEntry
+    | RestartEntry
     | CheckpointEntry
     | RestoreEntry
 )
@@ -138,6 +145,7 @@ OPS: dict[str, type[Any]] = {
     "drop": DropEntry,
     "step": StepEntry,
     "outer": OuterEntry,
+    "restart": RestartEntry,
     "checkpoint": CheckpointEntry,
     "restore": RestoreEntry,
 }
@@ -253,6 +261,10 @@ class DecisionLog:
     def set_outer(self, spec: str) -> Record:
         """Log a change of outer optimizer."""
         return self._append(OuterEntry(spec), self.version)
+
+    def restart(self) -> Record:
+        """Log a fresh start of the gradients' optimizer."""
+        return self._append(RestartEntry(), self.version)
 
     def checkpoint(self, ref: str) -> Record:
         """Log a checkpoint: each pserver saves its slice at this position."""

@@ -51,6 +51,7 @@ from hetd.pserver.log import (
     FlushEntry,
     OuterEntry,
     Record,
+    RestartEntry,
     RestoreEntry,
     StepEntry,
 )
@@ -271,6 +272,8 @@ class SliceState:
             self.store.flush()
         elif isinstance(e, OuterEntry):
             self.store.set_outer(e.spec)
+        elif isinstance(e, RestartEntry):
+            self.store.restart_optimizer()
         elif isinstance(e, CheckpointEntry):
             self.saved[e.ref] = self.state(r.position)
         elif isinstance(e, RestoreEntry):

@@ -38,7 +38,7 @@ from typing import Any
 from policies.dpmp.calibrate import stage_speed
 from policies.dpmp.controller import DpmpConfig, DpmpState, ReplicaSpec, end_round, plan_round
 from policies.dpmp.costs import Block, WorkerSpec
-from policies.dpmp.groups import GroupConfig, GroupState
+from policies.dpmp.groups import GroupConfig, GroupState, evaluate
 from policies.dpmp.lyapunov import LyapunovConfig
 from policies.registry import register
 from policies.types import (
@@ -304,6 +304,39 @@ def calibrated(
     return speeds
 
 
+def warming_split(
+    blocks: Sequence[Block],
+    workers: Mapping[int, WorkerSpec],
+    total: int,
+    specs: Sequence[ReplicaSpec],
+    measured: Mapping[ShapeKey, Any],
+) -> tuple[list[ReplicaSpec], float | None]:
+    """The plan with the round's batch split over the replicas that run in it while a new
+    pipeline shape (none of its steps ``measured``) warms outside the round: its first step
+    keeps its planned share, the others finish together on the whole batch (a round of theirs
+    alone on their planned shares would leave the warming replica's part of the batch undone).
+    Also the round's predicted time (None: nothing warms, the plan is unchanged)."""
+    warm = {s.replica for s in specs if len(s.members) > 1 and _spec_key(s) not in measured}
+    rest = [s for s in specs if s.replica not in warm and s.batch > 0]
+    if not warm or not rest:
+        return list(specs), None
+    groups = tuple(sorted(tuple(sorted(s.members)) for s in rest))
+    kept = [_spec_key(s) for s in rest if len(s.members) > 1]
+    split = evaluate(blocks, workers, total, groups, kept=kept)
+    if split is None:
+        return list(specs), None
+    sizes = {r.members: b for r, b in zip(split.replicas, split.split.sizes, strict=True)}
+    out = [
+        s if s.replica in warm or s.members not in sizes else replace(s, batch=sizes[s.members])
+        for s in specs
+    ]
+    return out, split.tau
+
+
+def _spec_key(s: ReplicaSpec) -> ShapeKey:
+    return (tuple(s.members), tuple(s.cuts), s.micro)
+
+
 def _blocks(view: ClusterView) -> list[Block]:
     """The model's blocks; a model that cannot be cut is one block (data parallel only)."""
     blocks = [Block(f"b{j:02d}", p, a, fl) for j, (p, a, fl) in enumerate(view.blocks)]
@@ -357,14 +390,11 @@ def dpmp(
             # no pipeline could be formed then, so the hysteresis has nothing to hold.
             ctl = replace(ctl, groups=GroupState())
         try:
-            planned, ctl = plan_round(
-                blocks,
-                worker_specs(view, price, speeds, step_overhead(st), st.compiles),
-                view.global_batch,
-                ctl,
-                cfg,
-            )
+            wspecs = worker_specs(view, price, speeds, step_overhead(st), st.compiles)
+            planned, ctl = plan_round(blocks, wspecs, view.global_batch, ctl, cfg)
             specs, tau, reason = planned.replicas, planned.tau, planned.reason
+            specs, warm_tau = warming_split(blocks, wspecs, view.global_batch, specs, st.measured)
+            tau = tau if warm_tau is None else warm_tau
         except ValueError as exc:
             if not whole:  # nobody here can train the model: wait for workers that can
                 wait = f"waiting: {exc}"

@@ -38,8 +38,11 @@ POLICIES = (
 )
 # Compared exactly: counts, virtual times and bytes. Accuracies and losses go through XLA's
 # floating point, which another CPU or jax release may round differently in the last bits; they
-# are compared to this many decimals (one test sample of 1,000 is 0.001).
+# are kept to this many decimals (one test sample of 1,000 is 0.001), and accuracies (the final
+# one and the curve's) may differ by ACCURACY_SLACK: S4/hps's last evaluation is 0.799 on one
+# machine (AMD EPYC without AVX-512) and 0.800 on another, with the same jax and the same runs.
 DECIMALS = 3
+ACCURACY_SLACK = 0.0015  # one test sample, and the rounding
 KEYS = (
     "tta_s",
     "final_accuracy",
@@ -85,4 +88,25 @@ def test_simulated_runs_equal_the_golden_file() -> None:
     golden = json.loads(GOLDEN.read_text())
     assert sorted(runs) == sorted(golden), "policies or scenarios changed: regenerate on purpose"
     for key, want in golden.items():
-        assert runs[key] == want, f"{key} differs from the golden run"
+        assert _same_run(runs[key], want), f"{key} differs from the golden run: {runs[key]}"
+
+
+def _same_run(got: dict[str, Any], want: dict[str, Any]) -> bool:
+    """Equal, except that accuracies may differ by ``ACCURACY_SLACK`` (the curve's times exactly)."""
+    accuracy = ("final_accuracy", "curve")
+    if {k: v for k, v in got.items() if k not in accuracy} != {
+        k: v for k, v in want.items() if k not in accuracy
+    }:
+        return False
+    if (got["final_accuracy"] is None) != (want["final_accuracy"] is None):
+        return False
+    if got["final_accuracy"] is not None and (
+        abs(got["final_accuracy"] - want["final_accuracy"]) > ACCURACY_SLACK
+    ):
+        return False
+    if [t for t, _ in got["curve"]] != [t for t, _ in want["curve"]]:
+        return False
+    return all(
+        abs(a - b) <= ACCURACY_SLACK
+        for (_, a), (_, b) in zip(got["curve"], want["curve"], strict=True)
+    )

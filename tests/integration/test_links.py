@@ -76,6 +76,18 @@ with links.open_links([1e7, 1e7]) as run:
 """
 
 
+# A holder's exit removes six links and two namespaces with `ip`: a second on a quiet machine,
+# tens of seconds on a loaded one.
+EXIT_S = 120
+
+
+def _reap(proc: subprocess.Popen[str]) -> None:
+    """Kill ``proc`` if it is still running (a failed wait), so that no test after leaks it."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 def _hold_links() -> tuple[subprocess.Popen[str], str]:
     """A process holding a run's links; returns it and the run's name once they exist."""
     proc = subprocess.Popen(
@@ -97,8 +109,11 @@ def test_sigterm_and_ctrl_c_clean_up_and_a_sigkilled_run_is_swept_by_the_next() 
     # (Python exits from an uncaught Ctrl-C by re-raising SIGINT: status -SIGINT.)
     for sig, code in ((signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, -signal.SIGINT)):
         proc, name = _hold_links()
-        proc.send_signal(sig)
-        assert proc.wait(30) == code
+        try:
+            proc.send_signal(sig)
+            assert proc.wait(EXIT_S) == code
+        finally:
+            _reap(proc)
         assert links.leftovers(name) == []
 
     # SIGKILL: nothing runs; the record stays and the next run removes exactly that run's objects.
@@ -106,7 +121,7 @@ def test_sigterm_and_ctrl_c_clean_up_and_a_sigkilled_run_is_swept_by_the_next() 
     live, live_name = _hold_links()  # another run, still alive: the sweep must leave it alone
     try:
         proc.kill()
-        proc.wait(30)
+        proc.wait(EXIT_S)
         assert links.leftovers(name), "SIGKILL cannot clean up"
         assert (links.REGISTRY / f"{name}.json").exists()
         with links.open_links([RATE]) as run:
@@ -117,7 +132,10 @@ def test_sigterm_and_ctrl_c_clean_up_and_a_sigkilled_run_is_swept_by_the_next() 
         assert links.leftovers(mine) == []
     finally:
         live.send_signal(signal.SIGTERM)
-        live.wait(30)
+        try:
+            live.wait(EXIT_S)
+        finally:
+            _reap(live)
     assert links.leftovers(live_name) == []
 
 

@@ -270,18 +270,56 @@ def test_until_its_first_forecast_auto_warms_up_on_asp_then_weighs_against_the_s
 
 
 @pytest.mark.parametrize(
-    ("optimizer", "first"), [("sgd:lr=0.2", "asp"), ("adam:lr=0.001", "lbbsp")]
+    ("optimizer", "first", "restarts"),
+    [("sgd:lr=0.2", "asp", False), ("adam:lr=0.001", "ashl", True), ("adamw", "ashl", True)],
 )
-def test_under_an_adaptive_optimizer_auto_starts_without_the_warm_up(
-    optimizer: str, first: str
+@pytest.mark.parametrize("then", ["lbbsp", "hps"])
+def test_the_warm_up_follows_the_optimizer_family_and_under_adam_its_end_restarts_it(
+    optimizer: str, first: str, restarts: bool, then: str
 ) -> None:
-    """Adam's moments keep what asp's small stale steps left in them: the default warm-up is
-    skipped there, and auto starts on its start policy."""
+    """Under plain SGD auto warms up on asp; under an adaptive optimizer on ashl (its profiling
+    stage trains without a barrier, and where the first forecast keeps ashl nothing switches).
+    Leaving an adaptive optimizer's warm-up restarts the daemon's optimizer, after the flush of
+    what is buffered: its moments hold the warm-up's small, stale steps. Not under SGD."""
     c = Cluster([1.0, 2.0, 4.0])
     c.optimizer = optimizer
-    p = make_policy("auto")
+    p = make_policy("auto", {"dwell_s": 1.0})
     state = start(p, c)
-    assert running(state) == first and state.warming == (first == "asp")
+    assert running(state) == first and state.warming
+    _, state = drive(c, p, state, 0.3)
+    best = 9000 if then == "hps" else 5000  # lbbsp, the start, goes on at par
+    decisions, state = p.update(
+        forecast(c.now, pred("lbbsp", 5000), pred(first, 5000), pred("hps", best)),
+        state,
+        c.view(),
+    )
+    assert running(state) == then and not state.warming
+    kinds = [type(d).__name__ for d in decisions]
+    assert ("RestartOptimizer" in kinds) == restarts
+    if restarts and "Flush" in kinds:
+        assert kinds.index("Flush") < kinds.index("RestartOptimizer")
+    # a later switch, a forecast's own choice, keeps the optimizer's state
+    _, state = drive(c, p, state, c.now + 1.1)
+    decisions, state = p.update(
+        forecast(c.now, pred(then, 5000), pred("ssp", 9000)), state, c.view()
+    )
+    assert running(state) == "ssp"
+    assert not any(type(d).__name__ == "RestartOptimizer" for d in decisions)
+
+
+def test_a_warm_up_the_first_forecast_keeps_runs_on_untouched() -> None:
+    """Under Adam, where the first forecast finds ashl (the warm-up) the best, auto stays on it:
+    no switch, no restart, the same decisions as ashl alone."""
+    a, b = Cluster([1.0, 2.0, 4.0]), Cluster([1.0, 2.0, 4.0])
+    a.optimizer = b.optimizer = "adam:lr=0.001"
+    p, plain = make_policy("auto", {"dwell_s": 30.0}), make_policy("ashl")
+    got, state = drive(a, p, start(p, a), 0.3)
+    want, _ = drive(b, plain, start(plain, b), 0.3)
+    assert got == want
+    decisions, state = p.update(
+        forecast(a.now, pred("lbbsp", 5000), pred("ashl", 7000)), state, a.view()
+    )
+    assert list(decisions) == [] and running(state) == "ashl" and not state.switches
 
 
 def test_without_a_forecast_the_warm_up_ends_on_the_start_policy() -> None:

@@ -91,6 +91,7 @@ def test_dpmp_pairs_the_memory_poor_worker_and_runs_rounds_over_replicas() -> No
     state = engine.host.state
     # the replica's first step (its stages compile) runs outside the round: no round waits on it
     assert set(state.working) == {other} and state.warming == (head,)
+    assert engine.members.plans[other].batch_size == 256  # the round's whole batch meanwhile
     version = engine.store.version
     push(head, shape.micro * shape.micro_batches)  # its first step: buffered, ends nothing
     assert engine.store.version == version
@@ -98,6 +99,7 @@ def test_dpmp_pairs_the_memory_poor_worker_and_runs_rounds_over_replicas() -> No
     version += 1
     assert engine.store.version == version
     assert set(engine.host.state.working) == {head, other} and engine.host.state.warming == ()
+    assert engine.members.plans[other].batch_size < 256  # the replica takes its share now
     for _ in range(3):  # rounds: one push of the replica, one of the data-parallel worker
         push(head, shape.micro * shape.micro_batches)
         assert engine.store.version == version  # the round waits for the other

@@ -102,6 +102,7 @@ SCRIPT: list[tuple[Any, ...]] = [
     ("apply", (1, 4), 0.5),
     ("apply", (2, 4), 1.0),
     ("step",),
+    ("restart",),  # the gradients' optimizer afresh (nothing queued: a step just ran)
     ("apply", (0, 5), 1.0),
     ("step",),  # a release: the parameters are read here
 ]
@@ -142,6 +143,8 @@ def _single(tx: optax.GradientTransformation, combine: bool) -> tuple[dict[str, 
             steps.append(dict(store.snapshot().tensors))
         elif op == "outer":
             store.set_outer(args[0])
+        elif op == "restart":
+            store.restart_optimizer()
     return dict(store.snapshot().tensors), steps
 
 
@@ -163,6 +166,8 @@ def _log() -> list[Record]:
             out.append(log.checkpoint(f"step{len(out)}"))
         elif op == "outer":
             out.append(log.set_outer(args[0]))
+        elif op == "restart":
+            out.append(log.restart())
     return out
 
 

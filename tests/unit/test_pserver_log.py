@@ -21,6 +21,7 @@ from hetd.pserver.log import (
     FlushEntry,
     OuterEntry,
     Record,
+    RestartEntry,
     RestoreEntry,
     StepEntry,
     from_dict,
@@ -117,6 +118,7 @@ ENTRIES = [
     StepEntry(),
     StepEntry(combine=False),
     OuterEntry("nesterov:lr=0.7,momentum=0.9"),
+    RestartEntry(),
     CheckpointEntry("ck-1"),
     RestoreEntry("ck-1", {3: ("grad", "delta")}),
 ]

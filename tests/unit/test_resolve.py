@@ -16,6 +16,7 @@ from policies import (
     Flush,
     Release,
     Resolved,
+    RestartOptimizer,
     Scale,
     SetPlan,
     SetStage,
@@ -68,6 +69,13 @@ ROWS: list[tuple[str, Sequence[Decision], tuple[Any, ...], float, tuple[Any, ...
         (SetPlan(2, {"lr_scale": 0.5, "pipeline": True}),),
         0.5,
         (Apply(0.25), Release(2)),
+    ),
+    (
+        "an optimizer restart keeps its place: after the flush, before the releases",
+        [Flush(), RestartOptimizer(), SetStage("main"), Release(2)],
+        (SetStage("main"),),
+        1.0,
+        (Flush(), RestartOptimizer(), Release(2)),
     ),
     (
         "a release twice is kept twice (releasing a worker not waiting does nothing)",
