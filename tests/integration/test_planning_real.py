@@ -85,3 +85,41 @@ async def test_auto_in_a_real_daemon_gets_forecasts_and_loses_nothing() -> None:
         assert "3 candidate(s)" in rows["forecast"], text
         assert rows["choice"].strip(), text
         assert body["planning"]["last"]["predictions"][0]["goodput"] > 0
+
+
+async def test_under_adam_the_warm_up_ends_with_the_daemons_optimizer_restarted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A real daemon training with Adam: auto warms up on ashl (the adaptive default) and, with no
+    forecast in ``warmup_s`` (planning off), goes to its start policy; that switch restarts the
+    daemon's optimizer, and nothing is lost across it."""
+    from hetd.local.procs import stop_processes
+    from hetd.server.daemon import Daemon
+
+    params = {"start": "lbbsp", "candidates": "lbbsp,ashl", "warmup_s": 1.0}
+    cfg = make_config("auto", params, optimizer="adam", lr=0.001)
+    cfg = config_mod.replace(cfg, "policy", plan_every_s=0.0)
+    caplog.set_level("INFO", logger="hetd.core.engine")
+    daemon = Daemon(cfg)
+    port = await daemon.start()
+    c = Cluster(daemon, f"ws://127.0.0.1:{port}")
+    try:
+        for slowdown in (1, 2):
+            await c.spawn(slowdown)
+        await c.wait_for(lambda: len(c.engine.members.facts) == 2, 90, "2 workers to join")
+
+        def switched() -> bool:
+            return bool(c.engine.host.state.switches) and c.engine.store.version > 20
+
+        await c.wait_for(switched, 90, "the warm-up to end and training to go on")
+        got = await c.engine.queue.call(lambda: ledger(c))
+    finally:
+        await stop_processes(c.procs)
+        await daemon.stop()
+    state = got["state"]
+    assert [s[1:3] for s in state.switches] == [("ashl", "lbbsp")]
+    assert "no forecast in 1 s" in state.switches[0][3]
+    assert any("optimizer restarted (policy auto)" in r.getMessage() for r in caplog.records)
+    assert got["updates_applied"] == got["version"] > 0
+    for wid, (pushes, answered) in got["workers"].items():
+        assert pushes == answered > 0, (wid, got["workers"])
