@@ -7,7 +7,8 @@
   life (epoch) it followed. Written to a temporary file, fsynced, renamed, the directory fsynced:
   a crash leaves the old file or the new one, never half of one.
 * **The parts file** — ``parts.wal``: every part the pserver took, appended and fsynced before it
-  answers ``held`` (so a part it reported is never lost). Replayed at a restart, it gives back the
+  answers ``held`` (so a part it reported is never lost; the parts that arrive while an fsync
+  runs share the next one, :mod:`hetd.pserver.commit`). Replayed at a restart, it gives back the
   parts of the pushes logged after the saved slice, including those consumed since; after each
   saved slice it is rewritten with only the parts of pushes the slice has not consumed. A torn
   record at its end (a crash mid-append) is dropped: its part was never reported held.
@@ -155,20 +156,49 @@ def find(directory: Path, ref: str) -> Saved | None:
 
 
 class PartsFile:
-    """``parts.wal``: parts appended (fsynced) before they are reported held."""
+    """``parts.wal``: parts appended, and made durable (fsynced) before they are reported held.
+
+    Each part written gets a number (1, 2, ...; :attr:`written` the last); :attr:`synced` is the
+    last one an fsync (or a rewrite) covers. :meth:`append` writes and fsyncs in one go;
+    :meth:`write` only writes, for :class:`hetd.pserver.commit.GroupCommit` to cover the parts
+    that arrive together with one fsync."""
 
     def __init__(self, directory: Path, sync: bool = True) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / WAL
         self.sync = sync
+        self.written = 0  # the last part written (a count since this object was made)
+        self.synced = 0  # the last part durable
         self._fh = open(self.path, "ab")  # noqa: SIM115 (held open for appends)
 
-    def append(self, worker: int, pid: int, tensors: Tensors) -> None:
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran."""
+        return self._fh.closed
+
+    def write(self, worker: int, pid: int, tensors: Tensors) -> int:
+        """Append a part (handed to the kernel, not fsynced; with ``sync`` off, counted durable);
+        its number."""
         body = msgpack.packb([worker, pid, encode_tensors(tensors)], use_bin_type=True)
-        self._fh.write(len(body).to_bytes(4, "big") + body)
+        self._fh.write(len(body).to_bytes(4, "big"))
+        self._fh.write(body)  # (apart from its length: no copy of a large part)
         self._fh.flush()
-        if self.sync:
+        self.written += 1
+        if not self.sync:
+            self.synced = self.written
+        return self.written
+
+    def append(self, worker: int, pid: int, tensors: Tensors) -> None:
+        """Append a part and fsync it here (when ``sync``)."""
+        self.write(worker, pid, tensors)
+        if self.synced < self.written:
             os.fsync(self._fh.fileno())
+            self.synced = self.written
+
+    def sync_fd(self) -> tuple[int, int]:
+        """For an fsync elsewhere (a thread): a file descriptor of its own (the caller closes
+        it; a rewrite may close the file meanwhile) and the last part it covers."""
+        return os.dup(self._fh.fileno()), self.written
 
     def read(self) -> Iterator[tuple[int, int, Any]]:
         """The records in order, ``(worker, pid, encoded tensors)``; a torn tail ends it."""
@@ -176,7 +206,8 @@ class PartsFile:
 
     def keep(self, done: Mapping[int, int]) -> int:
         """Rewrite the file with only the parts of pushes after ``done`` (worker -> the last
-        push id a saved slice consumed); the number of parts kept."""
+        push id a saved slice consumed); the number of parts kept. The new file is fsynced, so
+        every part written so far is durable."""
         kept = [(w, p, t) for w, p, t in self.read() if p > done.get(w, -1)]
         data = bytearray()
         for w, p, t in kept:
@@ -185,9 +216,18 @@ class PartsFile:
         self._fh.close()
         _write_atomic(self.path, bytes(data))
         self._fh = open(self.path, "ab")  # noqa: SIM115
+        self.synced = self.written
         return len(kept)
 
     def close(self) -> None:
+        """Close the file; a part written and not yet covered is fsynced first (its waiters then
+        find it durable)."""
+        if self._fh.closed:
+            return
+        if self.synced < self.written:
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+            self.synced = self.written
         self._fh.close()
 
 

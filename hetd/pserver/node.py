@@ -30,6 +30,7 @@ import jax
 
 from hetd.core.store import make_optimizer, make_outer
 from hetd.pserver import disk
+from hetd.pserver.commit import GroupCommit
 from hetd.pserver.link import LinkError, decode_tensors
 from hetd.pserver.log import Record
 from hetd.pserver.partition import PartitionMap
@@ -78,6 +79,7 @@ class Node:
         self.slice = self._start(base)
         self.durable = self.slice.position  # the newest position saved to disk
         self.parts = disk.PartsFile(directory, sync)
+        self.commit = GroupCommit(self.parts)  # one fsync for the parts that come together
         replayed = 0
         for worker, pid, raw in self.parts.read():
             try:
@@ -169,15 +171,26 @@ class Node:
 
     # --- inputs ---------------------------------------------------------------------------------
 
-    def receive(self, worker: int, pid: int, raw: Any) -> bool:
-        """A push's part (as the link carries it): checked, kept and appended to the parts file
-        before this returns; False when it is a repeat or already consumed (nothing written).
-        :class:`LinkError` when it is not this slice's part."""
+    def receive(self, worker: int, pid: int, raw: Any, *, fsync: bool = True) -> bool:
+        """A push's part (as the link carries it): checked, kept and appended to the parts file;
+        False when it is a repeat or already consumed (nothing written). ``fsync``: fsynced
+        before this returns; else the caller awaits :meth:`parts_durable` before it reports the part
+        held. :class:`LinkError` when it is not this slice's part."""
         tensors = decode_tensors(raw, self.slice.shapes)
         if not self.slice.receive(worker, pid, tensors):
             return False
-        self.parts.append(worker, pid, tensors)  # an error here (disk full) stops the pserver
+        # an error here (disk full) stops the pserver
+        if fsync:
+            self.parts.append(worker, pid, tensors)
+        else:
+            self.parts.write(worker, pid, tensors)
         return True
+
+    async def parts_durable(self) -> None:
+        """Return once every part written so far is fsynced (with the parts written meanwhile
+        by other senders: one fsync for them all, run off the event loop). A repeat's earlier
+        copy is among them, so a repeat is answered held no sooner than the part it repeats."""
+        await self.commit.wait(self.parts.written)
 
     def offer(self, records: Iterable[Record]) -> None:
         """The head's records, in position order (those already offered are skipped)."""

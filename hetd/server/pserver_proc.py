@@ -9,7 +9,8 @@ tensors the head sent). Then two streams run on one event loop, so the node has 
   position saved at a checkpoint entry is reported back (``durable``);
 * pushers' connections on its own port (written to ``<dir>/port`` once it listens, and taken
   again when it restarts on that directory, so that its address stays the one workers were
-  given): ``part`` frames, answered ``held`` once the part is in the parts file, and reported
+  given): ``part`` frames, answered ``held`` once the part is fsynced to the parts file (the
+  parts that arrive while one fsync runs, in a thread, share the next one), and reported
   to the head (``have``: the head decides a push only once every pserver holds its part),
   ``fetch`` frames, answered with the slice's tensors once it stands at the position asked, and
   ``pull`` frames (a worker fetching a release the head named by its position), answered with
@@ -133,8 +134,11 @@ class Pserver:
             if raw is not None:
                 base = link.decode_tensors(raw, setup.pmap.slice_shapes(self.server))
             self.node = Node(self.directory, self.server, setup, base, sync=self.sync)
-        self._head_writer = writer
-        for worker, pid in self.node.slice.holding():  # this head may not know of them yet
+        node = self.node
+        holding = node.slice.holding()  # this head may not know of them yet
+        self._head_writer = writer  # (a part taken from now on is reported by its sender's turn)
+        await node.parts_durable()  # a part still waiting for its fsync is not reported before it
+        for worker, pid in holding:
             await link.send(writer, "have", worker=worker, pid=pid)
         await self._report(self.node.advance())
         self.advanced.set()
@@ -196,7 +200,8 @@ class Pserver:
         if msg["t"] == "part":
             worker = link.field(msg, "worker", int)
             pid = link.field(msg, "pid", int)
-            new = node.receive(worker, pid, msg.get("tensors"))
+            new = node.receive(worker, pid, msg.get("tensors"), fsync=False)
+            await node.parts_durable()  # one fsync for the parts that came meanwhile, off the loop
             await link.send(writer, "held", worker=worker, pid=pid, new=new)
             if node.slice.holds(worker, pid):  # (not when the log already consumed it)
                 await self._have(worker, pid)
