@@ -33,6 +33,7 @@ RATE = 100  # py-spy samples per second
 # (file fragment) -> stage; the first match from the innermost frame out wins
 STAGES: tuple[tuple[str, str], ...] = (
     ("pserver/disk.py", "pserver: parts file (write, fsync)"),
+    ("pserver/commit.py", "pserver: parts file (group fsync, its thread)"),
     ("pserver/slice.py", "pserver: slice (apply, step)"),
     ("pserver/node.py", "pserver: node"),
     ("pserver/link.py", "pserver: link frames"),
