@@ -311,7 +311,14 @@ async def run(
     try:
         await asyncio.wait({following, broken, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if stop.is_set():
-            log.warning("pserver %d stopping (signal)", server)
+            node = ps.node
+            written, syncs = (node.parts.written, node.commit.syncs) if node else (0, 0)
+            log.warning(
+                "pserver %d stopping (signal); %d parts written in %d fsyncs since its start",
+                server,
+                written,
+                syncs,
+            )
             return 0
         if following.done():
             following.result()
