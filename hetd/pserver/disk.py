@@ -170,6 +170,8 @@ class PartsFile:
         self.written = 0  # the last part written (a count since this object was made)
         self.synced = 0  # the last part durable
         self._fh = open(self.path, "ab")  # noqa: SIM115 (held open for appends)
+        if sync:  # parts a crashed process wrote and never saw fsynced: durable before reported
+            os.fsync(self._fh.fileno())
 
     @property
     def closed(self) -> bool:

@@ -116,3 +116,14 @@ async def test_a_part_is_not_durable_before_the_fsync_that_covers_it_returns(
         (9, 1),
     ]
     parts.close()
+
+
+async def test_a_part_waiting_when_the_file_closes_is_fsynced_by_the_close(tmp_path: Path) -> None:
+    """A node replaced (a new head life) closes its parts file with a sender still waiting: the
+    close fsyncs what is written, and the wait returns (it neither hangs nor fails)."""
+    parts = disk.PartsFile(tmp_path)
+    commit = GroupCommit(parts)
+    n = parts.write(1, 1, {"w": np.ones((8, 8), np.float32)})
+    parts.close()
+    await asyncio.wait_for(commit.wait(n), 10)
+    assert parts.synced == n and commit.syncs == 0
