@@ -16,31 +16,17 @@ from policies.dpmp.costs import WorkerSpec
 from policies.dpmp.groups import GroupConfig, Shape, candidates, switch_cost
 from policies.dpmp.policy import DpmpPolicyState, compile_times, measure
 from policies.types import Push, ReplicaShape
+from tests.unit.test_dpmp_engine import TINY as ENGINE_TINY
 
-POOR = 1_060_000  # bytes: the first block of the 784-128-128-128-10 MLP fits, the model does not
 COMPILE_S = 0.5
 
+# test_dpmp_engine's cluster, its memory-poor workers compiling each new stage for COMPILE_S
 TINY = {
+    **ENGINE_TINY,
     "name": "tiny-poor-compiling",
-    "dataset": "mnist5k",
-    "model": "hetd.zoo.blocks:mlp_model",
-    "model_kwargs": {"hidden": [128, 128, 128]},
-    "global_batch": 64,
-    "base_batch": 32,
-    "base_step_s": 0.01,
-    "micro_batch": 16,
-    "budget_s": 2.0,
-    "eval_interval_s": 1.0,
     "workers": [
-        {"slowdown": 1.0, "count": 2, "bandwidth": 1e8, "latency_s": 0.001},
-        {
-            "slowdown": 2.0,
-            "count": 2,
-            "bandwidth": 1e8,
-            "latency_s": 0.001,
-            "memory": POOR,
-            "compile_s": COMPILE_S,
-        },
+        ENGINE_TINY["workers"][0],
+        {**ENGINE_TINY["workers"][1], "compile_s": COMPILE_S},
     ],
 }
 
