@@ -7,8 +7,9 @@
   life (epoch) it followed. Written to a temporary file, fsynced, renamed, the directory fsynced:
   a crash leaves the old file or the new one, never half of one.
 * **The parts file** — ``parts.wal``: every part the pserver took, appended and fsynced before it
-  answers ``held`` (so a part it reported is never lost; the parts that arrive while an fsync
-  runs share the next one, :mod:`hetd.pserver.commit`). Replayed at a restart, it gives back the
+  answers ``held`` (so a part it reported is never lost; written from the bytes that came off
+  the socket, in a thread, and the parts that arrive while one batch is written share the next
+  fsync, :mod:`hetd.pserver.commit`). Replayed at a restart, it gives back the
   parts of the pushes logged after the saved slice, including those consumed since; after each
   saved slice it is rewritten with only the parts of pushes the slice has not consumed. A torn
   record at its end (a crash mid-append) is dropped: its part was never reported held.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +38,7 @@ from hetd.pserver.slice import SliceSaved
 
 KEEP = 3  # saved slices kept (a restore entry names a recent one)
 WAL = "parts.wal"
+_SPLIT = 1 << 12  # bytes values at least this long are written as they are, not copied
 _SLICE = re.compile(r"^slice-(\d{12})\.msgpack$")
 
 
@@ -155,20 +158,56 @@ def find(directory: Path, ref: str) -> Saved | None:
 # --- the parts file ---------------------------------------------------------------------------
 
 
+def record(worker: int, pid: int, raw: Any) -> list[bytes]:
+    """A part's record (length prefix first) as segments to write in order: exactly
+    ``msgpack.packb([worker, pid, raw])`` with its length, but each large ``bytes`` value of
+    ``raw`` (a tensor's data as it came off the socket) a segment of its own, not copied."""
+    packer = msgpack.Packer(use_bin_type=True)
+    segments: list[bytes] = []
+    head = bytearray(packer.pack_array_header(3) + packer.pack(worker) + packer.pack(pid))
+
+    def walk(value: Any) -> None:
+        nonlocal head
+        if isinstance(value, dict):
+            head += packer.pack_map_header(len(value))
+            for key, item in value.items():
+                head += packer.pack(key)
+                walk(item)
+        elif isinstance(value, list):
+            head += packer.pack_array_header(len(value))
+            for item in value:
+                walk(item)
+        elif isinstance(value, bytes) and len(value) >= _SPLIT:
+            n = len(value)  # msgpack's bin header (bin 16 or bin 32 at this size)
+            head += (
+                b"\xc5" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xc6" + n.to_bytes(4, "big")
+            )
+            segments.extend((bytes(head), value))
+            head = bytearray()
+        else:
+            head += packer.pack(value)
+
+    walk(raw)
+    segments.append(bytes(head))
+    return [sum(map(len, segments)).to_bytes(4, "big"), *segments]
+
+
 class PartsFile:
     """``parts.wal``: parts appended, and made durable (fsynced) before they are reported held.
 
     Each part written gets a number (1, 2, ...; :attr:`written` the last); :attr:`synced` is the
     last one an fsync (or a rewrite) covers. :meth:`append` writes and fsyncs in one go;
-    :meth:`write` only writes, for :class:`hetd.pserver.commit.GroupCommit` to cover the parts
-    that arrive together with one fsync."""
+    :meth:`write_raw` and :meth:`sync` are what :class:`hetd.pserver.commit.GroupCommit`'s thread
+    calls to write the parts that arrive together and cover them with one fsync. A lock keeps a
+    record whole against a rewrite (:meth:`keep`) or a close from the event loop."""
 
     def __init__(self, directory: Path, sync: bool = True) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / WAL
-        self.sync = sync
+        self.sync_each = sync
         self.written = 0  # the last part written (a count since this object was made)
         self.synced = 0  # the last part durable
+        self._lock = threading.Lock()
         self._fh = open(self.path, "ab")  # noqa: SIM115 (held open for appends)
         if sync:  # parts a crashed process wrote and never saw fsynced: durable before reported
             os.fsync(self._fh.fileno())
@@ -178,29 +217,41 @@ class PartsFile:
         """Whether :meth:`close` ran."""
         return self._fh.closed
 
+    def write_raw(self, worker: int, pid: int, raw: Any) -> int:
+        """Append a part given as the link carries it (:func:`record`; handed to the kernel,
+        not fsynced; with ``sync`` off, counted durable); its number."""
+        with self._lock:
+            for segment in record(worker, pid, raw):
+                self._fh.write(segment)
+            self._fh.flush()
+            self.written += 1
+            if not self.sync_each:
+                self.synced = self.written
+            return self.written
+
     def write(self, worker: int, pid: int, tensors: Tensors) -> int:
-        """Append a part (handed to the kernel, not fsynced; with ``sync`` off, counted durable);
-        its number."""
-        body = msgpack.packb([worker, pid, encode_tensors(tensors)], use_bin_type=True)
-        self._fh.write(len(body).to_bytes(4, "big"))
-        self._fh.write(body)  # (apart from its length: no copy of a large part)
-        self._fh.flush()
-        self.written += 1
-        if not self.sync:
-            self.synced = self.written
-        return self.written
+        """:meth:`write_raw` of decoded tensors."""
+        return self.write_raw(worker, pid, encode_tensors(tensors))
 
     def append(self, worker: int, pid: int, tensors: Tensors) -> None:
         """Append a part and fsync it here (when ``sync``)."""
         self.write(worker, pid, tensors)
-        if self.synced < self.written:
-            os.fsync(self._fh.fileno())
-            self.synced = self.written
+        self.sync()
 
-    def sync_fd(self) -> tuple[int, int]:
-        """For an fsync elsewhere (a thread): a file descriptor of its own (the caller closes
-        it; a rewrite may close the file meanwhile) and the last part it covers."""
-        return os.dup(self._fh.fileno()), self.written
+    def sync(self) -> bool:
+        """Fsync the parts written so far (a file descriptor of its own, outside the lock: a
+        rewrite meanwhile fsyncs them itself); whether an fsync ran."""
+        with self._lock:
+            if self.synced >= self.written or self._fh.closed:
+                return False
+            fd, upto = os.dup(self._fh.fileno()), self.written
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        with self._lock:
+            self.synced = max(self.synced, upto)
+        return True
 
     def read(self) -> Iterator[tuple[int, int, Any]]:
         """The records in order, ``(worker, pid, encoded tensors)``; a torn tail ends it."""
@@ -210,27 +261,29 @@ class PartsFile:
         """Rewrite the file with only the parts of pushes after ``done`` (worker -> the last
         push id a saved slice consumed); the number of parts kept. The new file is fsynced, so
         every part written so far is durable."""
-        kept = [(w, p, t) for w, p, t in self.read() if p > done.get(w, -1)]
-        data = bytearray()
-        for w, p, t in kept:
-            body = msgpack.packb([w, p, t], use_bin_type=True)
-            data += len(body).to_bytes(4, "big") + body
-        self._fh.close()
-        _write_atomic(self.path, bytes(data))
-        self._fh = open(self.path, "ab")  # noqa: SIM115
-        self.synced = self.written
-        return len(kept)
+        with self._lock:
+            kept = [(w, p, t) for w, p, t in self.read() if p > done.get(w, -1)]
+            data = bytearray()
+            for w, p, t in kept:
+                body = msgpack.packb([w, p, t], use_bin_type=True)
+                data += len(body).to_bytes(4, "big") + body
+            self._fh.close()
+            _write_atomic(self.path, bytes(data))
+            self._fh = open(self.path, "ab")  # noqa: SIM115
+            self.synced = self.written
+            return len(kept)
 
     def close(self) -> None:
         """Close the file; a part written and not yet covered is fsynced first (its waiters then
         find it durable)."""
-        if self._fh.closed:
-            return
-        if self.synced < self.written:
-            self._fh.flush()
-            os.fsync(self._fh.fileno())
-            self.synced = self.written
-        self._fh.close()
+        with self._lock:
+            if self._fh.closed:
+                return
+            if self.synced < self.written:
+                self._fh.flush()
+                os.fsync(self._fh.fileno())
+                self.synced = self.written
+            self._fh.close()
 
 
 def read_parts(path: Path) -> Iterator[tuple[int, int, Any]]:

@@ -173,9 +173,10 @@ class Node:
 
     def receive(self, worker: int, pid: int, raw: Any, *, fsync: bool = True) -> bool:
         """A push's part (as the link carries it): checked, kept and appended to the parts file;
-        False when it is a repeat or already consumed (nothing written). ``fsync``: fsynced
-        before this returns; else the caller awaits :meth:`parts_durable` before it reports the part
-        held. :class:`LinkError` when it is not this slice's part."""
+        False when it is a repeat or already consumed (nothing written). ``fsync``: written and
+        fsynced here before this returns; else handed as it is (``raw``, not copied) to the
+        writer thread (:class:`GroupCommit`), and the caller awaits :meth:`parts_durable` before
+        it reports the part held. :class:`LinkError` when it is not this slice's part."""
         tensors = decode_tensors(raw, self.slice.shapes)
         if not self.slice.receive(worker, pid, tensors):
             return False
@@ -183,14 +184,15 @@ class Node:
         if fsync:
             self.parts.append(worker, pid, tensors)
         else:
-            self.parts.write(worker, pid, tensors)
+            self.commit.submit(worker, pid, raw)  # (what replay decodes: the same checks passed)
         return True
 
     async def parts_durable(self) -> None:
-        """Return once every part written so far is fsynced (with the parts written meanwhile
-        by other senders: one fsync for them all, run off the event loop). A repeat's earlier
-        copy is among them, so a repeat is answered held no sooner than the part it repeats."""
-        await self.commit.wait(self.parts.written)
+        """Return once every part handed to the writer so far is written and fsynced (with the
+        parts handed over meanwhile by other senders: one fsync for them all, off the event
+        loop). A repeat's earlier copy is among them, so a repeat is answered held no sooner
+        than the part it repeats."""
+        await self.commit.wait(self.commit.submitted)
 
     def offer(self, records: Iterable[Record]) -> None:
         """The head's records, in position order (those already offered are skipped)."""
@@ -217,4 +219,5 @@ class Node:
         return self.slice.params()
 
     def close(self) -> None:
-        self.parts.close()
+        """Write and fsync the parts handed over, then close the parts file."""
+        self.commit.close()

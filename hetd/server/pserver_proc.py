@@ -9,8 +9,9 @@ tensors the head sent). Then two streams run on one event loop, so the node has 
   position saved at a checkpoint entry is reported back (``durable``);
 * pushers' connections on its own port (written to ``<dir>/port`` once it listens, and taken
   again when it restarts on that directory, so that its address stays the one workers were
-  given): ``part`` frames, answered ``held`` once the part is fsynced to the parts file (the
-  parts that arrive while one fsync runs, in a thread, share the next one), and reported
+  given): ``part`` frames, answered ``held`` once the part is written and fsynced to the parts
+  file (both in a thread; the parts that arrive while one batch is written share the next
+  fsync), and reported
   to the head (``have``: the head decides a push only once every pserver holds its part),
   ``fetch`` frames, answered with the slice's tensors once it stands at the position asked, and
   ``pull`` frames (a worker fetching a release the head named by its position), answered with

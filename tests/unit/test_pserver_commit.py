@@ -9,10 +9,14 @@ send their parts at once, as the workers of one round do, then each sends a few 
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
+import pytest
 
 from hetd.core.store import PLAIN_OUTER
 from hetd.pserver import disk, link
@@ -89,25 +93,27 @@ async def test_parts_sent_together_share_an_fsync_and_all_come_back_after_a_rest
     node.close()
 
 
-async def test_a_part_is_not_durable_before_the_fsync_that_covers_it_returns(
+async def test_parts_handed_over_are_written_in_order_and_waits_end_after_their_fsync(
     tmp_path: Path,
 ) -> None:
-    """Written parts wait; each wait returns only once ``synced`` covers its part, and a wait
-    for parts already durable returns without an fsync."""
+    """Parts handed to the writer thread: each wait returns only once the part is in the file
+    and fsynced, the file holds them in the order handed over (byte for byte the record the
+    replay reads), and a wait for parts already durable returns without an fsync."""
     parts = disk.PartsFile(tmp_path)
     commit = GroupCommit(parts)
-    shapes = {"w": (64, 64)}
-    tensors = {k: np.ones(s, np.float32) for k, s in shapes.items()}
-    firsts = [parts.write(w, 1, tensors) for w in range(4)]
-    assert parts.synced == 0
+    raw = link.encode_tensors({"w": np.ones((64, 64), np.float32)})
+    firsts = [commit.submit(w, 1, raw) for w in range(4)]
     waits = [asyncio.create_task(commit.wait(n)) for n in firsts]
-    later = parts.write(9, 1, tensors)  # written while the first fsync is about to run
-    await asyncio.gather(*waits, commit.wait(later))
-    assert parts.synced == later == 5
-    assert 1 <= commit.syncs <= 2
+    later = commit.submit(9, 1, raw)  # handed over while the first batch may be being written
+    await asyncio.wait_for(asyncio.gather(*waits, commit.wait(later)), 60)
+    assert commit.durable == later == 5 and parts.synced == parts.written == 5
+    assert 1 <= commit.syncs <= 5
     syncs = commit.syncs
     await commit.wait(later)  # nothing new: no fsync
     assert commit.syncs == syncs
+    data = parts.path.read_bytes()
+    body = msgpack.packb([0, 1, raw], use_bin_type=True)
+    assert data.startswith(len(body).to_bytes(4, "big") + body)
     assert [(w, p) for w, p, _ in disk.read_parts(parts.path)] == [
         (0, 1),
         (1, 1),
@@ -115,15 +121,62 @@ async def test_a_part_is_not_durable_before_the_fsync_that_covers_it_returns(
         (3, 1),
         (9, 1),
     ]
-    parts.close()
+    commit.close()
 
 
-async def test_a_part_waiting_when_the_file_closes_is_fsynced_by_the_close(tmp_path: Path) -> None:
+async def test_no_part_is_answered_held_while_the_fsync_that_covers_it_has_not_returned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real pserver with its fsyncs held back (each waits for a gate, then runs): a part is
+    not answered while its fsync waits; once the fsync returns it is answered held, and it is
+    in the file, where a node started on the directory (a crash right after ``held``) finds it."""
+    gate = threading.Event()
+    real = os.fsync
+
+    def gated(fd: int) -> None:
+        gate.wait()
+        real(fd)
+
+    setup = _setup(PLAIN_OUTER, servers=2)
+    base = split(setup.pmap, PARAMS)[0]
+    shapes = {k: np.shape(v) for k, v in base.items()}
+    ps = Pserver(("127.0.0.1", 1), 0, tmp_path)
+    ps.node = node = Node(tmp_path, 0, setup, base)
+    monkeypatch.setattr(disk.os, "fsync", gated)  # (the parts file's fsyncs, from here on)
+    site = await asyncio.start_server(ps.serve_pushers, "127.0.0.1", 0)
+    port = site.sockets[0].getsockname()[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        await link.send(writer, "part", worker=1, pid=1, tensors=_part(1, shapes))
+        reply = asyncio.create_task(link.recv(reader))
+        done, _ = await asyncio.wait({reply}, timeout=0.5)
+        assert not done  # its fsync has not returned: no answer
+        assert node.commit.durable == 0 and node.parts.synced == 0
+        gate.set()
+        answer = await asyncio.wait_for(reply, 60)
+        assert answer["t"] == "held" and answer["new"] is True
+        assert node.parts.synced == 1
+        monkeypatch.undo()
+        back = Node(tmp_path, 0, setup, base)  # the file as it stands, not closed
+        assert back.slice.holding() == [(1, 1)]
+        back.close()
+    finally:
+        gate.set()
+        writer.close()
+        site.close()
+        node.close()
+
+
+async def test_a_part_waiting_when_the_file_closes_is_written_and_fsynced_by_the_close(
+    tmp_path: Path,
+) -> None:
     """A node replaced (a new head life) closes its parts file with a sender still waiting: the
-    close fsyncs what is written, and the wait returns (it neither hangs nor fails)."""
+    close writes and fsyncs what was handed over, and the wait returns (it neither hangs nor
+    fails)."""
     parts = disk.PartsFile(tmp_path)
     commit = GroupCommit(parts)
-    n = parts.write(1, 1, {"w": np.ones((8, 8), np.float32)})
-    parts.close()
+    n = commit.submit(1, 1, link.encode_tensors({"w": np.ones((8, 8), np.float32)}))
+    commit.close()
     await asyncio.wait_for(commit.wait(n), 10)
-    assert parts.synced == n and commit.syncs == 0
+    assert parts.synced == parts.written == n and parts.closed
+    assert [(w, p) for w, p, _ in disk.read_parts(parts.path)] == [(1, 1)]
