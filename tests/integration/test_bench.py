@@ -178,7 +178,9 @@ def test_bench_real_mode_with_two_worker_processes(
     # evaluate after the run to what they evaluated to when kept, and make the curve
     assert run["evals"] == "deferred" and "evaluations deferred" in (out / "summary.md").read_text()
     (keeper,) = CheckedKeeper.made
-    assert keeper.deferred == keeper.live and len(keeper.live) >= 8.0 / 0.25
+    # Most of the grid's 33 points: the check's own live evaluation runs on the engine's task, and
+    # its first call compiles (a second or more, with the grid's points meanwhile skipped).
+    assert keeper.deferred == keeper.live and len(keeper.live) >= 8.0 / 0.25 / 2
     start = keeper.deferred[0][0]  # t = 0's parameters are kept first; later ones are not used
     used = [[t - start, acc] for t, _, acc in keeper.deferred if t - start <= 8.0]
     assert run["curve"] == used
