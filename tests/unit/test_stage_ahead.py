@@ -15,35 +15,16 @@ import numpy as np
 import pytest
 
 from hetd.protocol import frames, wire
-from hetd.protocol.frames import StageOrder, StepOrder
+from hetd.protocol.frames import StepOrder
 from hetd.protocol.params import Held
 from hetd.zoo.blocks import mlp_model
 from hetd.zoo.data import load_dataset
+from tests.unit.test_stage_host import _stage
 from workers.emulate import Emulation
 from workers.stage import Outbox, StageHost
 
 SETUP = {"spec": "hetd.zoo.blocks:mlp_model", "kwargs": {"hidden": [32]}}
 MICRO = 8
-
-
-def _stage(s: int, micro: int = MICRO, gen: int = 1) -> StageOrder:
-    msg = frames.decode(
-        wire.encode(
-            "stage",
-            0,
-            replica=2,
-            gen=gen,
-            stage=s,
-            of=2,
-            blocks=[s, s + 1],
-            micro=micro,
-            inflight=2 - s,
-            prev=None if s == 0 else 10,
-            next=11 if s == 0 else None,
-        )
-    )
-    assert isinstance(msg, StageOrder)
-    return msg
 
 
 def _step(micro: int = MICRO, gen: int = 1) -> StepOrder:

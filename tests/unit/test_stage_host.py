@@ -48,18 +48,19 @@ def _read(kind: type[T], frame: bytes) -> T:
     return msg
 
 
-def _stage(s: int) -> StageOrder:
+def _stage(s: int, micro: int = MICRO, gen: int = 1) -> StageOrder:
+    """Stage ``s`` of a two-stage replica (generation ``gen``), as the worker reads its order."""
     return _read(
         StageOrder,
         wire.encode(
             "stage",
             0,
             replica=2,
-            gen=1,
+            gen=gen,
             stage=s,
             of=2,
             blocks=[s, s + 1],
-            micro=MICRO,
+            micro=micro,
             inflight=2 - s,
             prev=None if s == 0 else 10,
             next=11 if s == 0 else None,
