@@ -1,11 +1,14 @@
 """A worker's full releases pulled from the daemon's pservers (a ``params_at`` frame).
 
 With pservers the daemon answers a push (or a pull) that needs the full parameters with a
-``params_at`` frame: the version, the log position it stands at, each pserver's slice hash and
-the whole's. The worker asks each pserver for its slice at that position (a ``pull`` frame,
+``params_at`` frame: the version, the log position it stands at and each pserver's slice hash.
+The worker asks each pserver for its slice at that position (a ``pull`` frame,
 :mod:`hetd.protocol.pslink`, over a connection of its own beside the parts'), checks each slice
-against its hash, joins the slices by the partition map (whole tensors, or blocks of rows put back
-in order) and checks the whole against the version's hash, as for a full ``params`` frame.
+against its hash and joins the slices by the partition map (whole tensors, or blocks of rows put
+back in order). The map covers every tensor exactly once (:func:`workers.parts.read_map` checks
+it), so slices that each match their hash join into the version the daemon released: one version,
+checked, as a full ``params`` frame's hash checks it. (A frame that also names the whole's
+``hash``, which this release's daemon no longer sends, has the joined whole checked against it.)
 
 A pserver keeps the newest few releases; one it no longer holds (or another version at that
 position: the daemon restarted) is answered ``gone``. That, an answer that is not the slice
@@ -28,7 +31,7 @@ import numpy as np
 from hetd.protocol import pslink
 from hetd.protocol.frames import ParamsAt
 from hetd.protocol.params import Held, param_hash
-from workers.parts import Cut, read_info, read_map
+from workers.parts import Cut, PartsError, read_info, read_map
 
 log = logging.getLogger("hetd.worker")
 
@@ -49,6 +52,33 @@ def slice_shapes(
         shape = shapes[path]
         out[server][key] = shape if whole else (stop - start, *shape[1:])
     return out
+
+
+def check_cover(shapes: Mapping[str, tuple[int, ...]], cuts: list[Cut]) -> None:
+    """That the parts cover every tensor exactly once: one whole part, or blocks whose rows run
+    from 0 to the tensor's first dimension with no gap and no overlap, each on its own. So slices
+    that each match their hash join into the whole version, with nothing left out or doubled.
+    :class:`~workers.parts.PartsError` otherwise."""
+    wholes: dict[str, int] = {}
+    rows: dict[str, list[tuple[int, int]]] = {}
+    for _key, path, start, stop, whole, _server in cuts:
+        if whole:
+            wholes[path] = wholes.get(path, 0) + 1
+        else:
+            rows.setdefault(path, []).append((start, stop))
+    for path, shape in shapes.items():
+        if wholes.get(path, 0) == 1 and path not in rows:
+            continue
+        blocks = sorted(rows.get(path, []))
+        at = 0
+        for start, stop in blocks:
+            if start != at or stop <= start:
+                break
+            at = stop
+        else:
+            if path not in wholes and blocks and shape and at == shape[0]:
+                continue
+        raise PartsError(f"the welcome's partition map does not cover {path!r} exactly once")
 
 
 def join(
@@ -137,6 +167,7 @@ class Puller:
     def __init__(self, info: Any) -> None:
         self.pmap, addrs = read_info(info)
         self.shapes, self.cuts, self.servers = read_map(self.pmap)
+        check_cover(self.shapes, self.cuts)
         self.slice_shapes = slice_shapes(self.shapes, self.cuts, self.servers)
         self._conns = [_Conn(s, a) for s, a in enumerate(addrs)]
         self.pulled = 0  # releases pulled and checked
@@ -152,8 +183,8 @@ class Puller:
 
     async def fetch(self, msg: ParamsAt) -> tuple[Held, int] | None:
         """The release ``msg`` names, checked, and the bytes it took; None when a pserver no
-        longer holds it (ask the daemon again). :class:`SliceMismatch` when a slice or the whole
-        is not what ``msg`` names."""
+        longer holds it (ask the daemon again). :class:`SliceMismatch` when a slice (or the
+        whole, where ``msg`` names its hash) is not what ``msg`` names."""
         if len(msg.slices) != self.servers:
             raise SliceMismatch(f"{len(msg.slices)} slice hashes for {self.servers} pservers")
         deadline = time.monotonic() + PULL_TIMEOUT_S

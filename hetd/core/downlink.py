@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -111,24 +112,29 @@ class Downlink:
         link_bps: float | None = None,
         *,
         hashes: bool = True,
+        instead: Callable[[], bytes] | None = None,
     ) -> Outgoing:
         """The release that brings a worker of codec ``spec`` holding version ``held`` (None or -1:
         nothing usable) through reference ``ref`` (what an earlier release returned) to ``snap``;
         ``link_bps``: the worker's measured link (None: unknown, deltas are worth it); ``hashes``:
-        the worker takes the ``hash`` field (a worker from before it refuses a frame with one)."""
+        the worker takes the ``hash`` field (a worker from before it refuses a frame with one);
+        ``instead``: makes the frame a full release is sent as in place of a full frame (the
+        pservers' ``params_at``), which is then not built."""
         codec = self._codec(spec)
         hashes = hashes and self.hashes
         if codec.lossless:
-            return Outgoing([self._full_frame(snap, spec, hashes)], snap.version, True)
+            frame = instead() if instead is not None else self._full_frame(snap, spec, hashes)
+            return Outgoing([frame], snap.version, True)
         if link_bps == math.inf:
             # Never a delta on this link (the same host, or the operator said so): no reference
             # to keep. One would hold the snapshot's frame until evicted (at 10M parameters, 12
             # old frames under the 512 MiB cap), and each new frame would need fresh pages.
-            return Outgoing([self._full_frame(snap, "none", hashes)], snap.version, True)
+            frame = instead() if instead is not None else self._full_frame(snap, "none", hashes)
+            return Outgoing([frame], snap.version, True)
         self._forget_older(snap.version)
         base = self._refs.get(ref) if ref is not None else None
         if base is None or held is None or base.version != held or held > snap.version:
-            return self._full_release(snap, hashes)
+            return self._full_release(snap, hashes, instead)
         self._tick += 1
         base.used = self._tick
         if base.version == snap.version:
@@ -140,7 +146,7 @@ class Downlink:
             self._refs[hit.ref].used = self._tick
             return hit
         if self._full_is_cheaper(spec, codec, base, link_bps):
-            return self._full_release(snap, hashes)
+            return self._full_release(snap, hashes, instead)
         started = time.perf_counter()
         release = self._delta(codec, ref, base, snap)
         took = time.perf_counter() - started
@@ -164,7 +170,8 @@ class Downlink:
         return saved / link_bps < cost
 
     def _delta(self, codec: codecs.Codec, ref: int, base: _Reference, snap: Snapshot) -> Outgoing:
-        delta = {k: np.subtract(snap.tensors[k], base.tensors[k]) for k in base.tensors}
+        # (np.asarray: the difference of two 0-d arrays is a scalar, not a buffer to reuse)
+        delta = {k: np.asarray(np.subtract(snap.tensors[k], base.tensors[k])) for k in base.tensors}
         encoded = codecs.encode_tree(delta, codec)
         tensors = {}
         for k, t in encoded.items():
@@ -177,8 +184,16 @@ class Downlink:
         new = self._add(_Reference(snap.version, tensors, self._tick))
         return Outgoing([frame], snap.version, False, new)
 
-    def _full_release(self, snap: Snapshot, hashes: bool) -> Outgoing:
-        """The snapshot in full; its reference shares the snapshot's read-only arrays."""
+    def keeps_nothing(self, spec: str, link_bps: float | None) -> bool:
+        """Whether every release :meth:`frames` makes for codec ``spec`` on this link is one full
+        frame that keeps no reference (a lossless codec; a link never worth a delta)."""
+        return self._codec(spec).lossless or link_bps == math.inf
+
+    def _full_release(
+        self, snap: Snapshot, hashes: bool, instead: Callable[[], bytes] | None = None
+    ) -> Outgoing:
+        """The snapshot in full (or as ``instead`` makes it); its reference shares the
+        snapshot's read-only arrays."""
         ref = self._snap_refs.get(snap.version)
         if ref is None or ref not in self._refs:
             tensors = {
@@ -189,7 +204,7 @@ class Downlink:
                 _Reference(snap.version, tensors, self._tick)
             )
         self._refs[ref].used = self._tick
-        frame = self._full_frame(snap, "none", hashes)
+        frame = instead() if instead is not None else self._full_frame(snap, "none", hashes)
         return Outgoing([frame], snap.version, True, ref)
 
     def _add(self, reference: _Reference) -> int:

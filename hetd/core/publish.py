@@ -18,7 +18,7 @@ from hetd.core.entries import EngineConfig, WorkerEntry
 from hetd.core.members import Members
 from hetd.core.peers import FrameSink, Peer
 from hetd.core.rates import Meters
-from hetd.core.store import Snapshot, Store
+from hetd.core.store import Store
 
 log = logging.getLogger("hetd.core.engine")  # one logger for the engine and its parts
 
@@ -45,9 +45,10 @@ class Publisher:
         self.deferred = False  # releases wait for the batch's publish
         store.hashes = config.param_hashes  # a snapshot's frame carries its hash (or not)
         # With pservers (set by the server once they serve pulls): the ``params_at`` frame that
-        # names where the pservers hold a snapshot, sent in place of a full frame to a worker
-        # whose hello named "pulls" and whose frames travel over its socket. None: no pulls.
-        self.pointer: Callable[[Snapshot], bytes] | None = None
+        # names where the pservers hold the store's current version, sent in place of a full
+        # frame (none is built for it) to a worker whose hello named "pulls" and whose frames
+        # travel over its socket. None: no pulls.
+        self.pointer: Callable[[Store], bytes] | None = None
 
     def defer(self, on: bool = True) -> None:
         """Publish in batches (or not any more): releases wait for :meth:`publish`, and the store
@@ -74,13 +75,13 @@ class Publisher:
         if self.deferred:
             self.pending[wid] = None
             return
-        release = self.downlink.frames(
+        release = self._frames(
+            wid,
             self.params_codec(entry),
             entry.facts.version,
-            self.store.snapshot(),
             entry.held_ref,
             self.link(entry),
-            hashes=entry.hashes,
+            entry.hashes,
         )
         self.send(wid, release)
 
@@ -98,11 +99,11 @@ class Publisher:
         if self.deferred:
             self.pending[entry.facts.worker] = None
             return
-        snap = self.store.snapshot()
-        release = self.downlink.frames(
-            self.params_codec(entry), -1, snap, None, self.link(entry), hashes=entry.hashes
+        wid = entry.facts.worker
+        release = self._frames(
+            wid, self.params_codec(entry), -1, None, self.link(entry), entry.hashes
         )
-        self.send(entry.facts.worker, release)
+        self.send(wid, release)
 
     def take(self) -> list[Want]:
         """The pending releases of still active workers (and none pending any more)."""
@@ -124,21 +125,39 @@ class Publisher:
 
     def encode(self, wants: list[Want]) -> dict[int, Outgoing]:
         """Run the queued steps, then each release's frames; one encoding per (codec, version,
-        reference, hash), shared by every worker holding it."""
+        reference, hash, pulled or not), shared by every worker holding it. The version's
+        snapshot (a copy of the model) is taken only for a release the head sends itself."""
         self.store.flush()
         if not wants:
             return {}
-        snap = self.store.snapshot()
-        if self.pointer is not None and any(self._pulls(w[0]) for w in wants):
-            self.pointer(snap)  # (its slices' hashes are worked out here, off the loop)
-        made: dict[tuple[str, int, int | None, bool], Outgoing] = {}
+        made: dict[tuple[str, int, int | None, bool, bool], Outgoing] = {}
         out = {}
         for wid, codec, held, ref, link, hashes in wants:
-            key = (codec, held, ref, hashes)
+            key = (codec, held, ref, hashes, self._pulls(wid))
             if key not in made:
-                made[key] = self.downlink.frames(codec, held, snap, ref, link, hashes=hashes)
+                made[key] = self._frames(wid, codec, held, ref, link, hashes)
             out[wid] = made[key]
         return out
+
+    def _frames(
+        self, wid: int, codec: str, held: int, ref: int | None, link: float | None, hashes: bool
+    ) -> Outgoing:
+        """Worker ``wid``'s release of the store's current version. A worker that pulls gets the
+        ``params_at`` pointer wherever the downlink would send a full frame; where that full
+        frame would keep no reference (a lossless codec, a link never worth a delta) neither
+        the snapshot nor the frame is made: the pointer reads the store in place."""
+        pointer = self.pointer if self._pulls(wid) else None
+        if pointer is None:
+            return self.downlink.frames(
+                codec, held, self.store.snapshot(), ref, link, hashes=hashes
+            )
+        store = self.store
+        if self.downlink.keeps_nothing(codec, link):
+            frame = pointer(store)
+            return Outgoing([frame], store.version, True)
+        return self.downlink.frames(
+            codec, held, store.snapshot(), ref, link, hashes=hashes, instead=lambda: pointer(store)
+        )
 
     def publish(self) -> None:
         """The batch's publish, here and now: its updates applied, each release's frames sent."""
@@ -183,12 +202,7 @@ class Publisher:
         self.members.update(entry, version=release.version)
         entry.held_ref = release.ref
         entry.stats.releases += 1
-        frames = release.frames
-        if release.full and self.pointer is not None and self._pulls(wid):
-            store = self.store
-            if store.version == release.version and not store.pending:  # (snapshot: cached)
-                frames = [self.pointer(store.snapshot())]
-        for frame in frames:
+        for frame in release.frames:
             entry.stats.bytes_out += len(frame)
             self.meters.bytes_out += len(frame)
             entry.peer.send_params(frame, full=release.full)

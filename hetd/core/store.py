@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +65,7 @@ class Int8(NamedTuple):
 
 Update = np.ndarray | Int8
 Tensors = Mapping[str, Update]
+T = TypeVar("T")
 
 
 def dense(x: Update) -> np.ndarray:
@@ -433,6 +434,20 @@ class Store:
                     self.version, host, digest, frame, frame_hashed=self.hashes
                 )
             return self._snapshot
+
+    def read(self, fn: Callable[[int, Mapping[str, np.ndarray]], T]) -> T:
+        """``fn(version, params)`` on the current version, its queued steps run first, the
+        parameters read in place: the version's snapshot when one was taken, else host views of
+        the store's own buffers (no copy on CPU), valid during the call only (the lock holds off
+        the next step, which donates those buffers; ``fn`` must keep no view). For what reads a
+        version once and keeps a digest of it (the pservers' ``params_at``), where a snapshot
+        would copy the model for nobody."""
+        with self._lock:
+            self.flush()
+            snap = self._snapshot
+            if snap is not None and snap.version == self.version:
+                return fn(self.version, snap.tensors)
+            return fn(self.version, {k: np.asarray(v) for k, v in self._params.items()})
 
     def _pack(
         self, views: Mapping[str, np.ndarray], digest: str | None

@@ -212,7 +212,7 @@ async def test_two_pserver_processes_one_killed_and_restarted_end_with_the_store
         assert sum(int(np.sum(end[k] != PARAMS[k])) for k in end) > 0
         assert min(head.durable) >= 10  # both reported saved slices past the first checkpoints
 
-        named = frames.decode(Pointers(pmap, log)(engine.store.snapshot()))
+        named = frames.decode(Pointers(pmap, log)(engine.store))
         assert isinstance(named, ParamsAt) and named.position == log.position
         addrs = [["127.0.0.1", int((d / "port").read_text())] for d in dirs]
         puller = Puller({"map": pmap.to_dict(), "addrs": addrs})
