@@ -19,7 +19,7 @@ from hetd.core.entries import EngineConfig, WorkerEntry
 from hetd.core.members import Members
 from hetd.core.noise import GradientNoise
 from hetd.core.peers import Clock
-from hetd.core.policy_host import PolicyHost
+from hetd.core.policy_host import Known, PolicyHost
 from hetd.core.rates import Meters
 from hetd.core.replicas import Replicas
 from hetd.core.store import Store
@@ -188,6 +188,11 @@ class Executor:
             self.store.version,
             self.config.global_batch,
             self.config.outer_for,
+            Known(
+                self.pipelines.blocks,
+                None if self.noise is None else self.noise.value,
+                self.config.inner_optimizer,
+            ),
         )
         # Nothing below refuses: the swap happens as a whole.
         if self.applier.buffered():  # never lose buffered updates: apply them before the change

@@ -32,6 +32,17 @@ log = logging.getLogger("hetd.core.engine")  # one logger for the engine and its
 
 
 @dataclass(frozen=True)
+class Known:
+    """What the engine's view says of the model and the training, carried into a swap's trial
+    view: the model's blocks, the gradient noise scale, the workers' optimizer
+    (:class:`policies.types.ClusterView`'s fields of those names)."""
+
+    blocks: tuple[tuple[float, float, float], ...] = ()
+    noise_scale: float | None = None
+    optimizer: str | None = None
+
+
+@dataclass(frozen=True)
 class Trial:
     """A policy that started on a trial view: what a swap then installs."""
 
@@ -89,11 +100,13 @@ class PolicyHost:
         version: int,
         global_batch: int,
         outer_for: Callable[[str, Mapping[str, Any]], str] | None,
+        known: Known = Known(),
     ) -> Trial:
         """Build policy ``name``, initialise it and ask for its first decisions (a ``Tick``) on a
         trial view in which every worker of ``visible`` has its default plan, the stage is
-        ``"main"`` and nothing is buffered. Raises :class:`PolicyError` on any error; nothing
-        here changes."""
+        ``"main"`` and nothing is buffered; ``known``: what the engine's own view says of the
+        model and the training that no swap changes (a policy swapped in sees what one built
+        at the start sees). Raises :class:`PolicyError` on any error; nothing here changes."""
         new = make_policy(name, params)
         now = self.clock.now()
         plans = {wid: default_plan(f) for wid, f in visible.items()}
@@ -111,6 +124,9 @@ class PolicyHost:
             global_batch=global_batch,
             buffered=0,
             stage="main",
+            blocks=known.blocks,
+            noise_scale=known.noise_scale,
+            optimizer=known.optimizer,
         )
         stage = "main"
         try:

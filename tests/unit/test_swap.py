@@ -149,3 +149,54 @@ def test_a_swap_starts_every_worker_on_the_same_round() -> None:
     push(ws, 2)
     assert e.store.version == version + 1  # one round: both pushes in one step
     assert len(fast.frames) > sent[0] and len(slow.frames) > sent[1]  # both released at once
+
+
+SEEN: list[ClusterView] = []  # the views test-sees was initialised with
+
+
+def sees() -> Policy:
+    """asp that keeps the view it starts on."""
+    asp = make_policy("asp")
+
+    def init(view: ClusterView) -> Any:
+        SEEN.append(view)
+        return asp.init(view)
+
+    return Policy("test-sees", init, asp.update, {})
+
+
+if "test-sees" not in policy_names():
+    register("test-sees")(sees)
+
+
+def _adam_engine(policy: Policy) -> Engine:
+    """An engine whose workers train with Adam (as the welcome tells them), one worker joined."""
+    params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    welcome = {"train": {"inner_optimizer": "adam:lr=0.01"}}
+    config = EngineConfig(batch_size=16, profile_steps=0, welcome=welcome)
+    e = Engine(Store(params, optax.adam(0.01)), policy, config, FakeClock())
+    e.join(JoinIn(1, "w", {}, ("none",)), FakePeer())
+    return e
+
+
+def test_a_policy_swapped_in_sees_what_the_engine_knows_of_the_model_and_the_training() -> None:
+    """The trial view a swap starts a policy on carries the engine's own view of the workers'
+    optimizer, the model's blocks and the noise scale: a policy swapped in decides as one built
+    at the start would (auto warms up as its optimizer family asks)."""
+    e = _adam_engine(make_policy("asp"))
+    SEEN.clear()
+    e.swap_policy("test-sees")
+    live = e.view()
+    assert live.optimizer == "adam:lr=0.01"
+    assert [(v.optimizer, v.blocks, v.noise_scale) for v in SEEN] == [
+        (live.optimizer, live.blocks, live.noise_scale)
+    ]
+
+
+def test_auto_swapped_into_an_adam_daemon_warms_up_as_it_does_from_the_start() -> None:
+    cands = {"candidates": "asp,ashl,lbbsp"}
+    started = _adam_engine(make_policy("auto", cands))
+    e = _adam_engine(make_policy("asp"))
+    e.swap_policy("auto", cands)
+    assert started.host.state.name == "ashl" and started.host.state.warming
+    assert e.host.state.name == started.host.state.name and e.host.state.warming
