@@ -229,6 +229,19 @@ def _warmup(
     return None if key == start else parsed[0]
 
 
+def _net(scored: Scored, running: Key, cost: float) -> float:
+    """A candidate's discounted goodput less the switch it takes (none for the running policy):
+    during the warm-up the start policy is a switch too, so it pays as the best does."""
+    return scored.discounted if scored.key == running else scored.discounted * (1.0 - cost)
+
+
+def _after(net: float, scored: Scored, running: Key, cost: float, lead: str = "") -> str:
+    """How :func:`_net` came out, for a choice's reason ("" for the running policy)."""
+    if scored.key == running:
+        return "no switch" if not lead else ""
+    return f"{lead}{net:.4g} after {cost:.0%} for the switch"
+
+
 def _applied_samples(event: Push, decisions: Sequence[Decision]) -> int:
     """The push's samples unless the inner policy dropped it (no decision: the engine applies)."""
     for d in decisions:
@@ -415,17 +428,21 @@ def auto(
                 f"dwell: ran {ran:.1f} s, its prediction checked {checks} time(s); a switch "
                 f"needs {dwell_s:g} s and {dwell_checks}"
             )
-        elif (net := best.discounted * (1.0 - cost)) <= (1.0 + margin) * base.discounted:
+        elif (net := _net(best, current, cost)) <= (1.0 + margin) * (
+            base_net := _net(base, current, cost)
+        ):
             target = base if st.warming else None
             why = (
-                f"{best.label} ({best.discounted:.4g}, {net:.4g} after {cost:.0%} for the "
-                f"switch) is not {margin:.0%} better than {base.label} ({base.discounted:.4g})"
+                f"{best.label} ({best.discounted:.4g}, {_after(net, best, current, cost)}) is not "
+                f"{margin:.0%} better than {base.label} ({base.discounted:.4g}"
+                f"{_after(base_net, base, current, cost, ', ')})"
             )
         else:
             target = best
             why = (
-                f"{best.label} ({best.discounted:.4g}, {net:.4g} after {cost:.0%} for the "
-                f"switch) beats {base.label} ({base.discounted:.4g}) by more than {margin:.0%}"
+                f"{best.label} ({best.discounted:.4g}, {_after(net, best, current, cost)}) beats "
+                f"{base.label} ({base.discounted:.4g}{_after(base_net, base, current, cost, ', ')}) "
+                f"by more than {margin:.0%}"
             )
         running = canonical(current)
         if target is not None and target.key == current:

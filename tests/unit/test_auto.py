@@ -262,7 +262,7 @@ def test_until_its_first_forecast_auto_warms_up_on_asp_then_weighs_against_the_s
         forecast(a.now, pred("lbbsp", 5000), pred("asp", asp), pred("hps", hps)), state, a.view()
     )
     assert running(state) == then and not state.warming
-    assert state.last is not None and "lbbsp (5000)" in state.last.why
+    assert state.last is not None and "lbbsp (5000" in state.last.why
     assert len(state.switches) == (then != "asp") and (then == "asp") == (list(decisions) == [])
     # a policy kept or gone back to is no switch the dwell holds; one switched to (hps) is
     _, state = p.update(forecast(a.now, pred(then, 5000), pred("ssp", 9000)), state, a.view())
@@ -360,6 +360,29 @@ def test_a_switch_must_pay_for_its_rounds_within_the_dwell() -> None:
             and f"after {min(1.0, cost / dwell):.0%} for the switch" in state.last.why
         )
     assert decided == {0.4: "lbbsp", 5.0: "asp"}
+
+
+@pytest.mark.parametrize(
+    ("warm_up", "start_with", "best", "then"),
+    [(5600.0, 5000.0, 0.0, "asp"), (4000.0, 5000.0, 6000.0, "hps")],
+)
+def test_the_warm_up_ends_where_the_switch_it_takes_pays_and_the_start_pays_one_too(
+    warm_up: float, start_with: float, best: float, then: str
+) -> None:
+    """During the warm-up the start policy is a switch away as much as any other candidate: at a
+    switch cost of half the dwell, the warm-up's own policy (no switch) is kept over a start
+    policy it beats by 12 %, and a candidate 20 % above the start is switched to, where charging
+    the switch to it alone sent both runs to the start."""
+    c = Cluster([1.0, 2.0, 4.0])
+    state, _ = warm(c, make_policy("auto", {"dwell_s": 30.0}), 0.6)
+    cost = switch_cost_s(c.view())
+    p = make_policy("auto", {"dwell_s": 2 * cost})  # the same run, a switch costs half the dwell
+    state, _ = warm(Cluster([1.0, 2.0, 4.0]), p, 0.6)
+    assert running(state) == "asp" and state.warming
+    preds = [pred("lbbsp", start_with), pred("asp", warm_up)] + ([pred("hps", best)] * (best > 0))
+    _, state = p.update(forecast(c.now, *preds), state, c.view())
+    assert running(state) == then and not state.warming
+    assert state.last is not None and "after 50% for the switch" in state.last.why
 
 
 def switched(c: Cluster, p: Policy, at: float) -> AutoState:
