@@ -62,7 +62,7 @@ class Planning:
 
         self.engine = engine
         self.every_s = every_s
-        self.config = config or PlannerConfig.for_engine(engine.config)
+        self.config = config or PlannerConfig.for_engine(engine.config, engine.store.n_params)
         self.cpu_clock = cpu_clock  # read in the planner's thread: its CPU time alone
         self.wall = wall
         self.sleep = sleep

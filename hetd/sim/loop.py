@@ -307,7 +307,7 @@ class _Harness:
         view = snapshot(engine.view())
         if untimed(view):
             return False
-        config = PlannerConfig.for_engine(engine.config)
+        config = PlannerConfig.for_engine(engine.config, engine.store.n_params)
         planned = plan(view, candidates_of(engine.host.policy), config, _no_cpu)
         if planned.forecast.predictions:
             self.server.forecast(planned.forecast)

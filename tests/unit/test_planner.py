@@ -289,3 +289,42 @@ def test_under_adam_a_pipelined_round_is_worth_far_less_than_a_fresh_one() -> No
     preds = plan(view, parse_candidates("lbbsp,hps"), sgd, lambda: 0.0)
     eff = {p.name: p.efficiency for p in preds.forecast.predictions}
     assert eff["hps"] / eff["lbbsp"] > 0.9
+
+
+def test_a_candidate_is_charged_the_models_frame_not_the_running_policys_compressed_pushes() -> (
+    None
+):
+    # S7's links (100, 50, 20, 10 MB/s) and a 7.6 MB model; ashl's semi-asynchronous stage sends
+    # top-k deltas, so the slow workers' pushes are 0.6 and 0.375 of a frame: lbbsp and asp,
+    # which push whole gradients every step, must be predicted as on full pushes
+    from hetd.core.entries import EngineConfig
+
+    full, links = 7.6e6, [1e8, 5e7, 2e7, 1e7]
+
+    def with_pushes(share: list[float]) -> ClusterView:
+        base = view_of(SPREAD)
+        workers = {
+            i: dataclasses.replace(f, link_bps=links[i], push_bytes=full * share[i])
+            for i, f in base.workers.items()
+        }
+        return dataclasses.replace(base, workers=workers)
+
+    cands = parse_candidates("lbbsp,asp")
+    engine = PlannerConfig.for_engine(EngineConfig(batch_size=BATCH), n_params=1_900_000)
+    assert engine.twin is not None and engine.twin.model_bytes == full
+    assert engine.twin_config().model_bytes == full  # the horizon replaced, the frame kept
+
+    def rates(view: ClusterView, config: PlannerConfig) -> dict[str, float]:
+        return {
+            p.name: p.samples_per_s
+            for p in plan(view, cands, config, lambda: 0.0).forecast.predictions
+        }
+
+    whole = rates(with_pushes([1.0, 1.0, 1.0, 1.0]), engine)
+    topk = rates(with_pushes([1.0, 1.0, 0.6, 0.375]), engine)
+    assert topk == pytest.approx(whole, rel=0.01)
+    # inferred from the pushes the slow links look 2-3x faster to a full-frame policy
+    inferred = rates(with_pushes([1.0, 1.0, 0.6, 0.375]), dataclasses.replace(engine, twin=None))
+    assert inferred["lbbsp"] > 2 * whole["lbbsp"]
+    with pytest.raises(ValueError, match="n_params"):
+        PlannerConfig.for_engine(EngineConfig(), n_params=0)

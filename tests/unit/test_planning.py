@@ -60,6 +60,9 @@ async def test_a_round_hands_the_policy_a_forecast_of_its_candidates() -> None:
         assert shown["rounds"] == 1
         assert {p["candidate"] for p in shown["last"]["predictions"]} == {"bsp", "asp"}
         assert [r["candidate"] for r in shown["last"]["refused"]] == ["dpmp"]
+        # a full frame is the model's (4 bytes a parameter of the store), not the pushes' bytes
+        twin = planning.config.twin
+        assert twin is not None and twin.model_bytes == 4.0 * h.engine.store.n_params
 
 
 async def test_no_round_plans_for_a_policy_that_reads_no_forecasts() -> None:
