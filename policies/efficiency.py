@@ -126,6 +126,18 @@ PLAIN = frozenset({"sgd", "momentum", "nesterov", "delayed_nesterov"})
 # each, docs/policies.md §14): under SGD, samples to the target per policy against lbbsp's (fresh,
 # one step) — asp (staleness about 3) 0.99, ashl on S1 1.07 and on S4 (tens of local steps over
 # slow links) 1.0.
+# The momentum forms keep it: the data did not show staleness or a push's weight costing more per
+# unit under momentum (sim, 3 seeds, five heavy-ball and Nesterov clusters of our own, momentum
+# 0.5 and 0.9, and two plain-SGD controls at the same lr / (1 - momentum);
+# docs/results/2026-11-29-auto-momentum.md). lbbsp's samples to the target over ashl's were 1.32
+# and 1.29 at momentum 0.9 against 1.27 and 1.24 in the controls, asp's 1.00 and 1.15 against 0.76
+# and 1.19; ashl's over adsp's 1.11-1.43 where this model says 1.30-1.50 (ashl was the best fixed
+# policy on all five). Kappas scaled by 1 / (1 - momentum) raised the squared log error over the
+# eleven ratios of four clusters from 2.23 to 3.40, a weight counted as w^(1 - momentum) to 2.58.
+# What momentum 0.9 did cost is hps's pipelined staleness: 0.52 and 0.54 of lbbsp's samples
+# against 0.77 and 0.75 in the controls (this model: 0.97), where asp, staler in updates a quarter
+# the size, lost nothing; a discount per version cannot tell the two apart, and the share of a
+# full step each stale update makes is not in the facts this model sees [D, not built].
 PLAIN_SGD = (0.02, 0.002)  # kappa_staleness, kappa_local
 # Adam's model [D]: each update a step of about the learning rate whatever its batch, so a sample
 # of an update of M samples is worth M^(-1/2) (the square-root rule: only the step's signal grows
