@@ -131,7 +131,7 @@ PLAIN = frozenset({"sgd", "momentum", "nesterov", "delayed_nesterov"})
 # 0.5 and 0.9, and two plain-SGD controls at the same lr / (1 - momentum);
 # docs/results/2026-11-29-auto-momentum.md). lbbsp's samples to the target over ashl's were 1.32
 # and 1.29 at momentum 0.9 against 1.27 and 1.24 in the controls, asp's 1.00 and 1.15 against 0.76
-# and 1.19; ashl's over adsp's 1.11-1.43 where this model says 1.30-1.50 (ashl was the best fixed
+# and 1.19; ashl's over adsp's 1.11-1.43 where this model says 1.32-1.52 (ashl was the best fixed
 # policy on all five). Kappas scaled by 1 / (1 - momentum) raised the squared log error over the
 # eleven ratios of four clusters from 2.23 to 3.40, a weight counted as w^(1 - momentum) to 2.58.
 # What momentum 0.9 did cost is hps's pipelined staleness: 0.52 and 0.54 of lbbsp's samples
