@@ -63,18 +63,24 @@ HISTORY = 8  # switches kept in the state, for status pages
 # policy leaves half done and the new policy's first, whose plans and batches change), to be
 # paid back within the dwell.
 SWITCH_ROUNDS = 2
-# The policy run before the first forecast [D]: no barrier, every push applied as it comes, so no
-# worker waits on one whose speed nobody knows yet (lbbsp's first round gives every worker the
-# same batch and holds the fast ones for the slowest).
-WARMUP = "asp"
-# The default warm-up under an adaptive optimizer (Adam) [D]: ashl, whose profiling stage trains
-# asynchronously while it times the workers, so where the first forecast keeps ashl (the best
-# fixed policy on most Adam clusters we measured) nothing is switched. Where it moves on, the
-# switch restarts the daemon's optimizer: Adam's moments averaged over the warm-up's small, stale
-# steps (its bias correction weighs every step alike for the first thousand) would scale the
-# next policy's larger updates down for the rest of the run (peer_adam, 7 seeds: lbbsp after a
-# warm-up 1.05x lbbsp alone, after a warm-up and a restart 0.83x), docs/policies.md §15.
-WARMUP_ADAPTIVE = "ashl"
+# The policy run before the first forecast [D]: ashl, whose profiling stage trains without a
+# barrier (ASP-style pushes, no worker waits on one whose speed nobody knows yet: lbbsp's first
+# round gives every worker the same batch and holds the fast ones for the slowest) while it times
+# the workers, so where the first forecast keeps ashl (the best fixed policy on most clusters we
+# measured) nothing is switched and auto is ashl alone, to the decision. Measured against the asp
+# warm-up before it (sim, 3 seeds, auto/ashl where ashl was chosen): the packaged SGD scenarios
+# 0.90-1.00 with asp, 1.00 with ashl; twelve held-out SGD clusters (heavy-ball and Nesterov
+# momentum among them) up to 1.20 with asp (1.35 at 7 seeds on one), 1.00 with ashl: the asp
+# warm-up moved the start of ashl's AHL stage to the forecast, a perturbation whose sign varies
+# by cluster and seed; docs/policies.md §15. Where ashl is not a candidate, asp (under an
+# adaptive optimizer none: see below).
+WARMUP = "ashl"
+WARMUP_FALLBACK = "asp"
+# Under an adaptive optimizer (Adam) a switch that ends the warm-up restarts the daemon's
+# optimizer: Adam's moments averaged over the warm-up's small, stale steps (its bias correction
+# weighs every step alike for the first thousand) would scale the next policy's larger updates
+# down for the rest of the run (peer_adam, 7 seeds: lbbsp after a warm-up 1.05x lbbsp alone,
+# after a warm-up and a restart 0.83x), docs/policies.md §15.
 
 
 def _empty() -> Mapping[Any, Any]:
@@ -212,7 +218,7 @@ def _warmup(
     warmup: str, allowed: frozenset[Key], start: Key, default: bool = False
 ) -> tuple[str, tuple[tuple[str, Any], ...]] | None:
     """The warm-up candidate as (name, params), or None: none asked for (``""``), the start
-    policy itself, or a ``default`` (:data:`WARMUP`, :data:`WARMUP_ADAPTIVE`) where it is not a
+    policy itself, or a ``default`` (:data:`WARMUP`, :data:`WARMUP_FALLBACK`) where it is not a
     candidate. Raises ValueError for another policy that is not a candidate."""
     if not isinstance(warmup, str):
         raise ValueError(f"warmup must name a candidate or be empty, got {warmup!r}")
@@ -269,11 +275,12 @@ def auto(
     check measured it; the switch's own cost is charged apart) and the running policy has run at least ``dwell_s`` seconds and its throughput was checked
     against a prediction at least ``dwell_checks`` times (from one forecast to the next). The
     start policy is a default, not a choice: no dwell holds it, and the first forecast may move
-    auto off it. Until that first forecast auto runs ``warmup`` (asp: no barrier, so no worker
-    waits on one the twin cannot time yet; under an adaptive optimizer the default is ashl,
-    whose profiling stage trains asynchronously, and a switch off it restarts the daemon's
-    optimizer; ``""`` or the start policy: none; a default that is not a candidate is
-    skipped), and the first forecast weighs the best candidate
+    auto off it. Until that first forecast auto runs ``warmup`` (ashl, whose profiling stage
+    trains without a barrier while it times the workers, so no worker waits on one the twin
+    cannot time yet, and where the forecast keeps ashl nothing switches; where ashl is not a
+    candidate asp, or under an adaptive optimizer none; under an adaptive optimizer a switch off
+    the warm-up restarts the daemon's optimizer; ``""`` or the start policy: none), and the
+    first forecast weighs the best candidate
     against ``start``, not against the warm-up: auto goes to the best when it beats ``start`` by
     the margin, else to ``start``. Without a forecast in ``warmup_s`` seconds, ``start``. Candidates that need an outer optimizer of their own (the DiLoCo family)
     cannot be switched to here: the engine sets that optimizer on its own swap."""
@@ -293,8 +300,11 @@ def auto(
         raise ValueError(f"dwell_checks must be an int >= 0, got {dwell_checks!r}")
     allowed = frozenset(key_of(n, p) for n, p in cands)
     warm = _warmup(warmup, allowed, first_key, default=warmup == WARMUP)
-    # the default's form under an adaptive optimizer (the view's, known at init)
-    warm_adaptive = _warmup(WARMUP_ADAPTIVE, allowed, first_key, True) if warmup == WARMUP else warm
+    # the default's forms where ashl is no candidate: asp, and under an adaptive optimizer (the
+    # view's, known at init) none
+    warm_adaptive = warm
+    if warmup == WARMUP and key_of(WARMUP, ()) not in allowed:
+        warm = _warmup(WARMUP_FALLBACK, allowed, first_key, True)
     if isinstance(warmup_s, bool) or not isinstance(warmup_s, int | float) or not warmup_s >= 0:
         raise ValueError(f"warmup_s must be >= 0 (seconds), got {warmup_s!r}")
     built: dict[tuple[str, str], Policy] = {}  # memo of a pure function: name, params -> Policy
@@ -346,7 +356,7 @@ def auto(
     ) -> tuple[list[Decision], Any, dict[int, int]]:
         """The new policy's state and the switch's decisions; raises what it raises. A switch
         that ends the warm-up under an adaptive optimizer restarts the daemon's optimizer
-        (:data:`WARMUP_ADAPTIVE` says why)."""
+        (the comment at :data:`WARMUP` says why)."""
         top = view.max_clock()
         offsets = {w: top - f.clock for w, f in view.workers.items() if top != f.clock}
         base = {w: st.base_batch.get(w, f.batch_size) for w, f in view.workers.items()}

@@ -254,7 +254,7 @@ def test_until_its_first_forecast_auto_warms_up_on_asp_then_weighs_against_the_s
     policy, not against the warm-up: inside the margin auto goes to lbbsp, beyond it to the
     best, which may be asp itself."""
     a, b = Cluster([1.0, 2.0, 4.0]), Cluster([1.0, 2.0, 4.0])
-    p, plain = make_policy("auto", {"dwell_s": 30.0}), make_policy("asp")
+    p, plain = make_policy("auto", {"dwell_s": 30.0, "warmup": "asp"}), make_policy("asp")
     got, state = drive(a, p, start(p, a), 0.3)
     want, _ = drive(b, plain, start(plain, b), 0.3)
     assert got == want and running(state) == "asp" and state.warming
@@ -271,16 +271,16 @@ def test_until_its_first_forecast_auto_warms_up_on_asp_then_weighs_against_the_s
 
 @pytest.mark.parametrize(
     ("optimizer", "first", "restarts"),
-    [("sgd:lr=0.2", "asp", False), ("adam:lr=0.001", "ashl", True), ("adamw", "ashl", True)],
+    [("sgd:lr=0.2", "ashl", False), ("adam:lr=0.001", "ashl", True), ("adamw", "ashl", True)],
 )
 @pytest.mark.parametrize("then", ["lbbsp", "hps"])
-def test_the_warm_up_follows_the_optimizer_family_and_under_adam_its_end_restarts_it(
+def test_the_warm_up_is_ashl_and_under_adam_its_end_restarts_the_optimizer(
     optimizer: str, first: str, restarts: bool, then: str
 ) -> None:
-    """Under plain SGD auto warms up on asp; under an adaptive optimizer on ashl (its profiling
-    stage trains without a barrier, and where the first forecast keeps ashl nothing switches).
-    Leaving an adaptive optimizer's warm-up restarts the daemon's optimizer, after the flush of
-    what is buffered: its moments hold the warm-up's small, stale steps. Not under SGD."""
+    """auto warms up on ashl (its profiling stage trains without a barrier, and where the first
+    forecast keeps ashl nothing switches). Leaving an adaptive optimizer's warm-up restarts the
+    daemon's optimizer, after the flush of what is buffered: its moments hold the warm-up's
+    small, stale steps. Not under SGD."""
     c = Cluster([1.0, 2.0, 4.0])
     c.optimizer = optimizer
     p = make_policy("auto", {"dwell_s": 1.0})
@@ -307,6 +307,17 @@ def test_the_warm_up_follows_the_optimizer_family_and_under_adam_its_end_restart
     assert not any(type(d).__name__ == "RestartOptimizer" for d in decisions)
 
 
+@pytest.mark.parametrize(("optimizer", "first"), [("sgd", "asp"), ("adam", "lbbsp")])
+def test_without_ashl_among_the_candidates_the_warm_up_is_asp_and_under_adam_none(
+    optimizer: str, first: str
+) -> None:
+    c = Cluster([1.0, 2.0, 4.0])
+    c.optimizer = optimizer
+    p = make_policy("auto", {"candidates": "asp,lbbsp,adsp"})
+    state = start(p, c)
+    assert running(state) == first and state.warming == (first == "asp")
+
+
 def test_a_warm_up_the_first_forecast_keeps_runs_on_untouched() -> None:
     """Under Adam, where the first forecast finds ashl (the warm-up) the best, auto stays on it:
     no switch, no restart, the same decisions as ashl alone."""
@@ -327,7 +338,7 @@ def test_without_a_forecast_the_warm_up_ends_on_the_start_policy() -> None:
     p = make_policy("auto", {"warmup_s": 0.4, "dwell_s": 30.0})
     state, out = warm(c, p, 0.6)
     assert running(state) == "lbbsp" and not state.warming
-    assert [s[1:3] for s in state.switches] == [("asp", "lbbsp")]
+    assert [s[1:3] for s in state.switches] == [("ashl", "lbbsp")]
     assert "no forecast in 0.4 s" in state.switches[0][3] and state.switches[0][0] == 0.4
     assert any(isinstance(d, SetPlan) for d in out[-1] + [d for ds in out for d in ds])
     _, state = p.update(forecast(c.now, pred("lbbsp", 5000), pred("ssp", 9000)), state, c.view())
@@ -374,9 +385,10 @@ def test_the_warm_up_ends_where_the_switch_it_takes_pays_and_the_start_pays_one_
     policy it beats by 12 %, and a candidate 20 % above the start is switched to, where charging
     the switch to it alone sent both runs to the start."""
     c = Cluster([1.0, 2.0, 4.0])
-    state, _ = warm(c, make_policy("auto", {"dwell_s": 30.0}), 0.6)
+    state, _ = warm(c, make_policy("auto", {"dwell_s": 30.0, "warmup": "asp"}), 0.6)
     cost = switch_cost_s(c.view())
-    p = make_policy("auto", {"dwell_s": 2 * cost})  # the same run, a switch costs half the dwell
+    # the same run, a switch costs half the dwell
+    p = make_policy("auto", {"dwell_s": 2 * cost, "warmup": "asp"})
     state, _ = warm(Cluster([1.0, 2.0, 4.0]), p, 0.6)
     assert running(state) == "asp" and state.warming
     preds = [pred("lbbsp", start_with), pred("asp", warm_up)] + ([pred("hps", best)] * (best > 0))
@@ -479,7 +491,7 @@ def test_a_switch_flushes_what_is_buffered_and_puts_every_plan_back_to_its_defau
 
 def test_after_asp_ran_ahead_a_switch_to_bsp_starts_every_worker_together() -> None:
     c = Cluster([1.0, 1.0, 4.0])
-    p = make_policy("auto", {"dwell_s": 0.0, "start": "asp"})
+    p = make_policy("auto", {"dwell_s": 0.0, "start": "asp", "warmup": ""})
     state, _ = warm(c, p, 0.5, forecast(0.0, pred("asp", 5000)))
     clocks = {w: f.clock for w, f in c.workers.items()}
     assert clocks[0] >= clocks[2] + 10  # asp let the fast ones run ahead
@@ -609,7 +621,7 @@ def test_a_policy_that_delivers_what_was_predicted_is_not_left_for_the_one_befor
 
 def test_the_state_round_trips_through_a_checkpoint_and_describes_itself() -> None:
     c = Cluster([1.0, 1.0, 4.0])
-    p = make_policy("auto", {"dwell_s": 0.0, "start": "asp"})
+    p = make_policy("auto", {"dwell_s": 0.0, "start": "asp", "warmup": ""})
     state, _ = warm(c, p, 0.5, forecast(0.0, pred("asp", 5000)))
     decisions, state = p.update(
         forecast(c.now, pred("asp", 5000), pred("ssp", 9000)), state, c.view()
