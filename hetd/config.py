@@ -113,9 +113,11 @@ class TrainConfig:
 class PolicyConfig:
     """The policy to start with."""
 
-    name: str = "ssp"
+    # auto: the daemon chooses among the synchronization policies as it measures the cluster
+    # (docs/policies.md, auto); any registered policy may be named instead.
+    name: str = "auto"
     # Empty: the policy's own defaults (ssp: staleness 3), so a file that names another policy
-    # and no params starts it rather than handing it ssp's parameters.
+    # and no params starts it rather than handing it another's parameters.
     params: Mapping[str, Any] = field(default_factory=dict)
     # A policy that reads forecasts (auto) gets one this often: the planner runs its candidates
     # forward on the cluster's facts in a thread, within 5 % of one core (a round that cost more

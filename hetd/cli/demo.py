@@ -12,12 +12,16 @@ from hetd.cli.common import Sub, json_params
 def add_demo(sub: Sub) -> None:
     d = sub.add_parser("demo", help="a daemon and 4 local workers of different speeds on mnist5k")
     d.add_argument("--out", default=None, help="write summary.json and accuracy.png here")
-    d.add_argument("--policy", default="ssp", help="policy name (default ssp)")
+    d.add_argument(
+        "--policy",
+        default="auto",
+        help="policy name (default auto: the daemon picks among the synchronization policies)",
+    )
     d.add_argument(
         "--policy-params",
         type=json_params,
         default=None,
-        help='JSON object of policy parameters (default {"staleness": 3} for ssp)',
+        help="JSON object of policy parameters (default: the policy's own; ssp's staleness 3)",
     )
     d.add_argument(
         "--slowdowns", default="1,1,2,4", help="one emulated slow-down per worker (default 1,1,2,4)"

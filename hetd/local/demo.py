@@ -31,8 +31,8 @@ from workers.imports import operator_flags
 class DemoOptions:
     """What ``hetd demo`` takes; the defaults are the embedded demo."""
 
-    policy: str = "ssp"
-    policy_params: tuple[tuple[str, Any], ...] = (("staleness", 3),)
+    policy: str = "auto"
+    policy_params: tuple[tuple[str, Any], ...] = ()
     slowdowns: tuple[float, ...] = (1.0, 1.0, 2.0, 4.0)
     dataset: str = "mnist5k"
     model: str = "mlp"
