@@ -27,7 +27,7 @@ def write(tmp_path: Path, text: str) -> Path:
 def test_defaults_load_without_a_file() -> None:
     cfg = config.load(None)
     assert cfg == Config()
-    assert (cfg.server.port, cfg.train.optimizer, cfg.policy.name) == (7070, "sgd", "ssp")
+    assert (cfg.server.port, cfg.train.optimizer, cfg.policy.name) == (7070, "sgd", "auto")
     assert cfg.policy.params == {}
     assert cfg.server.worker_token == "" and cfg.server.admin_token == ""
 
