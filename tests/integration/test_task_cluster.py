@@ -47,8 +47,12 @@ async def test_a_task_trains_to_its_target_and_comes_out_in_its_own_structure(
     c: Cluster = await cluster("ssp", task=LINREG, store={"dir": str(tmp_path / "state")})
     for _ in range(2):
         await c.spawn(1.0, 0.0, "--task", LINREG)
+    # both workers in (on a loaded machine the first can reach the target before the second has
+    # joined) and the target reached
     await c.wait_for(
-        lambda: c.engine.evaluations.target_at is not None, 150, "the task's target (r2 >= 0.98)"
+        lambda: len(c.engine.workers()) == 2 and c.engine.evaluations.target_at is not None,
+        150,
+        "both workers joined and the task's target (r2 >= 0.98)",
     )
     # two workers: the data cut in two, one half each
     assert sorted(tuple(w["shard"]) for w in c.engine.workers()) == [(0, 2), (1, 2)]
