@@ -69,7 +69,7 @@ async def test_serve_logs_listening_first_then_ready_and_stops_cleanly() -> None
         while not any("ready after" in line for line in seen):
             seen.append((await asyncio.wait_for(proc.stderr.readline(), 120)).decode())
         ready = seen[-1]
-        assert "mlp on digits, policy ssp" in ready, seen
+        assert "mlp on digits, policy auto" in ready, seen
         body = await asyncio.to_thread(health, port)
         assert body is not None and body["ready"] is True, body
     finally:
