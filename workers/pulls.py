@@ -5,7 +5,7 @@ With pservers the daemon answers a push (or a pull) that needs the full paramete
 The worker asks each pserver for its slice at that position (a ``pull`` frame,
 :mod:`hetd.protocol.pslink`, over a connection of its own beside the parts'), checks each slice
 against its hash and joins the slices by the partition map (whole tensors, or blocks of rows put
-back in order). The map covers every tensor exactly once (:func:`workers.parts.read_map` checks
+back in order). The map covers every tensor exactly once (:func:`check_cover` checks
 it), so slices that each match their hash join into the version the daemon released: one version,
 checked, as a full ``params`` frame's hash checks it. (A frame that also names the whole's
 ``hash``, which this release's daemon no longer sends, has the joined whole checked against it.)
@@ -55,29 +55,13 @@ def slice_shapes(
 
 
 def check_cover(shapes: Mapping[str, tuple[int, ...]], cuts: list[Cut]) -> None:
-    """That the parts cover every tensor exactly once: one whole part, or blocks whose rows run
-    from 0 to the tensor's first dimension with no gap and no overlap, each on its own. So slices
-    that each match their hash join into the whole version, with nothing left out or doubled.
-    :class:`~workers.parts.PartsError` otherwise."""
-    wholes: dict[str, int] = {}
-    rows: dict[str, list[tuple[int, int]]] = {}
-    for _key, path, start, stop, whole, _server in cuts:
-        if whole:
-            wholes[path] = wholes.get(path, 0) + 1
-        else:
-            rows.setdefault(path, []).append((start, stop))
-    for path, shape in shapes.items():
-        if wholes.get(path, 0) == 1 and path not in rows:
-            continue
-        blocks = sorted(rows.get(path, []))
-        at = 0
-        for start, stop in blocks:
-            if start != at or stop <= start:
-                break
-            at = stop
-        else:
-            if path not in wholes and blocks and shape and at == shape[0]:
-                continue
+    """That the parts cover every tensor exactly once (:func:`hetd.protocol.pslink.uncovered`),
+    so slices that each match their hash join into the whole version, with nothing left out or
+    doubled. :class:`~workers.parts.PartsError` otherwise."""
+    path = pslink.uncovered(
+        shapes, ((p, start, stop, whole) for _, p, start, stop, whole, _ in cuts)
+    )
+    if path is not None:
         raise PartsError(f"the welcome's partition map does not cover {path!r} exactly once")
 
 

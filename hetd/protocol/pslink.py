@@ -11,7 +11,7 @@ scale after them (:func:`tensor_entry`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import msgpack
@@ -28,6 +28,35 @@ class FrameError(ValueError):
 def part_key(path: str, start: int, stop: int, whole: bool) -> str:
     """A part's name inside a slice: the path for a whole tensor, else the path and its rows."""
     return path if whole else f"{path}{BLOCK_MARK}{start}:{stop}"
+
+
+def uncovered(
+    shapes: Mapping[str, tuple[int, ...]], parts: Iterable[tuple[str, int, int, bool]]
+) -> str | None:
+    """The first tensor of ``shapes`` that ``parts`` (path, start, stop, whole; a tensor's parts
+    in row order) do not cover exactly once, or a part's tensor ``shapes`` lacks; None when
+    each tensor is one whole part or blocks of rows running from 0 to its first dimension with no
+    gap and no overlap. What makes slices that each match their hash the whole model (the
+    partition map read back, the worker's welcome)."""
+    by_path: dict[str, list[tuple[int, int, bool]]] = {}
+    for path, start, stop, whole in parts:
+        by_path.setdefault(path, []).append((start, stop, whole))
+    for path in by_path:
+        if path not in shapes:
+            return path
+    for path, shape in shapes.items():
+        ps = by_path.get(path, [])
+        rows = shape[0] if shape else 1
+        if len(ps) == 1 and ps[0] == (0, rows, True):
+            continue
+        at = 0
+        for start, stop, whole in ps:
+            if whole or start != at or stop <= start:
+                return path
+            at = stop
+        if not shape or not ps or at != rows:
+            return path
+    return None
 
 
 def pack(kind: str, **fields: Any) -> bytes:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from hetd.core.store import Int8
-from hetd.protocol.pslink import part_key
+from hetd.protocol.pslink import part_key, uncovered
 
 FORMAT = 1  # the version of to_dict()'s layout
 BLOCK_BYTES = 4 << 20  # 4 MiB: a million float32 values per block
@@ -219,21 +219,14 @@ def _from_dict(d: Mapping[str, Any]) -> PartitionMap:
 
 def _check_cover(shapes: Mapping[str, tuple[int, ...]], parts: Sequence[Part]) -> None:
     """Each tensor's parts, in order: one whole part, or blocks covering its rows exactly."""
-    by_path: dict[str, list[Part]] = {}
-    for p in parts:
-        by_path.setdefault(p.path, []).append(p)
-    if list(by_path) != list(shapes):
+    order = [path for path, _ in itertools.groupby(p.path for p in parts)]
+    if order != list(shapes):
         raise _Malformed("partition map: the parts do not follow the tensors, one run each")
-    for path, ps in by_path.items():
+    path = uncovered(shapes, ((p.path, p.start, p.stop, p.whole) for p in parts))
+    if path is not None:
         shape = shapes[path]
         rows = shape[0] if shape else 1
-        if len(ps) == 1 and ps[0].whole and (ps[0].start, ps[0].stop) == (0, rows):
-            continue
-        edges = [ps[0].start] + [p.stop for p in ps]
-        ok = bool(shape) and not any(p.whole for p in ps) and edges[0] == 0 and edges[-1] == rows
-        ok = ok and all(p.start == a and p.stop > a for p, a in zip(ps, edges, strict=False))
-        if not ok:
-            raise _Malformed(f"partition map: the parts of {path!r} do not cover its {rows} rows")
+        raise _Malformed(f"partition map: the parts of {path!r} do not cover its {rows} rows")
 
 
 def _rows(x: Any, start: int, stop: int) -> Any:
