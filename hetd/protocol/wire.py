@@ -202,13 +202,23 @@ def pack_parts(type_: str, id_: int = 0, **fields: Any) -> Parts:
     return packing.parts()
 
 
+def pack_value(obj: Any, min_bytes: int = ZERO_COPY_MIN) -> Parts:
+    """Any msgpack-able value packed as :func:`pack_parts` packs a message: exactly
+    ``msgpack.packb(obj)`` as segments, each ``bytes``-like value of ``min_bytes`` or more left
+    as the caller's buffer (a record written to a file as it came off a socket)."""
+    packing = _Packing(min_bytes)
+    packing.add(obj)
+    return packing.parts()
+
+
 class _Packing:
     """The state of one :func:`pack_parts`. An object, not a closure calling itself: such a
     closure is a reference cycle (the function, its cell) holding every segment, so each packed
     frame's tensors (at 100M parameters, a whole model) stayed alive until the cyclic garbage
     collector ran (the daemon's RSS sawtooth, docs/benchmark.md)."""
 
-    def __init__(self) -> None:
+    def __init__(self, min_bytes: int = ZERO_COPY_MIN) -> None:
+        self.min_bytes = min_bytes
         self.packer = msgpack.Packer(use_bin_type=True)
         self.segments: list[bytes | bytearray | memoryview] = []
         self.offsets: list[int] = []
@@ -225,7 +235,7 @@ class _Packing:
             self.small += self.packer.pack_array_header(len(obj))
             for v in obj:
                 self.add(v)
-        elif isinstance(obj, bytes | bytearray | memoryview) and _nbytes(obj) >= ZERO_COPY_MIN:
+        elif isinstance(obj, bytes | bytearray | memoryview) and _nbytes(obj) >= self.min_bytes:
             n = _nbytes(obj)
             self.small += (
                 b"\xc6" + n.to_bytes(4, "big") if n >= 1 << 16 else b"\xc5" + n.to_bytes(2, "big")

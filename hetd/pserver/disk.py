@@ -33,6 +33,7 @@ import msgpack
 import numpy as np
 
 from hetd.core.store import Tensors
+from hetd.protocol import wire
 from hetd.pserver.link import LinkError, decode_tensors, encode_tensors
 from hetd.pserver.slice import SliceSaved
 
@@ -158,38 +159,12 @@ def find(directory: Path, ref: str) -> Saved | None:
 # --- the parts file ---------------------------------------------------------------------------
 
 
-def record(worker: int, pid: int, raw: Any) -> list[bytes]:
+def record(worker: int, pid: int, raw: Any) -> list[bytes | bytearray | memoryview]:
     """A part's record (length prefix first) as segments to write in order: exactly
     ``msgpack.packb([worker, pid, raw])`` with its length, but each large ``bytes`` value of
     ``raw`` (a tensor's data as it came off the socket) a segment of its own, not copied."""
-    packer = msgpack.Packer(use_bin_type=True)
-    segments: list[bytes] = []
-    head = bytearray(packer.pack_array_header(3) + packer.pack(worker) + packer.pack(pid))
-
-    def walk(value: Any) -> None:
-        nonlocal head
-        if isinstance(value, dict):
-            head += packer.pack_map_header(len(value))
-            for key, item in value.items():
-                head += packer.pack(key)
-                walk(item)
-        elif isinstance(value, list):
-            head += packer.pack_array_header(len(value))
-            for item in value:
-                walk(item)
-        elif isinstance(value, bytes) and len(value) >= _SPLIT:
-            n = len(value)  # msgpack's bin header (bin 16 or bin 32 at this size)
-            head += (
-                b"\xc5" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xc6" + n.to_bytes(4, "big")
-            )
-            segments.extend((bytes(head), value))
-            head = bytearray()
-        else:
-            head += packer.pack(value)
-
-    walk(raw)
-    segments.append(bytes(head))
-    return [sum(map(len, segments)).to_bytes(4, "big"), *segments]
+    parts = wire.pack_value([worker, pid, raw], _SPLIT)
+    return [parts.nbytes.to_bytes(4, "big"), *parts.segments]
 
 
 class PartsFile:
