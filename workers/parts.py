@@ -25,6 +25,7 @@ from hetd.codecs import registry as codecs
 from hetd.codecs.tensor import read_bytes, read_scales, read_shape, size_of
 from hetd.protocol import pslink, wire
 from hetd.protocol.frames import Push, decode
+from hetd.protocol.sockframes import FrameSocket
 
 log = logging.getLogger("hetd.worker")
 
@@ -118,7 +119,7 @@ class _Conn:
         self.server = server
         self.addr = addr
         self.lock = asyncio.Lock()
-        self._stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self._conn: FrameSocket | None = None
 
     async def deliver(self, frame: bytes, pid: int) -> None:
         """Send ``frame`` (push ``pid``'s part) until the pserver answers it."""
@@ -126,10 +127,9 @@ class _Conn:
         async with self.lock:
             while True:
                 try:
-                    reader, writer = await self._open()
-                    writer.write(frame)
-                    await writer.drain()
-                    reply = await pslink.recv(reader, 1 << 16)
+                    conn = await self._open()
+                    await conn.send(frame)
+                    reply = await conn.recv_msg(1 << 16)
                     if reply["t"] == "held" and reply.get("pid") == pid:
                         return
                     log.warning("pserver %d: part of push %d: %r", self.server, pid, reply)
@@ -143,15 +143,15 @@ class _Conn:
                     self.close()  # a frame may be half written
                     raise
 
-    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        if self._stream is None:
-            self._stream = await asyncio.open_connection(*self.addr)
-        return self._stream
+    async def _open(self) -> FrameSocket:
+        if self._conn is None:
+            self._conn = await FrameSocket.connect(*self.addr)
+        return self._conn
 
     def close(self) -> None:
-        if self._stream is not None:
-            self._stream[1].close()
-            self._stream = None
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
 
 class PartsSender:

@@ -31,6 +31,7 @@ import numpy as np
 from hetd.protocol import pslink
 from hetd.protocol.frames import ParamsAt
 from hetd.protocol.params import Held, param_hash
+from hetd.protocol.sockframes import FrameSocket
 from workers.parts import Cut, PartsError, read_info, read_map
 
 log = logging.getLogger("hetd.worker")
@@ -89,7 +90,7 @@ class _Conn:
     def __init__(self, server: int, addr: tuple[str, int]) -> None:
         self.server = server
         self.addr = addr
-        self._stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self._conn: FrameSocket | None = None
 
     async def pull(
         self, position: int, version: int, shapes: Mapping[str, tuple[int, ...]], deadline: float
@@ -100,17 +101,14 @@ class _Conn:
         frame = pslink.pack("pull", position=position, version=version)
         while True:
             try:
-                if self._stream is None:
-                    self._stream = await asyncio.open_connection(*self.addr)
-                reader, writer = self._stream
-                writer.write(frame)
-                await writer.drain()
+                if self._conn is None:
+                    self._conn = await FrameSocket.connect(*self.addr)
+                conn = self._conn
+                await conn.send(frame)
                 left = max(0.1, deadline - time.monotonic())
                 async with asyncio.timeout(left):
-                    n = int.from_bytes(await reader.readexactly(4), "big")
-                    if n > pslink.MAX_FRAME:
-                        raise pslink.FrameError(f"a frame of {n} bytes")
-                    body = await reader.readexactly(n)
+                    body = await conn.recv()  # (this connection's buffer: read before the next)
+                n = body.nbytes
                 reply = await asyncio.to_thread(pslink.unpack, body)
                 if reply["t"] == "gone":
                     return None
@@ -140,9 +138,9 @@ class _Conn:
                 raise
 
     def close(self) -> None:
-        if self._stream is not None:
-            self._stream[1].close()
-            self._stream = None
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
 
 class Puller:

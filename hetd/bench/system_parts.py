@@ -28,6 +28,7 @@ import msgpack
 
 from hetd.protocol import pslink
 from hetd.protocol.frames import Push, decode
+from hetd.protocol.sockframes import FrameSocket
 from workers.parts import cut, read_info, read_map, tensors_of
 
 
@@ -70,20 +71,20 @@ class PartsLinks:
         self.frames = frames
         self.held = 0  # parts answered held
         self.error: str | None = None
-        self._writers: list[asyncio.StreamWriter] = []
+        self._conns: list[FrameSocket] = []
         self._readers: list[asyncio.Task[None]] = []
 
     async def open(self) -> None:
         """Connect to every pserver."""
         for host, port in self.frames.addrs:
-            reader, writer = await asyncio.open_connection(host, port)
-            self._writers.append(writer)
-            self._readers.append(asyncio.create_task(self._read(reader)))
+            conn = await FrameSocket.connect(host, port)
+            self._conns.append(conn)
+            self._readers.append(asyncio.create_task(self._read(conn)))
 
-    async def _read(self, reader: asyncio.StreamReader) -> None:
+    async def _read(self, conn: FrameSocket) -> None:
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
             while True:
-                reply = await pslink.recv(reader, 1 << 16)
+                reply = await conn.recv_msg(1 << 16)
                 if reply["t"] == "held":
                     self.held += 1
                 elif self.error is None:
@@ -92,21 +93,19 @@ class PartsLinks:
     async def send(self, pid: int) -> None:
         """Push ``pid``'s part to every pserver (the next push patches the same buffers only
         once this one was decided, which needs every part received)."""
-        for server, writer in enumerate(self._writers):
-            writer.write(self.frames.frame(server, pid))
-        for writer in self._writers:
-            await writer.drain()
+        await asyncio.gather(
+            *(conn.send(self.frames.frame(s, pid)) for s, conn in enumerate(self._conns))
+        )
 
     async def close(self) -> None:
         for task in self._readers:
             task.cancel()
-        for writer in self._writers:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+        await asyncio.gather(*self._readers, return_exceptions=True)
+        for conn in self._conns:
+            conn.close()
 
 
-READ_BYTES = 1 << 20  # a slice is read this much at a time
+ENVELOPE = 4096  # bytes of a pull's answer kept: an error's whole frame, a slice's envelope
 
 
 class PullLinks:
@@ -115,50 +114,39 @@ class PullLinks:
 
     def __init__(self, addrs: list[tuple[str, int]]) -> None:
         self.addrs = addrs
-        self._streams: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self._conns: list[FrameSocket] = []
 
     async def open(self) -> None:
         """Connect to every pserver."""
         for host, port in self.addrs:
-            self._streams.append(await asyncio.open_connection(host, port))
+            self._conns.append(await FrameSocket.connect(host, port))
 
     async def fetch(self, position: int, version: int) -> int | None:
         """Every slice of the release at ``position``: the bytes read, or None when a pserver
         no longer holds it (the sender asks the daemon again)."""
         frame = pslink.pack("pull", position=position, version=version)
-        for _, writer in self._streams:
-            writer.write(frame)
-        sizes = await asyncio.gather(*(self._read(reader) for reader, _ in self._streams))
+        await asyncio.gather(*(conn.send(frame) for conn in self._conns))
+        sizes = await asyncio.gather(*(self._read(conn) for conn in self._conns))
         if any(n is None for n in sizes):
             return None
         return sum(n for n in sizes if n is not None)
 
     @staticmethod
-    async def _read(reader: asyncio.StreamReader) -> int | None:
+    async def _read(conn: FrameSocket) -> int | None:
         """One answer: its envelope read, the rest of its bytes read and let go (a slice of a
         big model is not held whole: a sender's memory stays what it was without pservers)."""
-        n = int.from_bytes(await reader.readexactly(4), "big")
-        head = await reader.readexactly(min(n, 64))
-        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=4096)
-        unpacker.feed(head)
+        n, head = await conn.skim(ENVELOPE)
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=ENVELOPE)
+        unpacker.feed(head[:64])
         unpacker.read_map_header()
         kind = unpacker.unpack(), unpacker.unpack()
         if kind == ("t", "gone"):
-            await reader.readexactly(n - len(head))
             return None
         if kind != ("t", "slice"):
-            body = head + await reader.readexactly(n - len(head))
-            raise pslink.FrameError(f"a pserver answered a pull with {pslink.unpack(body)!r}")
-        left = n - len(head)
-        while left:
-            got = await reader.read(min(left, READ_BYTES))
-            if not got:
-                raise asyncio.IncompleteReadError(b"", left)
-            left -= len(got)
+            what = pslink.unpack(head) if n == len(head) else kind[1]
+            raise pslink.FrameError(f"a pserver answered a pull with {what!r}")
         return n
 
     async def close(self) -> None:
-        for _, writer in self._streams:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+        for conn in self._conns:
+            conn.close()

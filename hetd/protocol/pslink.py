@@ -74,7 +74,7 @@ async def recv(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME) -> dict
     return unpack(await reader.readexactly(n))
 
 
-def unpack(body: bytes) -> dict[str, Any]:
+def unpack(body: bytes | memoryview) -> dict[str, Any]:
     """A frame's body as a map with a string ``"t"``; :class:`FrameError` otherwise."""
     try:
         msg = msgpack.unpackb(body, raw=False, strict_map_key=True)

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from hetd.protocol import pslink
+from hetd.protocol.sockframes import FrameServer, FrameSocket
 from hetd.pserver import disk, link
 from hetd.pserver.log import from_dict
 from hetd.pserver.node import Node, NodeError, Setup
@@ -171,29 +172,28 @@ class Pserver:
 
     # --- pushers --------------------------------------------------------------------------------
 
-    async def serve_pushers(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        """One pusher's connection: parts and fetches, answered in order."""
+    async def serve_pushers(self, conn: FrameSocket) -> None:
+        """One pusher's connection: parts and fetches, answered in order (its frames read and
+        written without copies through asyncio's streams: :mod:`hetd.protocol.sockframes`)."""
         try:
             while True:
-                msg = await link.recv(reader)
+                msg = await conn.recv_msg()
                 try:
-                    await self._answer(msg, writer)
+                    await self._answer(msg, conn)
                 except link.LinkError as exc:
-                    await link.send(writer, "error", message=str(exc))
+                    await conn.send_msg("error", message=str(exc))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         except link.LinkError as exc:  # an unreadable frame: this connection ends
             with contextlib.suppress(Exception):
-                await link.send(writer, "error", message=str(exc))
+                await conn.send_msg("error", message=str(exc))
         except (LogMismatch, NodeError, disk.DiskError, OSError) as exc:  # the node cannot go on
             self.failed = exc
             self.broken.set()
         finally:
-            writer.close()
+            conn.close()
 
-    async def _answer(self, msg: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+    async def _answer(self, msg: dict[str, Any], conn: FrameSocket) -> None:
         while self.node is None:  # the head's welcome comes first
             self.advanced.clear()
             await self.advanced.wait()
@@ -203,14 +203,14 @@ class Pserver:
             pid = link.field(msg, "pid", int)
             new = node.receive(worker, pid, msg.get("tensors"), fsync=False)
             await node.parts_durable()  # one fsync for the parts that came meanwhile, off the loop
-            await link.send(writer, "held", worker=worker, pid=pid, new=new)
+            await conn.send_msg("held", worker=worker, pid=pid, new=new)
             if node.slice.holds(worker, pid):  # (not when the log already consumed it)
                 await self._have(worker, pid)
             if new:
                 await self._report(node.advance())
                 self.advanced.set()
         elif msg["t"] == "pull":
-            await self._pull(msg, writer)
+            await self._pull(msg, conn)
         elif msg["t"] == "fetch":
             want = link.field(msg, "position", int)
             while self.node is node and node.position < want:
@@ -221,13 +221,11 @@ class Pserver:
             except LogMismatch as exc:  # steps queued here: not a place a release reads
                 raise link.LinkError(str(exc)) from None
             version = node.slice.store.version
-            await link.send(
-                writer, "slice", position=node.position, version=version, tensors=tensors
-            )
+            await conn.send_msg("slice", position=node.position, version=version, tensors=tensors)
         else:
             raise link.LinkError(f"unknown frame {msg['t']!r}")
 
-    async def _pull(self, msg: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+    async def _pull(self, msg: dict[str, Any], conn: FrameSocket) -> None:
         """A release at the position asked (waiting until the slice gets there), or ``gone``."""
         want = link.field(msg, "position", int)
         version = link.field(msg, "version", int)
@@ -238,22 +236,22 @@ class Pserver:
             await self.advanced.wait()
         found = node.slice.release_at(want) if self.node is node else None
         if found is None or found[0] != version:
-            await link.send(writer, "gone", position=node.position)
+            await conn.send_msg("gone", position=node.position)
             return
-        for segment in pslink.slice_frame(want, version, found[1]):
-            writer.write(segment)  # (writelines would join them: one more copy of the slice)
-        await writer.drain()
+        await conn.send(
+            *pslink.slice_frame(want, version, found[1])
+        )  # (the kept tensors, uncopied)
 
 
-async def _listen(ps: Pserver, directory: Path, listen: tuple[str, int]) -> asyncio.Server:
+async def _listen(ps: Pserver, directory: Path, listen: tuple[str, int]) -> FrameServer:
     """Listen for pushers on ``listen``; port 0 takes the port this directory's pserver had
     (``<dir>/port``) when it is free, so a restarted pserver keeps the address workers hold."""
     host, port = listen
     if port == 0:
         with contextlib.suppress(OSError, ValueError):
             old = int((directory / PORT_FILE).read_text().strip())
-            return await asyncio.start_server(ps.serve_pushers, host, old)
-    return await asyncio.start_server(ps.serve_pushers, host, port)
+            return await FrameServer.start(ps.serve_pushers, host, old)
+    return await FrameServer.start(ps.serve_pushers, host, port)
 
 
 def _setup(welcome: dict[str, Any]) -> Setup:
@@ -296,7 +294,7 @@ async def run(
     directory.mkdir(parents=True, exist_ok=True)
     ps = Pserver(head, server, directory, sync)
     site = await _listen(ps, directory, listen)
-    port = int(site.sockets[0].getsockname()[1])
+    port = site.port
     ps.parts = (listen[0], port)
     tmp = directory / f".{PORT_FILE}.tmp"
     tmp.write_text(f"{port}\n")

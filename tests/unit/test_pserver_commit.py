@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from hetd.core.store import PLAIN_OUTER
+from hetd.protocol.sockframes import FrameServer
 from hetd.pserver import disk, link
 from hetd.pserver.commit import GroupCommit
 from hetd.pserver.node import Node
@@ -55,8 +56,8 @@ async def test_parts_sent_together_share_an_fsync_and_all_come_back_after_a_rest
     ps = Pserver(("127.0.0.1", 1), 0, tmp_path)  # (no head: nothing is reported to one)
     ps.node = node = Node(tmp_path, 0, setup, base)
     shapes = {k: np.shape(v) for k, v in base.items()}
-    site = await asyncio.start_server(ps.serve_pushers, "127.0.0.1", 0)
-    port = site.sockets[0].getsockname()[1]
+    site = await FrameServer.start(ps.serve_pushers, "127.0.0.1", 0)
+    port = site.port
     conns = [await asyncio.open_connection("127.0.0.1", port) for _ in range(SENDERS)]
     try:
 
@@ -143,8 +144,8 @@ async def test_no_part_is_answered_held_while_the_fsync_that_covers_it_has_not_r
     ps = Pserver(("127.0.0.1", 1), 0, tmp_path)
     ps.node = node = Node(tmp_path, 0, setup, base)
     monkeypatch.setattr(disk.os, "fsync", gated)  # (the parts file's fsyncs, from here on)
-    site = await asyncio.start_server(ps.serve_pushers, "127.0.0.1", 0)
-    port = site.sockets[0].getsockname()[1]
+    site = await FrameServer.start(ps.serve_pushers, "127.0.0.1", 0)
+    port = site.port
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         await link.send(writer, "part", worker=1, pid=1, tensors=_part(1, shapes))
