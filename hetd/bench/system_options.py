@@ -43,7 +43,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the pservers axis, e.g. 1,2: 1 is the daemon alone; S >= 2 a daemon with S pserver "
         "processes, the senders sending each its part of every push; every S of a cell runs side "
-        "by side, windows alternated, and the pservers' targets are printed (default 1)",
+        "by side, windows alternated, and the pservers' targets are printed (default 1); "
+        "--suite chaos: S local pservers behind each run's daemon, one killed (default 0)",
     )
     g.add_argument(
         "--pserver-backends",

@@ -478,6 +478,12 @@ def _chaos(args: argparse.Namespace) -> int:
     from hetd.sim.results import parse_policies
 
     workers = 4 if args.workers is None else args.workers
+    try:  # --pservers is the system suite's axis too (1,2); the chaos suite takes one S
+        servers = 0 if args.pservers is None else int(args.pservers)
+    except ValueError:
+        raise ValueError(
+            f"--suite chaos takes --pservers S, one number, got {args.pservers!r}"
+        ) from None
     opts = ChaosOptions(
         policies=tuple(parse_policies(args.policies or "bsp,asp,ssp")),
         out=Path(args.out),
@@ -487,6 +493,7 @@ def _chaos(args: argparse.Namespace) -> int:
         seed=args.seed,
         quiet=args.quiet,
         links=_links(args, workers),
+        pservers=servers,
     )
     doc = run_chaos(opts)
     print(f"chaos: wrote {args.out}/chaos.json and chaos.md")
@@ -497,6 +504,8 @@ def _chaos(args: argparse.Namespace) -> int:
             f"versions lost {p['versions_lost']} (bound {p['lost_bound']})  daemon restarted "
             f"{p['daemon_restarted']}  {p['verdict']}" + "".join(f"; {x}" for x in p["failures"])
         )
+        if "pserver_back_verdict" in p:
+            print(f"  {p['policy']:<22} {p['pserver_back_verdict']}")
     print(f"chaos: verdict {doc['verdict']}")
     return 0 if doc["verdict"] == "pass" else 1
 

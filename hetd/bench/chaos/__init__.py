@@ -6,13 +6,15 @@ unshaped links in network namespaces):
 * **chaos**: ``hetd serve`` as a subprocess and N ``hetd-worker`` processes (:mod:`.cluster`), one
   fault every ``fault_every`` s drawn with the seed: a worker killed, stalled or cut off, and
   exactly one SIGKILL of the daemon mid-run, restarted at once on the same ports and state
-  directory (:mod:`.faults`);
+  directory (:mod:`.faults`); with ``--pservers S``, a daemon with S local pserver processes and
+  pserver kills among the faults (:mod:`.pservers`);
 * **baseline**: the same with no faults, in two halves, one just before the chaos run and one just
   after.
 
 Each policy is scored on goodput against the baseline, duplicate or partial applies, parameter
-hash mismatches, versions lost at the daemon kill and each fault's recovery (:mod:`.score`); the
-runs and the report are :mod:`.suite`'s.
+hash mismatches, versions lost at the daemon kill and each fault's recovery, and with pservers
+their restarts, the update rate back after a kill and their slices against the head's parameters
+(:mod:`.score`); the runs and the report are :mod:`.suite`'s.
 """
 
 from hetd.bench.chaos.cluster import ChaosOptions

@@ -3,9 +3,10 @@ the admin API shows of them while the run lasts.
 
 Owns :class:`ChaosOptions` and :class:`Cluster`. A cluster writes the daemon's TOML config into a
 temporary directory (loopback or the run's head address, a state directory checkpointed every
-:data:`CHECKPOINT_S` s, the admin API on loopback, the data set and the policy), starts ``hetd
-serve`` and the ``hetd-worker`` processes through :mod:`hetd.local.procs` (one log file per
-process under ``OUT/logs``), and polls the admin API: ``/v1/status`` every :data:`POLL_S` s into
+:data:`CHECKPOINT_S` s, the admin API on loopback, the data set and the policy, and with
+``--pservers S`` S local pserver processes, :mod:`.pservers`), starts ``hetd serve`` and the
+``hetd-worker`` processes through :mod:`hetd.local.procs` (one log file per process under
+``OUT/logs``), and polls the admin API: ``/v1/status`` every :data:`POLL_S` s into
 :attr:`Cluster.series`, ``/v1/workers`` and ``/metrics`` every :data:`SLOW_POLL_S` s.
 """
 
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hetd.bench.chaos import pservers
 from hetd.bench.links import NetnsLinks
 from hetd.bench.system_limit import free_port
 from hetd.config import toml_value
@@ -56,6 +58,7 @@ class ChaosOptions:
     dataset: str = "mnist5k"
     quiet: bool = False
     links: str = "emulated"  # netns: a cut is the worker's link set down (hetd.bench.links, root)
+    pservers: int = 0  # local pserver processes behind the daemon (0: none, the daemon alone)
 
     @property
     def duration_s(self) -> float:
@@ -127,7 +130,8 @@ def _config_text(
         "[server]\n"
         f'host = {json.dumps(host)}\nport = {port}\nadmin_host = "127.0.0.1"\nadmin_port = {admin}\n'
         f"heartbeat_s = 0.5\nheartbeat_timeout_s = {opts.heartbeat_timeout_s!r}\n"
-        "stop_timeout_s = 3.0\n"
+        # with pservers, the stop waits until each saved the last checkpoint (on a loaded host)
+        f"stop_timeout_s = {10.0 if opts.pservers else 3.0!r}\n"
         "[train]\n"
         f"dataset = {json.dumps(opts.dataset)}\nseed = {opts.seed}\neval_interval_s = 5.0\n"
         f"shards = {max(1, opts.workers)}\n"
@@ -135,6 +139,7 @@ def _config_text(
         f"name = {json.dumps(policy.name)}\nparams = {{{params}}}\n"
         "[store]\n"
         f"dir = {json.dumps(state)}\ninterval_s = {CHECKPOINT_S!r}\nkeep = 3\n"
+        + pservers.config_text(opts.pservers)
     )
 
 
@@ -161,10 +166,9 @@ class Cluster:
         for old in self.logs.glob(f"{policy.name}-{tag}-*.log"):  # an earlier suite's, same OUT
             old.unlink()
         self.config = Path(self.tmp.name) / "hetd.toml"
+        self.state = Path(self.tmp.name) / "st"
         self.config.write_text(
-            _config_text(
-                opts, policy, self.port, self.admin_port, str(Path(self.tmp.name) / "st"), self.host
-            )
+            _config_text(opts, policy, self.port, self.admin_port, str(self.state), self.host)
         )
         self.daemon: Process | None = None
         self.daemon_starts = 0
@@ -178,6 +182,9 @@ class Cluster:
         self.applied_by_life: dict[int, float] = {}
         self.samples_per_push = 0.0
         self.loads: list[float] = []  # the host's 1-min load average, once a second
+        self.parts_dropped_by_life: dict[int, int] = {}  # pushes dropped waiting for a part
+        self.slices: dict[str, Any] | None = None  # the pservers' slices against the head
+        self.stopped = False
 
     def _log(self, name: str) -> Any:
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -206,6 +213,8 @@ class Cluster:
                 f"ws://{self.host}:{self.port}",
                 "--name", f"w{slot}-{self.spawned}", "--retry-max-delay", "1.0",
                 "--emulate-base-step", repr(BASE_STEP_S), "--verbose",
+                # with pservers, releases are pulled from them (as a remote worker's are)
+                *(("--no-shm",) if self.opts.pservers else ()),
                 env=self._env(), stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
                 wrap=None if self.net is None else functools.partial(self.net.command, slot),
             )  # fmt: skip
@@ -246,6 +255,12 @@ class Cluster:
                 self.series.append((time.monotonic() - self.t0, v, ua, w))
                 if v != ua:
                     self.violations += 1
+                dropped = pservers.parts_dropped(s)
+                if dropped is not None:
+                    life = self.daemon_starts
+                    self.parts_dropped_by_life[life] = max(
+                        self.parts_dropped_by_life.get(life, 0), dropped
+                    )
             if now - last_slow >= SLOW_POLL_S:
                 last_slow = now
                 await self._poll_slow()
@@ -291,9 +306,20 @@ class Cluster:
                     return
             await asyncio.sleep(0.5)
 
+    def _keep_pserver_logs(self) -> None:
+        """Each pserver's log (all its processes', appended) beside the run's other logs."""
+        for s in range(self.opts.pservers):
+            log = self.state / "pservers" / f"slice{s}" / "pserver.log"
+            with contextlib.suppress(OSError), self._log(f"pserver{s}") as out:
+                out.write(log.read_bytes())
+
     async def stop(self) -> None:
-        """Stop every process (a stopped worker is continued first) and remove the temporary
-        directory."""
+        """Stop every process (a stopped worker is continued first); with pservers, check their
+        slices saved at the daemon's last checkpoint against it (:attr:`slices`); remove the
+        temporary directory. A second call does nothing."""
+        if self.stopped:
+            return
+        self.stopped = True
         for p in self.workers:
             with contextlib.suppress(ProcessLookupError):
                 p.send_signal(signal.SIGCONT)
@@ -302,4 +328,12 @@ class Cluster:
             procs.append(self.daemon)
         with contextlib.suppress(Exception):
             await stop_processes(procs)
+        if self.opts.pservers and self.daemon is not None:
+            self._keep_pserver_logs()
+            try:
+                self.slices = await asyncio.to_thread(
+                    pservers.slices_against_head, self.state, self.opts.pservers
+                )
+            except Exception as exc:  # an unreadable file is a failed check, not a crash
+                self.slices = {"match": False, "why": f"cannot read the state: {exc!r}"}
         self.tmp.cleanup()

@@ -21,12 +21,19 @@ an unshaped veth pair (:mod:`hetd.bench.links`) and the daemon listens on the ru
 cut sets that worker's link down for the same time, then up: packets are dropped silently both
 ways (no FIN, no RST), so the daemon notices through heartbeats alone, and the worker finds its
 connection dead once the link is back and resumes its id.
+
+**A pserver kill** (``--pservers S``, drawn beside the worker faults, and at least one in every
+plan): SIGKILL one of the daemon's pserver processes, its pid read from ``/v1/status``
+(``decisions.processes``). The daemon's local supervisor starts it again on its directory; the
+fault ends once the new process is connected to the head's link, and its record keeps the pid
+killed, the new pid and how long each step took.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import signal
 import subprocess
@@ -34,10 +41,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from hetd.bench.chaos import pservers
 from hetd.bench.chaos.cluster import ChaosOptions, Cluster
 from hetd.local.procs import wait_ready
 
 KINDS = ("kill_worker", "stall_worker", "cut_worker")
+PSERVER_KINDS = (*KINDS, "kill_pserver")  # with --pservers S >= 1
 
 
 @dataclass
@@ -45,15 +54,18 @@ class Fault:
     """One planned fault and what happened."""
 
     at_s: float  # planned, from the run's t = 0
-    kind: str  # kill_worker | stall_worker | cut_worker | kill_daemon
-    slot: int = -1  # the worker slot (-1: the daemon)
+    kind: str  # kill_worker | stall_worker | cut_worker | kill_daemon | kill_pserver
+    slot: int = -1  # the worker slot; kill_pserver: the pserver's slice (-1: the daemon)
     injected_s: float | None = None
     ended_s: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 def schedule(opts: ChaosOptions) -> list[Fault]:
-    """The seeded fault plan: one fault every ``fault_every`` s, the middle one the daemon kill."""
+    """The seeded fault plan: one fault every ``fault_every`` s, the middle one the daemon kill;
+    with pservers, pserver kills drawn too, and the first other fault made one if none was."""
+    if opts.pservers < 0:
+        raise ValueError(f"--pservers must be >= 0, got {opts.pservers}")
     rng = random.Random(opts.seed)
     times = []
     t = opts.fault_every
@@ -63,12 +75,20 @@ def schedule(opts: ChaosOptions) -> list[Fault]:
     if not times:
         raise ValueError("--fault-every must be shorter than the run (--minutes)")
     daemon_at = len(times) // 2
+    kinds = PSERVER_KINDS if opts.pservers else KINDS
     faults = []
     for i, at in enumerate(times):
         if i == daemon_at:
             faults.append(Fault(at, "kill_daemon"))
-        else:
-            faults.append(Fault(at, rng.choice(KINDS), rng.randrange(opts.workers)))
+            continue
+        kind = rng.choice(kinds)
+        slots = opts.pservers if kind == "kill_pserver" else opts.workers
+        faults.append(Fault(at, kind, rng.randrange(slots)))
+    others = [f for f in faults if f.kind != "kill_daemon"]
+    if opts.pservers and not any(f.kind == "kill_pserver" for f in faults):
+        if not others:
+            raise ValueError("--pservers needs a run of at least two faults (--fault-every)")
+        others[0].kind, others[0].slot = "kill_pserver", rng.randrange(opts.pservers)
     return faults
 
 
@@ -126,6 +146,9 @@ class Faulter:
         f.injected_s = self._now()
         if f.kind == "kill_daemon":
             await self._kill_daemon(f)
+            return
+        if f.kind == "kill_pserver":
+            await self._kill_pserver(f)
             return
         slot = f.slot
         if slot in self.paused:  # that worker is already under a fault: take a free one
@@ -198,4 +221,35 @@ class Faulter:
             name=f"the restarted daemon (logs in {c.logs})",
         )
         f.extra["restart_s"] = round(self._now() - f.injected_s, 3)
+        f.ended_s = self._now()
+
+    async def _kill_pserver(self, f: Fault) -> None:
+        """SIGKILL pserver ``f.slot``'s process and wait (at most
+        :data:`~hetd.bench.chaos.pservers.RESTART_WAIT_S`) until the daemon shows a new process
+        for it connected to its link: the pids, and when each was seen."""
+        c = self.cluster
+        assert f.injected_s is not None
+        row = pservers.process_row(await c.status(), f.slot)
+        pid = None if row is None else row.get("pid")
+        if not isinstance(pid, int) or pid <= 0:  # the daemon down, or that pserver restarting
+            f.extra["skipped"] = "no running process for that pserver"
+            f.ended_s = self._now()
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        f.extra["pid_killed"] = pid
+        f.extra["pid_new"] = None
+        deadline = time.monotonic() + pservers.RESTART_WAIT_S
+        while time.monotonic() < deadline:
+            s = await c.status()
+            row = pservers.process_row(s, f.slot)
+            new = None if row is None else row.get("pid")
+            if isinstance(new, int) and new > 0 and new != pid:
+                if f.extra["pid_new"] is None:
+                    f.extra["pid_new"] = new
+                    f.extra["new_pid_s"] = round(self._now() - f.injected_s, 3)
+                if f.slot in pservers.connected(s):
+                    f.extra["reconnected_s"] = round(self._now() - f.injected_s, 3)
+                    break
+            await asyncio.sleep(0.2)
         f.ended_s = self._now()

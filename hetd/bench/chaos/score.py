@@ -25,9 +25,17 @@ Measured (from :class:`~hetd.bench.chaos.cluster.Cluster`'s polls of the admin A
   a sliding window is back to >= 50 % of the rate before the fault) and ``workers_back_s`` (from the
   injection to the first moment after the fault ended with all N workers connected).
 
+With pservers (``--pservers S``): per pserver kill, ``updates_back_s`` (:mod:`.pservers`: the
+first 2 s window after the kill whose rate is at least half the 2 s before it), with its target
+of 10 s; ``parts_dropped``, pushes the head dropped because a pserver's part did not come in time
+(per daemon life, summed); and ``slices``, each pserver's slice saved at the daemon's last
+checkpoint joined against that checkpoint's parameters, bit for bit.
+
 **Verdict.** ``pass`` when, for every policy: no duplicate or partial apply, no hash mismatch (and
 at least one verified pull), versions lost within one checkpoint interval, the daemon restarted and
-every worker came back. Goodput has a target (``GOODPUT_TARGET`` for asp and ssp) that is reported,
+every worker came back; with pservers also: at least one pserver killed, each one killed
+restarted, no push dropped for a missing part, and in every run the slices equal to the head's
+parameters. Goodput and the pservers' 10 s has a target (``GOODPUT_TARGET`` for asp and ssp) that is reported,
 not part of the verdict: it measures speed, the rest correctness.
 """
 
@@ -40,6 +48,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from hetd.bench.chaos import pservers
 from hetd.bench.chaos.cluster import CHECKPOINT_S, ChaosOptions, Cluster
 from hetd.bench.chaos.faults import Fault
 from hetd.sim.results import PolicySpec
@@ -142,15 +151,22 @@ def run_record(
         "daemon_starts": c.daemon_starts,
         "workers_spawned": c.spawned,
         "workers_at_end": c.series[-1][3] if c.series else 0,
+        "parts_dropped": sum(c.parts_dropped_by_life.values()),
+        "slices": c.slices,
         "faults": [
             {
                 "at_s": f.at_s,
                 "kind": f.kind,
-                "worker": f.slot,
+                **({"pserver": f.slot} if f.kind == "kill_pserver" else {"worker": f.slot}),
                 "injected_s": None if f.injected_s is None else round(f.injected_s, 3),
                 "ended_s": None if f.ended_s is None else round(f.ended_s, 3),
                 **f.extra,
                 **recovery(c, f),
+                **(
+                    pservers.updates_back(c, f.injected_s)
+                    if f.kind == "kill_pserver" and f.injected_s is not None
+                    else {}
+                ),
                 "cost_s": cost(c, f, end),
             }
             for f, end in zip(faults, ends, strict=False)
@@ -167,6 +183,7 @@ _SUMMED = (
     "hash_mismatches",
     "hash_verified",
     "worker_processes",
+    "parts_dropped",
 )
 
 
@@ -178,6 +195,7 @@ def merge_baselines(before: dict[str, Any], after: dict[str, Any]) -> dict[str, 
     merged: dict[str, Any] = {k: before[k] + after[k] for k in _SUMMED}
     loads = [x for x in (before["load_mean"], after["load_mean"]) if x is not None]
     merged["load_mean"] = round(sum(loads) / len(loads), 2) if loads else None
+    merged["slices"] = [before["slices"], after["slices"]]
     merged["halves"] = [before, after]
     return merged
 
@@ -224,6 +242,8 @@ def policy_row(
         "daemon_restarted": chaos["daemon_starts"] == 2,
         "workers_back": chaos["workers_at_end"] >= opts.workers,
     }
+    if opts.pservers:
+        row.update(pservers.scores(chaos, base))
     row["failures"] = failures(row)
     row["verdict"] = "fail" if row["failures"] else "pass"
     return {**row, "chaos": chaos, "baseline": base}
@@ -244,6 +264,16 @@ def failures(row: dict[str, Any]) -> list[str]:
         out.append("the daemon did not restart")
     if not row["workers_back"]:
         out.append("not every worker came back")
+    if "pserver_kills" in row:  # a run with pservers
+        if not row["pserver_kills"]:
+            out.append("no pserver was killed")
+        if not row["pservers_restarted"]:
+            out.append("a killed pserver was not seen restarted")
+        if row["parts_dropped"]:
+            out.append(f"{row['parts_dropped']} pushes dropped waiting for a pserver's part")
+        if not row["slices_match_head"]:
+            why = "; ".join(str(x) for x in row["slices_why"]) or "not checked"
+            out.append(f"the pservers' slices do not match the head's parameters ({why})")
     return out
 
 
@@ -258,10 +288,21 @@ def render_md(doc: dict[str, Any]) -> str:
         "",
         f"{o['workers']} workers, {o['minutes']:g} min per run, one fault every "
         f"{o['fault_every']:g} s (seed {o['seed']}), checkpoint every {o['checkpoint_s']:g} s, "
-        f"stall {o['stall_s']:g} s, heartbeat timeout {o['heartbeat_timeout_s']:g} s.",
+        f"stall {o['stall_s']:g} s, heartbeat timeout {o['heartbeat_timeout_s']:g} s"
+        + (
+            f", {o['pservers']} local pservers (workers pull their releases from them)."
+            if o.get("pservers")
+            else "."
+        ),
         "",
         f"Verdict: **{doc['verdict']}** (no duplicate or partial apply, no hash mismatch, versions "
-        "lost within one checkpoint interval, daemon restarted, every worker back).",
+        "lost within one checkpoint interval, daemon restarted, every worker back"
+        + (
+            "; a pserver killed and restarted, no push dropped for a missing part, the pservers' "
+            "saved slices equal to the head's parameters bit for bit)."
+            if o.get("pservers")
+            else ")."
+        ),
         "",
         "Goodput is against the fault-free baseline run; the next column against the chaos run's "
         "own pre-fault rate (the same host at the same time: a check on load drift).",
@@ -304,10 +345,18 @@ def render_md(doc: dict[str, Any]) -> str:
             return "–" if x is None else f"{x:g}" if isinstance(x, float) else str(x)
 
         for f in c["faults"]:
-            worker = "daemon" if f["kind"] == "kill_daemon" else str(f["worker"])
+            worker = (
+                "daemon"
+                if f["kind"] == "kill_daemon"
+                else f"pserver {f['pserver']}"
+                if f["kind"] == "kill_pserver"
+                else str(f["worker"])
+            )
             lines.append(
                 f"| {fmt(f['injected_s'])} | {f['kind']} | {worker} | {fmt(f.get('held_s'))} | "
                 f"{fmt(f.get('pre_rate'))} | {fmt(f.get('cost_s'))} | {fmt(f['rate_recovery_s'])} | "
                 f"{fmt(f['workers_back_s'])} |"
             )
+        if "pserver_kills" in p:
+            lines += pservers.report_lines(p, fmt)
     return "\n".join(lines) + "\n"

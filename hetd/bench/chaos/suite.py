@@ -76,7 +76,9 @@ async def run_once(
         await c.settle(time.monotonic() + SETTLE_S)
         stop.set()
         await poller
-        return run_record(c, faults, v0, v1, round(time.monotonic() - c.t0, 2))
+        observed = round(time.monotonic() - c.t0, 2)
+        await c.stop()  # with pservers, their slices are checked against the last checkpoint
+        return run_record(c, faults, v0, v1, observed)
     finally:
         await c.stop()
 
@@ -119,6 +121,7 @@ async def run_chaos_async(opts: ChaosOptions) -> dict[str, Any]:
             "base_step_s": BASE_STEP_S,
             "cpus": os.cpu_count(),
             "links": {"kind": "emulated"},
+            "pservers": opts.pservers,
         },
         "policies": [],
     }

@@ -1,0 +1,213 @@
+"""The chaos run's pservers (``--pservers S``): the daemon's config for them, where the admin API
+shows their processes, how soon the update rate is back after one is killed, their saved slices
+checked against the head's parameters once the run's daemon has stopped, and a policy's pserver
+scores and its lines in ``chaos.md``.
+
+With S >= 1 the run's daemon keeps the decision log and starts S local pserver processes
+(``[pservers] log = true, servers = S, backend = "local"``), which it restarts when one dies; the
+workers send each pserver its part of every push and pull their full releases from the pservers
+(``--no-shm``: the path a worker on another host takes). :mod:`.faults` kills one with SIGKILL.
+
+**Updates back** after a pserver kill at ``t``: the rate over :data:`BACK_WINDOW_S` just before
+the kill (``[t - 2, t]``) is the reference; the rate is back at the first poll ``u >= t + 2`` whose
+window ``[u - 2, u]`` (after the kill, whole) holds at least half the reference's rate. The figure
+is ``u - t``, so it is never under the window's 2 s; the target is :data:`BACK_TARGET_S`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the cluster imports this module for its config
+    from hetd.bench.chaos.cluster import Cluster
+    from hetd.pserver.partition import PartitionMap
+
+BACK_WINDOW_S = 2.0  # the rate's window before and after a pserver kill
+BACK_TARGET_S = 10.0  # the target: updates/s back within this many seconds of the kill
+RESTART_WAIT_S = 180.0  # how long a kill waits to see the restarted pserver connected
+
+
+def config_text(servers: int) -> str:
+    """The ``[pservers]`` table of a run's daemon config (empty for none)."""
+    if servers < 1:
+        return ""
+    # port 0: the link on any free port; a restarted daemon starts its pservers afresh
+    return f'[pservers]\nlog = true\nservers = {servers}\nbackend = "local"\nport = 0\n'
+
+
+def process_row(status: Any, server: int) -> dict[str, Any] | None:
+    """Pserver ``server``'s row in ``/v1/status``' ``decisions.processes`` (pid, state, restarts),
+    or None when the daemon does not answer or shows no such process."""
+    decisions = status.get("decisions") if isinstance(status, dict) else None
+    rows = decisions.get("processes") if isinstance(decisions, dict) else None
+    for row in rows if isinstance(rows, list) else []:
+        if isinstance(row, dict) and row.get("slice") == server:
+            return row
+    return None
+
+
+def connected(status: Any) -> list[int]:
+    """The pservers ``/v1/status`` shows connected to the head's link."""
+    decisions = status.get("decisions") if isinstance(status, dict) else None
+    got = decisions.get("connected") if isinstance(decisions, dict) else None
+    return [x for x in got if isinstance(x, int)] if isinstance(got, list) else []
+
+
+def parts_dropped(status: Any) -> int | None:
+    """Pushes the head dropped because a pserver's part did not come in time (None: not shown)."""
+    decisions = status.get("decisions") if isinstance(status, dict) else None
+    parts = decisions.get("parts") if isinstance(decisions, dict) else None
+    dropped = parts.get("dropped") if isinstance(parts, dict) else None
+    return dropped if isinstance(dropped, int) else None
+
+
+def updates_back(c: Cluster, t_kill: float) -> dict[str, Any]:
+    """The rate over the window before the kill at ``t_kill`` and how many seconds after it the
+    rate over a window was back to half of that (None: not back while the run was polled)."""
+    pre = c.rate(t_kill - BACK_WINDOW_S, t_kill)
+    back = None
+    if pre > 0:
+        for t, *_ in c.series:
+            if t >= t_kill + BACK_WINDOW_S and c.rate(t - BACK_WINDOW_S, t) >= 0.5 * pre:
+                back = round(t - t_kill, 3)
+                break
+    return {"rate_before_kill": round(pre, 2), "updates_back_s": back}
+
+
+def back_verdict(backs: list[float | None]) -> str:
+    """The report's line on the target: the slowest kill's figure against :data:`BACK_TARGET_S`."""
+    if not backs:
+        return "pserver kill: none was done"
+    if any(b is None for b in backs):
+        return (
+            f"pserver kill: updates/s not back by the end of the run after {backs.count(None)} "
+            f"of {len(backs)} kills (target <= {BACK_TARGET_S:g} s): NOT met"
+        )
+    worst = max(b for b in backs if b is not None)
+    met = "met" if worst <= BACK_TARGET_S else "NOT met"
+    return f"pserver kill: updates/s back within {worst:g} s (target <= {BACK_TARGET_S:g} s): {met}"
+
+
+# --- the scores and the report ----------------------------------------------------------------------
+
+
+def scores(chaos: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """A pservers run's scores: its kills (restarted? updates back after how long?), the pushes
+    dropped for a missing part, and whether every run's slices matched its head."""
+    kills = [f for f in chaos["faults"] if f["kind"] == "kill_pserver" and "pid_killed" in f]
+    backs = [f.get("updates_back_s") for f in kills]
+    checks = [chaos["slices"], *base["slices"]]
+    return {
+        "pserver_kills": len(kills),
+        "pservers_restarted": all(f.get("pid_new") is not None for f in kills),
+        "pserver_updates_back_s": backs,
+        "pserver_back_verdict": back_verdict(backs),
+        "parts_dropped": chaos["parts_dropped"] + base["parts_dropped"],
+        "slices_match_head": all(isinstance(x, dict) and x.get("match") for x in checks),
+        "slices_why": [x.get("why") for x in checks if isinstance(x, dict) and not x.get("match")],
+    }
+
+
+def report_lines(p: dict[str, Any], fmt: Callable[[Any], str]) -> list[str]:
+    """A pservers run's part of ``chaos.md``: each kill, the verdict on the 10 s target, the
+    pushes dropped and the slices' check."""
+    lines = [
+        "",
+        f"Pserver kills (updates back: the first {BACK_WINDOW_S:g} s window after the "
+        f"kill with at least half the rate of the {BACK_WINDOW_S:g} s before it):",
+        "",
+        "| at (s) | pserver | pid killed | new pid | new pid seen (s) | reconnected (s) "
+        "| updates/s before | updates back after (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for f in p["chaos"]["faults"]:
+        if f["kind"] == "kill_pserver":
+            lines.append(
+                f"| {fmt(f['injected_s'])} | {f['pserver']} | {fmt(f.get('pid_killed'))} | "
+                f"{fmt(f.get('pid_new'))} | {fmt(f.get('new_pid_s'))} | "
+                f"{fmt(f.get('reconnected_s'))} | {fmt(f.get('rate_before_kill'))} | "
+                f"{fmt(f.get('updates_back_s'))} |"
+            )
+    slices = "equal to the head's parameters bit for bit in every run"
+    if not p["slices_match_head"]:
+        slices = "NOT equal to the head's: " + "; ".join(str(x) for x in p["slices_why"])
+    return [
+        *lines,
+        "",
+        f"{p['pserver_back_verdict']}. Pushes dropped for a missing part: {p['parts_dropped']}. "
+        f"The slices saved at the last checkpoint: {slices}.",
+    ]
+
+
+# --- the slices against the head ---------------------------------------------------------------------
+
+
+def slices_against_head(state: Path, servers: int) -> dict[str, Any]:
+    """The head's newest checkpoint in the state directory ``state`` against each pserver's newest
+    saved slice: the same log position, and the slices joined (:func:`hetd.pserver.partition.join`)
+    equal to the checkpoint's parameters bit for bit. ``match`` says so; ``why``, what differs.
+    Read after the daemon stopped (its last checkpoint saved by every connected pserver)."""
+    import numpy as np
+
+    from hetd.pserver import disk
+    from hetd.pserver.partition import join
+    from hetd.server.checkpoint import load_newest
+
+    found = load_newest(state)
+    if found is None:
+        return {"match": False, "why": "the head wrote no checkpoint"}
+    info, head = found
+    position = json.loads(str(head.get("decisions") or "{}")).get("position")
+    saved = []
+    for s in range(servers):
+        newest = disk.listing(state / "pservers" / f"slice{s}")
+        if not newest:
+            return {"match": False, "why": f"pserver {s} saved no slice"}
+        saved.append(disk.load(newest[0]).slice)
+    out: dict[str, Any] = {
+        "head_version": info.version,
+        "head_position": position,
+        "slice_positions": [x.position for x in saved],
+    }
+    if out["slice_positions"] != [position] * servers:
+        return {**out, "match": False, "why": "the slices were saved at other log positions"}
+    params = {k: np.asarray(v) for k, v in head["params"].items()}
+    try:
+        joined = join(_map_of(params, [x.params for x in saved]), [x.params for x in saved])
+    except ValueError as exc:
+        return {**out, "match": False, "why": f"the slices do not make the model: {exc}"}
+    differ = sorted(k for k, v in params.items() if joined[k].tobytes() != v.tobytes())
+    if differ:
+        return {**out, "match": False, "why": f"{len(differ)} tensors differ, first {differ[0]!r}"}
+    return {**out, "match": True, "tensors": len(params)}
+
+
+def _map_of(params: dict[str, Any], slices: list[dict[str, Any]]) -> PartitionMap:
+    """The partition map the saved slices were cut by, read back from their parts' keys (a block
+    is ``path#rows=start:stop``) and checked to cover the head's tensors exactly once."""
+    from hetd.protocol.pslink import BLOCK_MARK
+    from hetd.pserver.partition import FORMAT, PartitionMap
+
+    parts = []
+    for server, tensors in enumerate(slices):
+        for key in tensors:
+            if BLOCK_MARK in key:
+                path, rows = key.rsplit(BLOCK_MARK, 1)
+                start, stop = (int(x) for x in rows.split(":"))
+                parts.append([path, start, stop, False, server])
+            else:
+                shape = params[key].shape if key in params else ()
+                parts.append([key, 0, shape[0] if shape else 1, True, server])
+    parts.sort(key=lambda p: (p[0], p[1]))
+    return PartitionMap.from_dict(
+        {
+            "format": FORMAT,
+            "servers": len(slices),
+            "block_bytes": 0,
+            "tensors": [[k, list(params[k].shape), params[k].dtype.name] for k in sorted(params)],
+            "parts": parts,
+        }
+    )
