@@ -126,10 +126,10 @@ class FrameSocket:
             head = bytes(self._scratch[self._lo : self._lo + min(take, keep)])
             self._lo += take
             left = n - take
-            if left and self._skim is None:
+            if self._skim is None:
                 self._skim = bytearray(SKIM)
             while left:
-                into = memoryview(self._skim)[: min(left, SKIM)] if self._skim else memoryview(b"")
+                into = memoryview(self._skim)[: min(left, SKIM)]
                 k = await self._loop.sock_recv_into(self.sock, into)
                 if k == 0:
                     raise asyncio.IncompleteReadError(b"", left)
@@ -231,8 +231,14 @@ class FrameServer:
 
     @classmethod
     async def start(cls, handler: Handler, host: str, port: int) -> FrameServer:
-        """Listen on ``host:port`` (port 0: one the kernel picks); OSError when it cannot."""
-        sock = socket.create_server((host, port), backlog=128)
+        """Listen on ``host:port`` (its first address; port 0: one the kernel picks); OSError
+        when it cannot."""
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        family, _, _, _, addr = infos[0]
+        sock = socket.create_server(addr, family=family, backlog=128)
         return cls(sock, handler)
 
     async def _accept(self) -> None:

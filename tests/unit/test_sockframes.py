@@ -157,3 +157,26 @@ async def test_a_closed_server_ends_its_connections_and_frees_its_port() -> None
     again.close()
     await again.wait_closed()
     client.close()
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this host has no IPv6 loopback")
+async def test_a_server_listens_on_an_ipv6_address() -> None:
+    async def echo(conn: FrameSocket) -> None:
+        await conn.send(_frame(bytes(await conn.recv())))
+
+    server = await FrameServer.start(echo, "::1", 0)
+    client = await FrameSocket.connect("::1", server.port)
+    await client.send(_frame(b"over v6"))
+    assert bytes(await client.recv()) == b"over v6"
+    client.close()
+    server.close()
+    await server.wait_closed()
