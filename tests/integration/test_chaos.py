@@ -72,12 +72,15 @@ def test_the_baseline_is_its_two_halves_summed() -> None:
             "hash_verified": 4,
             "worker_processes": 4,
             "load_mean": load,
+            "parts_dropped": 0,  # with --pservers: pushes dropped for a missing part
+            "slices": None,  # with --pservers: the slices against the head
         }
 
     merged = merge_baselines(half(3200, 4.0), half(6400, 10.0))
     assert merged["samples_applied"] == 9600 and merged["versions_gained"] == 300
     assert merged["hash_verified"] == merged["worker_processes"] == 8
     assert merged["load_mean"] == 7.0
+    assert merged["parts_dropped"] == 0 and merged["slices"] == [None, None]
     assert merge_baselines(half(32, None), half(32, 3.0))["load_mean"] == 3.0
 
 
