@@ -262,7 +262,7 @@ def test_the_slices_check_finds_a_slice_that_differs_from_the_head(tmp_path: Pat
 
     import numpy as np
 
-    from hetd.bench.chaos.pservers import slices_against_head
+    from hetd.bench.chaos.slices import slices_against_head
     from hetd.protocol.pslink import part_key
     from hetd.pserver import disk
     from hetd.pserver.slice import SliceSaved

@@ -27,6 +27,7 @@ import time
 import urllib.error
 import urllib.request
 from asyncio.subprocess import Process
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -313,10 +314,10 @@ class Cluster:
             with contextlib.suppress(OSError), self._log(f"pserver{s}") as out:
                 out.write(log.read_bytes())
 
-    async def stop(self) -> None:
-        """Stop every process (a stopped worker is continued first); with pservers, check their
-        slices saved at the daemon's last checkpoint against it (:attr:`slices`); remove the
-        temporary directory. A second call does nothing."""
+    async def stop(self, check: Callable[[Path], dict[str, Any]] | None = None) -> None:
+        """Stop every process (a stopped worker is continued first); ``check`` the state
+        directory the daemon left (into :attr:`slices`); remove the temporary directory. A second
+        call does nothing."""
         if self.stopped:
             return
         self.stopped = True
@@ -328,12 +329,11 @@ class Cluster:
             procs.append(self.daemon)
         with contextlib.suppress(Exception):
             await stop_processes(procs)
-        if self.opts.pservers and self.daemon is not None:
+        if self.opts.pservers:
             self._keep_pserver_logs()
+        if check is not None and self.daemon is not None:
             try:
-                self.slices = await asyncio.to_thread(
-                    pservers.slices_against_head, self.state, self.opts.pservers
-                )
+                self.slices = await asyncio.to_thread(check, self.state)
             except Exception as exc:  # an unreadable file is a failed check, not a crash
                 self.slices = {"match": False, "why": f"cannot read the state: {exc!r}"}
         self.tmp.cleanup()

@@ -1,7 +1,7 @@
 """The chaos run's pservers (``--pservers S``): the daemon's config for them, where the admin API
-shows their processes, how soon the update rate is back after one is killed, their saved slices
-checked against the head's parameters once the run's daemon has stopped, and a policy's pserver
-scores and its lines in ``chaos.md``.
+shows their processes, how soon the update rate is back after one is killed, and a policy's
+pserver scores and its lines in ``chaos.md`` (their slices against the head's parameters are
+:mod:`.slices`').
 
 With S >= 1 the run's daemon keeps the decision log and starts S local pserver processes
 (``[pservers] log = true, servers = S, backend = "local"``), which it restarts when one dies; the
@@ -16,18 +16,21 @@ is ``u - t``, so it is never under the window's 2 s; the target is :data:`BACK_T
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # the cluster imports this module for its config
-    from hetd.bench.chaos.cluster import Cluster
-    from hetd.pserver.partition import PartitionMap
+from typing import Any, Protocol
 
 BACK_WINDOW_S = 2.0  # the rate's window before and after a pserver kill
 BACK_TARGET_S = 10.0  # the target: updates/s back within this many seconds of the kill
 RESTART_WAIT_S = 180.0  # how long a kill waits to see the restarted pserver connected
+
+
+class Polled(Protocol):
+    """What :func:`updates_back` reads of a run (a :class:`~hetd.bench.chaos.cluster.Cluster`,
+    which imports this module: so not named here)."""
+
+    series: list[tuple[float, int, int, int]]  # (t, version, updates_applied, workers) per poll
+
+    def rate(self, t0: float, t1: float) -> float: ...
 
 
 def config_text(servers: int) -> str:
@@ -64,7 +67,7 @@ def parts_dropped(status: Any) -> int | None:
     return dropped if isinstance(dropped, int) else None
 
 
-def updates_back(c: Cluster, t_kill: float) -> dict[str, Any]:
+def updates_back(c: Polled, t_kill: float) -> dict[str, Any]:
     """The rate over the window before the kill at ``t_kill`` and how many seconds after it the
     rate over a window was back to half of that (None: not back while the run was polled)."""
     pre = c.rate(t_kill - BACK_WINDOW_S, t_kill)
@@ -140,74 +143,3 @@ def report_lines(p: dict[str, Any], fmt: Callable[[Any], str]) -> list[str]:
         f"{p['pserver_back_verdict']}. Pushes dropped for a missing part: {p['parts_dropped']}. "
         f"The slices saved at the last checkpoint: {slices}.",
     ]
-
-
-# --- the slices against the head ---------------------------------------------------------------------
-
-
-def slices_against_head(state: Path, servers: int) -> dict[str, Any]:
-    """The head's newest checkpoint in the state directory ``state`` against each pserver's newest
-    saved slice: the same log position, and the slices joined (:func:`hetd.pserver.partition.join`)
-    equal to the checkpoint's parameters bit for bit. ``match`` says so; ``why``, what differs.
-    Read after the daemon stopped (its last checkpoint saved by every connected pserver)."""
-    import numpy as np
-
-    from hetd.pserver import disk
-    from hetd.pserver.partition import join
-    from hetd.server.checkpoint import load_newest
-
-    found = load_newest(state)
-    if found is None:
-        return {"match": False, "why": "the head wrote no checkpoint"}
-    info, head = found
-    position = json.loads(str(head.get("decisions") or "{}")).get("position")
-    saved = []
-    for s in range(servers):
-        newest = disk.listing(state / "pservers" / f"slice{s}")
-        if not newest:
-            return {"match": False, "why": f"pserver {s} saved no slice"}
-        saved.append(disk.load(newest[0]).slice)
-    out: dict[str, Any] = {
-        "head_version": info.version,
-        "head_position": position,
-        "slice_positions": [x.position for x in saved],
-    }
-    if out["slice_positions"] != [position] * servers:
-        return {**out, "match": False, "why": "the slices were saved at other log positions"}
-    params = {k: np.asarray(v) for k, v in head["params"].items()}
-    try:
-        joined = join(_map_of(params, [x.params for x in saved]), [x.params for x in saved])
-    except ValueError as exc:
-        return {**out, "match": False, "why": f"the slices do not make the model: {exc}"}
-    differ = sorted(k for k, v in params.items() if joined[k].tobytes() != v.tobytes())
-    if differ:
-        return {**out, "match": False, "why": f"{len(differ)} tensors differ, first {differ[0]!r}"}
-    return {**out, "match": True, "tensors": len(params)}
-
-
-def _map_of(params: dict[str, Any], slices: list[dict[str, Any]]) -> PartitionMap:
-    """The partition map the saved slices were cut by, read back from their parts' keys (a block
-    is ``path#rows=start:stop``) and checked to cover the head's tensors exactly once."""
-    from hetd.protocol.pslink import BLOCK_MARK
-    from hetd.pserver.partition import FORMAT, PartitionMap
-
-    parts = []
-    for server, tensors in enumerate(slices):
-        for key in tensors:
-            if BLOCK_MARK in key:
-                path, rows = key.rsplit(BLOCK_MARK, 1)
-                start, stop = (int(x) for x in rows.split(":"))
-                parts.append([path, start, stop, False, server])
-            else:
-                shape = params[key].shape if key in params else ()
-                parts.append([key, 0, shape[0] if shape else 1, True, server])
-    parts.sort(key=lambda p: (p[0], p[1]))
-    return PartitionMap.from_dict(
-        {
-            "format": FORMAT,
-            "servers": len(slices),
-            "block_bytes": 0,
-            "tensors": [[k, list(params[k].shape), params[k].dtype.name] for k in sorted(params)],
-            "parts": parts,
-        }
-    )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -29,6 +30,7 @@ from hetd.bench.chaos.cluster import (
 )
 from hetd.bench.chaos.faults import Fault, Faulter, schedule
 from hetd.bench.chaos.score import merge_baselines, policy_row, render_md, run_record
+from hetd.bench.chaos.slices import slices_against_head
 from hetd.bench.links import NetnsLinks, open_links
 from hetd.sim.results import PolicySpec
 
@@ -77,7 +79,10 @@ async def run_once(
         stop.set()
         await poller
         observed = round(time.monotonic() - c.t0, 2)
-        await c.stop()  # with pservers, their slices are checked against the last checkpoint
+        # with pservers, their slices saved at the daemon's last checkpoint against it
+        await c.stop(
+            functools.partial(slices_against_head, servers=o.pservers) if o.pservers else None
+        )
         return run_record(c, faults, v0, v1, observed)
     finally:
         await c.stop()
