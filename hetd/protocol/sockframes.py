@@ -37,6 +37,7 @@ log = logging.getLogger("hetd.protocol.sockframes")
 SCRATCH = 1 << 16  # a frame up to this size is read through a small buffer, with what follows it
 JOIN = 1 << 16  # segments under this size are joined into one write
 SKIM = 1 << 20  # a skimmed frame is read this much at a time
+FIRST = 1 << 20  # a large frame's buffer starts this big and doubles as its bytes come
 
 
 class FrameSocket:
@@ -99,16 +100,24 @@ class FrameSocket:
                 body = bytes(self._scratch[self._lo : self._lo + n])
                 self._lo += n
                 return memoryview(body)
-            view = self._buffer(n)
+            big = self._reusable(n)
             got = self._hi - self._lo  # (under SCRATCH < n: all of it is this frame's)
-            view[:got] = self._scratch[self._lo : self._hi]
+            if big is None:  # grown as the bytes come: a length alone reserves no memory
+                big = bytearray(min(n, max(FIRST, 2 * got)))
+                self.allocated += 1
+            big[:got] = self._scratch[self._lo : self._hi]
             self._lo = self._hi = 0
             while got < n:
-                k = await self._loop.sock_recv_into(self.sock, view[got:])
+                if got == len(big):
+                    grown = bytearray(min(n, 2 * len(big)))
+                    grown[:got] = big  # (the first frame of a size only: the next reuses it)
+                    big = grown
+                k = await self._loop.sock_recv_into(self.sock, memoryview(big)[got:n])
                 if k == 0:
                     raise asyncio.IncompleteReadError(b"", n - got)
                 got += k
-            return view
+            self._big = big
+            return memoryview(big)[:n]
         finally:
             self._done()
 
@@ -158,13 +167,13 @@ class FrameSocket:
                 raise asyncio.IncompleteReadError(bytes(self._scratch[: self._hi]), k)
             self._hi += got
 
-    def _buffer(self, n: int) -> memoryview:
+    def _reusable(self, n: int) -> bytearray | None:
+        """The large frames' buffer when it holds ``n`` bytes and nothing refers to it."""
         # A view of the buffer (and so anything over it: a numpy array's base is the view)
         # holds a reference to it: two references are this attribute's and the call's own.
         if self._big is None or len(self._big) < n or sys.getrefcount(self._big) > 2:
-            self._big = bytearray(n)
-            self.allocated += 1
-        return memoryview(self._big)[:n]
+            return None
+        return self._big
 
     # --- writing --------------------------------------------------------------------------------
 

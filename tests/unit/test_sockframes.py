@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -97,6 +98,23 @@ async def test_a_frame_over_the_limit_is_refused() -> None:
     with pytest.raises(pslink.FrameError, match="over the limit"):
         await b.recv(max_bytes=1 << 16)
     a.close()
+    b.close()
+
+
+async def test_a_length_alone_reserves_no_memory() -> None:
+    a, b = await _pair()
+    tracemalloc.start()
+    try:
+        reading = asyncio.create_task(b.recv())
+        await a.send((512 << 20).to_bytes(4, "big") + bytes(300_000))  # claims 512 MiB
+        await asyncio.sleep(0.2)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert not reading.done() and peak < 8 << 20  # the buffer grows with the bytes that came
+    a.close()
+    with pytest.raises(asyncio.IncompleteReadError):
+        await reading
     b.close()
 
 
