@@ -225,13 +225,12 @@ def test_updates_back_is_the_first_window_after_the_kill_at_half_the_rate_before
 
 @pytest.mark.timeout(1200)
 def test_chaos_with_two_pservers_one_killed_is_exactly_once(tmp_path: Path) -> None:
-    """30 s with 2 workers and 2 local pservers: a pserver killed at 6 s and at 24 s, a worker
-    killed at 12 s and the daemon at 18 s. Nothing is applied twice or lost, each killed
-    pserver is restarted, and the slices saved at each run's last checkpoint are the head's
-    parameters bit for bit. The time until the rate is back is printed by the bench, not
-    asserted (timings on a loaded machine)."""
+    """15 s with 2 workers and 2 local pservers: a pserver killed at 5 s and the daemon at 10 s.
+    Nothing is applied twice or lost, the killed pserver is restarted, and the slices saved at
+    each run's last checkpoint are the head's parameters bit for bit. The time until the rate
+    is back is printed by the bench, not asserted (timings on a loaded machine)."""
     opts = ChaosOptions(
-        policies=(PolicySpec("asp"),), out=tmp_path, workers=2, minutes=0.5, fault_every=6.0,
+        policies=(PolicySpec("asp"),), out=tmp_path, workers=2, minutes=15 / 60, fault_every=5.0,
         seed=0, quiet=True, pservers=2,
     )  # fmt: skip
     doc = run_chaos(opts)
@@ -241,7 +240,7 @@ def test_chaos_with_two_pservers_one_killed_is_exactly_once(tmp_path: Path) -> N
     assert p["slices_match_head"] is True, p["slices_why"]
     assert p["daemon_restarted"] is True and p["workers_back"] is True
     kills = [f for f in p["chaos"]["faults"] if f["kind"] == "kill_pserver"]
-    assert [f["at_s"] for f in kills] == [6.0, 24.0]
+    assert [f["at_s"] for f in kills] == [5.0]
     assert p["pserver_kills"] >= 1 and p["pservers_restarted"] is True
     for f in kills:
         if "pid_killed" in f:  # (one that found its pserver not running is skipped)
