@@ -90,11 +90,7 @@ class FrameSocket:
         when the peer closes mid-frame or before one."""
         self._ops += 1
         try:
-            await self._ahead(4)
-            n = int.from_bytes(self._scratch[self._lo : self._lo + 4], "big")
-            if n > max_bytes:
-                raise FrameError(f"a frame of {n} bytes, over the limit of {max_bytes}")
-            self._lo += 4
+            n = await self._length(max_bytes)
             if n <= SCRATCH:
                 await self._ahead(n)
                 body = bytes(self._scratch[self._lo : self._lo + n])
@@ -126,11 +122,7 @@ class FrameSocket:
         through a buffer of :data:`SKIM` bytes (a large frame is never held whole)."""
         self._ops += 1
         try:
-            await self._ahead(4)
-            n = int.from_bytes(self._scratch[self._lo : self._lo + 4], "big")
-            if n > max_bytes:
-                raise FrameError(f"a frame of {n} bytes, over the limit of {max_bytes}")
-            self._lo += 4
+            n = await self._length(max_bytes)
             take = min(n, self._hi - self._lo)
             head = bytes(self._scratch[self._lo : self._lo + min(take, keep)])
             self._lo += take
@@ -152,6 +144,15 @@ class FrameSocket:
     async def recv_msg(self, max_bytes: int = MAX_FRAME) -> dict[str, Any]:
         """The next frame as a message (:func:`hetd.protocol.pslink.unpack`)."""
         return unpack(await self.recv(max_bytes))
+
+    async def _length(self, max_bytes: int) -> int:
+        """The next frame's length prefix, read; :class:`FrameError` over ``max_bytes``."""
+        await self._ahead(4)
+        n = int.from_bytes(self._scratch[self._lo : self._lo + 4], "big")
+        if n > max_bytes:
+            raise FrameError(f"a frame of {n} bytes, over the limit of {max_bytes}")
+        self._lo += 4
+        return n
 
     async def _ahead(self, k: int) -> None:
         """At least ``k`` (at most :data:`SCRATCH`) unread bytes in the small buffer."""
