@@ -38,6 +38,7 @@ class PartsError(ValueError):
 
 # a part: (key, path, first row, one past the last, whole tensor, pserver)
 Cut = tuple[str, str, int, int, bool, int]
+Segments = list[bytes | memoryview]  # one frame, written in order
 
 
 def read_map(m: Any) -> tuple[dict[str, tuple[int, ...]], list[Cut], int]:
@@ -102,13 +103,13 @@ def tensors_of(push: Push, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, l
 
 def cut(
     tensors: Mapping[str, list[Any]], cuts: list[Cut], servers: int
-) -> list[dict[str, list[Any]]]:
-    """One slice per pserver, ``key -> tensor entry`` (:func:`hetd.protocol.pslink.tensor_entry`)."""
-    out: list[dict[str, list[Any]]] = [{} for _ in range(servers)]
+) -> list[dict[str, tuple[np.ndarray, float | None]]]:
+    """One slice per pserver, ``key -> (values, scale)`` (float32 values and no scale, or int8
+    values and their scale): views of the push's tensors (a block of rows is one)."""
+    out: list[dict[str, tuple[np.ndarray, float | None]]] = [{} for _ in range(servers)]
     for key, path, start, stop, whole, server in cuts:
         _, values, scale = tensors[path]
-        rows = values if whole else values[start:stop]
-        out[server][key] = pslink.tensor_entry(rows, scale)
+        out[server][key] = (values if whole else values[start:stop], scale)
     return out
 
 
@@ -121,14 +122,14 @@ class _Conn:
         self.lock = asyncio.Lock()
         self._conn: FrameSocket | None = None
 
-    async def deliver(self, frame: bytes, pid: int) -> None:
-        """Send ``frame`` (push ``pid``'s part) until the pserver answers it."""
+    async def deliver(self, frame: Segments, pid: int) -> None:
+        """Send ``frame`` (push ``pid``'s part, as segments) until the pserver answers it."""
         delay = RETRY_S[0]
         async with self.lock:
             while True:
                 try:
                     conn = await self._open()
-                    await conn.send(frame)
+                    await conn.send(*frame)
                     reply = await conn.recv_msg(1 << 16)
                     if reply["t"] == "held" and reply.get("pid") == pid:
                         return
@@ -175,13 +176,14 @@ class PartsSender:
                 conn.close()
                 conn.addr = addr
 
-    def frames(self, worker: int, push: bytes) -> tuple[int, list[bytes]]:
-        """The push frame's id and one ``part`` frame per pserver (CPU work: a thread's)."""
+    def frames(self, worker: int, push: bytes) -> tuple[int, list[Segments]]:
+        """The push frame's id and one ``part`` frame per pserver, as segments that hold the
+        push's tensors uncopied (:func:`hetd.protocol.pslink.part_frame`; CPU work: a thread's)."""
         p = decode(push, max_size=len(push))
         if not isinstance(p, Push):
             raise TypeError(f"a push frame holds a {p.type} message")
         slices = cut(tensors_of(p, self.shapes), self.cuts, self.servers)
-        return p.id, [pslink.pack("part", worker=worker, pid=p.id, tensors=s) for s in slices]
+        return p.id, [pslink.part_frame(worker, p.id, s) for s in slices]
 
     async def send(self, worker: int, push: bytes) -> None:
         """Cut ``push`` (an encoded push frame) and start sending its parts (in the background:
@@ -196,7 +198,7 @@ class PartsSender:
         self._sending[pid] = task
         task.add_done_callback(lambda _t: self._finished(pid, _t))
 
-    async def _deliver(self, pid: int, frames: list[bytes]) -> None:
+    async def _deliver(self, pid: int, frames: list[Segments]) -> None:
         await asyncio.gather(*(c.deliver(f, pid) for c, f in zip(self._conns, frames, strict=True)))
         self.sent += 1
 

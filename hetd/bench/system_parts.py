@@ -52,7 +52,8 @@ class PartFrames:
             head += packer.pack("pid")
             at = len(head) + 1
             head += b"\xcf" + bytes(8)  # msgpack uint64: patched per push
-            head += packer.pack("tensors") + packer.pack(tensors)
+            entries = {k: pslink.tensor_entry(v, scale) for k, (v, scale) in tensors.items()}
+            head += packer.pack("tensors") + packer.pack(entries)
             frame = bytearray(len(head).to_bytes(4, "big")) + head
             self.frames.append(frame)
             self._at.append(at + 4)

@@ -103,24 +103,52 @@ def slice_frame(
     """A ``slice {position, version, tensors}`` frame (float32 tensors) as segments to write in
     order: the tensors' bytes are not copied (each must be C-contiguous float32), so a pserver
     writes the release it keeps straight to the socket."""
+    for key, arr in tensors.items():
+        if arr.dtype != np.float32 or not arr.flags.c_contiguous:
+            raise ValueError(f"slice_frame takes C-contiguous float32 tensors, not {key!r}")
+    entries = {key: (arr, None) for key, arr in tensors.items()}
+    return frame_segments("slice", {"position": position, "version": version}, entries)
+
+
+def part_frame(
+    worker: int, pid: int, tensors: Mapping[str, tuple[np.ndarray, float | None]]
+) -> list[bytes | memoryview]:
+    """A ``part {worker, pid, tensors}`` frame as segments, byte for byte what :func:`pack` makes
+    of the same fields with :func:`tensor_entry` values (``key -> (values, scale)``: float32, or
+    int8 with its scale), without copying a C-contiguous tensor's bytes."""
+    return frame_segments("part", {"worker": worker, "pid": pid}, tensors)
+
+
+def frame_segments(
+    kind: str, fields: Mapping[str, Any], tensors: Mapping[str, tuple[np.ndarray, float | None]]
+) -> list[bytes | memoryview]:
+    """A frame ``{t: kind, **fields, tensors: {key: tensor entry}}`` as segments: a length
+    prefix, msgpack's headers and values, and each tensor's bytes as a view (a copy only of a
+    tensor that is not C-contiguous or not already of its dtype)."""
     packer = msgpack.Packer(use_bin_type=True)
-    head = bytearray(packer.pack_map_header(4))
-    for key, value in (("t", "slice"), ("position", position), ("version", version)):
+    head = bytearray(packer.pack_map_header(2 + len(fields)))
+    for key, value in (("t", kind), *fields.items()):
         head += packer.pack(key) + packer.pack(value)
     head += packer.pack("tensors") + packer.pack_map_header(len(tensors))
     segments: list[bytes | memoryview] = [b"", bytes(head)]
     size = len(head)
-    for key, arr in tensors.items():
-        if arr.dtype != np.float32 or not arr.flags.c_contiguous:
-            raise ValueError(f"slice_frame takes C-contiguous float32 tensors, not {key!r}")
+    for key, (values, scale) in tensors.items():
+        dtype = np.float32 if scale is None else np.int8
+        arr = np.asarray(values, dtype)  # (not ascontiguousarray: it makes a 0-d array 1-d)
+        if not arr.flags.c_contiguous:
+            arr = arr.copy(order="C")
         data = arr.reshape(-1).data.cast("B")
-        entry = packer.pack(key) + packer.pack_array_header(3) + packer.pack("float32")
-        entry += packer.pack(list(arr.shape)) + _bin_header(data.nbytes)
-        segments.append(entry)
-        segments.append(data)
+        entry = packer.pack(key) + packer.pack_array_header(3 if scale is None else 4)
+        entry += packer.pack(np.dtype(dtype).name) + packer.pack(list(arr.shape))
+        entry += _bin_header(data.nbytes)
+        segments += [entry, data]
         size += len(entry) + data.nbytes
+        if scale is not None:
+            tail = packer.pack(float(scale))
+            segments.append(tail)
+            size += len(tail)
     if size > MAX_FRAME:
-        raise ValueError(f"a slice of {size} bytes is over the frame limit of {MAX_FRAME}")
+        raise ValueError(f"a {kind} frame of {size} bytes is over the frame limit of {MAX_FRAME}")
     segments[0] = size.to_bytes(4, "big")
     return segments
 

@@ -25,7 +25,7 @@ def test_a_senders_part_frames_are_a_workers_for_the_same_push_whatever_its_id()
         for server, want in enumerate(wants):
             got = ours.frame(server, pid)
             assert int.from_bytes(got[:4], "big") == len(got) - 4  # the length prefix
-            assert pslink.unpack(bytes(got[4:])) == pslink.unpack(want[4:])
+            assert pslink.unpack(bytes(got[4:])) == pslink.unpack(b"".join(want)[4:])
     # the int8 values travel as int8 with their scale, as the daemon reads them
     tensors = pslink.unpack(bytes(ours.frame(0, 1)[4:]))["tensors"]
     assert {entry[0] for entry in tensors.values()} == {"int8"}

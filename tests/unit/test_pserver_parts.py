@@ -175,7 +175,7 @@ def test_a_workers_parts_are_the_daemons_reading_of_its_push_cut_by_the_map(code
     expected = split(pmap, head.tensors)
     assert pid == 5 and len(frames) == 2
     for server, raw in enumerate(frames):
-        msg = link.unpack(raw[4:])
+        msg = link.unpack(b"".join(raw)[4:])
         assert (msg["t"], msg["worker"], msg["pid"]) == ("part", 9, 5)
         got = link.decode_tensors(msg["tensors"], pmap.slice_shapes(server))
         assert set(got) == set(expected[server])

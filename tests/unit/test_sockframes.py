@@ -198,3 +198,20 @@ async def test_a_server_listens_on_an_ipv6_address() -> None:
     client.close()
     server.close()
     await server.wait_closed()
+
+
+def test_a_part_frame_as_segments_is_the_packed_frame_byte_for_byte() -> None:
+    rng = np.random.default_rng(0)
+    q = rng.integers(-127, 128, size=(40, 6), dtype=np.int8)
+    f = rng.normal(size=(5, 4)).astype(np.float32)
+    tensors = {
+        "a#rows=10:30": (q[10:30], 0.0125),  # a block of rows: a view, sent uncopied
+        "b": (np.asarray(np.float32(1.5)), None),  # 0-d stays 0-d
+        "c": (f.T, None),  # not C-contiguous: copied once
+        "d": (np.zeros((0, 3), np.float32), None),
+    }
+    segments = pslink.part_frame(3, 2**40, tensors)
+    entries = {k: pslink.tensor_entry(v, s) for k, (v, s) in tensors.items()}
+    assert b"".join(segments) == pslink.pack("part", worker=3, pid=2**40, tensors=entries)
+    views = [s for s in segments if isinstance(s, memoryview)]
+    assert any(np.shares_memory(np.frombuffer(v, np.int8), q) for v in views)
