@@ -161,6 +161,7 @@ def _up(args: argparse.Namespace) -> int:
                 str(state / "head.log"),
                 "",
                 env,
+                os.getpriority(os.PRIO_PROCESS, 0),  # this command's, not Ray's workers'
             )
         )
         info = ray.get(head.info.remote(), timeout=args.timeout)

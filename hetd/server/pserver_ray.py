@@ -92,10 +92,21 @@ class ProcessActor:
     The child is started by a thread of the actor that waits for it (so the child's parent-death
     signal follows the actor). If the child exits while the actor was not told to stop, and not
     with status 3, the actor process exits too and Ray restarts it, which starts the child again.
+
+    ``nice``: the child's niceness, that of the process that placed the actor. Ray runs its
+    workers at a niceness of its own (15 by default), which a child would inherit: a pserver on
+    the data path would then wait behind the head and the workers for a core, as one the local
+    backend starts does not. Where the child may not be given a lower niceness than the actor's
+    (no CAP_SYS_NICE, RLIMIT_NICE), :meth:`info` says why.
     """
 
     def __init__(
-        self, argv: list[str], log_path: str, port_file: str = "", env: dict[str, str] | None = None
+        self,
+        argv: list[str],
+        log_path: str,
+        port_file: str = "",
+        env: dict[str, str] | None = None,
+        nice: int | None = None,
     ) -> None:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         if port_file:
@@ -105,6 +116,8 @@ class ProcessActor:
         self.status: int | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self.error = ""
+        self.nice = nice
+        self.nice_error = ""  # why the child kept another niceness than ``nice``
         started = threading.Event()
         environ = dict(os.environ, **(env or {}))
         threading.Thread(
@@ -129,6 +142,11 @@ class ProcessActor:
             self.error = str(exc)
             return
         finally:
+            if self.proc is not None and self.nice is not None:
+                try:
+                    os.setpriority(os.PRIO_PROCESS, self.proc.pid, self.nice)
+                except OSError as exc:
+                    self.nice_error = f"niceness {self.nice}: {exc}"
             started.set()
         self.status = self.proc.wait()
         if not self.stopping and self.status != EXIT_BROKEN:
@@ -141,6 +159,7 @@ class ProcessActor:
             "node": importlib.import_module("ray").get_runtime_context().get_node_id(),
             "child": proc.pid if proc is not None else None,
             "status": self.status,
+            "nice_error": self.nice_error,
         }
 
     def stop(self, timeout: float) -> int | None:
@@ -290,6 +309,8 @@ class RayPservers:
                 self.command(slot),
                 str(slot.directory / LOG_FILE),
                 str(slot.directory / "port"),
+                None,
+                os.getpriority(os.PRIO_PROCESS, 0),  # the daemon's: as the local backend's
             )
         for slot, info in zip(
             self.slots, ray.get([s.actor.info.remote() for s in self.slots]), strict=True
@@ -297,6 +318,13 @@ class RayPservers:
             slot.pid, slot.child, slot.node = info["pid"], info["child"], info["node"]
             slot.state = "running"
             log.info("pserver %d started as Ray actor %s", slot.server, pserver_name(slot.server))
+            if info.get("nice_error"):
+                log.warning(
+                    "pserver %d keeps Ray's worker niceness (%s): it may wait for a core behind "
+                    "the daemon",
+                    slot.server,
+                    info["nice_error"],
+                )
 
     async def _watch(self) -> None:
         """Ask each actor how it stands, every :data:`POLL_S`: a new actor process is a restart."""

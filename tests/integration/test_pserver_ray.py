@@ -150,6 +150,9 @@ async def test_two_ray_pservers_survive_a_kill_and_a_node_removal_and_end_with_t
         assert [r["actor"] for r in rows] == ["hetd-pserver-0", "hetd-pserver-1"]
         assert rows[0]["node"] != rows[1]["node"]  # spread: one node each
         assert ray.get_actor("hetd-pserver-1") is not None  # found by name
+        # each pserver runs at the daemon's niceness, not at Ray's workers' (15)
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        assert [os.getpriority(os.PRIO_PROCESS, r["pid"]) for r in rows] == [mine, mine]
         addrs = list(link.addrs)
         workers = [await start_worker(port, STEPS) for _ in range(2)]
         store = daemon.engine.store
@@ -168,6 +171,7 @@ async def test_two_ray_pservers_survive_a_kill_and_a_node_removal_and_end_with_t
         cluster.remove_node(gone)
         await until(lambda: killed.restarts == 1, "Ray restarted the killed pserver's actor", WAIT)
         assert killed.child != child and killed.node == kept
+        assert os.getpriority(os.PRIO_PROCESS, killed.child) == mine  # restarted alike
         await until(lambda: moved.restarts == 1, "the moved pserver came back elsewhere", WAIT)
         assert moved.node not in (gone.node_id, kept)
 
