@@ -1,0 +1,150 @@
+"""The chaos suite with pservers (``--pservers S``): a plan with pservers kills one and a plan
+without is unchanged, the time until the rate is back after a kill, a 15 s run with two local
+pservers (one killed, and the daemon) that loses and doubles nothing and ends with slices equal to
+the head's parameters, and the slices' check itself. A file of its own, so that the test
+processes run it beside the smoke run of ``test_chaos.py``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hetd.bench.chaos import ChaosOptions, run_chaos
+from hetd.bench.chaos.cluster import Cluster
+from hetd.bench.chaos.faults import schedule
+from hetd.bench.chaos.pservers import back_verdict, updates_back
+from hetd.sim.results import PolicySpec
+
+
+def test_a_plan_with_pservers_kills_one_and_a_plan_without_is_unchanged() -> None:
+    def plan(servers: int, seed: int) -> list[tuple[float, str, int]]:
+        opts = ChaosOptions(
+            policies=(PolicySpec("asp"),), out=Path("."), workers=2, minutes=0.5,
+            fault_every=6.0, seed=seed, pservers=servers,
+        )  # fmt: skip
+        return [(f.at_s, f.kind, f.slot) for f in schedule(opts)]
+
+    for seed in range(20):
+        with_ps = plan(2, seed)
+        kinds = [k for _, k, _ in with_ps]
+        assert "kill_pserver" in kinds and kinds.count("kill_daemon") == 1
+        assert all(0 <= s < 2 for _, k, s in with_ps if k == "kill_pserver")
+        assert "kill_pserver" not in [k for _, k, _ in plan(0, seed)]
+    # without pservers the seed draws the plan it drew before pservers existed
+    assert plan(0, 0) == [
+        (6.0, "stall_worker", 1), (12.0, "kill_worker", 1), (18.0, "kill_daemon", -1),
+        (24.0, "cut_worker", 1),
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="--pservers must be >= 0"):
+        schedule(ChaosOptions(policies=(PolicySpec("asp"),), out=Path("."), pservers=-1))
+
+
+def test_updates_back_is_the_first_window_after_the_kill_at_half_the_rate_before(
+    tmp_path: Path,
+) -> None:
+    c = Cluster(
+        ChaosOptions(policies=(PolicySpec("asp"),), out=tmp_path, pservers=2),
+        PolicySpec("asp"),
+        "t",
+    )
+    try:
+        # 10 updates/s until the kill at t = 10, none for 3 s, then 10/s again
+        ua = 0
+        for i in range(0, 301):
+            t = i * 0.1
+            if not 10.0 < t <= 13.0:
+                ua += 0 if i == 0 else 1
+            c.series.append((t, ua, ua, 2))
+        got = updates_back(c, 10.0)
+        assert got["rate_before_kill"] == pytest.approx(10.0, rel=0.06)
+        # [u - 2, u] holds >= 10 updates once u >= 14: back 4 s after the kill
+        assert got["updates_back_s"] == pytest.approx(4.0, abs=0.11)
+        assert "met" in back_verdict([got["updates_back_s"]])
+        assert back_verdict([4.0, 12.5]).endswith("within 12.5 s (target <= 10 s): NOT met")
+        assert back_verdict([4.0, None]).endswith("NOT met")
+        c.series = [(t, 0, 0, 2) for t, *_ in c.series]  # no rate before: nothing measured
+        assert updates_back(c, 10.0)["updates_back_s"] is None
+    finally:
+        c.tmp.cleanup()
+
+
+@pytest.mark.timeout(1200)
+def test_chaos_with_two_pservers_one_killed_is_exactly_once(tmp_path: Path) -> None:
+    """15 s with 2 workers and 2 local pservers: a pserver killed at 5 s and the daemon at 10 s.
+    Nothing is applied twice or lost, the killed pserver is restarted, and the slices saved at
+    each run's last checkpoint are the head's parameters bit for bit. The time until the rate
+    is back is printed by the bench, not asserted (timings on a loaded machine)."""
+    opts = ChaosOptions(
+        policies=(PolicySpec("asp"),), out=tmp_path, workers=2, minutes=15 / 60, fault_every=5.0,
+        seed=0, quiet=True, pservers=2,
+    )  # fmt: skip
+    doc = run_chaos(opts)
+    (p,) = doc["policies"]
+    assert p["duplicate_or_partial_applies"] == 0 and p["hash_mismatches"] == 0
+    assert p["parts_dropped"] == 0  # no push waited past the part timeout and was dropped
+    assert p["slices_match_head"] is True, p["slices_why"]
+    assert p["daemon_restarted"] is True and p["workers_back"] is True
+    kills = [f for f in p["chaos"]["faults"] if f["kind"] == "kill_pserver"]
+    assert [f["at_s"] for f in kills] == [5.0]
+    assert p["pserver_kills"] >= 1 and p["pservers_restarted"] is True
+    for f in kills:
+        if "pid_killed" in f:  # (one that found its pserver not running is skipped)
+            assert f["pid_new"] not in (None, f["pid_killed"])
+            assert f["reconnected_s"] >= f["new_pid_s"] > 0
+    assert p["chaos"]["versions_gained"] > 0
+    assert p["verdict"] == "pass" or p["failures"] == [
+        f"{p['versions_lost']} versions lost, more than {p['lost_bound']}"
+    ]
+    assert "pserver kill: " in (tmp_path / "chaos.md").read_text()
+
+
+def test_the_slices_check_finds_a_slice_that_differs_from_the_head(tmp_path: Path) -> None:
+    """The check the pservers run ends with, on files written by the daemon's and the pservers'
+    own writers: a head checkpoint and two slices (one tensor cut in row blocks) that join to it
+    pass; one flipped bit, or a slice saved at another position, fails, saying why."""
+    import json as json_
+
+    import numpy as np
+
+    from hetd.bench.chaos.slices import slices_against_head
+    from hetd.protocol.pslink import part_key
+    from hetd.pserver import disk
+    from hetd.pserver.slice import SliceSaved
+    from hetd.server import checkpoint
+
+    rng = np.random.default_rng(0)
+    head: dict[str, np.ndarray] = {
+        "a/kernel": rng.normal(size=(6, 3)).astype(np.float32),
+        "b": np.asarray(rng.normal(), np.float32),
+    }
+    place = json_.dumps({"position": 40, "version": 20, "groups": [], "last_pid": []})
+    checkpoint.write(
+        tmp_path, {"version": 20, "params": head, "opt_state": {}, "decisions": place}, keep=3
+    )
+    cut = [
+        {part_key("a/kernel", 0, 4, False): head["a/kernel"][:4], "b": head["b"]},
+        {part_key("a/kernel", 4, 6, False): head["a/kernel"][4:]},
+    ]
+
+    def save(slices: list[dict[str, np.ndarray]], positions: tuple[int, int]) -> None:
+        for s, (params, position) in enumerate(zip(slices, positions, strict=True)):
+            saved = SliceSaved(params, [], 20, position, {})
+            disk.save(tmp_path / "pservers" / f"slice{s}", saved, ref=f"p{position}", epoch="e")
+
+    save(cut, (40, 40))
+    assert slices_against_head(tmp_path, 2)["match"] is True
+    flipped = cut[1][part_key("a/kernel", 4, 6, False)].copy()
+    flipped.view(np.uint32)[0, 0] ^= 1  # one bit of one value
+    save([cut[0], {part_key("a/kernel", 4, 6, False): flipped}], (41, 41))
+    checkpoint.write(
+        tmp_path,
+        {"version": 20, "params": head, "opt_state": {}, "decisions": place.replace("40", "41")},
+        keep=3,
+    )
+    got = slices_against_head(tmp_path, 2)
+    assert got["match"] is False and got["why"] == "1 tensors differ, first 'a/kernel'"
+    save(cut, (42, 43))
+    got = slices_against_head(tmp_path, 2)
+    assert got["match"] is False and "other log positions" in got["why"]
+    assert slices_against_head(tmp_path, 3) == {"match": False, "why": "pserver 2 saved no slice"}
