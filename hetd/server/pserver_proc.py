@@ -173,8 +173,8 @@ class Pserver:
     # --- pushers --------------------------------------------------------------------------------
 
     async def serve_pushers(self, conn: FrameSocket) -> None:
-        """One pusher's connection: parts and fetches, answered in order (its frames read and
-        written without copies through asyncio's streams: :mod:`hetd.protocol.sockframes`)."""
+        """One pusher's connection: parts and fetches, answered in order (on a plain socket,
+        :mod:`hetd.protocol.sockframes`: a part read into one buffer, a slice written uncopied)."""
         try:
             while True:
                 msg = await conn.recv_msg()
@@ -238,9 +238,8 @@ class Pserver:
         if found is None or found[0] != version:
             await conn.send_msg("gone", position=node.position)
             return
-        await conn.send(
-            *pslink.slice_frame(want, version, found[1])
-        )  # (the kept tensors, uncopied)
+        frame = pslink.slice_frame(want, version, found[1])  # the kept tensors, uncopied
+        await conn.send(*frame)
 
 
 async def _listen(ps: Pserver, directory: Path, listen: tuple[str, int]) -> FrameServer:
