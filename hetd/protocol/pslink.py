@@ -30,6 +30,18 @@ def part_key(path: str, start: int, stop: int, whole: bool) -> str:
     return path if whole else f"{path}{BLOCK_MARK}{start}:{stop}"
 
 
+def read_part_key(key: str) -> tuple[str, tuple[int, int] | None]:
+    """:func:`part_key` read back: the tensor's path and, for a block, its rows (None for a
+    whole tensor); :class:`FrameError` for a block whose rows are not ``start:stop``."""
+    path, mark, rows = key.rpartition(BLOCK_MARK)
+    if not mark:
+        return key, None
+    start, colon, stop = rows.partition(":")
+    if not (colon and start.isdigit() and stop.isdigit()):
+        raise FrameError(f"a part key with bad rows: {key!r}")
+    return path, (int(start), int(stop))
+
+
 def uncovered(
     shapes: Mapping[str, tuple[int, ...]], parts: Iterable[tuple[str, int, int, bool]]
 ) -> str | None:

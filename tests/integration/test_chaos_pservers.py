@@ -148,3 +148,11 @@ def test_the_slices_check_finds_a_slice_that_differs_from_the_head(tmp_path: Pat
     got = slices_against_head(tmp_path, 2)
     assert got["match"] is False and "other log positions" in got["why"]
     assert slices_against_head(tmp_path, 3) == {"match": False, "why": "pserver 2 saved no slice"}
+    save([cut[0], {}], (45, 45))  # a block of a/kernel in no slice
+    checkpoint.write(
+        tmp_path,
+        {"version": 20, "params": head, "opt_state": {}, "decisions": place.replace("40", "45")},
+        keep=3,
+    )
+    got = slices_against_head(tmp_path, 2)
+    assert got["match"] is False and got["why"] == "the slices do not cover 'a/kernel' exactly once"

@@ -113,3 +113,16 @@ def test_split_refuses_tensors_that_do_not_match_the_map():
         split(pmap, {"v": np.zeros((4, 4), np.float32)})
     with pytest.raises(ValueError, match="shape"):
         split(pmap, {"w": np.zeros((4, 5), np.float32)})
+
+
+def test_a_part_key_reads_back_as_its_path_and_rows() -> None:
+    from hetd.protocol.pslink import FrameError, part_key, read_part_key
+
+    assert read_part_key(part_key("a/b#c", 0, 7, True)) == ("a/b#c", None)
+    assert read_part_key(part_key("layers/0/kernel", 128, 256, False)) == (
+        "layers/0/kernel",
+        (128, 256),
+    )
+    for bad in ("w#rows=", "w#rows=3", "w#rows=a:4", "w#rows=-1:4"):
+        with pytest.raises(FrameError, match="bad rows"):
+            read_part_key(bad)

@@ -41,11 +41,16 @@ def config_text(servers: int) -> str:
     return f'[pservers]\nlog = true\nservers = {servers}\nbackend = "local"\nport = 0\n'
 
 
+def _decisions(status: Any) -> dict[str, Any]:
+    """``/v1/status``' ``decisions`` (empty when the daemon did not answer or keeps none)."""
+    decisions = status.get("decisions") if isinstance(status, dict) else None
+    return decisions if isinstance(decisions, dict) else {}
+
+
 def process_row(status: Any, server: int) -> dict[str, Any] | None:
     """Pserver ``server``'s row in ``/v1/status``' ``decisions.processes`` (pid, state, restarts),
     or None when the daemon does not answer or shows no such process."""
-    decisions = status.get("decisions") if isinstance(status, dict) else None
-    rows = decisions.get("processes") if isinstance(decisions, dict) else None
+    rows = _decisions(status).get("processes")
     for row in rows if isinstance(rows, list) else []:
         if isinstance(row, dict) and row.get("slice") == server:
             return row
@@ -54,15 +59,13 @@ def process_row(status: Any, server: int) -> dict[str, Any] | None:
 
 def connected(status: Any) -> list[int]:
     """The pservers ``/v1/status`` shows connected to the head's link."""
-    decisions = status.get("decisions") if isinstance(status, dict) else None
-    got = decisions.get("connected") if isinstance(decisions, dict) else None
+    got = _decisions(status).get("connected")
     return [x for x in got if isinstance(x, int)] if isinstance(got, list) else []
 
 
 def parts_dropped(status: Any) -> int | None:
     """Pushes the head dropped because a pserver's part did not come in time (None: not shown)."""
-    decisions = status.get("decisions") if isinstance(status, dict) else None
-    parts = decisions.get("parts") if isinstance(decisions, dict) else None
+    parts = _decisions(status).get("parts")
     dropped = parts.get("dropped") if isinstance(parts, dict) else None
     return dropped if isinstance(dropped, int) else None
 

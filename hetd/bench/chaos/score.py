@@ -35,8 +35,9 @@ checkpoint joined against that checkpoint's parameters, bit for bit.
 at least one verified pull), versions lost within one checkpoint interval, the daemon restarted and
 every worker came back; with pservers also: at least one pserver killed, each one killed
 restarted, no push dropped for a missing part, and in every run the slices equal to the head's
-parameters. Goodput and the pservers' 10 s has a target (``GOODPUT_TARGET`` for asp and ssp) that is reported,
-not part of the verdict: it measures speed, the rest correctness.
+parameters. Goodput (its target ``GOODPUT_TARGET``, for asp and ssp) and the time until updates are
+back after a pserver kill (10 s) are reported, not part of the verdict: they measure speed, the
+rest correctness.
 """
 
 from __future__ import annotations

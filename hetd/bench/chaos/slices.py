@@ -8,24 +8,21 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from hetd.protocol.pslink import BLOCK_MARK
-
-if TYPE_CHECKING:
-    from hetd.pserver.partition import PartitionMap
+from hetd.protocol import pslink
 
 
 def slices_against_head(state: Path, servers: int) -> dict[str, Any]:
     """The head's newest checkpoint in the state directory ``state`` against each pserver's newest
-    saved slice: the same log position, and the slices joined (:func:`hetd.pserver.partition.join`)
-    equal to the checkpoint's parameters bit for bit. ``match`` says so; ``why``, what differs.
+    saved slice: the same log position, the slices' parts covering every tensor exactly once
+    (:func:`hetd.protocol.pslink.uncovered`), and each part equal to its rows of the checkpoint's
+    parameters bit for bit. ``match`` says so; ``why``, what differs.
     Read after the daemon stopped (its last checkpoint saved by every connected pserver)."""
     # imported here: JAX comes with them, which a chaos run without pservers does not need
     from hetd.pserver import disk
-    from hetd.pserver.partition import join
     from hetd.server.checkpoint import load_newest
 
     found = load_newest(state)
@@ -47,38 +44,26 @@ def slices_against_head(state: Path, servers: int) -> dict[str, Any]:
     if out["slice_positions"] != [position] * servers:
         return {**out, "match": False, "why": "the slices were saved at other log positions"}
     params = {k: np.asarray(v) for k, v in head["params"].items()}
-    try:
-        joined = join(_map_of(params, [x.params for x in saved]), [x.params for x in saved])
-    except ValueError as exc:
-        return {**out, "match": False, "why": f"the slices do not make the model: {exc}"}
-    differ = sorted(k for k, v in params.items() if joined[k].tobytes() != v.tobytes())
+    shapes = {k: tuple(v.shape) for k, v in params.items()}
+    parts: list[tuple[str, int, int, bool]] = []
+    differ: set[str] = set()
+    for tensors in (x.params for x in saved):
+        for key, value in tensors.items():
+            try:
+                path, rows = pslink.read_part_key(key)
+            except pslink.FrameError as exc:
+                return {**out, "match": False, "why": str(exc)}
+            if path not in params:
+                return {**out, "match": False, "why": f"a part of no tensor of the head: {key!r}"}
+            whole = params[path] if rows is None else params[path][rows[0] : rows[1]]
+            first = params[path].shape[0] if params[path].shape else 1
+            parts.append((path, *(rows or (0, first)), rows is None))
+            if np.asarray(value).tobytes() != whole.tobytes() or np.shape(value) != whole.shape:
+                differ.add(path)
+    missing = pslink.uncovered(shapes, sorted(parts))
+    if missing is not None:
+        return {**out, "match": False, "why": f"the slices do not cover {missing!r} exactly once"}
     if differ:
-        return {**out, "match": False, "why": f"{len(differ)} tensors differ, first {differ[0]!r}"}
+        first_path = sorted(differ)[0]
+        return {**out, "match": False, "why": f"{len(differ)} tensors differ, first {first_path!r}"}
     return {**out, "match": True, "tensors": len(params)}
-
-
-def _map_of(params: dict[str, Any], slices: list[dict[str, Any]]) -> PartitionMap:
-    """The partition map the saved slices were cut by, read back from their parts' keys (a block
-    is ``path#rows=start:stop``) and checked to cover the head's tensors exactly once."""
-    from hetd.pserver.partition import FORMAT, PartitionMap
-
-    parts = []
-    for server, tensors in enumerate(slices):
-        for key in tensors:
-            if BLOCK_MARK in key:
-                path, rows = key.rsplit(BLOCK_MARK, 1)
-                start, stop = (int(x) for x in rows.split(":"))
-                parts.append([path, start, stop, False, server])
-            else:
-                shape = params[key].shape if key in params else ()
-                parts.append([key, 0, shape[0] if shape else 1, True, server])
-    parts.sort(key=lambda p: (p[0], p[1]))
-    return PartitionMap.from_dict(
-        {
-            "format": FORMAT,
-            "servers": len(slices),
-            "block_bytes": 0,
-            "tensors": [[k, list(params[k].shape), params[k].dtype.name] for k in sorted(params)],
-            "parts": parts,
-        }
-    )
