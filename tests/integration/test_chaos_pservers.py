@@ -118,10 +118,14 @@ def test_the_slices_check_finds_a_slice_that_differs_from_the_head(tmp_path: Pat
         "a/kernel": rng.normal(size=(6, 3)).astype(np.float32),
         "b": np.asarray(rng.normal(), np.float32),
     }
-    place = json_.dumps({"position": 40, "version": 20, "groups": [], "last_pid": []})
-    checkpoint.write(
-        tmp_path, {"version": 20, "params": head, "opt_state": {}, "decisions": place}, keep=3
-    )
+
+    def head_at(position: int) -> None:  # the head's checkpoint at that log position
+        place = json_.dumps({"position": position, "version": 20, "groups": [], "last_pid": []})
+        checkpoint.write(
+            tmp_path, {"version": 20, "params": head, "opt_state": {}, "decisions": place}, keep=3
+        )
+
+    head_at(40)
     cut = [
         {part_key("a/kernel", 0, 4, False): head["a/kernel"][:4], "b": head["b"]},
         {part_key("a/kernel", 4, 6, False): head["a/kernel"][4:]},
@@ -137,11 +141,7 @@ def test_the_slices_check_finds_a_slice_that_differs_from_the_head(tmp_path: Pat
     flipped = cut[1][part_key("a/kernel", 4, 6, False)].copy()
     flipped.view(np.uint32)[0, 0] ^= 1  # one bit of one value
     save([cut[0], {part_key("a/kernel", 4, 6, False): flipped}], (41, 41))
-    checkpoint.write(
-        tmp_path,
-        {"version": 20, "params": head, "opt_state": {}, "decisions": place.replace("40", "41")},
-        keep=3,
-    )
+    head_at(41)
     got = slices_against_head(tmp_path, 2)
     assert got["match"] is False and got["why"] == "1 tensors differ, first 'a/kernel'"
     save(cut, (42, 43))
@@ -149,10 +149,6 @@ def test_the_slices_check_finds_a_slice_that_differs_from_the_head(tmp_path: Pat
     assert got["match"] is False and "other log positions" in got["why"]
     assert slices_against_head(tmp_path, 3) == {"match": False, "why": "pserver 2 saved no slice"}
     save([cut[0], {}], (45, 45))  # a block of a/kernel in no slice
-    checkpoint.write(
-        tmp_path,
-        {"version": 20, "params": head, "opt_state": {}, "decisions": place.replace("40", "45")},
-        keep=3,
-    )
+    head_at(45)
     got = slices_against_head(tmp_path, 2)
     assert got["match"] is False and got["why"] == "the slices do not cover 'a/kernel' exactly once"
