@@ -6,6 +6,12 @@ One frame is a 4-byte big-endian length and a msgpack map with a string ``"t"`` 
 part's name inside a slice is its tensor's path, or for a block of rows the path and the rows
 (:func:`part_key`). A tensor travels as ``[dtype, shape, bytes]``, an int8 one with its float
 scale after them (:func:`tensor_entry`).
+
+Also read here, for both a worker and the head: a welcome's ``pservers`` field, the partition
+map's plain value and where each pserver listens (:func:`read_map`, :func:`read_info`, a bad one
+:class:`MapError`), and whether parts cover a model exactly once (:func:`uncovered`). A ``slice``
+frame may carry its tensors' hash (:func:`slice_frame`); :mod:`hetd.protocol.pulls` pulls and
+checks releases with these frames.
 """
 
 from __future__ import annotations
@@ -71,6 +77,53 @@ def uncovered(
     return None
 
 
+# --- the welcome's pservers field: the partition map's plain value and the addresses ----------
+
+# a part: (key, path, first row, one past the last, whole tensor, pserver)
+Cut = tuple[str, str, int, int, bool, int]
+
+
+class MapError(ValueError):
+    """A welcome's ``pservers`` field (the partition map, the pservers' addresses) that cannot be
+    read, or a map that does not cover the model exactly once."""
+
+
+def read_map(m: Any) -> tuple[dict[str, tuple[int, ...]], list[Cut], int]:
+    """A partition map's plain value (:meth:`hetd.pserver.partition.PartitionMap.to_dict`) as the
+    tensors' shapes, the parts and the pservers' number (what cutting a push and joining a
+    release need; the pservers check each part's key and shape). :class:`MapError` otherwise."""
+    try:
+        shapes = {str(path): tuple(int(d) for d in shape) for path, shape, _ in m["tensors"]}
+        cuts: list[Cut] = []
+        for path, start, stop, whole, server in m["parts"]:
+            if path not in shapes or not 0 <= start <= stop or not 0 <= server < m["servers"]:
+                raise ValueError(f"a bad part of {path!r}")
+            cuts.append((part_key(path, start, stop, whole), path, start, stop, whole, server))
+        servers = int(m["servers"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise MapError(f"the welcome's partition map: {exc!r}") from None
+    return shapes, cuts, servers
+
+
+def read_info(info: Any) -> tuple[Any, list[tuple[str, int]]]:
+    """The partition map (its plain value) and the pservers' addresses from a welcome's
+    ``pservers`` field ``{map, addrs}``; :class:`MapError` otherwise."""
+    if not isinstance(info, Mapping) or not isinstance(info.get("addrs"), list):
+        raise MapError("the welcome's pservers field must be {map, addrs}")
+    pmap = info.get("map")
+    servers = read_map(pmap)[2]
+    addrs = []
+    for a in info["addrs"]:
+        if not (isinstance(a, list) and len(a) == 2 and isinstance(a[0], str)):
+            raise MapError(f"a pserver address must be [host, port], got {a!r}")
+        if not isinstance(a[1], int) or isinstance(a[1], bool) or not 0 < a[1] <= 65535:
+            raise MapError(f"a pserver address must be [host, port], got {a!r}")
+        addrs.append((a[0], a[1]))
+    if len(addrs) != servers:
+        raise MapError(f"{len(addrs)} pserver addresses for a map of {servers}")
+    return pmap, addrs
+
+
 def pack(kind: str, **fields: Any) -> bytes:
     """One frame (length prefix included)."""
     body: bytes = msgpack.packb({"t": kind, **fields}, use_bin_type=True)
@@ -110,16 +163,22 @@ def tensor_entry(values: np.ndarray, scale: float | None = None) -> list[Any]:
 
 
 def slice_frame(
-    position: int, version: int, tensors: Mapping[str, np.ndarray]
+    position: int, version: int, tensors: Mapping[str, np.ndarray], hash: str | None = None
 ) -> list[bytes | memoryview]:
     """A ``slice {position, version, tensors}`` frame (float32 tensors) as segments to write in
     order: the tensors' bytes are not copied (each must be C-contiguous float32), so a pserver
-    writes the release it keeps straight to the socket."""
+    writes the release it keeps straight to the socket. ``hash``: the tensors'
+    :func:`hetd.protocol.params.param_hash`, sent as the frame's ``hash`` field (a head that
+    sees only headers names no slice hashes: the puller checks the slice against this one);
+    None leaves the frame as it was without it, byte for byte."""
     for key, arr in tensors.items():
         if arr.dtype != np.float32 or not arr.flags.c_contiguous:
             raise ValueError(f"slice_frame takes C-contiguous float32 tensors, not {key!r}")
     entries = {key: (arr, None) for key, arr in tensors.items()}
-    return frame_segments("slice", {"position": position, "version": version}, entries)
+    fields: dict[str, Any] = {"position": position, "version": version}
+    if hash is not None:
+        fields["hash"] = hash
+    return frame_segments("slice", fields, entries)
 
 
 def part_frame(

@@ -20,6 +20,7 @@ another life goes back to position ``start`` and the restore entry loads that sl
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -27,8 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
-from hetd.core.store import make_optimizer, make_outer
+from hetd.core.ingest import update_norm
+from hetd.core.store import Int8, Tensors, make_optimizer, make_outer
+from hetd.protocol.params import param_hash
 from hetd.pserver import disk
 from hetd.pserver.commit import GroupCommit
 from hetd.pserver.link import LinkError, decode_tensors
@@ -56,6 +60,27 @@ class Setup:
     step_each: bool
     epoch: str  # the head's life
     start: int  # the log position this head life began at
+    headers: bool = False  # the head sees only the pushes' headers (see :class:`Measure`)
+
+
+@dataclass(frozen=True, slots=True)
+class Measure:
+    """What a head that sees only the pushes' headers reads of a part (its ``have`` frame's
+    ``sq`` and ``bytes``): the head measured these itself from the whole push before."""
+
+    sq: float  # the part's sum of squares as the slice reads it (NaN or inf: not all finite)
+    nbytes: int  # its tensors' value bytes: 1 per int8 value, 4 per float32 one
+
+
+def measure(tensors: Tensors) -> Measure:
+    """A part's :class:`Measure`: its squares summed as the daemon measures a whole push for its
+    update guard (:func:`hetd.core.ingest.update_norm`, squared: an int8 tensor's values squared
+    times its scale squared), and its values' bytes (as it came, or as read back from the
+    parts file: the same)."""
+    nbytes = sum(
+        t.q.nbytes if isinstance(t, Int8) else np.asarray(t).nbytes for t in tensors.values()
+    )
+    return Measure(update_norm(tensors) ** 2, nbytes)
 
 
 class Node:
@@ -80,6 +105,11 @@ class Node:
         self.durable = self.slice.position  # the newest position saved to disk
         self.parts = disk.PartsFile(directory, sync)
         self.commit = GroupCommit(self.parts)  # one fsync for the parts that come together
+        # headers mode: each held part's measure, computed once in a thread (see :meth:`measuring`)
+        self._measures: dict[tuple[int, int], asyncio.Future[Measure]] = {}
+        # headers mode: each kept release's hash, by the release's tensors (held here, so the
+        # identity stays theirs), computed once in a thread (see :meth:`release_hash`)
+        self._hashes: list[tuple[Mapping[str, np.ndarray], asyncio.Future[str]]] = []
         replayed = 0
         for worker, pid, raw in self.parts.read():
             try:
@@ -194,6 +224,41 @@ class Node:
         than the part it repeats."""
         await self.commit.wait(self.commit.submitted)
 
+    def measuring(self, worker: int, pid: int) -> asyncio.Future[Measure] | None:
+        """The held part of push ``pid``'s :class:`Measure` (headers mode), computed once, off
+        the event loop (a thread reads the part's tensors, which nothing changes), from the
+        first call: call it as the part is taken, and await it after its fsync. None when the
+        part is not held (consumed, or freed). Called on the event loop."""
+        key = (worker, pid)
+        found = self._measures.get(key)
+        if found is not None:
+            return found
+        part = self.slice.part(worker, pid)
+        if part is None:
+            return None
+        made = asyncio.get_running_loop().run_in_executor(None, measure, part)
+        self._measures[key] = made
+        return made
+
+    def release_hash(self, tensors: Mapping[str, np.ndarray]) -> asyncio.Future[str]:
+        """A kept release's :func:`~hetd.protocol.params.param_hash` (headers mode: a ``slice``
+        answer carries it), computed once per release in a thread. ``tensors``: as
+        :meth:`SliceState.release_at` gives them. The hash read while the release is kept is
+        its own: check :meth:`keeps` after awaiting it (a release no longer kept may have its
+        memory reused for a newer one's)."""
+        kept = [t for _, _, t in self.slice.kept]
+        self._hashes = [(t, f) for t, f in self._hashes if any(t is k for k in kept)]
+        for t, f in self._hashes:
+            if t is tensors:
+                return f
+        made = asyncio.get_running_loop().run_in_executor(None, param_hash, tensors)
+        self._hashes.append((tensors, made))
+        return made
+
+    def keeps(self, tensors: Mapping[str, np.ndarray]) -> bool:
+        """Whether ``tensors`` (a release :meth:`SliceState.release_at` gave) is still kept."""
+        return any(t is tensors for _, _, t in self.slice.kept)
+
     def offer(self, records: Iterable[Record]) -> None:
         """The head's records, in position order (those already offered are skipped)."""
         self.slice.offer(records)
@@ -202,6 +267,9 @@ class Node:
         """Carry out what can be; save the slice at each checkpoint entry passed; the positions
         that became durable (in order)."""
         self.slice.advance()
+        if self._measures:  # (headers mode) forget the measures of parts no longer held
+            for key in [k for k in self._measures if not self.slice.holds(*k)]:
+                del self._measures[key]
         durable = []
         for ref, saved in sorted(self.slice.saved.items(), key=lambda kv: kv[1].position):
             disk.save(self.directory, saved, ref=ref, epoch=self.setup.epoch)

@@ -249,6 +249,11 @@ class SliceState:
         """The pushes (worker, pid) whose parts are held for entries still to come."""
         return sorted(self._parts)
 
+    def part(self, worker: int, pid: int) -> Tensors | None:
+        """Push ``pid``'s part held here for an entry still to come (its tensors are not
+        changed while held, nor after: a thread may read them), or None."""
+        return self._parts.get((worker, pid))
+
     def holds(self, worker: int, pid: int) -> bool:
         """Whether push ``pid`` of ``worker`` has its part here, not yet consumed."""
         return (worker, pid) in self._parts

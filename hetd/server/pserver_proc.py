@@ -23,6 +23,17 @@ tensors the head sent). Then two streams run on one event loop, so the node has 
 Its hello names that address (``parts``), which the head hands its workers in their welcome; on
 each new connection to the head it reports every part it holds for entries still to come.
 
+**A head that sees only the pushes' headers** (its welcome says ``headers: true``; absent, false)
+holds no tensors, so the pserver measures for it what it measured from a whole push: each
+``have`` also carries the part's sum of squares (``sq``: the update guard's norm, squared, summed
+over the pservers by the head; NaN or inf when a value is not finite: such a part is held all the
+same, and the head refuses the push and logs a drop, which frees it) and its tensors' value bytes
+(``bytes``). Each held part is measured once, in a thread, while its fsync is awaited (a part read
+back from the parts file at a restart, the first time it is reported). And each ``slice``
+answering a ``pull`` carries ``hash``, the slice's :func:`~hetd.protocol.params.param_hash`
+(computed once per kept release, in a thread), which the puller checks it against since that head
+names none (:mod:`hetd.protocol.pulls`). Without ``headers`` none of this is computed or sent.
+
 If the head goes away the process reconnects, from its current position; a head that came back
 as a new life (restarted from its checkpoint) makes the node start again from its directory.
 A record the slice disagrees with (:class:`~hetd.pserver.slice.LogMismatch`), or a start it cannot
@@ -44,7 +55,7 @@ from hetd.protocol import pslink
 from hetd.protocol.sockframes import FrameServer, FrameSocket
 from hetd.pserver import disk, link
 from hetd.pserver.log import from_dict
-from hetd.pserver.node import Node, NodeError, Setup
+from hetd.pserver.node import Measure, Node, NodeError, Setup
 from hetd.pserver.partition import PartitionMap
 from hetd.pserver.slice import LogMismatch
 
@@ -138,10 +149,13 @@ class Pserver:
             self.node = Node(self.directory, self.server, setup, base, sync=self.sync)
         node = self.node
         holding = node.slice.holding()  # this head may not know of them yet
+        # headers mode: their measures, started now (each once: a part read back from the
+        # parts file is measured here, the first time it is reported)
+        measures = [node.measuring(w, p) if node.setup.headers else None for w, p in holding]
         self._head_writer = writer  # (a part taken from now on is reported by its sender's turn)
         await node.parts_durable()  # a part still waiting for its fsync is not reported before it
-        for worker, pid in holding:
-            await link.send(writer, "have", worker=worker, pid=pid)
+        for (worker, pid), measuring in zip(holding, measures, strict=True):
+            await link.send(writer, "have", **await _have_fields(worker, pid, measuring))
         await self._report(self.node.advance())
         self.advanced.set()
         while True:
@@ -155,13 +169,14 @@ class Pserver:
             await self._report(self.node.advance())
             self.advanced.set()
 
-    async def _have(self, worker: int, pid: int) -> None:
+    async def _have(self, worker: int, pid: int, measuring: asyncio.Future[Measure] | None) -> None:
         """Tell the head this slice holds push ``pid``'s part (when connected: a new connection
-        reports every part held)."""
+        reports every part held), with its measure in headers mode."""
+        fields = await _have_fields(worker, pid, measuring)
         writer = self._head_writer
         if writer is not None:
             with contextlib.suppress(ConnectionError):
-                await link.send(writer, "have", worker=worker, pid=pid)
+                await link.send(writer, "have", **fields)
 
     async def _report(self, durable: list[int]) -> None:
         writer = self._head_writer
@@ -202,10 +217,12 @@ class Pserver:
             worker = link.field(msg, "worker", int)
             pid = link.field(msg, "pid", int)
             new = node.receive(worker, pid, msg.get("tensors"), fsync=False)
+            # headers mode: the part measured in a thread while its fsync is awaited
+            measuring = node.measuring(worker, pid) if node.setup.headers else None
             await node.parts_durable()  # one fsync for the parts that came meanwhile, off the loop
             await conn.send_msg("held", worker=worker, pid=pid, new=new)
             if node.slice.holds(worker, pid):  # (not when the log already consumed it)
-                await self._have(worker, pid)
+                await self._have(worker, pid, measuring)
             if new:
                 await self._report(node.advance())
                 self.advanced.set()
@@ -238,7 +255,13 @@ class Pserver:
         if found is None or found[0] != version:
             await conn.send_msg("gone", position=node.position)
             return
-        frame = pslink.slice_frame(want, version, found[1])  # the kept tensors, uncopied
+        named = None
+        if node.setup.headers:  # the head names no slice hashes: the answer carries its own
+            named = await node.release_hash(found[1])
+            if self.node is not node or not node.keeps(found[1]):  # (its memory may be reused)
+                await conn.send_msg("gone", position=node.position)
+                return
+        frame = pslink.slice_frame(want, version, found[1], named)  # the kept tensors, uncopied
         await conn.send(*frame)
 
 
@@ -266,7 +289,19 @@ def _setup(welcome: dict[str, Any]) -> Setup:
         link.field(welcome, "step_each", bool),
         link.field(welcome, "epoch", str),
         link.field(welcome, "start", int),
+        link.field(welcome, "headers", bool) if welcome.get("headers") is not None else False,
     )
+
+
+async def _have_fields(
+    worker: int, pid: int, measuring: asyncio.Future[Measure] | None
+) -> dict[str, Any]:
+    """A ``have`` frame's fields: the push, and in headers mode (``measuring`` given) the part's
+    sum of squares and value bytes, which that head reads instead of measuring a whole push."""
+    if measuring is None:
+        return {"worker": worker, "pid": pid}
+    m = await measuring
+    return {"worker": worker, "pid": pid, "sq": m.sq, "bytes": m.nbytes}
 
 
 def exit_with_parent(parent: int) -> None:
