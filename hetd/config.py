@@ -160,6 +160,11 @@ class PserversConfig:
     # a push is decided once every pserver holds its part (workers send the parts); one whose
     # parts do not all come within this many seconds is dropped, everywhere
     part_timeout_s: float = 30.0
+    # the head takes each push's header only (its worker, ids, sizes, timings): the tensors go to
+    # the pservers alone, which report each part's squared norm for the update guard, and the
+    # head holds no parameters (evaluations and exports pull them from the pservers; every worker
+    # pulls its releases from them; no shared memory, no downlink deltas, no pipeline replicas)
+    headers: bool = False
 
 
 PSERVER_BACKENDS = ("none", "local", "ray")
@@ -422,6 +427,10 @@ def _check_pservers(p: PserversConfig) -> None:
     if p.servers > 0 and not p.log:
         raise ConfigError(
             f"[pservers] servers = {p.servers} needs log = true: pservers replay the decision log"
+        )
+    if p.headers and p.servers < 1:
+        raise ConfigError(
+            "[pservers] headers = true needs servers >= 1: the pservers hold the parameters then"
         )
     if p.servers > 0 and not is_loopback(p.host):
         raise ConfigError(

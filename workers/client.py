@@ -31,7 +31,7 @@ from workers.loop import device_info
 from workers.prepare import start_preparing
 from workers.profiling import link_profile, link_rtt, profile
 from workers.progress import Progress
-from workers.push import compute, heartbeats, joined, restamped, send
+from workers.push import compute, frame_size, heartbeats, joined, restamped, send
 from workers.receive import read
 from workers.shm import wanted
 from workers.state import HELLO_ID, WorkerOptions, WorkerState
@@ -296,8 +296,11 @@ async def _converse(
                 await ws.send_bytes(ProfileResult(result).encode())
             start = time.perf_counter()
             frame = await compute(msg, opts, state, idle_s=start - idle_from)
+            size = frame_size(frame)  # (what the emulated link carries: the whole update)
             if state.parts is not None and state.worker_id is not None:  # beside the push
-                await state.parts.send(state.worker_id, joined(frame))
+                header = await state.parts.send(state.worker_id, joined(frame))
+                if header is not None:  # the daemon takes the header, the pservers the rest
+                    frame = header
             steps = local_steps_for(plan, state.local_step_s)
             progress.pushed(plan.batch_size * steps, plan.batch_size)
             idle_from = time.perf_counter()
@@ -309,7 +312,7 @@ async def _converse(
             ref = None
             if inbox.shm is not None:  # the push in shared memory, a reference on the socket
                 ref = inbox.shm.push_ref(frame, state.push_id, state.unacked)
-            sending = asyncio.create_task(send(ws, frame, opts, ref=ref))
+            sending = asyncio.create_task(send(ws, frame, opts, ref=ref, size=size))
             if not pipeline:  # the device waits while the push travels
                 await sending
         if sending is not None:

@@ -9,12 +9,17 @@ push itself goes to the daemon as before. A part is sent again, over a new conne
 answers ``held`` (it is then in the pserver's write-ahead file) or the daemon answers the push
 (:meth:`PartsSender.done`): the daemon decides a push only once every pserver holds its part,
 and drops it when they do not all come in time.
+
+When the field says ``headers`` (the pservers hold the parameters, the daemon none), the daemon
+takes each push's header only: :meth:`PartsSender.send` gives the frame to send it in place of
+the push, the same push with no tensors (its parts carry them).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -162,6 +167,7 @@ class PartsSender:
     def __init__(self, info: Any) -> None:
         self.pmap, addrs = read_info(info)
         self.shapes, self.cuts, self.servers = read_map(self.pmap)
+        self.headers = bool(info.get("headers"))  # the daemon takes each push's header only
         self._conns = [_Conn(s, a) for s, a in enumerate(addrs)]
         self._sending: dict[int, asyncio.Task[None]] = {}
         self.sent = 0  # pushes whose parts all went out
@@ -169,34 +175,47 @@ class PartsSender:
     def update(self, info: Any) -> None:
         """A new welcome's field (the same map; a pserver may have moved)."""
         pmap, addrs = read_info(info)
-        if pmap != self.pmap:
+        if pmap != self.pmap or bool(info.get("headers")) != self.headers:
             raise PartsError("the daemon's partition map changed: restart this worker")
         for conn, addr in zip(self._conns, addrs, strict=True):
             if conn.addr != addr:
                 conn.close()
                 conn.addr = addr
 
-    def frames(self, worker: int, push: bytes) -> tuple[int, list[Segments]]:
-        """The push frame's id and one ``part`` frame per pserver, as segments that hold the
-        push's tensors uncopied (:func:`hetd.protocol.pslink.part_frame`; CPU work: a thread's)."""
+    def frames(self, worker: int, push: bytes) -> tuple[Push, list[Segments]]:
+        """The push and one ``part`` frame per pserver, as segments that hold the push's tensors
+        uncopied (:func:`hetd.protocol.pslink.part_frame`; CPU work: a thread's)."""
         p = decode(push, max_size=len(push))
         if not isinstance(p, Push):
             raise TypeError(f"a push frame holds a {p.type} message")
         slices = cut(tensors_of(p, self.shapes), self.cuts, self.servers)
-        return p.id, [pslink.part_frame(worker, p.id, s) for s in slices]
+        return p, [pslink.part_frame(worker, p.id, s) for s in slices]
 
-    async def send(self, worker: int, push: bytes) -> None:
+    async def send(self, worker: int, push: bytes) -> bytes | None:
         """Cut ``push`` (an encoded push frame) and start sending its parts (in the background:
         until each is held, or :meth:`done`). A push the daemon will refuse (not finite) sends
-        none."""
+        none. With ``headers``, the frame to send the daemon in place of ``push`` (None: send
+        ``push``)."""
         try:
-            pid, frames = await asyncio.to_thread(self.frames, worker, push)
+            p, frames = await asyncio.to_thread(self.frames, worker, push)
         except (wire.ProtocolError, codecs.CodecError) as exc:
             log.info("no parts for a push the daemon will refuse: %s", exc)
-            return
+            return self._header(push) if self.headers else None
+        pid = p.id
         task = asyncio.create_task(self._deliver(pid, frames))
         self._sending[pid] = task
         task.add_done_callback(lambda _t: self._finished(pid, _t))
+        return dataclasses.replace(p, tensors={}).encode() if self.headers else None
+
+    @staticmethod
+    def _header(push: bytes) -> bytes | None:
+        """The header of a push frame that could not be cut (the daemon refuses it, or drops it
+        when its parts do not come); None when it is not a push frame at all."""
+        try:
+            p = decode(push, max_size=len(push))
+        except (wire.ProtocolError, TypeError, ValueError):
+            return None
+        return dataclasses.replace(p, tensors={}).encode() if isinstance(p, Push) else None
 
     async def _deliver(self, pid: int, frames: list[Segments]) -> None:
         await asyncio.gather(*(c.deliver(f, pid) for c, f in zip(self._conns, frames, strict=True)))

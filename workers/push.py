@@ -103,11 +103,15 @@ async def send(
     opts: WorkerOptions,
     ref: bytes | None = None,
     link: bool = True,
+    size: int | None = None,
 ) -> None:
     """Send a push, first waiting out the emulated link's transfer time; over the frame cap, in
     ``chunk`` messages (the daemon joins them); ``ref``: its ``push_ref`` (the push itself is
-    in shared memory); ``link`` False: the caller emulated the link (:class:`workers.stage.Outbox`)."""
-    delay = opts.emulation.transfer_seconds(frame_size(frame)) if link else 0.0
+    in shared memory); ``link`` False: the caller emulated the link (:class:`workers.stage.Outbox`);
+    ``size``: the bytes the link carries for it (default the frame's; a header's push, the whole
+    update's, which its parts carry)."""
+    nbytes = frame_size(frame) if size is None else size
+    delay = opts.emulation.transfer_seconds(nbytes) if link else 0.0
     if delay:
         await asyncio.sleep(delay)
     if ref is not None:

@@ -214,6 +214,8 @@ class Engine:
         self._dispatch(Tick(now))
 
     def _evaluate_if_due(self, now: float) -> None:
+        if not self.store.holds_params and self.evaluations.source is None:
+            return  # (a head whose pservers hold the parameters, before they are reachable)
         if (event := self.evaluations.due(now, self.store.snapshot)) is not None:
             self._dispatch(event)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from hetd.core.commands import Command, EvalDone, EvalDue
@@ -77,6 +77,10 @@ class Evaluations:
         self.target: Target | None = None  # a Task's target: when reached, target_at is set
         self.target_at: float | None = None  # s since start of the first evaluation meeting it
         self.keeper: Keeper | None = None  # deferred evaluations: who keeps the grid's snapshots
+        # where the parameters come from when the store holds none (a head whose pservers do):
+        # called on the engine's task, it takes the place; what it returns is awaited later
+        # (None: not to be had now, this point of the grid is passed over)
+        self.source: Callable[[], Awaitable[Snapshot | None]] | None = None
         self._last = -math.inf
         self._task: asyncio.Task[None] | None = None
 
@@ -109,7 +113,10 @@ class Evaluations:
             return None
         last = self._last
         self._last = now if not math.isfinite(last) else now - (now - last) % interval
-        if self.keeper is not None:
+        if self.source is not None and not self.inline:
+            pulled = self.source()
+            self._task = asyncio.get_running_loop().create_task(self._pulled(pulled, now))
+        elif self.keeper is not None:
             self.keeper(snapshot(), now)
         elif self.inline:
             result = self.evaluator(snapshot())
@@ -121,6 +128,26 @@ class Evaluations:
     async def _evaluate(self, snap: Snapshot, taken: float) -> None:
         assert self.evaluator is not None  # checked by the caller; not network input
         try:
+            result = await asyncio.to_thread(self.evaluator, snap)
+        finally:
+            self._task = None
+        self.submit(EvalDone(result, taken))
+
+    async def _pulled(self, pulled: Awaitable[Snapshot | None], taken: float) -> None:
+        """An evaluation (or a keeper's copy) of parameters pulled from elsewhere."""
+        try:
+            try:
+                snap = await pulled
+            except (OSError, ValueError) as exc:  # (a slice that failed its hash check)
+                log.warning("no evaluation at %.1f s: the parameters: %s", taken, exc)
+                return
+            if snap is None:
+                log.info("no evaluation at %.1f s: the parameters were not to be had", taken)
+                return
+            if self.keeper is not None:
+                self.keeper(snap, taken)
+                return
+            assert self.evaluator is not None  # (due checks it)
             result = await asyncio.to_thread(self.evaluator, snap)
         finally:
             self._task = None

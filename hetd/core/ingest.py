@@ -1,10 +1,11 @@
 """Ingest: a worker's decoded frames (:func:`hetd.protocol.wire.decode`) turned into the engine's
 typed inputs, checked strictly.
 
-Owns :func:`decode_hello` (a hello as a :class:`~hetd.protocol.messages.JoinIn`) and
+Owns :func:`decode_hello` (a hello as a :class:`~hetd.protocol.messages.JoinIn`),
 :func:`decode_push` (a push's tensors checked against the model's paths and shapes, their codecs
 and their finiteness, as a :class:`~hetd.protocol.messages.PushIn` with the update's norm,
-measured in the same pass, for the engine's update guard). Nothing here trusts its input or crashes
+measured in the same pass, for the engine's update guard) and :func:`decode_header` (a push
+without tensors, for a head whose pservers take them). Nothing here trusts its input or crashes
 on it: what is wrong raises :class:`hetd.protocol.wire.ProtocolError` with a code and a message
 saying what, and nothing of a refused push reaches the store. The daemon's sessions and the
 simulator both ingest through this module.
@@ -101,6 +102,25 @@ def decode_push(
         for t in tensors.values():
             sq += _sq(t)
     tensors.update(decoded)
+    return _push_in(wid, msg, nbytes, tensors, math.sqrt(sq) if measured else None)
+
+
+def decode_header(wid: int, msg: wire.Message, nbytes: int) -> PushIn:
+    """A push's header, for a head whose pservers hold the parameters (``[pservers] headers``):
+    its tensors went to the pservers, in parts, and the frame must carry none. The norm is
+    theirs to report (:class:`hetd.server.pserver_parts.PartsWait` fills it in)."""
+    if msg["tensors"]:
+        raise wire.ProtocolError(
+            "malformed",
+            "push: this daemon takes push headers only (tensors {}); the update goes to the "
+            "pservers in parts",
+        )
+    return _push_in(wid, msg, nbytes, {}, None)
+
+
+def _push_in(
+    wid: int, msg: wire.Message, nbytes: int, tensors: Mapping[str, Update], norm: float | None
+) -> PushIn:
     return PushIn(
         worker=wid,
         id=msg.id,
@@ -115,7 +135,7 @@ def decode_push(
         nbytes=nbytes,
         transfer_s=_transfer_s(msg.get("sent_at")),
         idle_s=None if msg.get("idle_s") is None else float(msg["idle_s"]),
-        norm=math.sqrt(sq) if measured else None,
+        norm=norm,
     )
 
 

@@ -13,6 +13,7 @@ its part); so is one whose parts did not all reach the pservers (:attr:`Intake.p
 from __future__ import annotations
 
 import logging
+import math
 from typing import Literal
 
 from hetd.core.applier import Applier
@@ -102,6 +103,9 @@ class Intake:
         return None, Push(now, p.worker, p.base, kind, p.samples, p.steps, p.compute_s, p.loss)
 
     def _guard(self, p: PushIn) -> str | None:
+        if p.norm is not None and math.isnan(p.norm):  # (ingest refuses such a push itself; a
+            # header's norm is its pservers' report: NaN when a part holds NaN or Inf)
+            return "the update holds NaN or Inf, or overflows float32; not applied"
         if not self.guard.on:
             return None
         return self.guard.check(p.kind, p.norm if p.norm is not None else update_norm(p.tensors))

@@ -152,7 +152,8 @@ class Publisher:
                 codec, held, self.store.snapshot(), ref, link, hashes=hashes
             )
         store = self.store
-        if self.downlink.keeps_nothing(codec, link):
+        if not store.holds_params or self.downlink.keeps_nothing(codec, link):
+            # (a head whose pservers hold the parameters has no other way: every release a pull)
             frame = pointer(store)
             return Outgoing([frame], store.version, True)
         return self.downlink.frames(

@@ -190,8 +190,17 @@ class Snapshot:
         return self._hashed
 
 
+def outer_name(spec: str | None, outer: optax.GradientTransformation | None) -> str:
+    """The outer optimizer's spec as a store records it: ``spec`` made canonical, the plain one
+    for no optimizer and no spec, ``"custom"`` for an optimizer given without one."""
+    spec = spec or (PLAIN_OUTER if outer is None else "")
+    return str(parse_optimizer(spec).with_default_lr(1.0)) if spec else "custom"
+
+
 class Store:
     """Global params + optimizer state + version. Not thread-safe: one writer (the engine)."""
+
+    holds_params = True  # (a head whose pservers hold them keeps none: hetd.core.ledger)
 
     def __init__(
         self,
@@ -210,8 +219,7 @@ class Store:
         self._opt_state: Any = tx.init(self._params)
         self._outer = outer
         self._outer_state: Any = outer.init(self._params) if outer is not None else None
-        spec = outer_spec or (PLAIN_OUTER if outer is None else "")
-        self.outer_spec = str(parse_optimizer(spec).with_default_lr(1.0)) if spec else "custom"
+        self.outer_spec = outer_name(outer_spec, outer)
         self.version = version
         self.shapes: dict[str, tuple[int, ...]] = {
             k: tuple(v.shape) for k, v in self._params.items()
@@ -483,6 +491,11 @@ class Store:
     def restore(self, params: Tensors, opt_state: Any, version: int) -> None:
         """Replace the whole state (from a checkpoint); shapes must match the model."""
         shapes = {k: tuple(np.shape(v)) for k, v in params.items()}
+        if not shapes and self.shapes:
+            raise ValueError(
+                "the checkpoint holds no parameters: a head whose pservers hold them "
+                "([pservers] headers = true) wrote it; resume with headers = true"
+            )
         if shapes != self.shapes:
             raise ValueError("checkpoint parameters do not match the model's paths and shapes")
         with self._lock:

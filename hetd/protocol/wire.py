@@ -113,7 +113,8 @@ SCHEMA: Final[dict[str, dict[str, tuple[tuple[type, ...], bool]]]] = {
     "params_at": {
         "version": ((int,), True),
         "position": ((int,), True),
-        "slices": ((list,), True),  # each pserver's slice hash, in pserver order
+        # each pserver's slice hash, in pserver order (none: each pserver's answer carries it)
+        "slices": ((list,), True),
         "hash": (_OPT_STR, False),  # the whole version's hash (protocol.params)
     },
     "ack": {
@@ -140,8 +141,10 @@ ACK_STATUSES: Final = ("applied", "buffered", "dropped", "duplicate")
 # and go); "pservers": it sends each push's parts to the pservers the welcome names (a daemon
 # that runs pservers welcomes no other worker); "pulls": it takes a ``params_at`` (a release that
 # names a log position: it fetches each slice from its pserver, checks each slice's hash and the
-# whole's).
-WORKER_FEATURES: Final = ("hash", "stages", "reshard", "pservers", "pulls")
+# whole's); "headers": when the welcome's ``pservers`` says ``headers``, it sends the daemon each
+# push without its tensors (``tensors`` {}), which only its parts carry (such a daemon, whose
+# pservers hold the parameters, welcomes no other worker).
+WORKER_FEATURES: Final = ("hash", "stages", "reshard", "pservers", "pulls", "headers")
 PUSH_KINDS: Final = ("grad", "delta")
 
 

@@ -12,8 +12,13 @@ from hetd.server.admin_context import AdminContext, ApiError, ReplicaControl, co
 
 
 def _replicas(ctx: AdminContext) -> ReplicaControl:
-    if ctx.replicas is None:  # pragma: no cover - the daemon always makes one
-        raise ApiError(409, "no_replicas", "this daemon runs no pipeline replicas")
+    if ctx.replicas is None:  # a head whose pservers hold the parameters ([pservers] headers)
+        raise ApiError(
+            409,
+            "no_replicas",
+            "this daemon runs no pipeline replicas: its pservers hold the parameters "
+            "([pservers] headers = true), and a replica's stages take them from the head",
+        )
     return ctx.replicas
 
 

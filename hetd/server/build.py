@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # the heavy modules (JAX, flax, optax) load when the engine i
     from hetd.core.engine import Engine
     from hetd.core.evals import Evaluation
     from hetd.core.peers import Clock
-    from hetd.core.store import Snapshot
+    from hetd.core.store import Snapshot, Store
     from hetd.zoo.task import Bound
 
 log = logging.getLogger("hetd.server")
@@ -161,6 +161,7 @@ def build_head(cfg: config_mod.Config, clock: Clock | None = None) -> tuple[Engi
         task_outer=task_outer,
         welcome=setup,
         settings=_engine_settings(cfg, recut=not bundled),
+        store_type=_ledger() if cfg.pservers.headers else None,
     )
     decisions = None
     if cfg.pservers.log:
@@ -171,3 +172,10 @@ def build_head(cfg: config_mod.Config, clock: Clock | None = None) -> tuple[Engi
     engine.evaluations.target = task.target
     head = Head(None if task_optimizer is not None else optimizers.specs()[0], params)
     return engine, head
+
+
+def _ledger() -> type[Store]:
+    """The store of a head that holds no parameters (its pservers do)."""
+    from hetd.core.ledger import LedgerStore
+
+    return LedgerStore

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -151,7 +152,7 @@ class Daemon:
             server.max_frame_bytes,
             server.outbox_frames,
             self.relay,
-            hub=self.shm,
+            hub=self.shm if engine.store.holds_params else None,  # (else every release is pulled)
             budget=self.decodes,
             pservers=self.pservers,
         )
@@ -221,7 +222,8 @@ class Daemon:
             self.metrics = Metrics(engine, extra=self._metric_extras)
             from hetd.server.replicas import ReplicaDriver
 
-            self.replicas = ReplicaDriver(engine, self.relay)  # formed by POST /v1/replicas
+            if engine.store.holds_params:  # (a replica's stages take the head's parameters)
+                self.replicas = ReplicaDriver(engine, self.relay)  # formed by POST /v1/replicas
             self._engine_task = asyncio.create_task(engine.run(), name="hetd-engine")
             if self.cfg.policy.plan_every_s > 0:  # each round plans only under such a policy
                 from hetd.server.planning import Planning
@@ -382,7 +384,24 @@ class Daemon:
         from hetd.server import export
 
         engine = self.engine
-        state = await engine.queue.call(lambda: export.capture(engine))
+        link = self.pservers
+        if engine.store.holds_params or link is None:
+            state = await engine.queue.call(lambda: export.capture(engine))
+        else:  # the pservers hold the parameters: the version's pulled from them
+            state, (version, position) = await engine.queue.call(
+                lambda: (export.capture(engine), link.here())
+            )
+            pulled = await link.pull(version, position)
+            if pulled is None:
+                from hetd.server.safe_files import Refused
+
+                raise Refused(
+                    f"the pservers no longer hold version {version}, or did not answer in "
+                    "time: export again",
+                    503,
+                    "pservers_unavailable",
+                )
+            state = dataclasses.replace(state, params=dict(pulled.tensors))
         return await asyncio.to_thread(export.write, out, state, self.cfg)
 
     def describe(self) -> dict[str, Any]:

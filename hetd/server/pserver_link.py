@@ -29,13 +29,15 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Awaitable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, cast
 
 from hetd.core import commands as cmd
 from hetd.core.engine import Engine
+from hetd.core.store import Snapshot
 from hetd.protocol.messages import PushIn
+from hetd.protocol.pulls import ReleasePuller
 from hetd.pserver import link
 from hetd.pserver.log import DecisionLog, to_dict
 from hetd.pserver.partition import PartitionMap, split
@@ -81,8 +83,17 @@ class HeadLink:
         self.port = 0
         self.addrs: list[tuple[str, int] | None] = [None] * setup.pmap.servers  # parts' addresses
         self.ready = asyncio.Event()  # every pserver said where it takes parts
-        self.parts = PartsWait(setup.pmap.servers, self._decide, self._lose, setup.part_timeout_s)
+        # a head that holds no parameters takes headers: the pservers report each part's norm
+        self.headers = not engine.store.holds_params
+        self.parts = PartsWait(
+            setup.pmap.servers,
+            self._decide,
+            self._lose,
+            setup.part_timeout_s,
+            headers=self.headers,
+        )
         self._expiry: asyncio.Task[None] | None = None
+        self._puller: ReleasePuller | None = None  # (a head of headers: its own pulls)
 
     async def start(self, host: str, port: int) -> int:
         """Listen on ``host:port``; the bound port."""
@@ -116,12 +127,42 @@ class HeadLink:
         welcome[WELCOME_KEY] = {
             "map": self.setup.pmap.to_dict(),
             "addrs": [[h, p] for h, p in known],
+            **({"headers": True} if self.headers else {}),
         }
+        if self.headers:  # the head's own pulls (evaluations, exports) go where the workers' do
+            if self._puller is None:
+                self._puller = ReleasePuller(welcome[WELCOME_KEY])
+                self.engine.evaluations.source = self.pulled_now
+            else:
+                self._puller.update(welcome[WELCOME_KEY])
         if not self.ready.is_set():
             log.info("every pserver takes parts: workers are welcomed with the map")
             # full releases name a log position from now on: the workers pull them from here
-            self.engine.publisher.pointer = Pointers(self.setup.pmap, self.log)
+            pointers = Pointers(self.setup.pmap, self.log, hashes=not self.headers)
+            self.engine.publisher.pointer = pointers
         self.ready.set()
+
+    def here(self) -> tuple[int, int]:
+        """The store's version and the log position it stands at (its queued steps logged
+        first). On the engine's task."""
+        store = self.engine.store
+        store.flush()
+        return store.version, self.log.position
+
+    def pulled_now(self) -> Awaitable[Snapshot | None]:
+        """The parameters now, pulled from the pservers (a head that holds none): the place is
+        taken at the call (on the engine's task), the pull awaited later."""
+        return self.pull(*self.here())
+
+    async def pull(self, version: int, position: int) -> Snapshot | None:
+        """Version ``version``, in force at log ``position``, pulled from the pservers and
+        joined; None when they no longer keep it, or do not answer in time. Each slice is
+        checked against the hash its pserver sends."""
+        puller = self._puller
+        if puller is None:
+            return None
+        got = await puller.fetch(version, position, (), None)
+        return None if got is None else Snapshot(version, got[0])
 
     def floor(self) -> int:
         """The lowest position every slice has saved (the log keeps the records after it)."""
@@ -192,6 +233,7 @@ class HeadLink:
             "epoch": self.epoch,
             "start": self.began,
             "base": base,
+            **({"headers": True} if self.headers else {}),
         }
 
     async def _follow(
@@ -232,7 +274,14 @@ class HeadLink:
         while True:
             msg = await link.recv(reader, 1 << 16)
             if msg["t"] == "have":
-                self.parts.have(server, link.field(msg, "worker", int), link.field(msg, "pid", int))
+                sq, nbytes = msg.get("sq"), msg.get("bytes")
+                self.parts.have(
+                    server,
+                    link.field(msg, "worker", int),
+                    link.field(msg, "pid", int),
+                    float(sq) if isinstance(sq, int | float) and not isinstance(sq, bool) else None,
+                    nbytes if isinstance(nbytes, int) and not isinstance(nbytes, bool) else None,
+                )
                 continue
             if msg["t"] != "durable":
                 raise link.LinkError(f"unexpected frame {msg['t']!r} from slice {server}")
@@ -243,6 +292,8 @@ class HeadLink:
     async def close(self) -> None:
         """Stop listening and close every connection."""
         self.log.on_append = None
+        if self._puller is not None:
+            self._puller.close()
         if self._expiry is not None:
             self._expiry.cancel()
         if self._server is not None:

@@ -12,16 +12,23 @@ a push waits behind an earlier one of its worker. Reports may come before the pu
 (the parts travel beside it); they are kept until it comes, and forgotten once the worker's
 pushes have passed them, or past :data:`MAX_EARLY` (a worker that left for good).
 
+With ``headers`` (a head that takes push headers only, ``[pservers] headers``) each report
+also carries the part's squared norm and its bytes: a push goes on with the update's norm
+(the square root of their sum; NaN when one is not finite, which the engine refuses), its
+bytes the header's and the parts', and its transfer time up to its last part's report.
+
 One writer: everything here runs on the daemon's event loop; time is read from ``clock``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hetd.protocol.messages import PushIn
 
@@ -36,6 +43,13 @@ class _Held:
     since: float
 
 
+@dataclass(slots=True)
+class _Reports:
+    """One push's reports: pserver -> (its part's squared norm, its bytes) (None: not said)."""
+
+    by: dict[int, tuple[float | None, int | None]] = field(default_factory=dict)
+
+
 class PartsWait:
     """Pushes waiting for their parts' reports; ``submit`` gets each once its parts are all in,
     ``lose`` each whose parts did not come in time (both on the event loop)."""
@@ -47,7 +61,9 @@ class PartsWait:
         lose: Callable[[PushIn], None],
         timeout_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        headers: bool = False,
     ) -> None:
+        """``headers``: the pushes are headers, their norms and bytes the reports' sums."""
         if servers < 1:
             raise ValueError(f"PartsWait needs at least one pserver, got {servers}")
         self.servers = servers
@@ -55,7 +71,8 @@ class PartsWait:
         self.lose = lose
         self.timeout_s = timeout_s
         self.clock = clock
-        self._haves: OrderedDict[tuple[int, int], set[int]] = OrderedDict()
+        self.headers = headers
+        self._haves: OrderedDict[tuple[int, int], _Reports] = OrderedDict()
         self._queues: dict[int, deque[_Held]] = {}
         self._passed: dict[int, int] = {}  # worker -> the last push id handed on
         self.decided = 0  # pushes handed to the engine with every part in
@@ -78,12 +95,23 @@ class PartsWait:
         self._queues.setdefault(push.worker, deque()).append(_Held(push, self.clock()))
         self._release(push.worker)
 
-    def have(self, server: int, worker: int, pid: int) -> None:
-        """Pserver ``server`` holds push ``pid``'s part."""
+    def have(
+        self,
+        server: int,
+        worker: int,
+        pid: int,
+        sq: float | None = None,
+        nbytes: int | None = None,
+    ) -> None:
+        """Pserver ``server`` holds push ``pid``'s part (``sq``: its squared norm, ``nbytes``:
+        its bytes, when the pserver says)."""
         if not 0 <= server < self.servers or pid <= self._passed.get(worker, -1):
             return
         key = (worker, pid)
-        self._haves.setdefault(key, set()).add(server)
+        reports = self._haves.get(key)
+        if reports is None:
+            reports = self._haves[key] = _Reports()
+        reports.by[server] = (sq, nbytes)
         if len(self._haves) > MAX_EARLY:
             self._haves.popitem(last=False)
         self._release(worker)
@@ -97,7 +125,8 @@ class PartsWait:
             queue = self._queues.get(worker)
             while queue and now - queue[0].since >= self.timeout_s:
                 held = queue.popleft()
-                have = len(self._haves.pop((worker, held.push.id), ()))
+                gone = self._haves.pop((worker, held.push.id), None)
+                have = len(gone.by) if gone is not None else 0
                 self._pass(worker, held.push.id)
                 self.lost += 1
                 log.warning(
@@ -116,13 +145,14 @@ class PartsWait:
         queue = self._queues.get(worker)
         while queue:
             pid = queue[0].push.id
-            if len(self._haves.get((worker, pid), ())) < self.servers:
+            reports = self._haves.get((worker, pid))
+            if reports is None or len(reports.by) < self.servers:
                 return
             held = queue.popleft()
             del self._haves[(worker, pid)]
             self._pass(worker, pid)
             self.decided += 1
-            self.submit(held.push)
+            self.submit(self._filled(held, reports) if self.headers else held.push)
         if queue is not None and not queue:
             del self._queues[worker]
 
@@ -130,3 +160,20 @@ class PartsWait:
         self._passed[worker] = max(self._passed.get(worker, -1), pid)
         for key in [k for k in self._haves if k[0] == worker and k[1] <= pid]:
             del self._haves[key]
+
+    def _filled(self, held: _Held, reports: _Reports) -> PushIn:
+        """A header's push with what its parts' reports say: the update's norm (NaN when a
+        part's is not finite, or a pserver did not say), its bytes, its transfer time."""
+        sq = 0.0
+        nbytes = held.push.nbytes
+        for part_sq, part_bytes in reports.by.values():
+            sq += part_sq if part_sq is not None else math.nan
+            nbytes += part_bytes or 0
+        p = held.push
+        waited = max(0.0, self.clock() - held.since)
+        return dataclasses.replace(
+            p,
+            norm=math.sqrt(sq) if math.isfinite(sq) else math.nan,
+            nbytes=nbytes,
+            transfer_s=None if p.transfer_s is None else p.transfer_s + waited,
+        )

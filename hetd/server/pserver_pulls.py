@@ -33,9 +33,12 @@ from hetd.pserver.partition import PartitionMap, split
 class Pointers:
     """The ``params_at`` frame of the store's current version, made once per version."""
 
-    def __init__(self, pmap: PartitionMap, log: DecisionLog) -> None:
+    def __init__(self, pmap: PartitionMap, log: DecisionLog, hashes: bool = True) -> None:
+        """``hashes`` false: a head without parameters (``[pservers] headers``) names no slice
+        hashes; each pserver's answer carries its own."""
         self.pmap = pmap
         self.log = log
+        self.hashes = hashes
         self._lock = threading.Lock()  # (the publisher calls from its thread or the loop)
         self._last: tuple[int, bytes] | None = None
         self.made = 0  # frames made (one per version released to a puller)
@@ -49,7 +52,12 @@ class Pointers:
             last = self._last
             if last is not None and last[0] == store.version and not store.pending:
                 return last[1]
-            version, frame = store.read(self._frame)
+            if self.hashes:
+                version, frame = store.read(self._frame)
+            else:
+                store.flush()  # (a header store's queued steps: the log's step entry)
+                version = store.version
+                frame = ParamsAt(version, self.log.position, ()).encode()
             self._last = (version, frame)
             self.made += 1
             return frame

@@ -25,7 +25,7 @@ from hetd.codecs import registry as codecs
 from hetd.config import is_loopback
 from hetd.core import commands as cmd
 from hetd.core.engine import Engine
-from hetd.core.ingest import decode_hello, decode_push
+from hetd.core.ingest import decode_header, decode_hello, decode_push
 from hetd.protocol import shm, wire
 from hetd.protocol.frames import (
     Act,
@@ -237,6 +237,8 @@ def _checked_push(engine: Engine, wid: int, msg: wire.Message, size: int) -> Pus
     # for it (0.2-0.4 ms per 1M parameters here; its scale proves it finite).
     guarded = engine.config.guard_factor > 0
     try:
+        if not engine.store.holds_params:  # the pservers take the tensors
+            return decode_header(wid, msg, size)
         return decode_push(engine.store.shapes, wid, msg, size, fused=True, norm=guarded)
     except wire.ProtocolError as exc:
         raise wire.ProtocolError(exc.code, exc.message, msg.id) from None
@@ -346,6 +348,10 @@ async def handle(
                             outbox.send_error("unsupported", NO_PARTS, msg.id)
                             reason = "a worker that sends no parts to the pservers"
                             break
+                        if not engine.store.holds_params and not HEADERS.issubset(hello.features):
+                            outbox.send_error("unsupported", NO_HEADERS, msg.id)
+                            reason = "a worker that sends whole pushes to a head of headers"
+                            break
                         await _pservers_ready(pservers)
                     # The relay routes to the worker before the policy hears of its join: a
                     # policy that puts it in a replica at once reaches it (the stage frames
@@ -425,6 +431,13 @@ PSERVERS_FEATURE = "pservers"  # a worker that sends its pushes' parts to the ps
 NO_PARTS = (
     "this daemon runs pservers: its workers send each push's parts to them, which this "
     "hetd-worker does not do; run a hetd-worker of the daemon's release"
+)
+# a head that takes push headers only: its workers send those and pull every release
+HEADERS = frozenset({"headers", "pulls"})
+NO_HEADERS = (
+    "this daemon's pservers hold the parameters ([pservers] headers = true): its workers send "
+    "the daemon each push's header only and pull their parameters from the pservers, which "
+    "this hetd-worker does not do; run a hetd-worker of the daemon's release"
 )
 PSERVERS_WAIT_LOG_S = 10.0  # s a hello waits for the pservers before the daemon says so
 

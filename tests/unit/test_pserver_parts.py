@@ -170,10 +170,10 @@ def test_a_workers_parts_are_the_daemons_reading_of_its_push_cut_by_the_map(code
     data = frame.encode()
 
     sender = PartsSender({"map": pmap.to_dict(), "addrs": [["127.0.0.1", 1], ["127.0.0.1", 2]]})
-    pid, frames = sender.frames(9, data)
+    push, frames = sender.frames(9, data)
     head = decode_push(pmap.shapes, 9, wire.decode(data), len(data), fused=True)
     expected = split(pmap, head.tensors)
-    assert pid == 5 and len(frames) == 2
+    assert push.id == 5 and len(frames) == 2
     for server, raw in enumerate(frames):
         msg = link.unpack(b"".join(raw)[4:])
         assert (msg["t"], msg["worker"], msg["pid"]) == ("part", 9, 5)
