@@ -16,6 +16,12 @@ they name come back from the parts file (those consumed after the saved position
 records after ``start`` are a new history, which begins with a ``restore`` entry naming the
 checkpoint entry of the head's file; every pserver saved its slice there. A node that followed
 another life goes back to position ``start`` and the restore entry loads that slice from disk.
+
+**For a head that sees only the pushes' headers** (``Setup.headers``) the node also measures
+each part it holds (:meth:`Node.measuring`: its sum of squares and value bytes, a
+:class:`Measure`, computed once in a thread and forgotten once the part is consumed or freed) and
+hashes each release it keeps for pulls (:meth:`Node.release_hash`, once per release, in a
+thread): that head holds no tensors to measure or hash. Without it neither is computed.
 """
 
 from __future__ import annotations
