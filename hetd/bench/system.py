@@ -43,6 +43,7 @@ from hetd.bench.system_options import PARTS, add_options
 from hetd.bench.system_peers import Job, PeerPool, Report, Shapes
 from hetd.bench.system_pservers import (
     BACKENDS,
+    HEADS,
     Served,
     Variant,
     pserver_cpu_s,
@@ -96,6 +97,8 @@ class SystemOptions:
     # processes, started by each of pserver_backends ("local", "ray")
     pservers: tuple[int, ...] = (1,)
     pserver_backends: tuple[str, ...] = ("local",)
+    # what the daemon takes of each push at S >= 2: "whole" (it applies it too), "headers"
+    pserver_heads: tuple[str, ...] = ("whole",)
 
 
 def synthetic_shapes(n: int) -> Shapes:
@@ -122,14 +125,21 @@ def _frame_cap(n: int) -> int:
 
 
 def make_daemon(
-    shapes: Shapes, codec: str, servers: int = 1, backend: str = "local", state_dir: str = ""
+    shapes: Shapes,
+    codec: str,
+    servers: int = 1,
+    backend: str = "local",
+    state_dir: str = "",
+    headers: bool = False,
 ) -> Daemon:
     """A real daemon (ASP, SGD) for a synthetic model, workers on a free loopback port;
     ``servers`` >= 2: with that many pserver processes started by ``backend`` ("local" or "ray"),
-    their slices under ``state_dir`` (the daemon's state directory, no timed checkpoints)."""
+    their slices under ``state_dir`` (the daemon's state directory, no timed checkpoints);
+    ``headers``: the daemon takes each push's header only, its pservers hold the parameters."""
     from hetd import config as config_mod
     from hetd.core.assemble import EngineSpec, Optimizers, assemble
     from hetd.core.entries import EngineConfig
+    from hetd.core.ledger import LedgerStore
     from hetd.server.build import Head
     from hetd.server.daemon import Daemon
 
@@ -158,7 +168,7 @@ def make_daemon(
         decisions = DecisionLog()
         cfg = config_mod.replace(cfg, "store", dir=state_dir, interval_s=0.0)
         cfg = config_mod.replace(
-            cfg, "pservers", log=True, servers=servers, port=0, backend=backend
+            cfg, "pservers", log=True, servers=servers, port=0, backend=backend, headers=headers
         )
     rng = np.random.default_rng(0)
     params = {p: rng.standard_normal(s, dtype=np.float32) * np.float32(0.01) for p, s in shapes}
@@ -175,6 +185,7 @@ def make_daemon(
         settings=EngineConfig(
             codec=codec, profile_steps=0, heartbeat_s=2.0, heartbeat_timeout_s=60.0
         ),
+        store_type=LedgerStore if headers and decisions is not None else None,
     )
     head = Head(optimizers.specs()[0], params) if decisions is not None else None
     return Daemon(cfg, assemble(spec).engine(decisions=decisions), head)
@@ -383,7 +394,8 @@ async def run_big(pool: PeerPool, opts: SystemOptions) -> list[dict[str, Any]]:
 async def serve(shapes: Shapes, codec: str, v: Variant) -> Served:
     """A started daemon of variant ``v`` for the synthetic model, its pservers connected."""
     state = state_dir(v)
-    served = Served(v, make_daemon(shapes, codec, v.servers, v.backend, str(state or "")), state)
+    daemon = make_daemon(shapes, codec, v.servers, v.backend, str(state or ""), v.headers)
+    served = Served(v, daemon, state)
     await start_served(served)
     return served
 
@@ -394,9 +406,9 @@ async def _serving(shapes: Shapes, codec: str, opts: SystemOptions) -> AsyncIter
     windows alternate), stopped at the end."""
     served: list[Served] = []
     try:
-        for v in variants(opts.pservers, opts.pserver_backends):
+        for v in variants(opts.pservers, opts.pserver_backends, opts.pserver_heads):
             if v.servers > 1:
-                _say(opts, f"  starting a daemon with {v.servers} pservers ({v.backend}) ...")
+                _say(opts, f"  starting a daemon with {v.label()} pservers ...")
             served.append(await serve(shapes, codec, v))
         yield served
     finally:
@@ -473,6 +485,7 @@ def _row(
         "transport": transport,
         "pservers": variant.servers,
         "pserver_backend": variant.backend,
+        "pserver_headers": variant.headers,
         "updates_per_s": round(got["updates_per_s"], 2),
         "mb_in_per_s": round(got["mb_in_per_s"], 2),
         "mb_out_per_s": round(got["mb_out_per_s"], 2),
@@ -635,6 +648,7 @@ ROW_EXTRA = (
     "transport",  # "ws" or "shm" (rows from before it: ws)
     "pservers",  # S: 1, the daemon alone (rows from before it: 1)
     "pserver_backend",  # "none" at S = 1, else "local" or "ray"
+    "pserver_headers",  # the daemon took headers only (rows from before it: false)
     "pserver_cpu_ms_per_update",  # the pserver processes' CPU per update (S = 1: 0)
     "push_p50_ms",  # a sender's push to its ack
     "push_p90_ms",
@@ -713,6 +727,7 @@ def system_md(doc: dict[str, Any]) -> str:
             rss = r.get("rss_mb")
             servers = r.get("pservers", 1)
             variant = "1" if servers == 1 else f"{servers} {r.get('pserver_backend', '')}"
+            variant += " headers" if r.get("pserver_headers") else ""
             ps_cpu = r.get("pserver_cpu_ms_per_update") if servers > 1 else None
             lines.append(
                 f"| {r['params']:,} | {r['codec']} | {r['workers']} | {r.get('transport', 'ws')} "
@@ -806,6 +821,7 @@ def options_from(args: argparse.Namespace) -> SystemOptions:
         else ("ws", "shm"),
         pservers=_ints(args.pservers, "--pservers") if getattr(args, "pservers", None) else (1,),
         pserver_backends=_backends(getattr(args, "pserver_backends", None) or "local"),
+        pserver_heads=_heads(getattr(args, "pserver_heads", None) or "whole"),
     )
 
 
@@ -815,6 +831,13 @@ def _backends(text: str) -> tuple[str, ...]:
         raise ValueError(
             f"--pserver-backends must name some of {', '.join(BACKENDS)}, got {text!r}"
         )
+    return names
+
+
+def _heads(text: str) -> tuple[str, ...]:
+    names = tuple(h.strip() for h in text.split(",") if h.strip())
+    if not names or set(names) - set(HEADS):
+        raise ValueError(f"--pserver-heads must name some of {', '.join(HEADS)}, got {text!r}")
     return names
 
 

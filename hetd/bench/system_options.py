@@ -53,6 +53,13 @@ def add_options(p: argparse.ArgumentParser) -> None:
         "pip install 'hetd[ray]' and starts a Ray instance on this host)",
     )
     g.add_argument(
+        "--pserver-heads",
+        default=None,
+        help="what the daemon takes of each push at S >= 2, among whole,headers: whole, the "
+        "push as today (the head applies it too); headers, its header only (the head holds no "
+        "parameters, [pservers] headers = true); each is a variant of its own (default whole)",
+    )
+    g.add_argument(
         "--latency-workers",
         type=int,
         default=256,

@@ -272,6 +272,8 @@ async def _run_hetd(job: Job, conn: Connection, http: aiohttp.ClientSession) -> 
                 parts = PartsLinks(
                     PartFrames(msg["pservers"], msg["worker_id"], bytes(push.frame(0, 0)))
                 )
+                if msg["pservers"].get("headers"):  # the daemon takes the header, no tensors
+                    push = PushFrame(msgpack.packb({}))
                 await parts.open()
                 pulls = PullLinks(parts.frames.addrs)
                 await pulls.open()

@@ -30,24 +30,33 @@ BACKENDS = ("local", "ray")
 READY_S = 600.0  # s for the pservers to start and connect (JAX imports, a big model's slices)
 
 
+HEADS = ("whole", "headers")  # what the daemon takes of each push (S >= 2)
+
+
 class Variant(NamedTuple):
-    """S pservers behind the daemon, started by ``backend`` (S = 1: none, the daemon alone)."""
+    """S pservers behind the daemon, started by ``backend`` (S = 1: none, the daemon alone);
+    ``headers``: the daemon takes each push's header only and holds no parameters."""
 
     servers: int
     backend: str
+    headers: bool = False
 
     def label(self) -> str:
-        return "1" if self.servers == 1 else f"{self.servers} {self.backend}"
+        if self.servers == 1:
+            return "1"
+        return f"{self.servers} {self.backend}" + (" headers" if self.headers else "")
 
 
-def variants(servers: Sequence[int], backends: Sequence[str]) -> list[Variant]:
-    """One variant per S, and per backend for each S >= 2, in the order given."""
+def variants(
+    servers: Sequence[int], backends: Sequence[str], heads: Sequence[str] = ("whole",)
+) -> list[Variant]:
+    """One variant per S, and per backend and head for each S >= 2, in the order given."""
     out: list[Variant] = []
     for s in servers:
         if s == 1:
             out.append(Variant(1, "none"))
         else:
-            out += [Variant(s, b) for b in backends]
+            out += [Variant(s, b, h == "headers") for b in backends for h in heads]
     return list(dict.fromkeys(out))
 
 

@@ -27,7 +27,9 @@ def _key(row: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def _variant(row: dict[str, Any]) -> tuple[int, str]:
-    return int(row.get("pservers", 1)), str(row.get("pserver_backend", "none"))
+    """(S, backend), the backend marked ``+headers`` for a daemon that takes headers only."""
+    backend = str(row.get("pserver_backend", "none"))
+    return int(row.get("pservers", 1)), backend + ("+headers" if row.get("pserver_headers") else "")
 
 
 def _target_size(params: int) -> bool:
@@ -46,7 +48,7 @@ def judge(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         cell = {"params": params, "codec": codec, "workers": workers, "transport": transport}
         one = by.get((1, "none"))
         if (codec, workers, transport) == SCALE_CELL and one is not None:
-            for backend in ("local", "ray"):
+            for backend in ("local", "ray", "local+headers", "ray+headers"):
                 two = by.get((2, backend))
                 if two is None:
                     continue
@@ -63,23 +65,33 @@ def judge(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                         "met": ratio >= SCALE_TARGET,
                     }
                 )
-        local, ray = by.get((2, "local")), by.get((2, "ray"))
-        if local is not None and ray is not None:
-            ups = ray["updates_per_s"] / max(1e-9, local["updates_per_s"])
-            lat_l, lat_r = local.get("push_p50_ms"), ray.get("push_p50_ms")
-            lat = None if not lat_l or lat_r is None else lat_r / lat_l
-            met = abs(ups - 1) <= BACKEND_TOLERANCE and (
-                lat is not None and abs(lat - 1) <= BACKEND_TOLERANCE
-            )
-            out.append(
-                {
-                    "what": "backends",
-                    **cell,
-                    "ratio": round(ups, 3),
-                    "latency_ratio": None if lat is None else round(lat, 3),
-                    "met": met,
-                }
-            )
+        for head in ("", "+headers"):
+            out += _backends(cell, by.get((2, "local" + head)), by.get((2, "ray" + head)))
+    return out
+
+
+def _backends(
+    cell: dict[str, Any], local: dict[str, Any] | None, ray: dict[str, Any] | None
+) -> list[dict[str, Any]]:
+    """The ray backend against the local one in a cell (nothing unless it ran both)."""
+    out: list[dict[str, Any]] = []
+    if local is not None and ray is not None:
+        ups = ray["updates_per_s"] / max(1e-9, local["updates_per_s"])
+        lat_l, lat_r = local.get("push_p50_ms"), ray.get("push_p50_ms")
+        lat = None if not lat_l or lat_r is None else lat_r / lat_l
+        met = abs(ups - 1) <= BACKEND_TOLERANCE and (
+            lat is not None and abs(lat - 1) <= BACKEND_TOLERANCE
+        )
+        out.append(
+            {
+                "what": "backends",
+                **cell,
+                "headers": bool(local.get("pserver_headers")),
+                "ratio": round(ups, 3),
+                "latency_ratio": None if lat is None else round(lat, 3),
+                "met": met,
+            }
+        )
     return out
 
 
@@ -100,8 +112,9 @@ def targets_md(verdicts: Sequence[dict[str, Any]]) -> list[str]:
             )
         else:
             lat = "n/a" if v["latency_ratio"] is None else f"{v['latency_ratio']:.2f}x"
+            head = ", headers" if v.get("headers") else ""
             lines.append(
-                f"* ray / local at S = 2, {cell}: updates/s {v['ratio']:.2f}x, p50 push latency "
+                f"* ray / local at S = 2{head}, {cell}: updates/s {v['ratio']:.2f}x, p50 push latency "
                 f"{lat} (target within {BACKEND_TOLERANCE:.0%} each): {verdict}"
             )
     return [*lines, ""]

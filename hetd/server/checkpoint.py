@@ -45,7 +45,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -291,6 +291,10 @@ class Checkpointer:
         # slice at (their records are kept after it); None: no pserver reads the log, so each
         # checkpoint written lets the log forget the records up to it
         self.log_floor: Callable[[], int] | None = None
+        # a head that holds no parameters: awaited with the checkpoint entry's log position
+        # before the file is written, True once every pserver saved its slice there (the file
+        # names those slices); None: the file is the whole checkpoint
+        self.commit: Callable[[int], Awaitable[bool]] | None = None
 
     def restore(self, engine: Engine) -> CheckpointInfo | None:
         """Load the newest valid checkpoint into ``engine`` (before it runs); None: fresh start."""
@@ -330,6 +334,13 @@ class Checkpointer:
                 box = await engine.queue.call(lambda: [engine_state(engine)])
                 state = box.pop()
             saved_log = state.get("decisions")
+            if self.commit is not None and saved_log:
+                position = int(json.loads(str(saved_log))["position"])
+                if not await self.commit(position):
+                    raise CheckpointError(
+                        f"the pservers did not all save their slices at position {position}: "
+                        "no checkpoint written (the last one stands)"
+                    )
             info = await asyncio.to_thread(self._write, state)
             # The capture (a copy of the parameters and optimizer state) is freed here; the heap's
             # free pages go back to the system, so a checkpoint leaves the resting RSS as it was.

@@ -295,6 +295,9 @@ class Daemon:
         self.pservers = link
         if self.checkpointer is not None:
             self.checkpointer.log_floor = link.floor
+            if link.headers:  # its checkpoints name the slices: written once all are saved
+                wait_s = self.cfg.server.stop_timeout_s
+                self.checkpointer.commit = lambda position: link.saved_by_all(position, wait_s)
         if p.backend != "none":
             from pathlib import Path
 

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import time
 from collections.abc import Awaitable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -163,6 +164,22 @@ class HeadLink:
             return None
         got = await puller.fetch(version, position, (), None)
         return None if got is None else Snapshot(version, got[0])
+
+    async def saved_by_all(self, position: int, timeout_s: float) -> bool:
+        """Whether every pserver saves its slice at ``position`` (or later) within
+        ``timeout_s``: a checkpoint of a head that holds no parameters is theirs."""
+        deadline = time.monotonic() + timeout_s
+        while self.floor() < position:
+            if time.monotonic() >= deadline:
+                log.warning(
+                    "pservers saved positions %s, not all %d, within %.0f s",
+                    self.durable,
+                    position,
+                    timeout_s,
+                )
+                return False
+            await asyncio.sleep(0.05)
+        return True
 
     def floor(self) -> int:
         """The lowest position every slice has saved (the log keeps the records after it)."""
