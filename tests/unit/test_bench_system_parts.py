@@ -20,8 +20,8 @@ def test_a_senders_part_frames_are_a_workers_for_the_same_push_whatever_its_id()
     ours = PartFrames(info, 11, bytes(push.frame(0, 0)))
     worker = PartsSender(info)
     for pid in (1, 7, 2**40):
-        want_pid, wants = worker.frames(11, bytes(push.frame(pid, base=5)))
-        assert want_pid == pid
+        pushed, wants = worker.frames(11, bytes(push.frame(pid, base=5)))
+        assert pushed.id == pid
         for server, want in enumerate(wants):
             got = ours.frame(server, pid)
             assert int.from_bytes(got[:4], "big") == len(got) - 4  # the length prefix

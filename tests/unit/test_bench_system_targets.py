@@ -71,3 +71,33 @@ def test_no_pservers_axis_no_verdicts_and_the_variants_of_an_axis() -> None:
         Variant(4, "ray"),
     ]
     assert variants((2, 1, 2), ("local",)) == [Variant(2, "local"), Variant(1, "none")]
+
+
+def test_a_head_of_headers_is_a_variant_of_its_own_judged_beside_the_others() -> None:
+    assert variants((1, 2), ("local", "ray"), ("whole", "headers")) == [
+        Variant(1, "none"),
+        Variant(2, "local"),
+        Variant(2, "local", True),
+        Variant(2, "ray"),
+        Variant(2, "ray", True),
+    ]
+    assert Variant(2, "local", True).label() == "2 local headers"
+    rows = [
+        _row(31_999_010, 1, "none", 3.0),
+        _row(31_999_010, 2, "local", 4.5, push_p50_ms=400.0),
+        _row(31_999_010, 2, "local", 7.2, push_p50_ms=250.0, pserver_headers=True),
+        _row(31_999_010, 2, "ray", 7.0, push_p50_ms=255.0, pserver_headers=True),
+    ]
+    verdicts = judge(rows)
+    scaling = {v["backend"]: (v["ratio"], v["met"]) for v in verdicts if v["what"] == "scaling"}
+    assert scaling == {
+        "local": (1.5, True),
+        "local+headers": (2.4, True),
+        "ray+headers": (2.333, True),
+    }
+    # ray is compared with local of the same head only: here, headers
+    (backends,) = [v for v in verdicts if v["what"] == "backends"]
+    assert backends["headers"] is True and backends["ratio"] == 0.972
+    text = "\n".join(targets_md(verdicts))
+    assert "S = 2 (local+headers) / S = 1 updates/s" in text
+    assert "ray / local at S = 2, headers," in text
