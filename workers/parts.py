@@ -176,7 +176,10 @@ class PartsSender:
         """A new welcome's field (the same map; a pserver may have moved)."""
         pmap, addrs = read_info(info)
         if pmap != self.pmap or bool(info.get("headers")) != self.headers:
-            raise PartsError("the daemon's partition map changed: restart this worker")
+            raise PartsError(
+                "the daemon's partition map, or what it takes of a push, changed: restart "
+                "this worker"
+            )
         for conn, addr in zip(self._conns, addrs, strict=True):
             if conn.addr != addr:
                 conn.close()
