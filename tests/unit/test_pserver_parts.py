@@ -6,6 +6,7 @@ this test, speaking the link's frames."""
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -254,3 +255,167 @@ def test_hetd_status_shows_the_pushes_held_for_their_parts() -> None:
         for k, v in (line.split("  ", 1) for line in status_text(body).splitlines() if "  " in line)
     }
     assert rows["pushes' parts"] == "10 decided with every part, 1 dropped without, 2 waiting"
+
+
+# --- a head that takes push headers only ([pservers] headers) ----------------------------------
+
+
+def _header(worker: int, pid: int, transfer_s: float | None = 0.25) -> PushIn:
+    """A push as :func:`hetd.core.ingest.decode_header` gives it: no tensors, no norm, the
+    header frame's 300 bytes."""
+    return PushIn(worker, pid, 0, "grad", {}, 8, 1, 1.0, None, None, 300, transfer_s=transfer_s)
+
+
+def _headers_wait(servers: int) -> tuple[PartsWait, list[PushIn], list[PushIn], list[float]]:
+    now = [10.0]
+    decided: list[PushIn] = []
+    lost: list[PushIn] = []
+    wait = PartsWait(
+        servers, decided.append, lost.append, timeout_s=30.0, clock=lambda: now[0], headers=True
+    )
+    return wait, decided, lost, now
+
+
+def test_a_headers_push_goes_on_once_every_part_is_reported_with_their_norm_and_bytes() -> None:
+    wait, decided, lost, now = _headers_wait(3)
+    wait.hold(_header(4, 1))
+    wait.have(0, 4, 1, sq=4.0, nbytes=1000)
+    now[0] = 11.5
+    wait.have(1, 4, 1, sq=9.0, nbytes=2000)
+    assert decided == [] and wait.waiting() == 1  # pserver 2 has not said
+    now[0] = 12.0
+    wait.have(2, 4, 1, sq=12.0, nbytes=500)
+    assert len(decided) == 1 and lost == [] and wait.waiting() == 0
+    p = decided[0]
+    assert (p.worker, p.id, p.tensors) == (4, 1, {})
+    assert p.norm == pytest.approx(5.0)  # sqrt(4 + 9 + 12)
+    assert p.nbytes == 300 + 1000 + 2000 + 500  # the header's and the parts'
+    assert p.transfer_s == pytest.approx(0.25 + 2.0)  # up to its last part's report
+
+    # reports before the push (the parts travel beside it): it goes on at once, no wait added
+    for server in range(3):
+        wait.have(server, 4, 2, sq=1.0, nbytes=10)
+    now[0] = 13.0
+    wait.hold(_header(4, 2, transfer_s=0.5))
+    assert len(decided) == 2
+    assert decided[1].norm == pytest.approx(math.sqrt(3.0)) and decided[1].nbytes == 330
+    assert decided[1].transfer_s == pytest.approx(0.5)
+
+    wait.hold(_header(4, 3, transfer_s=None))  # the worker's clock not trusted: none to add to
+    now[0] = 14.0
+    for server in range(3):
+        wait.have(server, 4, 3, sq=0.0, nbytes=0)
+    assert len(decided) == 3 and decided[2].transfer_s is None and decided[2].norm == 0.0
+    assert wait.decided == 3 and wait.lost == 0
+
+
+def test_a_part_reported_twice_by_one_pserver_counts_once() -> None:
+    """A pserver that reconnects reports each part it holds again: neither its count towards
+    every pserver's nor its square and bytes are taken twice."""
+    wait, decided, _, _ = _headers_wait(2)
+    wait.hold(_header(1, 1))
+    wait.have(0, 1, 1, sq=16.0, nbytes=100)
+    wait.have(0, 1, 1, sq=16.0, nbytes=100)  # again, after a reconnect
+    assert decided == []  # pserver 1's is still missing
+    wait.have(1, 1, 1, sq=9.0, nbytes=50)
+    assert len(decided) == 1
+    assert decided[0].norm == pytest.approx(5.0) and decided[0].nbytes == 300 + 150
+
+
+@pytest.mark.parametrize(
+    "reports",
+    [
+        [(1.0, 10), (math.nan, 10)],  # a part holds NaN
+        [(math.inf, 10), (1.0, 10)],  # a part holds Inf, or its squares overflow
+        [(math.inf, 10), (math.nan, 10)],
+        [(1.0, 10), (None, None)],  # a pserver that did not say
+    ],
+)
+def test_a_part_not_finite_or_not_measured_gives_the_push_a_nan_norm(
+    reports: list[tuple[float | None, int | None]],
+) -> None:
+    wait, decided, _, _ = _headers_wait(2)
+    wait.hold(_header(3, 1))
+    for server, (sq, nbytes) in enumerate(reports):
+        wait.have(server, 3, 1, sq=sq, nbytes=nbytes)
+    assert len(decided) == 1
+    norm = decided[0].norm
+    assert norm is not None and math.isnan(norm)
+    assert decided[0].nbytes == 300 + sum(b or 0 for _, b in reports)
+
+
+def test_without_headers_a_push_goes_on_as_it_came() -> None:
+    decided: list[PushIn] = []
+    wait = PartsWait(2, decided.append, print, clock=lambda: 5.0)
+    grad = {k: np.full(v.shape, 0.5, np.float32) for k, v in PARAMS.items()}
+    push = PushIn(1, 1, 0, "grad", grad, 8, 1, 1.0, None, None, 900, transfer_s=0.1, norm=2.0)
+    wait.hold(push)
+    wait.have(0, 1, 1, sq=100.0, nbytes=7)  # (measures a pserver sends regardless: unused)
+    wait.have(1, 1, 1)
+    assert len(decided) == 1 and decided[0] is push
+
+
+def test_a_head_on_headers_refuses_a_push_whose_part_is_not_finite_with_its_guard_off() -> None:
+    """The engine of a head without parameters (guard off) behind the wait: a push whose part
+    reported a NaN square is refused and logged as a drop (its pservers free their parts); the
+    next one, finite, is applied."""
+    from hetd.core.assemble import EngineSpec, assemble
+    from hetd.core.ledger import LedgerStore
+    from hetd.protocol.messages import ErrorReply
+    from hetd.pserver.log import ApplyEntry, StepEntry
+    from hetd.server.pserver_pulls import Pointers
+
+    spec = EngineSpec(
+        PARAMS, "asp", settings=EngineConfig(guard_factor=0.0), store_type=LedgerStore
+    )
+    log = DecisionLog()
+    engine = assemble(spec).engine(FakeClock(), decisions=log)
+    assert not engine.intake.guard.on
+    pmap = partition({k: v.shape for k, v in PARAMS.items()}, 2, block_bytes=0)
+    engine.publisher.pointer = Pointers(pmap, log, hashes=False)  # every release a pull
+    fields = {"name": "w", "device": {"platform": "cpu"}, "codecs": ["none"]}
+    hello = wire.encode("hello", 1, features=["pulls", "pservers", "headers"], **fields)
+    peer = FakePeer()
+    wid = engine.join(decode_hello(wire.decode(hello)), peer)
+    wait = PartsWait(2, engine.push, engine.push, clock=lambda: 0.0, headers=True)
+    wait.hold(_header(wid, 1))
+    wait.have(0, wid, 1, sq=1.0, nbytes=10)
+    wait.have(1, wid, 1, sq=math.nan, nbytes=10)
+    reply = peer.replies[-1]
+    assert isinstance(reply, ErrorReply) and reply.id == 1 and reply.code == "out_of_range"
+    assert "NaN" in reply.text and engine.store.version == 0
+    wait.hold(_header(wid, 2))
+    wait.have(0, wid, 2, sq=1.0, nbytes=10)
+    wait.have(1, wid, 2, sq=3.0, nbytes=10)
+    assert isinstance(peer.replies[-1], Ack) and peer.replies[-1].status == "applied"
+    engine.store.flush()
+    entries = [r.entry for r in log.since(0)]
+    assert entries == [DropEntry(wid, 1), ApplyEntry(wid, 2, "grad", 1.0), StepEntry(False)]
+    assert engine.store.version == log.version == 1
+
+
+def _push_frame(tensors: dict[str, object]) -> bytes:
+    from hetd.protocol.frames import Push
+
+    frame = Push(6, base=3, kind="grad", tensors=tensors, samples=8, steps=1, compute_s=0.5)
+    return frame.encode()
+
+
+def test_a_push_header_is_a_push_without_tensors_or_norm() -> None:
+    from hetd.core.ingest import decode_header
+
+    data = _push_frame({})
+    p = decode_header(2, wire.decode(data), len(data))
+    assert (p.worker, p.id, p.base, p.kind, p.samples, p.steps) == (2, 6, 3, "grad", 8, 1)
+    assert p.tensors == {} and p.norm is None and p.nbytes == len(data)
+
+
+def test_a_push_header_that_carries_tensors_is_refused() -> None:
+    from hetd.codecs import registry as codecs
+    from hetd.core.ingest import decode_header
+
+    t = codecs.from_spec("none").encode(np.zeros(5, np.float32), np.random.default_rng(0))
+    data = _push_frame({"b/w": t})
+    with pytest.raises(wire.ProtocolError, match="push headers only") as err:
+        decode_header(2, wire.decode(data), len(data))
+    assert err.value.code == "malformed"
