@@ -37,50 +37,11 @@ log = logging.getLogger("hetd.worker")
 RETRY_S = (0.1, 2.0)  # a lost pserver connection: the first delay, the longest
 
 
-class PartsError(ValueError):
-    """A welcome's ``pservers`` field that cannot be read."""
-
-
-# a part: (key, path, first row, one past the last, whole tensor, pserver)
-Cut = tuple[str, str, int, int, bool, int]
+PartsError = pslink.MapError  # a welcome's pservers field that cannot be read
+Cut = pslink.Cut
 Segments = list[bytes | memoryview]  # one frame, written in order
-
-
-def read_map(m: Any) -> tuple[dict[str, tuple[int, ...]], list[Cut], int]:
-    """A partition map's plain value as the tensors' shapes, the parts and the pservers' number
-    (what cutting a push needs; the pservers check each part's key and shape)."""
-    try:
-        shapes = {str(path): tuple(int(d) for d in shape) for path, shape, _ in m["tensors"]}
-        cuts: list[Cut] = []
-        for path, start, stop, whole, server in m["parts"]:
-            if path not in shapes or not 0 <= start <= stop or not 0 <= server < m["servers"]:
-                raise ValueError(f"a bad part of {path!r}")
-            cuts.append(
-                (pslink.part_key(path, start, stop, whole), path, start, stop, whole, server)
-            )
-        servers = int(m["servers"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise PartsError(f"the welcome's partition map: {exc!r}") from None
-    return shapes, cuts, servers
-
-
-def read_info(info: Any) -> tuple[Any, list[tuple[str, int]]]:
-    """The partition map (its plain value) and the pservers' addresses from a welcome's
-    ``pservers`` field."""
-    if not isinstance(info, Mapping) or not isinstance(info.get("addrs"), list):
-        raise PartsError("the welcome's pservers field must be {map, addrs}")
-    pmap = info.get("map")
-    servers = read_map(pmap)[2]
-    addrs = []
-    for a in info["addrs"]:
-        if not (isinstance(a, list) and len(a) == 2 and isinstance(a[0], str)):
-            raise PartsError(f"a pserver address must be [host, port], got {a!r}")
-        if not isinstance(a[1], int) or isinstance(a[1], bool) or not 0 < a[1] <= 65535:
-            raise PartsError(f"a pserver address must be [host, port], got {a!r}")
-        addrs.append((a[0], a[1]))
-    if len(addrs) != servers:
-        raise PartsError(f"{len(addrs)} pserver addresses for a map of {servers}")
-    return pmap, addrs
+read_map = pslink.read_map
+read_info = pslink.read_info
 
 
 def tensors_of(push: Push, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, list[Any]]:

@@ -20,23 +20,19 @@ newer position. A slice that is not what the release names raises :class:`SliceM
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
-from hetd.protocol import pslink
 from hetd.protocol.frames import ParamsAt
 from hetd.protocol.params import Held
-from hetd.protocol.pslink import Cut
 from hetd.protocol.pulls import (
     PULL_TIMEOUT_S,
     RETRY_S,
     ReleasePuller,
     SliceMismatch,
+    check_cover,
     join,
     slice_shapes,
 )
-from hetd.protocol.pulls import check_cover as _check_cover
-from workers.parts import PartsError
 
 __all__ = [
     "PULL_TIMEOUT_S",
@@ -49,22 +45,13 @@ __all__ = [
 ]
 
 
-def check_cover(shapes: Mapping[str, tuple[int, ...]], cuts: list[Cut]) -> None:
-    """:func:`hetd.protocol.pulls.check_cover`, refused as :class:`~workers.parts.PartsError`."""
-    try:
-        _check_cover(shapes, cuts)
-    except pslink.MapError as exc:
-        raise PartsError(str(exc)) from None
-
-
 class Puller:
     """Pulls releases from the pservers a welcome names; kept across reconnects."""
 
     def __init__(self, info: Any) -> None:
-        try:
-            self.releases = ReleasePuller(info, PULL_TIMEOUT_S)
-        except pslink.MapError as exc:  # the daemon's own field: retrying will not help
-            raise PartsError(str(exc)) from None
+        # (a field that cannot be read raises pslink.MapError, workers.parts.PartsError: the
+        # daemon's own field, so retrying will not help)
+        self.releases = ReleasePuller(info, PULL_TIMEOUT_S)
         self.pmap = self.releases.pmap
         self.shapes = self.releases.shapes
         self.cuts = self.releases.cuts
@@ -75,10 +62,7 @@ class Puller:
 
     def update(self, info: Any) -> None:
         """A new welcome's field (a pserver may have moved)."""
-        try:
-            self.releases.update(info)
-        except pslink.MapError as exc:
-            raise PartsError(str(exc)) from None
+        self.releases.update(info)
 
     async def fetch(self, msg: ParamsAt) -> tuple[Held, int] | None:
         """The release ``msg`` names, checked, and the bytes it took; None when a pserver no

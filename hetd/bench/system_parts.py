@@ -28,8 +28,9 @@ import msgpack
 
 from hetd.protocol import pslink
 from hetd.protocol.frames import Push, decode
+from hetd.protocol.pslink import read_info, read_map
 from hetd.protocol.sockframes import FrameSocket
-from workers.parts import cut, read_info, read_map, tensors_of
+from workers.parts import cut, tensors_of
 
 
 class PartFrames:

@@ -7,18 +7,21 @@ head's side and the pserver's side speak it over TCP on loopback (:mod:`hetd.ser
 * pserver -> head: ``hello {server, position, epoch, parts}`` (the log position its slice stands
   at, the head's life it followed, and the ``[host, port]`` it takes parts on, which the head
   hands its workers), then ``durable {position}`` each time it saved its slice and ``have
-  {worker, pid}`` for each part it holds (on each new connection, every one it holds);
-* head -> pserver: ``welcome {map, optimizer, outer, combine, step_each, epoch, start, base}``
-  (the partition map, the optimizer specs, the store's modes, this head's life and the position
-  its log began at, and the slice's initial tensors for a pserver with none saved), then
+  {worker, pid}`` for each part it holds (on each new connection, every one it holds), with
+  ``sq`` and ``bytes`` (the part's squared norm and its values' bytes) for a head of headers;
+* head -> pserver: ``welcome {map, optimizer, outer, combine, step_each, epoch, start, base,
+  headers}`` (the partition map, the optimizer specs, the store's modes, this head's life and the
+  position its log began at, the slice's initial tensors for a pserver with none saved, and
+  ``headers`` when the head takes push headers only and holds no parameters), then
   ``records {items}`` (:func:`hetd.pserver.log.to_dict` values, in position order), or ``error
   {message}``;
 * pusher -> pserver: ``part {worker, pid, tensors}`` (answered ``held {worker, pid, new}`` once the
   part is in the write-ahead file), ``fetch {position}`` (answered ``slice {position, version,
   tensors}`` once the slice stands at or past that position) and ``pull {position, version}`` (a
   worker's pull of a release the head named: answered ``slice`` with the release in force at
-  exactly that position once the slice got there, or ``gone {position}`` when it no longer keeps
-  it or its version differs); any may be answered ``error``.
+  exactly that position once the slice got there, with its ``hash`` for a head of headers, or
+  ``gone {position}`` when it no longer keeps it or its version differs); any may be answered
+  ``error``.
 
 Everything read is checked as strictly as the workers' wire: a frame over the size limit, a
 value of the wrong type, a tensor whose bytes do not match its dtype and shape raise
