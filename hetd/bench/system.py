@@ -65,6 +65,7 @@ CODECS: tuple[str, ...] = ("none", "bf16", "int8")
 SENDERS: tuple[int, ...] = (1, 4, 8)
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "1073741824", "MALLOC_TRIM_THRESHOLD_": "4294967296"}
 ROUNDS = 2  # alternating hetd / limit windows per cell
+VARIANT_ROUNDS = 4  # ... when several daemons (the pservers axis) share the cell's windows
 BIG_PARAMS = 100_000_000  # the big-model rows (part "big")
 BIG_CODECS: tuple[str, ...] = ("int8", "none")
 BIG_SECONDS = 8.0  # their windows at least (an update of 100M parameters takes ~1 s here)
@@ -367,7 +368,10 @@ async def run_throughput(pool: PeerPool, opts: SystemOptions) -> list[dict[str, 
             for codec in opts.codecs:
                 async with _serving(shapes, codec, opts) as served:
                     for k in opts.senders:
-                        rows += await _one_cell(served, server, pool, shapes, codec, k, opts)
+                        rounds = ROUNDS if len(served) == 1 else VARIANT_ROUNDS
+                        rows += await _one_cell(
+                            served, server, pool, shapes, codec, k, opts, rounds
+                        )
     finally:
         await server.stop()
     return rows
@@ -429,7 +433,10 @@ async def _one_cell(
 ) -> list[dict[str, Any]]:
     # hetd (each transport, each variant of the pservers axis) and the limit alternate, ROUNDS
     # windows each, so that load from other processes (the machine is shared) falls on all
-    # alike; the limit copies the first hetd window's sizes.
+    # alike; the limit copies the first hetd window's sizes (a whole update's push, also where
+    # it went as a header). The runs go in reverse order every other round: what a window leaves
+    # behind (the kernel writing back a pserver's parts file) falls on the next one, and each
+    # run then follows each other one as often.
     window = (seconds or opts.seconds) / rounds
     cap = _frame_cap(n_params(shapes))  # the bare exchange sends every message whole
     runs = [(t, one) for t in opts.transports for one in served]
@@ -437,8 +444,8 @@ async def _one_cell(
     pushes_s: dict[tuple[str, Variant], list[float]] = {(t, one.variant): [] for t, one in runs}
     limit_tally = Tally()
     push, replies = 0, (0, 0)
-    for _ in range(rounds):
-        for transport, one in runs:
+    for n in range(rounds):
+        for transport, one in runs if n % 2 == 0 else runs[::-1]:
             tally, reports = await hetd_cell(
                 one.daemon, pool, shapes, codec, k, opts, window, shm=transport == "shm"
             )
@@ -446,7 +453,7 @@ async def _one_cell(
             for r in reports:
                 pushes_s[(transport, one.variant)] += r.extra.get("push_s", [])
             if not push:
-                push = max(r.push_frame_bytes for r in reports)
+                push = max(r.update_bytes or r.push_frame_bytes for r in reports)
                 frames = sum(r.params_frames for r in reports)
                 params_bytes = round(sum(r.params_bytes for r in reports) / max(1, frames))
                 replies = (max(r.ack_bytes for r in reports), params_bytes)
@@ -582,7 +589,9 @@ def _setup(opts: SystemOptions) -> dict[str, Any]:
         "daemon and the bare limit server run in the benchmark's own process and event loop",
         "daemon": "hetd.server.daemon.Daemon, policy asp, optimizer sgd, no compute on the senders",
         "seconds_per_cell": opts.seconds,
-        "rounds": ROUNDS,
+        "rounds": ROUNDS
+        if len(variants(opts.pservers, opts.pserver_backends)) == 1
+        else VARIANT_ROUNDS,
         "malloc": {k: os.environ.get(k) for k in MALLOC_ENV},
     }
 

@@ -77,6 +77,8 @@ class Report:
     pushes: int = 0  # push frames sent (hetd), or frames sent (bare)
     applied: int = 0  # acks with status applied (hetd)
     push_frame_bytes: int = 0  # size of one push frame
+    # size of the update's whole push frame (a push that goes as a header: what its parts carry)
+    update_bytes: int = 0
     params_frames: int = 0  # params frames that answered a push
     params_bytes: int = 0  # their total size
     ack_bytes: int = 0  # size of one ack frame
@@ -227,6 +229,7 @@ async def _run_hetd(job: Job, conn: Connection, http: aiohttp.ClientSession) -> 
         watcher: asyncio.Task[None] | None = None
         request = 0
         push = PushFrame(tensors)
+        report.update_bytes = len(push.buffer)
         parts: PartsLinks | None = None  # the pservers' connections, when the welcome names them
         pulls: PullLinks | None = None  # and the ones full releases are pulled over
         sent: dict[int, float] = {}  # request id -> when its push went out
