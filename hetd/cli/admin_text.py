@@ -150,6 +150,8 @@ def log_rows(st: dict[str, Any]) -> list[tuple[str, str]]:
                 f"without, {parts['waiting']} waiting",
             )
         )
+    if d.get("head") == "headers":
+        rows.append(("head", "takes push headers only; the pservers hold the parameters"))
     for p in d.get("processes") or ():
         pid = f"pid {p['pid']}" if p.get("pid") is not None else "no process"
         exit_ = f", last exit {p['last_exit']}" if p.get("last_exit") is not None else ""

@@ -444,6 +444,8 @@ class Daemon:
             out["saved"] = list(self.pservers.durable)  # each slice's newest saved position
             out["connected"] = sorted(self.pservers.connected)
             out["parts"] = self.pservers.parts.describe()  # pushes and their pservers' parts
+            # what the head takes of a push: "headers" (it holds no parameters) or "whole"
+            out["head"] = "headers" if self.pservers.headers else "whole"
         if self.pserver_procs is not None:  # each process's pid, state and restarts
             out["processes"] = self.pserver_procs.describe()
         return out

@@ -86,6 +86,7 @@ async def test_a_head_of_headers_trains_evaluates_exports_and_resumes(tmp_path: 
             assert "shared memory on" not in text
         assert link.parts.decided == 2 * STEPS and link.parts.lost == 0
         assert engine.store.version == 2 * STEPS
+        assert daemon.describe()["decisions"]["head"] == "headers"
         # the head read headers only: its bytes in are the parts' (one byte a parameter, int8),
         # as the pservers reported them, with the headers' own few bytes
         n = engine.store.n_params

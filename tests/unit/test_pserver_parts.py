@@ -419,3 +419,14 @@ def test_a_push_header_that_carries_tensors_is_refused() -> None:
     with pytest.raises(wire.ProtocolError, match="push headers only") as err:
         decode_header(2, wire.decode(data), len(data))
     assert err.value.code == "malformed"
+
+
+def test_hetd_status_says_when_the_head_takes_headers_only() -> None:
+    from hetd.cli.admin_text import status_text
+    from tests.unit.test_admin_text import status
+
+    body = status("asp")
+    body["decisions"] = {"position": 3, "version": 3, "first": 1, "head": "headers"}
+    assert "takes push headers only; the pservers hold the parameters" in status_text(body)
+    body["decisions"]["head"] = "whole"
+    assert "takes push headers only" not in status_text(body)
