@@ -122,7 +122,8 @@ def add_commands(sub: Any) -> None:
         "chaos: a real daemon subprocess and hetd-worker processes under a seeded fault schedule "
         "(worker SIGKILL, stall, cut, one daemon SIGKILL and restart) against a fault-free run: "
         "goodput, duplicate applies, versions lost, recovery times, written to OUT/chaos.json and "
-        "OUT/chaos.md (hetd.bench.chaos; options below); soak: a real daemon and --workers "
+        "OUT/chaos.md (hetd.bench.chaos; options below, and --pservers S with --pserver-heads "
+        "whole or headers); soak: a real daemon and --workers "
         "light protocol-v1 workers (no compute, no JAX) for --minutes: the daemon's memory "
         "growth after the first minute and every error, written to OUT/soak.json and OUT/soak.md "
         "(hetd.bench.soak); dpmp: the dpmp policy against lbbsp on the memory-poor scenarios B, "
@@ -484,6 +485,9 @@ def _chaos(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--suite chaos takes --pservers S, one number, got {args.pservers!r}"
         ) from None
+    heads = args.pserver_heads or "whole"  # the system suite's option: one value here
+    if heads not in ("whole", "headers"):
+        raise ValueError(f"--suite chaos takes --pserver-heads whole or headers, got {heads!r}")
     opts = ChaosOptions(
         policies=tuple(parse_policies(args.policies or "bsp,asp,ssp")),
         out=Path(args.out),
@@ -494,6 +498,7 @@ def _chaos(args: argparse.Namespace) -> int:
         quiet=args.quiet,
         links=_links(args, workers),
         pservers=servers,
+        headers=heads == "headers",
     )
     doc = run_chaos(opts)
     print(f"chaos: wrote {args.out}/chaos.json and chaos.md")

@@ -152,3 +152,89 @@ def test_the_slices_check_finds_a_slice_that_differs_from_the_head(tmp_path: Pat
     head_at(45)
     got = slices_against_head(tmp_path, 2)
     assert got["match"] is False and got["why"] == "the slices do not cover 'a/kernel' exactly once"
+
+
+def test_the_headers_check_finds_slices_that_disagree_with_a_head_without_parameters(
+    tmp_path: Path,
+) -> None:
+    """The check a run whose head holds no parameters ends with, on files written by the daemon's
+    and the pservers' own writers, the map planned from a chaos run's own daemon config: two
+    slices at the checkpoint's position and version, that join into the model and consumed the
+    same pushes, pass; a slice at another position or version, one that consumed another push,
+    a part missing, or a value not finite fails, saying why."""
+    import json as json_
+
+    import numpy as np
+
+    from hetd.bench.chaos.cluster import _config_text
+    from hetd.bench.chaos.slices import check, partition_map
+    from hetd.pserver import disk
+    from hetd.pserver.partition import split
+    from hetd.pserver.slice import SliceSaved
+    from hetd.server import checkpoint
+
+    opts = ChaosOptions(policies=(PolicySpec("asp"),), out=tmp_path, pservers=2, headers=True)
+    config = tmp_path / "hetd.toml"
+    config.write_text(_config_text(opts, PolicySpec("asp"), 1, 2, str(tmp_path), "127.0.0.1"))
+    assert "headers = true" in config.read_text()
+    pmap = partition_map(config)
+    assert pmap.servers == 2 and pmap.of(0) and pmap.of(1)
+    rng = np.random.default_rng(0)
+    model = {k: rng.normal(size=s).astype(np.float32) for k, s in pmap.shapes.items()}
+    cut = split(pmap, model)
+    done = {0: 7, 1: 9}
+    n = [0]  # the head's checkpoints written
+
+    def head_at(position: int, version: int = 20) -> None:  # a checkpoint without parameters
+        place = json_.dumps(
+            {"position": position, "version": version, "groups": [], "last_pid": []}
+        )
+        checkpoint.write(
+            tmp_path, {"version": version, "params": {}, "opt_state": {}, "decisions": place}, 3
+        )
+        n[0] += 1
+
+    def save(
+        slices: list[dict[str, np.ndarray]], at: list[tuple[int, int, dict[int, int]]]
+    ) -> None:
+        for s, (params, (position, version, consumed)) in enumerate(zip(slices, at, strict=True)):
+            saved = SliceSaved(params, [], version, position, {}, consumed)
+            disk.save(tmp_path / "pservers" / f"slice{s}", saved, ref=f"p{position}", epoch="e")
+
+    def got() -> dict[str, object]:
+        return check(tmp_path, 2, True, config)
+
+    head_at(40)
+    save(cut, [(40, 20, done)] * 2)
+    ok = got()
+    assert ok["match"] is True and ok["tensors"] == len(pmap.shapes), ok
+    save(cut, [(41, 20, done), (42, 20, done)])
+    head_at(41)
+    assert "other log positions" in str(got()["why"])
+    save(cut, [(43, 20, done), (43, 21, done)])
+    head_at(43)
+    assert got()["why"] == "the slices were saved at other versions"
+    save(cut, [(44, 20, done), (44, 20, {0: 7, 1: 8})])
+    head_at(44)
+    assert got()["why"] == "the slices consumed other pushes (done differs)"
+    key = pmap.of(1)[0].key
+    save([cut[0], {k: v for k, v in cut[1].items() if k != key}], [(45, 20, done)] * 2)
+    head_at(45)
+    assert got()["why"] == f"the slices do not join: slice 1 lacks part {key!r}"
+    bad = {k: v.copy() for k, v in cut[1].items()}
+    bad[key].reshape(-1)[0] = np.nan
+    save([cut[0], bad], [(46, 20, done)] * 2)
+    head_at(46)
+    assert got()["why"] == f"1 tensors not finite, first {pmap.of(1)[0].path!r}"
+    # a head that holds parameters is the whole-push check's, not this one's
+    checkpoint.write(
+        tmp_path,
+        {
+            "version": 20,
+            "params": model,
+            "opt_state": {},
+            "decisions": json_.dumps({"position": 47}),
+        },
+        3,
+    )
+    assert got()["why"] == "the head's checkpoint holds parameters"

@@ -60,6 +60,7 @@ class ChaosOptions:
     quiet: bool = False
     links: str = "emulated"  # netns: a cut is the worker's link set down (hetd.bench.links, root)
     pservers: int = 0  # local pserver processes behind the daemon (0: none, the daemon alone)
+    headers: bool = False  # with pservers: the head takes each push's header only, no parameters
 
     @property
     def duration_s(self) -> float:
@@ -140,7 +141,7 @@ def _config_text(
         f"name = {json.dumps(policy.name)}\nparams = {{{params}}}\n"
         "[store]\n"
         f"dir = {json.dumps(state)}\ninterval_s = {CHECKPOINT_S!r}\nkeep = 3\n"
-        + pservers.config_text(opts.pservers)
+        + pservers.config_text(opts.pservers, opts.headers)
     )
 
 

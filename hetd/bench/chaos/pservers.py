@@ -33,12 +33,15 @@ class Polled(Protocol):
     def rate(self, t0: float, t1: float) -> float: ...
 
 
-def config_text(servers: int) -> str:
-    """The ``[pservers]`` table of a run's daemon config (empty for none)."""
+def config_text(servers: int, headers: bool = False) -> str:
+    """The ``[pservers]`` table of a run's daemon config (empty for none); ``headers``: the head
+    takes each push's header only and holds no parameters (``headers = true``)."""
     if servers < 1:
         return ""
     # port 0: the link on any free port; a restarted daemon starts its pservers afresh
-    return f'[pservers]\nlog = true\nservers = {servers}\nbackend = "local"\nport = 0\n'
+    return f'[pservers]\nlog = true\nservers = {servers}\nbackend = "local"\nport = 0\n' + (
+        "headers = true\n" if headers else ""
+    )
 
 
 def _decisions(status: Any) -> dict[str, Any]:
@@ -100,13 +103,15 @@ def back_verdict(backs: list[float | None]) -> str:
 # --- the scores and the report ----------------------------------------------------------------------
 
 
-def scores(chaos: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+def scores(chaos: dict[str, Any], base: dict[str, Any], headers: bool = False) -> dict[str, Any]:
     """A pservers run's scores: its kills (restarted? updates back after how long?), the pushes
-    dropped for a missing part, and whether every run's slices matched its head."""
+    dropped for a missing part, and whether every run's slices matched its head (``headers``: a
+    head of headers, checked by :func:`hetd.bench.chaos.slices.slices_of_headers`)."""
     kills = [f for f in chaos["faults"] if f["kind"] == "kill_pserver" and "pid_killed" in f]
     backs = [f.get("updates_back_s") for f in kills]
     checks = [chaos["slices"], *base["slices"]]
     return {
+        "pserver_heads": "headers" if headers else "whole",
         "pserver_kills": len(kills),
         "pservers_restarted": all(f.get("pid_new") is not None for f in kills),
         "pserver_updates_back_s": backs,
@@ -138,8 +143,13 @@ def report_lines(p: dict[str, Any], fmt: Callable[[Any], str]) -> list[str]:
                 f"{fmt(f.get('updates_back_s'))} |"
             )
     slices = "equal to the head's parameters bit for bit in every run"
+    if p.get("pserver_heads") == "headers":
+        slices = (
+            "at the head's checkpoint's log position and version, joined into the model's "
+            "shapes, finite, the same pushes consumed, in every run"
+        )
     if not p["slices_match_head"]:
-        slices = "NOT equal to the head's: " + "; ".join(str(x) for x in p["slices_why"])
+        slices = "NOT as the head's checkpoint says: " + "; ".join(str(x) for x in p["slices_why"])
     return [
         *lines,
         "",

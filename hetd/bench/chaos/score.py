@@ -29,13 +29,16 @@ With pservers (``--pservers S``): per pserver kill, ``updates_back_s`` (:mod:`.p
 first 2 s window after the kill whose rate is at least half the 2 s before it), with its target
 of 10 s; ``parts_dropped``, pushes the head dropped because a pserver's part did not come in time
 (per daemon life, summed); and ``slices``, each pserver's slice saved at the daemon's last
-checkpoint joined against that checkpoint's parameters, bit for bit.
+checkpoint joined against that checkpoint's parameters, bit for bit; with a head of headers
+(``--pserver-heads headers``, a checkpoint without parameters), each slice at that checkpoint's log
+position and version, the slices joined into the model's shapes, finite, and having consumed the
+same pushes (:mod:`.slices`).
 
 **Verdict.** ``pass`` when, for every policy: no duplicate or partial apply, no hash mismatch (and
 at least one verified pull), versions lost within one checkpoint interval, the daemon restarted and
 every worker came back; with pservers also: at least one pserver killed, each one killed
-restarted, no push dropped for a missing part, and in every run the slices equal to the head's
-parameters. Goodput (its target ``GOODPUT_TARGET``, for asp and ssp) and the time until updates are
+restarted, no push dropped for a missing part, and in every run the slices matching the head's
+checkpoint. Goodput (its target ``GOODPUT_TARGET``, for asp and ssp) and the time until updates are
 back after a pserver kill (10 s) are reported, not part of the verdict: they measure speed, the
 rest correctness.
 """
@@ -244,7 +247,7 @@ def policy_row(
         "workers_back": chaos["workers_at_end"] >= opts.workers,
     }
     if opts.pservers:
-        row.update(pservers.scores(chaos, base))
+        row.update(pservers.scores(chaos, base, opts.headers))
     row["failures"] = failures(row)
     row["verdict"] = "fail" if row["failures"] else "pass"
     return {**row, "chaos": chaos, "baseline": base}
@@ -274,7 +277,7 @@ def failures(row: dict[str, Any]) -> list[str]:
             out.append(f"{row['parts_dropped']} pushes dropped waiting for a pserver's part")
         if not row["slices_match_head"]:
             why = "; ".join(str(x) for x in row["slices_why"]) or "not checked"
-            out.append(f"the pservers' slices do not match the head's parameters ({why})")
+            out.append(f"the pservers' slices do not match the head's checkpoint ({why})")
     return out
 
 
@@ -291,7 +294,12 @@ def render_md(doc: dict[str, Any]) -> str:
         f"{o['fault_every']:g} s (seed {o['seed']}), checkpoint every {o['checkpoint_s']:g} s, "
         f"stall {o['stall_s']:g} s, heartbeat timeout {o['heartbeat_timeout_s']:g} s"
         + (
-            f", {o['pservers']} local pservers (workers pull their releases from them)."
+            f", {o['pservers']} local pservers (workers pull their releases from them)"
+            + (
+                ", the head taking each push's header only (it holds no parameters)."
+                if o.get("pserver_heads") == "headers"
+                else "."
+            )
             if o.get("pservers")
             else "."
         ),
@@ -300,7 +308,12 @@ def render_md(doc: dict[str, Any]) -> str:
         "lost within one checkpoint interval, daemon restarted, every worker back"
         + (
             "; a pserver killed and restarted, no push dropped for a missing part, the pservers' "
-            "saved slices equal to the head's parameters bit for bit)."
+            + (
+                "saved slices at the head's last checkpoint's log position and version, joining "
+                "into the model's shapes, finite, and having consumed the same pushes)."
+                if o.get("pserver_heads") == "headers"
+                else "saved slices equal to the head's parameters bit for bit)."
+            )
             if o.get("pservers")
             else ")."
         ),

@@ -30,7 +30,7 @@ from hetd.bench.chaos.cluster import (
 )
 from hetd.bench.chaos.faults import Fault, Faulter, schedule
 from hetd.bench.chaos.score import merge_baselines, policy_row, render_md, run_record
-from hetd.bench.chaos.slices import slices_against_head
+from hetd.bench.chaos.slices import check
 from hetd.bench.links import NetnsLinks, open_links
 from hetd.sim.results import PolicySpec
 
@@ -81,7 +81,9 @@ async def run_once(
         observed = round(time.monotonic() - c.t0, 2)
         # with pservers, their slices saved at the daemon's last checkpoint against it
         await c.stop(
-            functools.partial(slices_against_head, servers=o.pservers) if o.pservers else None
+            functools.partial(check, servers=o.pservers, headers=o.headers, config=c.config)
+            if o.pservers
+            else None
         )
         return run_record(c, faults, v0, v1, observed)
     finally:
@@ -111,6 +113,10 @@ async def run_chaos_async(opts: ChaosOptions) -> dict[str, Any]:
         raise ValueError(f"--workers must be >= 1, got {opts.workers}")
     if not opts.minutes > 0 or not opts.fault_every > 0:
         raise ValueError("--minutes and --fault-every must be > 0")
+    if opts.headers and opts.pservers < 1:
+        raise ValueError(
+            "--pserver-heads headers needs --pservers S >= 1: they hold the parameters"
+        )
     schedule(opts)  # a bad schedule is refused before anything starts
     opts.out.mkdir(parents=True, exist_ok=True)
     doc: dict[str, Any] = {
@@ -127,6 +133,7 @@ async def run_chaos_async(opts: ChaosOptions) -> dict[str, Any]:
             "cpus": os.cpu_count(),
             "links": {"kind": "emulated"},
             "pservers": opts.pservers,
+            "pserver_heads": "headers" if opts.headers else "whole",
         },
         "policies": [],
     }
