@@ -22,6 +22,7 @@ from hetd.pserver.partition import join
 from hetd.server import checkpoint
 from hetd.server.daemon import Daemon
 from tests.conftest import make_config, spawn_worker, until
+from tests.integration.test_pserver_train import _stop
 
 WAIT = 240.0  # s: generous, every process imports JAX on a shared 2-core machine
 STEPS = 8  # pushes per worker
@@ -54,14 +55,6 @@ def _pulled(text: str) -> int:
     found = re.search(r"releases pulled from the pservers: (\d+)", text)
     assert found is not None, text[-2000:]
     return int(found.group(1))
-
-
-async def _stop(daemon: Daemon, workers: list[asyncio.subprocess.Process]) -> None:
-    for w in workers:
-        if w.returncode is None:
-            w.kill()
-            await w.wait()
-    await daemon.stop(final_checkpoint=False)
 
 
 @pytest.mark.slow
