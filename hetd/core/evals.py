@@ -8,6 +8,10 @@ engine hands the snapshot and its time to a keeper, which copies the parameters;
 evaluated, no ``Eval`` event is sent, and the bench evaluates the kept copies after the run, so a
 benchmark's probe takes no CPU from what it measures. Only for a policy that does not read ``Eval``
 events (``Policy.reads_evals``): :meth:`Evaluations.keep` refuses one that does.
+
+Where the store holds no parameters (a head whose pservers do), :attr:`Evaluations.source` pulls
+them: the place is taken when the point is due, the pull and the evaluation (or the keeper's
+copy) run in a task, and a point whose parameters cannot be had is passed over.
 """
 
 from __future__ import annotations

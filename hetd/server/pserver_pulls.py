@@ -13,7 +13,9 @@ pass over the model less, on the head and on the worker).
 (:meth:`hetd.core.store.Store.read`: no snapshot, no copy of the model); the engine's publisher
 sends it in place of a full frame (:attr:`hetd.core.publish.Publisher.pointer`) to every worker
 that named ``pulls`` and whose frames go over its socket, and builds no full frame for it. Deltas
-(lossy codecs) and workers on shared memory still get their frames from the head.
+(lossy codecs) and workers on shared memory still get their frames from the head. A head that
+holds no parameters (``[pservers] headers``) names no slice hashes (``hashes`` false): every
+release is a pull, and each pserver sends its slice's hash with it.
 """
 
 from __future__ import annotations
