@@ -436,7 +436,8 @@ async def _one_cell(
     # alike; the limit copies the first hetd window's sizes (a whole update's push, also where
     # it went as a header). The runs go in reverse order every other round: what a window leaves
     # behind (the kernel writing back a pserver's parts file) falls on the next one, and each
-    # run then follows each other one as often.
+    # run then follows each other one as often. With pservers each window also starts once the
+    # kernel has written back what the last one left (os.sync, outside the windows).
     window = (seconds or opts.seconds) / rounds
     cap = _frame_cap(n_params(shapes))  # the bare exchange sends every message whole
     runs = [(t, one) for t in opts.transports for one in served]
@@ -444,8 +445,11 @@ async def _one_cell(
     pushes_s: dict[tuple[str, Variant], list[float]] = {(t, one.variant): [] for t, one in runs}
     limit_tally = Tally()
     push, replies = 0, (0, 0)
+    written = any(one.variant.servers > 1 for one in served)  # pservers write parts files
     for n in range(rounds):
         for transport, one in runs if n % 2 == 0 else runs[::-1]:
+            if written:
+                await asyncio.to_thread(os.sync)
             tally, reports = await hetd_cell(
                 one.daemon, pool, shapes, codec, k, opts, window, shm=transport == "shm"
             )
