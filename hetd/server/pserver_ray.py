@@ -137,6 +137,10 @@ class ProcessActor:
                     stderr=err,
                     env=env,
                     preexec_fn=_die_with_parent,  # prctl only, before exec
+                    # a session of its own, as the local backend's: where the kernel groups a
+                    # session's processes for CPU shares (autogroup), the pserver would otherwise
+                    # share one group with Ray's processes and whatever started Ray
+                    start_new_session=True,
                 )
         except OSError as exc:
             self.error = str(exc)
