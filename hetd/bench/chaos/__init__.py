@@ -7,14 +7,15 @@ unshaped links in network namespaces):
   fault every ``fault_every`` s drawn with the seed: a worker killed, stalled or cut off, and
   exactly one SIGKILL of the daemon mid-run, restarted at once on the same ports and state
   directory (:mod:`.faults`); with ``--pservers S``, a daemon with S local pserver processes and
-  pserver kills among the faults (:mod:`.pservers`);
+  pserver kills among the faults (:mod:`.pservers`), and with ``--pserver-heads headers`` a
+  daemon that takes each push's header only and holds no parameters;
 * **baseline**: the same with no faults, in two halves, one just before the chaos run and one just
   after.
 
 Each policy is scored on goodput against the baseline, duplicate or partial applies, parameter
 hash mismatches, versions lost at the daemon kill and each fault's recovery, and with pservers
 their restarts, the update rate back after a kill and their slices against the head's parameters
-(:mod:`.score`); the runs and the report are :mod:`.suite`'s.
+(a head of headers: against its checkpoint's place in the log, :mod:`.slices`) (:mod:`.score`); the runs and the report are :mod:`.suite`'s.
 """
 
 from hetd.bench.chaos.cluster import ChaosOptions
