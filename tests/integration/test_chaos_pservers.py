@@ -1,7 +1,8 @@
 """The chaos suite with pservers (``--pservers S``): a plan with pservers kills one and a plan
 without is unchanged, the time until the rate is back after a kill, a 15 s run with two local
-pservers (one killed, and the daemon) that loses and doubles nothing and ends with slices equal to
-the head's parameters, and the slices' check itself. A file of its own, so that the test
+pservers behind a head of headers (one killed, and the daemon) that loses and doubles nothing and
+ends with its slices at the head's last checkpoint, and the slices' checks themselves (of a head
+with parameters and of one without). A file of its own, so that the test
 processes run it beside the smoke run of ``test_chaos.py``."""
 
 from __future__ import annotations
@@ -70,20 +71,32 @@ def test_updates_back_is_the_first_window_after_the_kill_at_half_the_rate_before
 
 
 @pytest.mark.timeout(1200)
-def test_chaos_with_two_pservers_one_killed_is_exactly_once(tmp_path: Path) -> None:
-    """15 s with 2 workers and 2 local pservers: a pserver killed at 5 s and the daemon at 10 s.
-    Nothing is applied twice or lost, the killed pserver is restarted, and the slices saved at
-    each run's last checkpoint are the head's parameters bit for bit. The time until the rate
-    is back is printed by the bench, not asserted (timings on a loaded machine)."""
+def test_chaos_with_two_pservers_one_killed_behind_a_head_of_headers_is_exactly_once(
+    tmp_path: Path,
+) -> None:
+    """15 s with 2 workers and 2 local pservers behind a head that takes push headers only and
+    holds no parameters: a pserver killed at 5 s and the daemon at 10 s (it restarts from a
+    checkpoint without parameters, its pservers loading their slices saved there). Nothing is
+    applied twice or lost, every pull's slices verify, the killed pserver is restarted, and in
+    each run the slices saved at the last checkpoint stand at its log position and version, join
+    into the model, are finite and consumed the same pushes. (A head of whole pushes: its slices
+    against the head's parameters bit for bit, the check below this test and
+    test_pserver_train's kill.) The time until the rate is back is printed by the bench, not
+    asserted (timings on a loaded machine)."""
     opts = ChaosOptions(
         policies=(PolicySpec("asp"),), out=tmp_path, workers=2, minutes=15 / 60, fault_every=5.0,
-        seed=0, quiet=True, pservers=2,
+        seed=0, quiet=True, pservers=2, headers=True,
     )  # fmt: skip
     doc = run_chaos(opts)
+    assert doc["options"]["pserver_heads"] == "headers"
     (p,) = doc["policies"]
     assert p["duplicate_or_partial_applies"] == 0 and p["hash_mismatches"] == 0
     assert p["parts_dropped"] == 0  # no push waited past the part timeout and was dropped
+    assert p["pserver_heads"] == "headers"
     assert p["slices_match_head"] is True, p["slices_why"]
+    for got in [p["chaos"]["slices"], *p["baseline"]["slices"]]:  # the check without parameters
+        assert got["slice_positions"] == [got["head_position"]] * 2
+        assert got["slice_versions"] == [got["head_version"]] * 2 and got["head_version"] > 0
     assert p["daemon_restarted"] is True and p["workers_back"] is True
     kills = [f for f in p["chaos"]["faults"] if f["kind"] == "kill_pserver"]
     assert [f["at_s"] for f in kills] == [5.0]
@@ -96,7 +109,8 @@ def test_chaos_with_two_pservers_one_killed_is_exactly_once(tmp_path: Path) -> N
     assert p["verdict"] == "pass" or p["failures"] == [
         f"{p['versions_lost']} versions lost, more than {p['lost_bound']}"
     ]
-    assert "pserver kill: " in (tmp_path / "chaos.md").read_text()
+    text = (tmp_path / "chaos.md").read_text()
+    assert "pserver kill: " in text and "taking each push's header only" in text
 
 
 def test_the_slices_check_finds_a_slice_that_differs_from_the_head(tmp_path: Path) -> None:
