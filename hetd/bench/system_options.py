@@ -57,7 +57,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="what the daemon takes of each push at S >= 2, among whole,headers: whole, the "
         "push as today (the head applies it too); headers, its header only (the head holds no "
-        "parameters, [pservers] headers = true); each is a variant of its own (default whole)",
+        "parameters, [pservers] headers = true); each is a variant of its own (default whole); "
+        "--suite chaos: headers gives each run's daemon [pservers] headers = true",
     )
     g.add_argument(
         "--latency-workers",
