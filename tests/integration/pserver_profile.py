@@ -2,6 +2,8 @@
 
     PYTHONPATH=. .venv/bin/python tests/integration/pserver_profile.py [PARAMS] [SENDERS] [SECONDS] [S,...]
 
+(an S followed by ``h``, e.g. ``2h``: behind a head of headers, ``[pservers] headers = true``)
+
 For each S (default ``1,2``; 1 is the daemon alone), one system-bench cell (int8, SENDERS
 no-compute senders over the websocket, default 4, for SECONDS, default 10, on a synthetic model
 of PARAMS parameters, default 32e6, S >= 2 with local pservers) while ``py-spy`` (``pip install
@@ -97,11 +99,11 @@ def _busy(path: Path) -> tuple[Counter[str], Counter[str]]:
 
 
 async def one(
-    params: int, senders: int, seconds: float, servers: int, tmp: str
+    params: int, senders: int, seconds: float, servers: int, tmp: str, headers: bool = False
 ) -> dict[str, object]:
     shapes = bench.synthetic_shapes(params)
     backend = "local" if servers > 1 else "none"
-    served = await bench.serve(shapes, "int8", Variant(servers, backend))
+    served = await bench.serve(shapes, "int8", Variant(servers, backend, headers))
     daemon, pool = served.daemon, PeerPool(senders)
     url = f"ws://127.0.0.1:{daemon.port}/v1/ws"
     cap, chunk = bench._frame_cap(params), daemon.cfg.server.max_frame_bytes
@@ -151,11 +153,13 @@ async def main() -> None:
     params = int(float(sys.argv[1])) if len(sys.argv) > 1 else 32_000_000
     senders = int(sys.argv[2]) if len(sys.argv) > 2 else 4
     seconds = float(sys.argv[3]) if len(sys.argv) > 3 else 10.0
-    servers = [int(s) for s in sys.argv[4].split(",")] if len(sys.argv) > 4 else [1, 2]
+    # S, or S followed by h: a head of headers ([pservers] headers = true)
+    servers = sys.argv[4].split(",") if len(sys.argv) > 4 else ["1", "2"]
     for s in servers:
         t0 = time.monotonic()
         with tempfile.TemporaryDirectory() as tmp:
-            out = await one(params, senders, seconds, s, tmp)
+            out = await one(params, senders, seconds, int(s.rstrip("h")), tmp, s.endswith("h"))
+            out["headers"] = s.endswith("h")
         out["wall_s"] = round(time.monotonic() - t0, 1)
         print(json.dumps(out), flush=True)
 
