@@ -12,16 +12,18 @@ import math
 import re
 from pathlib import Path
 
+import aiohttp
 import numpy as np
 import pytest
 
 from hetd import config as config_mod
 from hetd.core.ledger import LedgerStore, NoParameters
+from hetd.protocol import wire
 from hetd.pserver import disk
 from hetd.pserver.partition import join
 from hetd.server import checkpoint
 from hetd.server.daemon import Daemon
-from tests.conftest import make_config, spawn_worker, until
+from tests.conftest import WORKER_AUTH, make_config, recv_type, spawn_worker, until
 from tests.integration.test_pserver_train import _stop
 
 WAIT = 240.0  # s: generous, every process imports JAX on a shared 2-core machine
@@ -70,6 +72,7 @@ async def test_a_head_of_headers_trains_evaluates_exports_and_resumes(tmp_path: 
             engine.store.snapshot()
         await until(link.ready.is_set, "both pservers said where they take parts")
         assert daemon.engine.config.welcome["pservers"]["headers"] is True
+        await _refusals(port)
         # the same-host worker asks for shared memory: a head of headers offers none, and every
         # release of both is pulled from the pservers
         workers = [await _worker(port, STEPS), await _worker(port, STEPS, "--no-shm")]
@@ -131,6 +134,38 @@ async def test_a_head_of_headers_trains_evaluates_exports_and_resumes(tmp_path: 
         assert any(moved[k].tobytes() != joined[k].tobytes() for k in joined)
     finally:
         await _stop(again, workers)
+
+
+async def _refusals(port: int) -> None:
+    """An older worker (its hello names pservers and pulls, not headers) is refused at its hello,
+    saying why; a worker that names it and sends a push with its tensors gets that push refused
+    as malformed, and its session goes on."""
+    url = f"ws://127.0.0.1:{port}/v1/ws"
+
+    def hello(features: list[str]) -> bytes:
+        return wire.encode(
+            "hello", 1, name="raw", device={"platform": "cpu"}, codecs=["none"], features=features
+        )
+
+    async with aiohttp.ClientSession() as http:
+        old = await http.ws_connect(url, headers=WORKER_AUTH)
+        await old.send_bytes(hello(["hash", "pservers", "pulls"]))
+        refused = await recv_type(old, "error")
+        assert refused["code"] == "unsupported" and "headers = true" in refused["message"]
+        await old.close()
+        new = await http.ws_connect(url, headers=WORKER_AUTH)
+        await new.send_bytes(hello(list(wire.WORKER_FEATURES)))
+        await recv_type(new, "welcome")
+        whole = {"w": {"codec": "none", "dtype": "float32", "shape": [1], "data": b"\0" * 4}}
+        push = wire.encode(
+            "push", 7, base=0, kind="grad", tensors=whole, samples=1, steps=1, compute_s=0.1
+        )
+        await new.send_bytes(push)
+        err = await recv_type(new, "error")
+        assert err["code"] == "malformed" and "headers only" in err["message"] and err.id == 7
+        await new.send_bytes(wire.encode("heartbeat", 8))  # the session goes on
+        await new.send_bytes(wire.encode("bye", 9, reason="test done"))
+        await new.close()
 
 
 def exported_params(reply: dict[str, object]) -> dict[str, np.ndarray]:
