@@ -3,7 +3,8 @@ two real ``hetd-worker`` processes send the head each push's header and the pser
 and pull every release from the pservers. The head decides from the headers and the pservers'
 reports (each part's squared norm and bytes), evaluates and exports from parameters it pulls,
 refuses a push whose part holds NaN, and a checkpoint of it names the pservers' slices; a second
-daemon resumes from it, its pservers going back to that checkpoint."""
+daemon resumes from it, its pservers going back to that checkpoint. An older worker is refused at
+its hello, and a push that carries its tensors is refused as malformed."""
 
 from __future__ import annotations
 
