@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from typing import TYPE_CHECKING
 
 from hetd.cli.common import EXIT_USAGE, Sub
+
+if TYPE_CHECKING:
+    from hetd.config import Config
 
 
 def add_serve(sub: Sub) -> None:
@@ -54,6 +58,22 @@ def add_serve(sub: Sub) -> None:
         "pkg.module:attr (a hetd.zoo.data.Dataset or a factory (seed, **kwargs) returning one)",
     )
     s.add_argument("--policy", default=None, help="override [policy] name (its default params)")
+    s.add_argument(
+        "--pservers",
+        type=int,
+        default=None,
+        metavar="S",
+        help="S >= 2: S pserver processes hold the model's slices and apply its updates "
+        '([pservers] log = true, servers = S, and backend = "local" unless the config names '
+        "one; needs --state-dir); 1: the daemon alone, with none (the default)",
+    )
+    s.add_argument(
+        "--headers",
+        action="store_true",
+        default=None,
+        help="set [pservers] headers: the daemon takes each push's header only and holds no "
+        "parameters, its pservers do (no shared memory, downlink deltas or pipeline replicas)",
+    )
     s.add_argument(
         "--open-workers",
         action="store_true",
@@ -111,6 +131,7 @@ def _serve(args: argparse.Namespace) -> int:
         cfg = config.replace(cfg, "train", **train)
     if args.policy is not None:
         cfg = config.replace(cfg, "policy", name=args.policy, params={})
+    cfg = pservers_from_args(cfg, args.pservers, args.headers)
     config.check_serving(cfg)  # before JAX is imported: a refused start is quick
     try:
         asyncio.run(serve(cfg))
@@ -146,3 +167,24 @@ def _token(args: argparse.Namespace) -> int:
 
     print(secrets.token_urlsafe(24))
     return 0
+
+
+def pservers_from_args(cfg: Config, servers: int | None, headers: bool | None) -> Config:
+    """``--pservers S`` and ``--headers`` over the config's ``[pservers]``: S = 1 is the daemon
+    alone (no pserver process), S >= 2 that many processes following its log (started by the
+    config's backend, ``"local"`` when it names none). ConfigError for S < 1."""
+    from hetd import config
+
+    if servers is not None:
+        if servers < 1:
+            raise config.ConfigError(
+                f"--pservers must be >= 1 (1: the daemon alone), got {servers}"
+            )
+        if servers == 1:
+            cfg = config.replace(cfg, "pservers", servers=0, backend="none", headers=False)
+        else:
+            backend = cfg.pservers.backend if cfg.pservers.backend != "none" else "local"
+            cfg = config.replace(cfg, "pservers", log=True, servers=servers, backend=backend)
+    if headers:
+        cfg = config.replace(cfg, "pservers", headers=True)
+    return cfg

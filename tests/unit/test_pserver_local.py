@@ -181,3 +181,30 @@ async def test_a_pserver_given_its_parent_stops_when_the_parent_is_killed(tmp_pa
     finally:
         if _alive(child):
             os.kill(child, signal.SIGKILL)
+
+
+def test_hetd_serve_pservers_and_headers_flags_set_the_pservers_table() -> None:
+    """``hetd serve --pservers S [--headers]``: S = 1 is the daemon alone; S >= 2 keeps the log and
+    starts S local pservers (or the config's backend); --headers makes the head one of headers; a
+    bad S is refused; with no state directory the config check says what is missing."""
+    import argparse
+
+    from hetd import config as config_mod
+    from hetd.cli.main import parser
+    from hetd.cli.serve import pservers_from_args
+
+    base = config_mod.Config()
+    cfg = pservers_from_args(base, 2, None)
+    assert (cfg.pservers.log, cfg.pservers.servers, cfg.pservers.backend) == (True, 2, "local")
+    assert cfg.pservers.headers is False
+    ray = config_mod.replace(base, "pservers", backend="ray", log=True, servers=3)
+    assert pservers_from_args(ray, 4, True).pservers.backend == "ray"
+    assert pservers_from_args(ray, 4, True).pservers.headers is True
+    assert pservers_from_args(ray, 1, None).pservers.servers == 0  # the daemon alone
+    assert pservers_from_args(base, None, None) == base
+    with pytest.raises(config_mod.ConfigError, match="--pservers must be >= 1"):
+        pservers_from_args(base, 0, None)
+    with pytest.raises(config_mod.ConfigError, match=r"needs \[store\] dir"):
+        config_mod.check_serving(pservers_from_args(base, 2, True))
+    args = parser().parse_args(["serve", "--pservers", "2", "--headers"])
+    assert isinstance(args, argparse.Namespace) and (args.pservers, args.headers) == (2, True)
