@@ -29,27 +29,37 @@ def check(state: Path, servers: int, headers: bool, config: Path) -> dict[str, A
     return slices_against_head(state, servers)
 
 
-def slices_against_head(state: Path, servers: int) -> dict[str, Any]:
-    """The head's newest checkpoint in the state directory ``state`` against each pserver's newest
-    saved slice: the same log position, the slices' parts covering every tensor exactly once
-    (:func:`hetd.protocol.pslink.uncovered`), and each part equal to its rows of the checkpoint's
-    parameters bit for bit. ``match`` says so; ``why``, what differs.
-    Read after the daemon stopped (its last checkpoint saved by every connected pserver)."""
+def _newest(state: Path, servers: int) -> tuple[Any, dict[str, Any], Any, list[Any]] | str:
+    """The head's newest checkpoint in ``state`` (its record, its tree, the log position it
+    names) and each pserver's newest saved slice; or why they cannot be read."""
     # imported here: JAX comes with them, which a chaos run without pservers does not need
     from hetd.pserver import disk
     from hetd.server.checkpoint import load_newest
 
     found = load_newest(state)
     if found is None:
-        return {"match": False, "why": "the head wrote no checkpoint"}
+        return "the head wrote no checkpoint"
     info, head = found
     position = json.loads(str(head.get("decisions") or "{}")).get("position")
     saved = []
     for s in range(servers):
         newest = disk.listing(state / "pservers" / f"slice{s}")
         if not newest:
-            return {"match": False, "why": f"pserver {s} saved no slice"}
+            return f"pserver {s} saved no slice"
         saved.append(disk.load(newest[0]).slice)
+    return info, head, position, saved
+
+
+def slices_against_head(state: Path, servers: int) -> dict[str, Any]:
+    """The head's newest checkpoint in the state directory ``state`` against each pserver's newest
+    saved slice: the same log position, the slices' parts covering every tensor exactly once
+    (:func:`hetd.protocol.pslink.uncovered`), and each part equal to its rows of the checkpoint's
+    parameters bit for bit. ``match`` says so; ``why``, what differs.
+    Read after the daemon stopped (its last checkpoint saved by every connected pserver)."""
+    read = _newest(state, servers)
+    if isinstance(read, str):
+        return {"match": False, "why": read}
+    info, head, position, saved = read
     out: dict[str, Any] = {
         "head_version": info.version,
         "head_position": position,
@@ -91,22 +101,14 @@ def slices_of_headers(state: Path, servers: int, config: Path) -> dict[str, Any]
     and every slice having consumed the same push of each worker (``done``: they carried out the
     same log). ``match`` says so; ``why``, what differs.
     Read after the daemon stopped (its last checkpoint saved by every connected pserver)."""
-    from hetd.pserver import disk, partition
-    from hetd.server.checkpoint import load_newest
+    from hetd.pserver import partition
 
-    found = load_newest(state)
-    if found is None:
-        return {"match": False, "why": "the head wrote no checkpoint"}
-    info, head = found
+    read = _newest(state, servers)
+    if isinstance(read, str):
+        return {"match": False, "why": read}
+    info, head, position, saved = read
     if head.get("params"):
         return {"match": False, "why": "the head's checkpoint holds parameters"}
-    position = json.loads(str(head.get("decisions") or "{}")).get("position")
-    saved = []
-    for s in range(servers):
-        newest = disk.listing(state / "pservers" / f"slice{s}")
-        if not newest:
-            return {"match": False, "why": f"pserver {s} saved no slice"}
-        saved.append(disk.load(newest[0]).slice)
     out: dict[str, Any] = {
         "head_version": info.version,
         "head_position": position,
