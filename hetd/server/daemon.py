@@ -279,6 +279,12 @@ class Daemon:
                 "[pservers] servers needs the daemon's own optimizer spec ([train] optimizer): "
                 "a Task's own optimizer, or an engine given ready-made, is not run by pservers yet"
             )
+        if p.headers == engine.store.holds_params:  # (an engine built elsewhere than build_engine)
+            raise StartupError(
+                f"[pservers] headers = {str(p.headers).lower()}, but the engine's store "
+                f"{'holds' if engine.store.holds_params else 'holds no'} parameters: build it "
+                "with hetd.core.ledger.LedgerStore exactly when headers = true"
+            )
         shapes = dict(engine.store.shapes)
         try:
             pmap = await asyncio.to_thread(plan, make_optimizer(head.optimizer), shapes, p.servers)

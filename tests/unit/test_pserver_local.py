@@ -208,3 +208,25 @@ def test_hetd_serve_pservers_and_headers_flags_set_the_pservers_table() -> None:
         config_mod.check_serving(pservers_from_args(base, 2, True))
     args = parser().parse_args(["serve", "--pservers", "2", "--headers"])
     assert isinstance(args, argparse.Namespace) and (args.pservers, args.headers) == (2, True)
+
+
+async def test_a_daemon_whose_engine_disagrees_with_its_headers_setting_refuses_to_start(
+    tmp_path: Path,
+) -> None:
+    """``[pservers] headers`` and the engine's store must agree (build_engine makes them so; an
+    engine built elsewhere may not): a daemon that would silently run the other mode stops at
+    start-up, saying what to change."""
+    import dataclasses
+
+    from hetd import config as config_mod
+    from hetd.bench.system import make_daemon, synthetic_shapes
+    from hetd.server.daemon import StartupError
+
+    daemon = make_daemon(synthetic_shapes(10_000), "int8", 2, "none", str(tmp_path), False)
+    daemon.cfg = dataclasses.replace(
+        daemon.cfg, pservers=dataclasses.replace(daemon.cfg.pservers, headers=True)
+    )
+    assert isinstance(daemon.cfg, config_mod.Config)
+    with pytest.raises(StartupError, match="headers = true, but the engine's store holds"):
+        await daemon.start()
+    await daemon.stop(final_checkpoint=False)
